@@ -1,0 +1,37 @@
+"""Networks for alignfl: a name registry, PAN layers and each model's permutation symmetry.
+
+Importing this package registers every network (``mlp``, ``small-mlp``, ``twonn``,
+``twocnn``, ``vgg9``, ``vgg11``, ``resnet20``); build one with :func:`build_model`.
+"""
+
+from models.registry import build_model, list_models, register_model  # first: model modules import it
+from models import cnn, mlp, resnet, vgg  # noqa: F401  (importing registers the networks)
+from models.pan import PanSettings, PositionEncoding
+from models.permutation import (
+    AxisRef,
+    Permutable,
+    PermutationSpec,
+    identity_permutations,
+    invert_permutations,
+    permute_axis,
+    permute_state,
+    random_permutations,
+    unit_view,
+)
+
+__all__ = [
+    "AxisRef",
+    "PanSettings",
+    "Permutable",
+    "PermutationSpec",
+    "PositionEncoding",
+    "build_model",
+    "identity_permutations",
+    "invert_permutations",
+    "list_models",
+    "permute_axis",
+    "permute_state",
+    "random_permutations",
+    "register_model",
+    "unit_view",
+]

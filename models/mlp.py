@@ -1,0 +1,73 @@
+"""Fully connected networks: the PANs paper's MLP, FedMA's small MLP and FedAvg's 2NN.
+
+State-dict keys: ``hidden.{i}.weight/bias`` for hidden layer ``i`` and
+``classifier.weight/bias`` for the output layer.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from models.pan import PanSettings, PositionEncoding
+from models.permutation import PermutationSpec, inputs_of, outputs_of
+from models.registry import InputShape, register_model
+
+
+class MLP(nn.Module):
+    """Flatten -> [Linear -> PAN -> ReLU] per hidden width -> Linear.
+
+    Parameters
+    ----------
+    input_shape : (C, H, W)
+        Flattened to ``C*H*W`` input features.
+    num_classes : int
+        Output logits.
+    hidden : tuple of int
+        Width of each hidden layer, input side first.
+    pan : PanSettings
+        Position encoding applied after each hidden linear, before its ReLU.
+    """
+
+    def __init__(self, input_shape: InputShape, num_classes: int, hidden: tuple[int, ...], pan: PanSettings) -> None:
+        super().__init__()
+        widths = (math.prod(input_shape),) + tuple(hidden)
+        self.hidden = nn.ModuleList(nn.Linear(n_in, n_out) for n_in, n_out in zip(widths, widths[1:]))
+        self.pans = nn.ModuleList(PositionEncoding(n, pan) for n in hidden)
+        self.classifier = nn.Linear(widths[-1], num_classes)
+        self._spec = self._build_spec()
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = torch.flatten(x, 1)
+        for linear, pan in zip(self.hidden, self.pans):
+            x = F.relu(pan(linear(x)))
+        return self.classifier(x)
+
+    def permutation_spec(self) -> PermutationSpec:
+        """Hidden layer ``i``'s units: its rows and bias, and the next layer's columns."""
+        return self._spec
+
+    def _build_spec(self) -> PermutationSpec:
+        names = [f"hidden.{i}" for i in range(len(self.hidden))] + ["classifier"]
+        return PermutationSpec({name: outputs_of(name) + inputs_of(nxt) for name, nxt in zip(names, names[1:])})
+
+
+@register_model("mlp")
+def mlp(input_shape: InputShape, num_classes: int, pan: PanSettings) -> MLP:
+    """PANs paper MLP: 1024-1024-1024 hidden units."""
+    return MLP(input_shape, num_classes, (1024, 1024, 1024), pan)
+
+
+@register_model("small-mlp")
+def small_mlp(input_shape: InputShape, num_classes: int, pan: PanSettings) -> MLP:
+    """FedMA study MLP: 20-100-120-84 hidden units."""
+    return MLP(input_shape, num_classes, (20, 100, 120, 84), pan)
+
+
+@register_model("twonn")
+def twonn(input_shape: InputShape, num_classes: int, pan: PanSettings) -> MLP:
+    """FedAvg paper's 2NN: 200-200 hidden units (with biases)."""
+    return MLP(input_shape, num_classes, (200, 200), pan)
