@@ -1,0 +1,127 @@
+"""The ClientApp: trains and evaluates the global model on this node's partition.
+
+A node knows its partition from ``node_config`` (``partition-id``,
+``num-partitions``); everything else comes from the run config, parsed by the
+same schema as the server's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+import torch
+from flwr.app import Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+from torch import nn
+
+from fl_app.config import RunConfig, parse_run_config
+from fl_app.data import client_split, load_dataset, partition_dataset
+from fl_app.model_io import load_arrays, to_arrays
+from fl_app.training import evaluate, round_generator, select_device
+from models import build_model
+from strategies import get_strategy
+from strategies.base import NUM_EXAMPLES
+
+
+@dataclass(frozen=True)
+class ClientData:
+    """One client's training split and its held-out local test split."""
+
+    train_x: torch.Tensor
+    train_y: torch.Tensor
+    test_x: torch.Tensor
+    test_y: torch.Tensor
+
+
+def node_partition(context: Context) -> tuple[int, int]:
+    """``(partition-id, num-partitions)`` from the node config, checked."""
+    try:
+        partition_id = int(context.node_config["partition-id"])
+        num_partitions = int(context.node_config["num-partitions"])
+    except KeyError as missing:
+        raise ValueError(f"node config lacks {missing}; start the SuperNode with "
+                         "--node-config 'partition-id=<i> num-partitions=<n>'") from None
+    if not 0 <= partition_id < num_partitions:
+        raise ValueError(f"node config partition-id={partition_id} must lie in [0, num-partitions={num_partitions})")
+    return partition_id, num_partitions
+
+
+@lru_cache(maxsize=8)
+def _parse_cached(items: frozenset[tuple[str, Any]]) -> RunConfig:
+    return parse_run_config(dict(items))
+
+
+def client_config(context: Context, overrides: Mapping[str, Any]) -> RunConfig:
+    """The run config as this node sees it (parsed once per process)."""
+    return _parse_cached(frozenset({**context.run_config, **overrides}.items()))
+
+
+def client_data(config: RunConfig, partition_id: int, num_partitions: int) -> ClientData:
+    """Slice this client's data out of the process-wide dataset and partition caches."""
+    root = config.data_root or None
+    dataset = load_dataset(config.dataset, root)
+    partitions = partition_dataset(config.dataset, root, config.partitioner, num_partitions, config.seed,
+                                   dirichlet_alpha=config.dirichlet_alpha,
+                                   classes_per_client=config.classes_per_client,
+                                   shards_per_client=config.shards_per_client)
+    train_idx, test_idx = client_split(partitions[partition_id], config.test_fraction, config.seed, partition_id)
+    if len(train_idx) == 0:
+        raise ValueError(f"partition {partition_id} of {num_partitions} has no training examples; use fewer "
+                         "clients, a larger dirichlet-alpha or another partitioner")
+    return ClientData(dataset.train_x[train_idx], dataset.train_y[train_idx],
+                      dataset.train_x[test_idx], dataset.train_y[test_idx])
+
+
+@lru_cache(maxsize=4)
+def _model(config: RunConfig) -> tuple[nn.Module, torch.device]:
+    """One model per process and configuration, reused across messages (weights are overwritten each time)."""
+    dataset = load_dataset(config.dataset, config.data_root or None)
+    device = select_device(config.device)
+    return build_model(config.model, dataset.input_shape, dataset.num_classes).to(device), device
+
+
+def _receive(
+    message: Message, context: Context, overrides: Mapping[str, Any]
+) -> tuple[RunConfig, int, ClientData, nn.Module, torch.device]:
+    """Parse the config, locate the partition and load the received global model."""
+    config = client_config(context, overrides)
+    partition_id, num_partitions = node_partition(context)
+    model, device = _model(config)
+    load_arrays(model, message.content["arrays"])
+    return config, partition_id, client_data(config, partition_id, num_partitions), model, device
+
+
+def build_client_app(overrides: Mapping[str, Any] | None = None) -> ClientApp:
+    """A ClientApp whose run config is ``context.run_config`` updated with ``overrides``."""
+    overrides = dict(overrides or {})
+    app = ClientApp()
+
+    @app.train()
+    def train(message: Message, context: Context) -> Message:
+        config, partition_id, data, model, device = _receive(message, context, overrides)
+        server_round = int(message.content["config"]["server-round"])
+        generator = round_generator(config.seed, server_round, partition_id)
+        torch.manual_seed(int(torch.randint(0, 2**62, (1,), generator=generator)))
+        update = get_strategy(config.strategy).client_update(config, context)
+        metrics = update.train(model, data.train_x, data.train_y, generator, device)
+        reply = RecordDict({
+            "arrays": to_arrays(model),
+            "metrics": MetricRecord({**metrics, NUM_EXAMPLES: len(data.train_y), "partition-id": partition_id}),
+        })
+        return Message(content=reply, reply_to=message)
+
+    @app.evaluate()
+    def evaluate_local(message: Message, context: Context) -> Message:
+        _, partition_id, data, model, device = _receive(message, context, overrides)
+        loss, accuracy = evaluate(model, data.test_x, data.test_y, device)
+        metrics = MetricRecord({"local-loss": loss, "local-accuracy": accuracy,
+                                NUM_EXAMPLES: len(data.test_y), "partition-id": partition_id})
+        return Message(content=RecordDict({"metrics": metrics}), reply_to=message)
+
+    return app
+
+
+app = build_client_app()

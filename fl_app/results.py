@@ -1,0 +1,150 @@
+"""One run, one folder: resolved config, per-round metrics, summary, plot and final model.
+
+``metrics.jsonl`` is appended and flushed every round, so a run that stops early
+keeps every round it finished.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from logging import INFO
+from pathlib import Path
+from typing import Any
+
+import torch
+from flwr.app import ArrayRecord, MetricRecord, RecordDict
+from flwr.common.logger import log
+from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
+
+from fl_app.config import RunConfig, results_root
+
+GlobalEvaluation = Callable[[ArrayRecord], tuple[float, float]]
+
+
+def make_run_folder(config: RunConfig) -> Path:
+    """Create the run's folder (absolute), named by ``run-name`` or by time, algorithm, model, data and seed."""
+    name = config.run_name or (
+        f"{datetime.now(timezone.utc):%Y%m%d-%H%M%S-%f}_{config.strategy}_{config.model}_"
+        f"{config.dataset}_{config.partitioner}_seed{config.seed}"
+    )
+    folder = (results_root(config) / name).resolve()
+    folder.mkdir(parents=True, exist_ok=bool(config.run_name))
+    return folder
+
+
+def write_json(path: Path, payload: dict[str, Any]) -> None:
+    path.write_text(json.dumps(payload, indent=2, sort_keys=True, default=str) + "\n")
+
+
+def _client_values(records: list[RecordDict], key: str) -> dict[str, float]:
+    """``partition-id`` → value of ``key`` for every reply that reports both."""
+    values = {}
+    for record in records:
+        metrics = next(iter(record.metric_records.values()))
+        if "partition-id" in metrics and key in metrics:
+            values[str(int(metrics["partition-id"]))] = float(metrics[key])
+    return dict(sorted(values.items(), key=lambda item: int(item[0])))
+
+
+def _client_mean(records: list[RecordDict], weight_key: str) -> MetricRecord:
+    """Example-weighted mean of the clients' metrics; a client's id is not a quantity to average."""
+    aggregated = aggregate_metricrecords(records, weight_key)
+    aggregated.pop("partition-id", None)
+    return aggregated
+
+
+@dataclass
+class RoundRecorder:
+    """Collects each round's client and server metrics and writes them as one JSON line.
+
+    Flower calls, per round: the train aggregation, the evaluate aggregation, then
+    ``evaluate_fn`` (server-side evaluation), which is where the line is written.
+    """
+
+    folder: Path
+    evaluate_global: GlobalEvaluation
+    started: float = field(default_factory=time.time)
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    _pending: dict[str, Any] = field(default_factory=dict)
+
+    def aggregate_train(self, records: list[RecordDict], weight_key: str) -> MetricRecord:
+        aggregated = _client_mean(records, weight_key)
+        self._pending.update({"clients-trained": len(records), **aggregated})
+        return aggregated
+
+    def aggregate_evaluate(self, records: list[RecordDict], weight_key: str) -> MetricRecord:
+        aggregated = _client_mean(records, weight_key)
+        per_client = _client_values(records, "local-accuracy")
+        self._pending.update({
+            "clients-evaluated": len(records),
+            "local-accuracy-weighted": float(aggregated["local-accuracy"]),
+            "local-accuracy-mean": sum(per_client.values()) / len(per_client) if per_client else math.nan,
+            "local-accuracy-per-client": per_client,
+        })
+        return aggregated
+
+    def evaluate(self, server_round: int, arrays: ArrayRecord) -> MetricRecord:
+        """Flower's ``evaluate_fn``: score the global model, then write the round's line."""
+        loss, accuracy = self.evaluate_global(arrays)
+        row = {"round": server_round, "accuracy": accuracy, "loss": loss,
+               "elapsed-s": time.time() - self.started, **self._pending}
+        self._pending = {}
+        self.rows.append(row)
+        with (self.folder / "metrics.jsonl").open("a") as stream:
+            stream.write(json.dumps(row, sort_keys=True) + "\n")
+        local = row.get("local-accuracy-mean")
+        log(INFO, "[alignfl] round %d: global accuracy %.4f, loss %.4f%s", server_round, accuracy, loss,
+            f", clients' local accuracy {local:.4f}" if local is not None else "")
+        return MetricRecord({"accuracy": accuracy, "loss": loss})
+
+    def summary(self) -> dict[str, Any]:
+        """Final and best global accuracy, the last-5-round mean (accuracy zig-zags), wall time."""
+        trained = [r for r in self.rows if r["round"] > 0] or self.rows
+        last = trained[-1]
+        best = max(trained, key=lambda r: r["accuracy"])
+        tail = [r["accuracy"] for r in trained[-5:]]
+        return {
+            "rounds": last["round"],
+            "final-accuracy": last["accuracy"],
+            "final-loss": last["loss"],
+            "final-local-accuracy-mean": last.get("local-accuracy-mean"),
+            "best-accuracy": best["accuracy"],
+            "best-round": best["round"],
+            "last-5-mean-accuracy": sum(tail) / len(tail),
+            "wall-time-s": time.time() - self.started,
+        }
+
+
+def plot_accuracy(rows: list[dict[str, Any]], path: Path, title: str) -> None:
+    """Accuracy versus round: the global model on the test split and the clients' local mean."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    rounds = [r["round"] for r in rows]
+    ax.plot(rounds, [r["accuracy"] for r in rows], marker="o", label="global model, test split")
+    local = [(r["round"], r["local-accuracy-mean"]) for r in rows if "local-accuracy-mean" in r]
+    if local:
+        ax.plot(*zip(*local), marker="s", label="clients' local test splits (mean)")
+    ax.set(xlabel="round", ylabel="accuracy", title=title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def finish_run(folder: Path, recorder: RoundRecorder, final_arrays: ArrayRecord, title: str) -> dict[str, Any]:
+    """Write summary.json, the plot and the final global model; return the summary."""
+    summary = {**recorder.summary(), "run-folder": str(folder)}
+    write_json(folder / "summary.json", summary)
+    plot_accuracy(recorder.rows, folder / "accuracy.png", title)
+    torch.save(final_arrays.to_torch_state_dict(), folder / "model.pt")
+    return summary
