@@ -121,6 +121,13 @@ def build_client_app(overrides: Mapping[str, Any] | None = None) -> ClientApp:
                                 NUM_EXAMPLES: len(data.test_y), "partition-id": partition_id})
         return Message(content=RecordDict({"metrics": metrics}), reply_to=message)
 
+    @app.query()
+    def identify(message: Message, context: Context) -> Message:
+        """Tell the server this node's partition, so seeded runs sample the same clients."""
+        partition_id, num_partitions = node_partition(context)
+        metrics = MetricRecord({"partition-id": partition_id, "num-partitions": num_partitions})
+        return Message(content=RecordDict({"metrics": metrics}), reply_to=message)
+
     return app
 
 

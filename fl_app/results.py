@@ -78,11 +78,13 @@ class RoundRecorder:
         return aggregated
 
     def aggregate_evaluate(self, records: list[RecordDict], weight_key: str) -> MetricRecord:
-        aggregated = _client_mean(records, weight_key)
-        per_client = _client_values(records, "local-accuracy")
+        """Clients with an empty local test split (tiny Dirichlet partitions) are left out of the means."""
+        scored = [r for r in records if next(iter(r.metric_records.values()))[weight_key] > 0]
+        aggregated = _client_mean(scored, weight_key) if scored else MetricRecord()
+        per_client = _client_values(scored, "local-accuracy")
         self._pending.update({
-            "clients-evaluated": len(records),
-            "local-accuracy-weighted": float(aggregated["local-accuracy"]),
+            "clients-evaluated": len(scored),
+            "local-accuracy-weighted": float(aggregated.get("local-accuracy", math.nan)),
             "local-accuracy-mean": sum(per_client.values()) / len(per_client) if per_client else math.nan,
             "local-accuracy-per-client": per_client,
         })

@@ -9,7 +9,7 @@ from logging import WARNING
 from typing import TYPE_CHECKING, Any
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 from torch import nn
@@ -68,36 +68,88 @@ def reply_problem(content: RecordDict, reference: ArrayRecord) -> str | None:
     return None
 
 
-class CheckedReplies:
-    """Mixin for a Flower strategy: drop malformed training replies, naming node and defect, before aggregation.
+class PartitionOrderedGrid:
+    """A view of a Grid that lists node ids in partition order.
 
-    Put it first among the bases (``class X(CheckedReplies, FedAvg)``). A malformed
-    reply is left out and logged; if no reply is usable, the global model stays as it was.
+    Flower samples ``random.sample(node_ids, k)``; node ids are random per run, so
+    with Python's ``random`` seeded the same *partitions* are drawn only if the ids
+    come in a fixed order. Every other attribute is the wrapped grid's.
     """
 
-    _reference: ArrayRecord
+    def __init__(self, grid: Grid, partitions: dict[int, int]) -> None:
+        self._grid = grid
+        self._partitions = partitions
+
+    def get_node_ids(self) -> list[int]:
+        return sorted(self._grid.get_node_ids(), key=lambda node: (self._partitions.get(node, 2**63), node))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._grid, name)
+
+
+class StrategyBase:
+    """What every alignfl strategy adds to a Flower strategy: reproducible sampling and checked replies.
+
+    Put it first among the bases (``class X(StrategyBase, FedAvg)``).
+
+    * Nodes are asked once for their ``partition-id`` (a QUERY message), so that a
+      seeded run samples the same clients every time and aggregates their replies
+      in the same order (float sums depend on order).
+    * A malformed training reply is left out and logged, naming node and defect;
+      if no reply is usable, the global model stays as it was.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.node_partitions: dict[int, int] = {}
+        self._reference = ArrayRecord()
+
+    def _ordered(self, grid: Grid) -> PartitionOrderedGrid:
+        """Learn the partition of nodes not seen before, then view the grid in partition order."""
+        unknown = [node for node in grid.get_node_ids() if node not in self.node_partitions]
+        if unknown:
+            queries = [Message(RecordDict(), dst_node_id=node, message_type=MessageType.QUERY) for node in unknown]
+            for reply in grid.send_and_receive(queries, timeout=120):
+                if not reply.has_error() and "partition-id" in reply.content.get("metrics", {}):
+                    self.node_partitions[reply.metadata.src_node_id] = int(reply.content["metrics"]["partition-id"])
+        return PartitionOrderedGrid(grid, self.node_partitions)
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         self._reference = arrays
-        return super().configure_train(server_round, arrays, config, grid)  # type: ignore[misc]
+        return super().configure_train(server_round, arrays, config, self._ordered(grid))  # type: ignore[misc]
+
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        return super().configure_evaluate(server_round, arrays, config, self._ordered(grid))  # type: ignore[misc]
+
+    def _in_partition_order(self, replies: Iterable[Message]) -> list[Message]:
+        def position(message: Message) -> tuple[int, int]:
+            node = message.metadata.src_node_id
+            return self.node_partitions.get(node, 2**63), node
+
+        return sorted(replies, key=position)
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         usable = []
-        for message in replies:
+        for message in self._in_partition_order(replies):
             problem = None if message.has_error() else reply_problem(message.content, self._reference)
             if problem is None:
                 usable.append(message)
             else:
                 log(WARNING, "round %d: dropped reply from node %d: %s",
                     server_round, message.metadata.src_node_id, problem)
-        if not any(not m.has_error() for m in usable):
+        if all(message.has_error() for message in usable):
             log(WARNING, "round %d: no usable training reply; the global model is unchanged", server_round)
             return None, None
         return super().aggregate_train(server_round, usable)  # type: ignore[misc]
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        return super().aggregate_evaluate(server_round, self._in_partition_order(replies))  # type: ignore[misc]
 
 
 class LocalUpdate:

@@ -5,11 +5,11 @@ from __future__ import annotations
 from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
 
 from fl_app.config import RunConfig
-from strategies.base import CheckedReplies, LocalUpdate, MetricAggregation, flower_strategy_kwargs
+from strategies.base import LocalUpdate, MetricAggregation, StrategyBase, flower_strategy_kwargs
 from strategies.registry import StrategyEntry, register_strategy
 
 
-class FedAvg(CheckedReplies, FlowerFedAvg):
+class FedAvg(StrategyBase, FlowerFedAvg):
     """Flower's FedAvg with malformed replies dropped before averaging."""
 
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 from flwr.serverapp.strategy import FedAvgM as FlowerFedAvgM
 
 from fl_app.config import RunConfig
-from strategies.base import CheckedReplies, LocalUpdate, MetricAggregation, flower_strategy_kwargs
+from strategies.base import LocalUpdate, MetricAggregation, StrategyBase, flower_strategy_kwargs
 from strategies.registry import StrategyEntry, register_strategy
 
 
-class FedAvgM(CheckedReplies, FlowerFedAvgM):
+class FedAvgM(StrategyBase, FlowerFedAvgM):
     """Flower's FedAvgM (server-lr, server-momentum) with malformed replies dropped."""
 
 

@@ -7,11 +7,11 @@ from flwr.serverapp.strategy import FedProx as FlowerFedProx
 from torch import nn
 
 from fl_app.config import RunConfig
-from strategies.base import CheckedReplies, LocalUpdate, MetricAggregation, flower_strategy_kwargs
+from strategies.base import LocalUpdate, MetricAggregation, StrategyBase, flower_strategy_kwargs
 from strategies.registry import StrategyEntry, register_strategy
 
 
-class FedProx(CheckedReplies, FlowerFedProx):
+class FedProx(StrategyBase, FlowerFedProx):
     """Flower's FedProx (it sends ``proximal-mu`` to clients) with malformed replies dropped."""
 
 
