@@ -13,15 +13,14 @@ from functools import lru_cache
 from typing import Any
 
 import torch
-from flwr.app import Context, Message, MetricRecord, RecordDict
+from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from torch import nn
 
 from fl_app.config import RunConfig, parse_run_config
 from fl_app.data import client_split, load_dataset, partition_dataset
-from fl_app.model_io import load_arrays, to_arrays
+from fl_app.model_io import build_run_model, load_arrays, to_arrays
 from fl_app.training import evaluate, round_generator, select_device
-from models import build_model
 from strategies import get_strategy
 from strategies.base import NUM_EXAMPLES
 
@@ -47,6 +46,16 @@ def node_partition(context: Context) -> tuple[int, int]:
     if not 0 <= partition_id < num_partitions:
         raise ValueError(f"node config partition-id={partition_id} must lie in [0, num-partitions={num_partitions})")
     return partition_id, num_partitions
+
+
+def check_pan_agreement(config: RunConfig, server_config: ConfigRecord) -> None:
+    """Refuse to train or report when the server's PAN settings differ from this node's: the encodings
+    are fixed per position, so a model trained under other encodings must not be averaged in."""
+    mine = config.pan_signature()
+    theirs = {key: server_config.get(key) for key in mine}
+    if theirs != mine:
+        raise ValueError(f"PAN settings differ: server {theirs}, this node {mine}; run every node with the same "
+                         "pan-mode, pan-t and pan-a")
 
 
 @lru_cache(maxsize=8)
@@ -80,7 +89,7 @@ def _model(config: RunConfig) -> tuple[nn.Module, torch.device]:
     """One model per process and configuration, reused across messages (weights are overwritten each time)."""
     dataset = load_dataset(config.dataset, config.data_root or None)
     device = select_device(config.device)
-    return build_model(config.model, dataset.input_shape, dataset.num_classes).to(device), device
+    return build_run_model(config, dataset).to(device), device
 
 
 def _receive(
@@ -88,6 +97,7 @@ def _receive(
 ) -> tuple[RunConfig, int, ClientData, nn.Module, torch.device]:
     """Parse the config, locate the partition and load the received global model."""
     config = client_config(context, overrides)
+    check_pan_agreement(config, message.content["config"])
     partition_id, num_partitions = node_partition(context)
     model, device = _model(config)
     load_arrays(model, message.content["arrays"])

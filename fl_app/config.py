@@ -19,6 +19,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from models.pan import PAN_MODES, PanSettings
+
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 
 
@@ -51,10 +53,22 @@ class RunConfig:
     proximal_mu: float = 0.01
     server_lr: float = 1.0
     server_momentum: float = 0.9
+    pan_mode: str = "off"
+    pan_t: float = 1.0
+    pan_a: float = 0.0
     seed: int = 0
     device: str = "auto"
     results_dir: str = ""
     run_name: str = ""
+
+    @property
+    def pan(self) -> PanSettings:
+        """The Position-Aware-Neuron settings every hidden layer of the model uses."""
+        return PanSettings(self.pan_mode, self.pan_t, self.pan_a)
+
+    def pan_signature(self) -> dict[str, Any]:
+        """The keys a client must share with the server: encodings are fixed, never averaged."""
+        return {"pan-mode": self.pan_mode, "pan-t": self.pan_t, "pan-a": self.pan_a}
 
     def to_run_config(self) -> dict[str, Any]:
         """The hyphenated key → value mapping, as ``flwr run`` and the results folder store it."""
@@ -134,7 +148,8 @@ def _check_choice(key: str, value: str, choices: list[str] | tuple[str, ...]) ->
 _POSITIVE_INTS = ("num-server-rounds", "local-epochs", "batch-size", "min-available-nodes",
                   "classes-per-client", "shards-per-client")
 _UNIT_FRACTIONS = ("fraction-train", "fraction-evaluate")
-_NON_NEGATIVE_FLOATS = ("lr", "momentum", "weight-decay", "proximal-mu", "server-lr", "server-momentum")
+_NON_NEGATIVE_FLOATS = ("lr", "momentum", "weight-decay", "proximal-mu", "server-lr", "server-momentum",
+                        "pan-t", "pan-a")
 
 
 def validate(config: RunConfig) -> None:
@@ -149,6 +164,7 @@ def validate(config: RunConfig) -> None:
     _check_choice("model", config.model, list_models())
     _check_choice("dataset", config.dataset, list_datasets())
     _check_choice("partitioner", config.partitioner, list_partitioners())
+    _check_choice("pan-mode", config.pan_mode, PAN_MODES)
     _check(config.device in DEVICE_CHOICES or config.device.startswith("cuda:"), "device",
            config.device, f"one of {list(DEVICE_CHOICES)} or 'cuda:<index>'")
     for key in _POSITIVE_INTS:

@@ -6,9 +6,22 @@ PAN encodings are non-persistent buffers and integer counters such as BatchNorm'
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from flwr.app import ArrayRecord
 from torch import nn
+
+from models import build_model
+
+if TYPE_CHECKING:
+    from fl_app.config import RunConfig
+    from fl_app.data import ImageDataset
+
+
+def build_run_model(config: RunConfig, dataset: ImageDataset) -> nn.Module:
+    """The run's network for this dataset, with the run's PAN settings."""
+    return build_model(config.model, dataset.input_shape, dataset.num_classes, config.pan)
 
 
 def federated_state(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -13,10 +13,9 @@ from flwr.serverapp import Grid, ServerApp
 
 from fl_app.config import RunConfig, parse_run_config
 from fl_app.data import check_dataset_available, load_dataset
-from fl_app.model_io import load_arrays, to_arrays
+from fl_app.model_io import build_run_model, load_arrays, to_arrays
 from fl_app.results import RoundRecorder, finish_run, make_run_folder, write_json
 from fl_app.training import evaluate, seed_everything, select_device
-from models import build_model
 from strategies import get_strategy
 from strategies.base import MetricAggregation
 
@@ -37,7 +36,7 @@ def run_experiment(grid: Grid, config: RunConfig) -> dict[str, Any]:
     seed_everything(config.seed)
     device = select_device(config.device)
     dataset = load_dataset(config.dataset, root)
-    model = build_model(config.model, dataset.input_shape, dataset.num_classes).to(device)
+    model = build_run_model(config, dataset).to(device)
     initial_arrays = to_arrays(model)
 
     folder = make_run_folder(config)
@@ -52,7 +51,8 @@ def run_experiment(grid: Grid, config: RunConfig) -> dict[str, Any]:
     wait_for_nodes(grid, config.min_available_nodes)
     strategy = entry.build_server(config, MetricAggregation(recorder.aggregate_train, recorder.aggregate_evaluate))
     result = strategy.start(grid, initial_arrays, num_rounds=config.num_server_rounds,
-                            train_config=ConfigRecord(), evaluate_config=ConfigRecord(),
+                            train_config=ConfigRecord(config.pan_signature()),
+                            evaluate_config=ConfigRecord(config.pan_signature()),
                             evaluate_fn=recorder.evaluate)
     if not len(result.arrays):
         raise RuntimeError(f"no round produced a usable client update; see the log and {folder / 'metrics.jsonl'}")
