@@ -31,7 +31,7 @@ from typing import Any
 import httpx
 
 from fl_app.config import ConfigError, RunConfig, parse_run_config, results_root
-from fl_app.data import DatasetMissingError, check_dataset_available
+from fl_app.data import DatasetMissingError, check_dataset_available, partition_dataset
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 STATUS_TIMEOUT_S = 120.0
@@ -188,6 +188,9 @@ def prepare_config(overrides: dict[str, Any], num_supernodes: int) -> RunConfig:
         raise ConfigError(f"run-config key 'min-available-nodes' = {config.min_available_nodes} exceeds "
                           f"--num-supernodes={num_supernodes}: the run would wait forever")
     check_dataset_available(config.dataset, config.data_root or None)
+    partition_dataset(config.dataset, config.data_root or None, config.partitioner, num_supernodes, config.seed,
+                      dirichlet_alpha=config.dirichlet_alpha, classes_per_client=config.classes_per_client,
+                      shards_per_client=config.shards_per_client)  # an infeasible split fails here, not in every client
     return config
 
 
@@ -201,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         config = prepare_config(parse_overrides(args.run_config), args.num_supernodes)
-    except (ConfigError, DatasetMissingError) as error:
+    except (ValueError, DatasetMissingError) as error:  # ConfigError is a ValueError
         print(f"[alignfl] refused before starting: {error}", file=sys.stderr)
         return 2
     federation = (f"num-supernodes={args.num_supernodes} client-resources-num-cpus={args.num_cpus} "

@@ -26,3 +26,8 @@ def test_min_available_nodes_defaults_to_all_and_cannot_exceed_them(tmp_path):
     assert config.min_available_nodes == 7 and config.run_name
     with pytest.raises(ConfigError, match="min-available-nodes"):
         prepare_config({"dataset": "digits", "min-available-nodes": 9}, num_supernodes=3)
+
+
+def test_infeasible_partition_is_refused_before_starting(tmp_path):
+    with pytest.raises(ValueError, match="dirichlet-alpha"):
+        prepare_config({"dataset": "digits", "dirichlet-alpha": 0.01, "results-dir": str(tmp_path)}, num_supernodes=200)
