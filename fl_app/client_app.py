@@ -19,10 +19,11 @@ from torch import nn
 
 from fl_app.config import RunConfig, parse_run_config
 from fl_app.data import client_split, load_dataset, partition_dataset
-from fl_app.model_io import build_run_model, load_arrays, to_arrays
-from fl_app.training import evaluate, round_generator, select_device
+from fl_app.label_noise import noisy_labels
+from fl_app.model_io import build_run_model, load_arrays
+from fl_app.training import round_generator, select_device
 from strategies import get_strategy
-from strategies.base import NUM_EXAMPLES
+from strategies.base import MODEL_RECORD, NUM_EXAMPLES
 
 
 @dataclass(frozen=True)
@@ -80,8 +81,9 @@ def client_data(config: RunConfig, partition_id: int, num_partitions: int) -> Cl
     if len(train_idx) == 0:
         raise ValueError(f"partition {partition_id} of {num_partitions} has no training examples; use fewer "
                          "clients, a larger dirichlet-alpha or another partitioner")
-    return ClientData(dataset.train_x[train_idx], dataset.train_y[train_idx],
-                      dataset.train_x[test_idx], dataset.train_y[test_idx])
+    train_y = noisy_labels(dataset.train_y[train_idx], dataset.num_classes, config.label_noise,
+                           config.label_noise_rate, config.seed, partition_id)  # test labels stay clean
+    return ClientData(dataset.train_x[train_idx], train_y, dataset.train_x[test_idx], dataset.train_y[test_idx])
 
 
 @lru_cache(maxsize=4)
@@ -115,20 +117,21 @@ def build_client_app(overrides: Mapping[str, Any] | None = None) -> ClientApp:
         server_round = int(message.content["config"]["server-round"])
         generator = round_generator(config.seed, server_round, partition_id)
         torch.manual_seed(int(torch.randint(0, 2**62, (1,), generator=generator)))
-        update = get_strategy(config.strategy).client_update(config, context)
+        update = get_strategy(config.strategy).client_update(config, context, message.content)
         metrics = update.train(model, data.train_x, data.train_y, generator, device)
         reply = RecordDict({
-            "arrays": to_arrays(model),
+            MODEL_RECORD: update.model_record(model),
+            **update.reply_records(),
             "metrics": MetricRecord({**metrics, NUM_EXAMPLES: len(data.train_y), "partition-id": partition_id}),
         })
         return Message(content=reply, reply_to=message)
 
     @app.evaluate()
     def evaluate_local(message: Message, context: Context) -> Message:
-        _, partition_id, data, model, device = _receive(message, context, overrides)
-        loss, accuracy = evaluate(model, data.test_x, data.test_y, device)
-        metrics = MetricRecord({"local-loss": loss, "local-accuracy": accuracy,
-                                NUM_EXAMPLES: len(data.test_y), "partition-id": partition_id})
+        config, partition_id, data, model, device = _receive(message, context, overrides)
+        update = get_strategy(config.strategy).client_update(config, context, message.content)
+        scores = update.evaluate(model, data.train_x, data.train_y, data.test_x, data.test_y, device)
+        metrics = MetricRecord({**scores, NUM_EXAMPLES: len(data.test_y), "partition-id": partition_id})
         return Message(content=RecordDict({"metrics": metrics}), reply_to=message)
 
     @app.query()

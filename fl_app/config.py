@@ -53,9 +53,25 @@ class RunConfig:
     proximal_mu: float = 0.01
     server_lr: float = 1.0
     server_momentum: float = 0.9
+    moon_mu: float = 1.0
+    moon_tau: float = 0.5
     pan_mode: str = "off"
     pan_t: float = 1.0
     pan_a: float = 0.0
+    psi_groups: int = 0
+    psi_depth: int = 2
+    superfed_mode: str = "mm"
+    superfed_nu: float = 1.0
+    superfed_mu: float = 0.01
+    superfed_start: float = 0.5
+    superfed_val_fraction: float = 0.1
+    label_noise: str = "none"
+    label_noise_rate: float = 0.0
+    ditto_lambda: float = 0.1
+    match_cost: str = "weight"
+    match_reference: str = "global"
+    match_iterations: int = 3
+    retrain_epochs: int = 1
     seed: int = 0
     device: str = "auto"
     results_dir: str = ""
@@ -176,6 +192,10 @@ def validate(config: RunConfig) -> None:
     _check(config.lr > 0.0, "lr", config.lr, "must be > 0")
     _check(config.momentum < 1.0, "momentum", config.momentum, "must be < 1")
     _check(config.server_momentum < 1.0, "server-momentum", config.server_momentum, "must be < 1")
+    _check(math.isfinite(config.moon_mu) and config.moon_mu >= 0.0, "moon-mu", config.moon_mu,
+           "must be a finite number >= 0")
+    _check(math.isfinite(config.moon_tau) and config.moon_tau > 0.0, "moon-tau", config.moon_tau,
+           "must be a finite number > 0")
     _check(math.isfinite(config.dirichlet_alpha) and config.dirichlet_alpha > 0.0, "dirichlet-alpha",
            config.dirichlet_alpha, "must be > 0 (smaller is more skewed)")
     _check(0.0 < config.test_fraction < 1.0, "test-fraction", config.test_fraction, "must lie in (0, 1)")
@@ -190,6 +210,32 @@ def validate(config: RunConfig) -> None:
     _, num_classes = dataset_info(config.dataset)
     _check(config.classes_per_client <= num_classes, "classes-per-client", config.classes_per_client,
            f"must be at most the number of classes of '{config.dataset}' ({num_classes})")
+    from strategies.alignment import list_costs  # matched/fedma keys (strategies/matched.py, fedma.py)
+    from strategies.matched import MATCH_REFERENCES
+
+    _check_choice("match-cost", config.match_cost, list_costs())
+    _check_choice("match-reference", config.match_reference, MATCH_REFERENCES)
+    _check(config.match_iterations >= 1, "match-iterations", config.match_iterations, "must be an integer >= 1")
+    _check(config.retrain_epochs >= 1, "retrain-epochs", config.retrain_epochs, "must be an integer >= 1")
+    from fl_app.label_noise import LABEL_NOISE_KINDS  # superfed, label-noise and ditto keys
+    from strategies.superfed import SUPERFED_MODES
+
+    _check_choice("superfed-mode", config.superfed_mode, SUPERFED_MODES)
+    for key in ("superfed-nu", "superfed-mu"):
+        _check(math.isfinite(values[key]) and values[key] >= 0.0, key, values[key], "must be a finite number >= 0")
+    _check(0.0 <= config.superfed_start <= 1.0, "superfed-start", config.superfed_start,
+           "must lie in [0, 1] (the fraction of num-server-rounds before mixing starts)")
+    _check(0.0 <= config.superfed_val_fraction < 1.0, "superfed-val-fraction", config.superfed_val_fraction,
+           "must lie in [0, 1)")
+    _check_choice("label-noise", config.label_noise, LABEL_NOISE_KINDS)
+    _check(0.0 <= config.label_noise_rate < 1.0, "label-noise-rate", config.label_noise_rate, "must lie in [0, 1)")
+    _check(math.isfinite(config.ditto_lambda) and config.ditto_lambda >= 0.0, "ditto-lambda", config.ditto_lambda,
+           "must be a finite number >= 0")
+
+    # Ψ-Net keys (models/psinet.py; the depth's upper bound depends on the net and is checked when it is built)
+    _check(0 <= config.psi_groups <= num_classes, "psi-groups", config.psi_groups,
+           f"must lie in [0, {num_classes}] (the classes of '{config.dataset}'); 0 means one group per class")
+    _check(config.psi_depth >= 0, "psi-depth", config.psi_depth, "must be an integer >= 0")
 
 
 def results_root(config: RunConfig) -> Path:

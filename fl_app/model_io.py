@@ -13,6 +13,7 @@ from flwr.app import ArrayRecord
 from torch import nn
 
 from models import build_model
+from models.registry import model_options
 
 if TYPE_CHECKING:
     from fl_app.config import RunConfig
@@ -20,8 +21,10 @@ if TYPE_CHECKING:
 
 
 def build_run_model(config: RunConfig, dataset: ImageDataset) -> nn.Module:
-    """The run's network for this dataset, with the run's PAN settings."""
-    return build_model(config.model, dataset.input_shape, dataset.num_classes, config.pan)
+    """The run's network for this dataset, with the run's PAN settings and the model's own options
+    (run-config fields named by :func:`models.registry.model_options`, e.g. ``psi_groups``)."""
+    options = {name: getattr(config, name) for name in model_options(config.model)}
+    return build_model(config.model, dataset.input_shape, dataset.num_classes, config.pan, **options)
 
 
 def federated_state(model: nn.Module) -> dict[str, torch.Tensor]:

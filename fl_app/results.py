@@ -51,6 +51,24 @@ def _client_values(records: list[RecordDict], key: str) -> dict[str, float]:
     return dict(sorted(values.items(), key=lambda item: int(item[0])))
 
 
+def _unweighted_means(records: list[RecordDict], skip: set[str]) -> dict[str, Any]:
+    """Every other metric averaged over clients with equal weight (lists element-wise): the paper's
+    "mean over clients" for whatever an algorithm's evaluate hook reports."""
+    columns: dict[str, list[Any]] = {}
+    for record in records:
+        for key, value in next(iter(record.metric_records.values())).items():
+            if key not in skip:
+                columns.setdefault(key, []).append(value)
+    means: dict[str, Any] = {}
+    for key, values in columns.items():
+        if len(values) == len(records):  # reported by every client
+            if isinstance(values[0], list):
+                means[f"{key}-mean"] = [sum(column) / len(column) for column in zip(*values, strict=True)]
+            else:
+                means[f"{key}-mean"] = sum(float(v) for v in values) / len(values)
+    return means
+
+
 def _client_mean(records: list[RecordDict], weight_key: str) -> MetricRecord:
     """Example-weighted mean of the clients' metrics; a client's id is not a quantity to average."""
     aggregated = aggregate_metricrecords(records, weight_key)
@@ -71,6 +89,8 @@ class RoundRecorder:
     started: float = field(default_factory=time.time)
     rows: list[dict[str, Any]] = field(default_factory=list)
     _pending: dict[str, Any] = field(default_factory=dict)
+    extra_keys: dict[str, None] = field(default_factory=dict)
+    """Ordered set of the clients' other evaluate metrics (``<key>-mean``), repeated in the summary."""
 
     def aggregate_train(self, records: list[RecordDict], weight_key: str) -> MetricRecord:
         aggregated = _client_mean(records, weight_key)
@@ -82,7 +102,10 @@ class RoundRecorder:
         scored = [r for r in records if next(iter(r.metric_records.values()))[weight_key] > 0]
         aggregated = _client_mean(scored, weight_key) if scored else MetricRecord()
         per_client = _client_values(scored, "local-accuracy")
+        extra = _unweighted_means(scored, {weight_key, "partition-id", "local-accuracy", "local-loss"})
+        self.extra_keys.update(dict.fromkeys(extra))
         self._pending.update({
+            **extra,
             "clients-evaluated": len(scored),
             "local-accuracy-weighted": float(aggregated.get("local-accuracy", math.nan)),
             "local-accuracy-mean": sum(per_client.values()) / len(per_client) if per_client else math.nan,
@@ -120,6 +143,7 @@ class RoundRecorder:
             "last-5-mean-accuracy": sum(tail) / len(tail),
             "last-5-best-accuracy": max(tail),
             "wall-time-s": time.time() - self.started,
+            **{f"final-{key}": last.get(key) for key in self.extra_keys},
         }
 
 

@@ -1,11 +1,12 @@
 """Networks for alignfl: a name registry, PAN layers and each model's permutation symmetry.
 
 Importing this package registers every network (``mlp``, ``small-mlp``, ``twonn``,
-``twocnn``, ``vgg9``, ``vgg11``, ``resnet20``); build one with :func:`build_model`.
+``twocnn``, ``vgg9``, ``vgg11``, ``resnet20``, ``transformer-1``,
+``psi-vgg9``, ``psi-vgg11``); build one with :func:`build_model`.
 """
 
 from models.registry import build_model, list_models, register_model  # first: model modules import it
-from models import cnn, mlp, resnet, vgg  # noqa: F401  (importing registers the networks)
+from models import cnn, mlp, psinet, resnet, transformer, vgg  # noqa: F401  (importing registers the networks)
 from models.pan import PanSettings, PositionEncoding
 from models.permutation import (
     AxisRef,

@@ -98,6 +98,10 @@ class PlainConvNet(nn.Module):
         self._spec = self._build_spec()
 
     def forward(self, x: Tensor) -> Tensor:
+        return self.classifier(self.representation(x))
+
+    def representation(self, x: Tensor) -> Tensor:
+        """The classifier's input: the last hidden FC's activations, or the flattened features (MOON contrasts these)."""
         for conv, pan, pool in zip(self.convs, self.conv_pans, self.pool_after):
             x = F.relu(pan(conv(x)))
             if pool:
@@ -105,7 +109,7 @@ class PlainConvNet(nn.Module):
         x = torch.flatten(x, 1)
         for fc, pan in zip(self.fcs, self.fc_pans):
             x = F.relu(pan(fc(x)))
-        return self.classifier(x)
+        return x
 
     def permutation_spec(self) -> PermutationSpec:
         """One group per conv (its output channels) and per hidden FC (its units).

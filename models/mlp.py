@@ -41,10 +41,14 @@ class MLP(nn.Module):
         self._spec = self._build_spec()
 
     def forward(self, x: Tensor) -> Tensor:
+        return self.classifier(self.representation(x))
+
+    def representation(self, x: Tensor) -> Tensor:
+        """The classifier's input: the last hidden layer's activations (MOON contrasts these)."""
         x = torch.flatten(x, 1)
         for linear, pan in zip(self.hidden, self.pans):
             x = F.relu(pan(linear(x)))
-        return self.classifier(x)
+        return x
 
     def permutation_spec(self) -> PermutationSpec:
         """Hidden layer ``i``'s units: its rows and bias, and the next layer's columns."""

@@ -4,27 +4,43 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from numbers import Integral
+from typing import Any
 
 from torch import nn
 
 from models.pan import PanSettings
 
 InputShape = tuple[int, int, int]
-ModelBuilder = Callable[[InputShape, int, PanSettings], nn.Module]
+ModelBuilder = Callable[..., nn.Module]
 
 _MODELS: dict[str, ModelBuilder] = {}
+_OPTIONS: dict[str, tuple[str, ...]] = {}
 
 
-def register_model(name: str) -> Callable[[ModelBuilder], ModelBuilder]:
-    """Decorator registering ``builder(input_shape, num_classes, pan) -> nn.Module`` under ``name``."""
+def register_model(name: str, options: tuple[str, ...] = ()) -> Callable[[ModelBuilder], ModelBuilder]:
+    """Decorator registering ``builder(input_shape, num_classes, pan, **options) -> nn.Module`` under ``name``.
+
+    ``options`` names the keyword arguments the builder takes beyond the three common
+    ones (e.g. the Ψ-Net's ``psi_groups``); they are run-config field names, so
+    :func:`fl_app.model_io.build_run_model` can fill them from the run config, and
+    every option must have a default in the builder.
+    """
 
     def decorate(builder: ModelBuilder) -> ModelBuilder:
         if name in _MODELS:
             raise ValueError(f"model name {name!r} is already registered")
         _MODELS[name] = builder
+        _OPTIONS[name] = tuple(options)
         return builder
 
     return decorate
+
+
+def model_options(name: str) -> tuple[str, ...]:
+    """The extra keyword options the model ``name`` accepts (empty for most models)."""
+    if name not in _MODELS:
+        raise ValueError(f"unknown model {name!r}; allowed: {list_models()}")
+    return _OPTIONS.get(name, ())
 
 
 def list_models() -> list[str]:
@@ -33,7 +49,8 @@ def list_models() -> list[str]:
 
 
 def build_model(
-    name: str, input_shape: tuple[int, int, int], num_classes: int, pan: PanSettings | None = None
+    name: str, input_shape: tuple[int, int, int], num_classes: int, pan: PanSettings | None = None,
+    **options: Any,
 ) -> nn.Module:
     """Build a fresh model.
 
@@ -47,18 +64,24 @@ def build_model(
         Number of output logits (>= 2).
     pan : PanSettings, optional
         Position-aware neurons; ``None`` means PANs off.
+    **options
+        Model-specific settings, only those the model registered (:func:`model_options`).
 
     Raises
     ------
     ValueError
-        For an unknown name (the message lists the allowed ones) or a bad shape/class count.
+        For an unknown name (the message lists the allowed ones), an option the model
+        does not take, or a bad shape/class count.
     """
     if name not in _MODELS:
         raise ValueError(f"unknown model {name!r}; allowed: {list_models()}")
+    unknown = sorted(set(options) - set(model_options(name)))
+    if unknown:
+        raise ValueError(f"model {name!r} takes no option(s) {unknown}; allowed: {list(model_options(name))}")
     shape = _check_input_shape(input_shape)
     if not _is_int(num_classes) or num_classes < 2:
         raise ValueError(f"num_classes must be an int >= 2, got {num_classes!r}")
-    return _MODELS[name](shape, int(num_classes), pan if pan is not None else PanSettings())
+    return _MODELS[name](shape, int(num_classes), pan if pan is not None else PanSettings(), **options)
 
 
 def _check_input_shape(input_shape: tuple[int, int, int]) -> InputShape:

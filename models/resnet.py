@@ -108,11 +108,14 @@ class ResNet(nn.Module):
         self._spec = self._build_spec()
 
     def forward(self, x: Tensor) -> Tensor:
+        return self.classifier(self.representation(x))
+
+    def representation(self, x: Tensor) -> Tensor:
+        """The classifier's input: the globally pooled last stage (MOON contrasts these)."""
         x = F.relu(self.stem_pan(self.stem_bn(self.stem_conv(x))))
         for block in self.blocks:
             x = block(x)
-        x = torch.flatten(F.adaptive_avg_pool2d(x, 1), 1)
-        return self.classifier(x)
+        return torch.flatten(F.adaptive_avg_pool2d(x, 1), 1)
 
     def permutation_spec(self) -> PermutationSpec:
         """Residual-stream groups ``stream.{k}`` and one ``blocks.{i}.conv1`` group per block.

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from logging import WARNING
 from typing import TYPE_CHECKING, Any
@@ -14,6 +15,8 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 from torch import nn
 
+from fl_app.model_io import to_arrays
+from fl_app.calibration import classification_scores
 from fl_app.training import iterate_batches
 
 if TYPE_CHECKING:
@@ -21,6 +24,8 @@ if TYPE_CHECKING:
 
 MetricsAggregator = Callable[[list[RecordDict], str], MetricRecord]
 NUM_EXAMPLES = "num-examples"
+MODEL_RECORD = "arrays"
+"""The record that carries the model, in both directions (Flower's default ``arrayrecord_key``)."""
 
 
 @dataclass(frozen=True)
@@ -45,27 +50,46 @@ def flower_strategy_kwargs(config: RunConfig, metrics: MetricAggregation) -> dic
     }
 
 
-def reply_problem(content: RecordDict, reference: ArrayRecord) -> str | None:
-    """What is wrong with a training reply, or None: one ArrayRecord that fits the global model, finite
-    values, and one MetricRecord with a positive example count."""
-    if len(content.array_records) != 1:
-        return f"expected one ArrayRecord, got {len(content.array_records)}"
-    if len(content.metric_records) != 1:
-        return f"expected one MetricRecord, got {len(content.metric_records)}"
-    arrays = next(iter(content.array_records.values()))
+def arrays_problem(arrays: ArrayRecord, reference: ArrayRecord, name: str = MODEL_RECORD) -> str | None:
+    """What is wrong with the ArrayRecord ``name`` measured against the global model, or None:
+    the same keys and shapes, finite values."""
     missing, extra = sorted(set(reference) - set(arrays)), sorted(set(arrays) - set(reference))
     if missing or extra:
-        return f"array keys differ from the global model: missing {missing[:5]}, unexpected {extra[:5]}"
+        return f"'{name}' keys differ from the global model: missing {missing[:5]}, unexpected {extra[:5]}"
     for key, ref in reference.items():
         if tuple(arrays[key].shape) != tuple(ref.shape):
-            return f"array '{key}' has shape {tuple(arrays[key].shape)}, expected {tuple(ref.shape)}"
+            return f"array '{key}' of '{name}' has shape {tuple(arrays[key].shape)}, expected {tuple(ref.shape)}"
         if not torch.isfinite(torch.from_numpy(arrays[key].numpy())).all():
-            return f"array '{key}' holds NaN or infinite values"
+            return f"array '{key}' of '{name}' holds NaN or infinite values"
+    return None
+
+
+def reply_problem(content: RecordDict, reference: ArrayRecord, extra_arrays: Sequence[str] = ()) -> str | None:
+    """What is wrong with a training reply, or None: the ArrayRecord ``"arrays"`` that fits the global
+    model, exactly the extra ArrayRecords the strategy expects (their contents are the strategy's to
+    check), and one MetricRecord with a positive example count."""
+    expected = sorted({MODEL_RECORD, *extra_arrays})
+    if sorted(content.array_records) != expected:
+        return f"expected ArrayRecords {expected}, got {sorted(content.array_records)}"
+    if len(content.metric_records) != 1:
+        return f"expected one MetricRecord, got {len(content.metric_records)}"
+    problem = arrays_problem(content[MODEL_RECORD], reference)
+    if problem is not None:
+        return problem
     metrics = next(iter(content.metric_records.values()))
     examples = metrics.get(NUM_EXAMPLES)
     if not isinstance(examples, (int, float)) or isinstance(examples, bool) or not examples > 0:
         return f"metric '{NUM_EXAMPLES}' must be a positive number, got {examples!r}"
     return None
+
+
+def without_records(message: Message, names: Sequence[str]) -> Message:
+    """A shallow copy of a reply whose content lacks the records ``names`` (the reply itself is left as it is)."""
+    if message.has_error() or not names:
+        return message
+    stripped = copy.copy(message)
+    stripped.content = RecordDict({key: record for key, record in message.content.items() if key not in names})
+    return stripped
 
 
 class PartitionOrderedGrid:
@@ -97,7 +121,15 @@ class StrategyBase:
       in the same order (float sums depend on order).
     * A malformed training reply is left out and logged, naming node and defect;
       if no reply is usable, the global model stays as it was.
+    * A strategy whose replies carry ArrayRecords beside ``"arrays"`` (SCAFFOLD's
+      control update) names them in :attr:`extra_reply_arrays` and checks their
+      contents by extending :meth:`reply_problem`. They are taken out before
+      Flower's FedAvg aggregation, which would otherwise refuse the reply (it
+      expects one ArrayRecord) or average them into the model; the strategy reads
+      them from :meth:`usable_replies` and folds them itself.
     """
+
+    extra_reply_arrays: tuple[str, ...] = ()
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -132,21 +164,37 @@ class StrategyBase:
 
         return sorted(replies, key=position)
 
-    def aggregate_train(
-        self, server_round: int, replies: Iterable[Message]
-    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+    def reply_problem(self, content: RecordDict) -> str | None:
+        """What is wrong with one training reply, or None; extend it to check the extra records' contents."""
+        return reply_problem(content, self._reference, self.extra_reply_arrays)
+
+    def usable_replies(self, server_round: int, replies: Iterable[Message]) -> list[Message]:
+        """The replies in partition order without the malformed ones, which are logged (error replies
+        stay: Flower counts and logs them)."""
         usable = []
         for message in self._in_partition_order(replies):
-            problem = None if message.has_error() else reply_problem(message.content, self._reference)
+            problem = None if message.has_error() else self.reply_problem(message.content)
             if problem is None:
                 usable.append(message)
             else:
                 log(WARNING, "round %d: dropped reply from node %d: %s",
                     server_round, message.metadata.src_node_id, problem)
+        return usable
+
+    def aggregate_models(
+        self, server_round: int, usable: list[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """The Flower strategy's aggregation of checked replies, shown only their model and metrics."""
         if all(message.has_error() for message in usable):
             log(WARNING, "round %d: no usable training reply; the global model is unchanged", server_round)
             return None, None
-        return super().aggregate_train(server_round, usable)  # type: ignore[misc]
+        stripped = [without_records(message, self.extra_reply_arrays) for message in usable]
+        return super().aggregate_train(server_round, stripped)  # type: ignore[misc]
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        return self.aggregate_models(server_round, self.usable_replies(server_round, replies))
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         return super().aggregate_evaluate(server_round, self._in_partition_order(replies))  # type: ignore[misc]
@@ -156,12 +204,18 @@ class LocalUpdate:
     """FedAvg's client: ``local-epochs`` of SGD on cross-entropy from the received global model.
 
     Algorithms subclass it to add loss terms (:meth:`loss`), to prepare from the
-    global model (:meth:`begin`) or to keep state across rounds in ``context.state``.
+    global model (:meth:`begin`), to change gradients before each step
+    (:meth:`after_backward`), to read what else the server sent (``received``: the
+    training message's content, ``"arrays"``, ``"config"`` and any record the
+    strategy's server adds), to send more than the model back
+    (:meth:`reply_records`) or only part of the model (:meth:`model_record`), or to
+    keep state across rounds in ``context.state``.
     """
 
-    def __init__(self, config: RunConfig, context: Context) -> None:
+    def __init__(self, config: RunConfig, context: Context, received: RecordDict | None = None) -> None:
         self.config = config
         self.context = context
+        self.received = received if received is not None else RecordDict()
 
     def begin(self, model: nn.Module) -> None:
         """Called after the global model is loaded, before the first step."""
@@ -169,6 +223,9 @@ class LocalUpdate:
     def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """The objective of one mini-batch."""
         return nn.functional.cross_entropy(model(x), y)
+
+    def after_backward(self, model: nn.Module) -> None:
+        """Called once per step, after the backward pass and before the optimizer step."""
 
     def optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         """SGD with the run's learning rate, momentum and weight decay."""
@@ -190,6 +247,28 @@ class LocalUpdate:
                 optimizer.zero_grad(set_to_none=True)
                 loss = self.loss(model, xb, yb)
                 loss.backward()
+                self.after_backward(model)
                 optimizer.step()
                 total, steps = total + loss.item(), steps + 1
         return {"train-loss": total / steps if steps else math.nan}
+
+    @torch.no_grad()
+    def evaluate(
+        self, model: nn.Module, train_x: torch.Tensor, train_y: torch.Tensor, test_x: torch.Tensor,
+        test_y: torch.Tensor, device: torch.device,
+    ) -> dict[str, Any]:
+        """The client's evaluate reply metrics for the received global ``model``: its loss and accuracy on
+        the local test split, with ECE and MCE (15 bins). Personalised algorithms override it to score their
+        own models (the training split is there for what they need from it, e.g. a validation part); values
+        may be lists of floats."""
+        accuracy, ece, mce, loss = classification_scores(model, test_x, test_y, device)
+        return {"local-loss": loss, "local-accuracy": accuracy, "local-ece": ece, "local-mce": mce}
+
+    def model_record(self, model: nn.Module) -> ArrayRecord:
+        """The model as sent back under ``"arrays"``: its whole federated state (a Ψ-Net client
+        overrides this to send only the shared layers and the groups it trained)."""
+        return to_arrays(model)
+
+    def reply_records(self) -> dict[str, ArrayRecord]:
+        """ArrayRecords to send beside the model's ``"arrays"`` and the metrics; read after :meth:`train`."""
+        return {}

@@ -90,7 +90,8 @@ def _output_after(name, shape, num_classes, pan, state) -> torch.Tensor:
 
 
 def test_registry_lists_every_network():
-    assert ALL_MODELS == sorted(["mlp", "small-mlp", "twonn", "twocnn", "vgg9", "vgg11", "resnet20"])
+    assert ALL_MODELS == sorted(["mlp", "small-mlp", "twonn", "twocnn", "vgg9", "vgg11", "resnet20", "transformer-1",
+                                 "psi-vgg9", "psi-vgg11"])
 
 
 def test_unknown_model_name_lists_allowed_names():
@@ -131,6 +132,19 @@ def test_forward_shape(name, shape):
     assert torch.isfinite(out).all()
 
 
+@pytest.mark.parametrize("pan", [None, PAN_ON], ids=["pan-off", "pan-on"])
+@pytest.mark.parametrize("name", ALL_MODELS)
+def test_classifier_of_representation_is_the_forward_pass(name, pan):
+    """MOON contrasts ``representation(x)``: it must be exactly what the classifier reads."""
+    shape = (1, 8, 8)
+    model = _randomised_model(name, shape, 5, pan)
+    x = _inputs(shape)
+    with torch.no_grad():
+        features = model.representation(x)
+        assert features.shape == (2, model.classifier.in_features)
+        torch.testing.assert_close(model.classifier(features), model(x), rtol=0.0, atol=0.0)
+
+
 def test_vgg9_flatten_matches_paper_on_cifar():
     model = build_model("vgg9", (3, 32, 32), 10)
     assert model.state_dict()["fcs.0.weight"].shape == (512, 4096)
@@ -164,12 +178,13 @@ def test_spec_covers_every_hidden_unit_and_no_io_axis(name, shape):
     assert all(n > 1 for n in sizes.values())
 
     float_keys = {k for k, v in state.items() if torch.is_floating_point(v)}
-    assert float_keys - set(spec.axes_by_key()) == {"classifier.bias"}
+    classifier_biases = {k for k in float_keys if k.startswith("classifier.") and k.endswith("bias")}
+    assert classifier_biases and float_keys - set(spec.axes_by_key()) == classifier_biases  # Ψ-Net: one per head
 
     first_weight = next(k for k in state if k.endswith("weight"))
     refs = {(ref.key, ref.axis) for group in spec.groups.values() for ref in group}
     assert (first_weight, 1) not in refs
-    assert ("classifier.weight", 0) not in refs
+    assert not any(key.startswith("classifier.") and axis == 0 for key, axis in refs)
     assert (first_weight, 0) in {(r.key, r.axis) for r in next(iter(spec.groups.values()))}
 
 

@@ -1,0 +1,206 @@
+"""One-shot merging: train K models on non-IID splits, then compare ways of merging them into one.
+
+Each of ``--clients`` models trains ``--epochs`` of the project's local SGD
+(:class:`strategies.base.LocalUpdate`) on its own partition of the dataset's
+training split (``--partitioner``, Dirichlet by default), starting from one
+shared initialisation (``--init same``) or from a different one per client
+(``--init different``). Then, on the dataset's test split, it reports the
+accuracy of
+
+* every client model on its own;
+* ``average``: the coordinate-wise average, weighted by example counts (one-shot FedAvg);
+* ``matched-<cost>``: every model aligned onto client 0 with that cost (see
+  :mod:`strategies.alignment`), then averaged the same way; with
+  ``--match-iterations N`` the models are aligned again onto the matched mean,
+  ``N`` passes in all;
+* ``ensemble``: the mean of the clients' softmax outputs (K forward passes, an
+  upper reference rather than a single model).
+
+Seed paper 002 reports that one-shot matching beats one-shot averaging; the gap
+is largest for differently initialised models, whose units have no reason to
+share an order.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from fl_app.analysis.common import (
+    AnalysisError,
+    Subcommand,
+    add_common_arguments,
+    check_choice,
+    check_positive_int,
+    pan_settings,
+    pyplot,
+    write_json,
+)
+from fl_app.config import ConfigError, RunConfig, parse_run_config
+from fl_app.data import ImageDataset, list_datasets, load_dataset, partition_dataset
+from fl_app.model_io import build_run_model
+from fl_app.training import evaluate, iterate_batches, round_generator, select_device
+from models import Permutable, list_models
+from strategies.alignment import list_costs, matched_average, weighted_average
+from strategies.base import LocalUpdate
+
+INITS = ("same", "different")
+
+
+def train_clients(
+    config: RunConfig, num_clients: int, same_init: bool, device: torch.device
+) -> tuple[list[dict[str, Tensor]], list[int], ImageDataset]:
+    """Train one model per partition; returns their state dicts (CPU), example counts and the dataset."""
+    dataset = load_dataset(config.dataset, config.data_root or None)
+    partitions = partition_dataset(config.dataset, config.data_root or None, config.partitioner, num_clients,
+                                   config.seed, dirichlet_alpha=config.dirichlet_alpha,
+                                   classes_per_client=config.classes_per_client,
+                                   shards_per_client=config.shards_per_client)
+    states, counts = [], []
+    for client, indices in enumerate(partitions):
+        if len(indices) == 0:
+            raise AnalysisError(f"client {client} of {num_clients} got no training examples; use fewer clients "
+                                "or a larger --dirichlet-alpha")
+        torch.manual_seed(config.seed if same_init else config.seed + 1 + client)
+        model = build_run_model(config, dataset).to(device)
+        rows = torch.from_numpy(indices.astype("int64"))
+        LocalUpdate(config, context=None).train(model, dataset.train_x[rows], dataset.train_y[rows],
+                                                round_generator(config.seed, 1, client), device)
+        states.append({key: value.detach().cpu().clone() for key, value in model.state_dict().items()})
+        counts.append(len(rows))
+    return states, counts, dataset
+
+
+@torch.no_grad()
+def ensemble_accuracy(model: nn.Module, states: Sequence[Mapping[str, Tensor]], x: Tensor, y: Tensor,
+                      device: torch.device) -> float:
+    """Accuracy of the mean of the models' softmax outputs."""
+    probabilities = torch.zeros(len(y), model.classifier.out_features)
+    for state in states:
+        model.load_state_dict(state)
+        model.eval()
+        batches = [torch.softmax(model(xb.to(device)), dim=1).cpu() for xb, _ in iterate_batches(x, y, 1024)]
+        probabilities += torch.cat(batches)
+    return (probabilities.argmax(dim=1) == y).sum().item() / len(y)
+
+
+def merge_accuracies(
+    model: nn.Module, states: Sequence[Mapping[str, Tensor]], weights: Sequence[float], x: Tensor, y: Tensor,
+    costs: Sequence[str], iterations: int, device: torch.device,
+) -> tuple[list[float], dict[str, float]]:
+    """Test accuracy of each state and of every merge (``average``, ``matched-<cost>``, ``ensemble``)."""
+    if not isinstance(model, Permutable):
+        raise AnalysisError(f"{type(model).__name__} has no permutation_spec(); matching needs one")
+    spec = model.permutation_spec()
+
+    def accuracy(state: Mapping[str, Tensor]) -> float:
+        model.load_state_dict(state)
+        return evaluate(model, x, y, device)[1]
+
+    clients = [accuracy(state) for state in states]
+    merged = {"average": accuracy(weighted_average(states, weights))}
+    for cost in costs:
+        merged[f"matched-{cost}"] = accuracy(matched_average(states[0], states, weights, spec, cost, iterations))
+    merged["ensemble"] = ensemble_accuracy(model, states, x, y, device)
+    return clients, merged
+
+
+# --- command line -------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="small-mlp", help=f"network, one of {list_models()} (default: small-mlp)")
+    parser.add_argument("--dataset", default="digits", help=f"dataset, one of {list_datasets()} (default: digits)")
+    parser.add_argument("--data-root", default="", help="dataset root (absolute path), default: the dataset's own")
+    parser.add_argument("--clients", type=int, default=2, help="number of models K >= 2 (default: 2)")
+    parser.add_argument("--init", default="different",
+                        help=f"initialisation, one of {list(INITS)} (default: different)")
+    parser.add_argument("--epochs", type=int, default=5, help="local epochs per client (default: 5)")
+    parser.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (default: 0.05)")
+    parser.add_argument("--batch-size", type=int, default=64, help="mini-batch size (default: 64)")
+    parser.add_argument("--partitioner", default="dirichlet",
+                        help="how the training split is divided (default: dirichlet)")
+    parser.add_argument("--dirichlet-alpha", type=float, default=0.5, help="Dirichlet concentration (default: 0.5)")
+    parser.add_argument("--classes-per-client", type=int, default=2, help="for --partitioner pathological (default: 2)")
+    parser.add_argument("--costs", nargs="+", default=list_costs(),
+                        help=f"alignment costs to compare (default: {list_costs()})")
+    parser.add_argument("--match-iterations", type=int, default=1,
+                        help="alignment passes: onto client 0, then onto the matched mean (default: 1)")
+    parser.add_argument("--pan-mode", default="off", help="PAN mode of every model (default: off)")
+    parser.add_argument("--pan-t", type=float, default=1.0, help="PAN period T (default: 1)")
+    parser.add_argument("--pan-a", type=float, default=0.0, help="PAN amplitude A (default: 0)")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:<index> (default: auto)")
+    add_common_arguments(parser)
+
+
+def _run_config(args: argparse.Namespace) -> RunConfig:
+    """The local-training settings as a validated run config, so training matches the federated runs."""
+    try:
+        return parse_run_config({
+            "model": args.model, "dataset": args.dataset, "data-root": args.data_root, "local-epochs": args.epochs,
+            "lr": args.lr, "batch-size": args.batch_size, "partitioner": args.partitioner,
+            "dirichlet-alpha": args.dirichlet_alpha, "classes-per-client": args.classes_per_client,
+            "pan-mode": args.pan_mode, "pan-t": args.pan_t, "pan-a": args.pan_a, "seed": args.seed,
+            "device": args.device,
+        })
+    except ConfigError as error:
+        raise AnalysisError(str(error).replace("run-config key '", "option '--")) from error
+
+
+def run(args: argparse.Namespace, out: Path) -> list[Path]:
+    if check_positive_int("--clients", args.clients) < 2:
+        raise AnalysisError(f"--clients must be at least 2 (there is nothing to merge), got {args.clients}")
+    check_choice("--init", args.init, INITS)
+    check_positive_int("--match-iterations", args.match_iterations)
+    for cost in args.costs:
+        check_choice("--costs", cost, list_costs())
+    pan_settings(args.pan_mode, args.pan_t, args.pan_a)
+    config = _run_config(args)
+
+    device = select_device(config.device)
+    states, counts, dataset = train_clients(config, args.clients, args.init == "same", device)
+    model = build_run_model(config, dataset).to(device)
+    clients, merged = merge_accuracies(model, states, counts, dataset.test_x, dataset.test_y, args.costs,
+                                       args.match_iterations, device)
+
+    print(f"{'model':<18} {'examples':>8} {'accuracy':>9}")
+    for index, (count, acc) in enumerate(zip(counts, clients)):
+        print(f"{f'client {index}':<18} {count:>8} {acc:>9.4f}")
+    for name, acc in merged.items():
+        print(f"{name:<18} {sum(counts):>8} {acc:>9.4f}")
+    payload: dict[str, Any] = {
+        "tool": "merge", "model": args.model, "dataset": args.dataset, "clients": args.clients, "init": args.init,
+        "epochs": args.epochs, "partitioner": args.partitioner, "dirichlet-alpha": args.dirichlet_alpha,
+        "match-iterations": args.match_iterations, "pan": config.pan_signature(), "seed": args.seed,
+        "reference": "client 0", "examples": counts, "client-accuracy": clients, "merged-accuracy": merged,
+    }
+    json_path = write_json(out / "merge.json", payload)
+
+    plt = pyplot()
+    labels = [f"client {i}" for i in range(len(clients))] + list(merged)
+    values = clients + list(merged.values())
+    fig, ax = plt.subplots(figsize=(max(5.0, 0.6 * len(labels)), 4))
+    ax.bar(range(len(labels)), values, color=["0.6"] * len(clients) + [f"C{i}" for i in range(len(merged))])
+    ax.set_xticks(range(len(labels)), labels, rotation=45, ha="right", fontsize=8)
+    ax.set(ylabel="test accuracy", ylim=(0, 1),
+           title=f"one-shot merge: {args.clients} x {args.model} on {args.dataset} ({args.init} init)")
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    png_path = out / "merge.png"
+    fig.savefig(png_path, dpi=110)
+    plt.close(fig)
+    return [json_path, png_path]
+
+
+COMMAND = Subcommand(
+    name="merge",
+    summary="train K models on non-IID splits; compare plain average, matched average and ensemble",
+    description=__doc__,
+    add_arguments=add_arguments,
+    run=run,
+)

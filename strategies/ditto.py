@@ -1,0 +1,81 @@
+"""Ditto (Li et al., ICML 2021): FedAvg for the global model, plus a personal model pulled towards it.
+
+A selected client runs FedAvg's local update on the received global model w and
+sends it back; it also trains its personal model v (kept in ``context.state``,
+started from the first global model it receives) for the same number of local
+epochs on CE(v) + (ditto-lambda / 2)·‖v − w‖², with w the *received* global model
+(Li et al., Algorithm 1). v never leaves the client.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from flwr.app import ArrayRecord
+from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
+from torch import nn
+
+from fl_app.config import RunConfig
+from fl_app.model_io import federated_state
+from strategies.base import LocalUpdate, MetricAggregation, StrategyBase, flower_strategy_kwargs
+from strategies.personal import personal_scores
+from strategies.registry import StrategyEntry, register_strategy
+
+PERSONAL_MODEL = "ditto-personal"
+"""``context.state`` ArrayRecord: the personal model's floating-point state."""
+
+
+class Ditto(StrategyBase, FlowerFedAvg):
+    """The server is FedAvg over the clients' global-model updates."""
+
+
+class _PersonalStep(LocalUpdate):
+    """Local SGD on CE plus (λ/2)·‖v − anchor‖² (the received global model)."""
+
+    def __init__(self, config: RunConfig, anchor: list[torch.Tensor]) -> None:
+        super().__init__(config, context=None)
+        self.anchor = anchor
+
+    def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        pull = sum((p - a).pow(2).sum() for p, a in zip(model.parameters(), self.anchor))
+        return super().loss(model, x, y) + 0.5 * self.config.ditto_lambda * pull
+
+
+def stored_personal(context: Any, model: nn.Module) -> nn.Module | None:
+    """A copy of ``model`` holding this client's personal model, or None before its first training."""
+    stored = context.state.get(PERSONAL_MODEL)
+    if stored is None:
+        return None
+    personal = copy.deepcopy(model)
+    personal.load_state_dict(stored.to_torch_state_dict(), strict=False)
+    return personal
+
+
+class DittoUpdate(LocalUpdate):
+    """FedAvg's local update of the global model, then the personal model's proximal update."""
+
+    def train(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, generator: torch.Generator,
+              device: torch.device) -> dict[str, float]:
+        personal = stored_personal(self.context, model)
+        if personal is None:
+            personal = copy.deepcopy(model)
+        anchor = [p.detach().clone() for p in model.parameters()]
+        metrics = super().train(model, x, y, generator, device)
+        personal_metrics = _PersonalStep(self.config, anchor).train(personal, x, y, generator, device)
+        self.context.state[PERSONAL_MODEL] = ArrayRecord({k: v.detach().cpu()
+                                                          for k, v in federated_state(personal).items()})
+        return {**metrics, "personal-train-loss": personal_metrics["train-loss"]}
+
+    def evaluate(self, model: nn.Module, train_x: torch.Tensor, train_y: torch.Tensor, test_x: torch.Tensor,
+                 test_y: torch.Tensor, device: torch.device) -> dict[str, Any]:
+        return personal_scores(model, stored_personal(self.context, model), test_x, test_y, device)
+
+
+def build_server(config: RunConfig, metrics: MetricAggregation) -> Ditto:
+    return Ditto(**flower_strategy_kwargs(config, metrics))
+
+
+register_strategy(StrategyEntry("ditto", build_server, DittoUpdate,
+                                "Ditto: FedAvg plus a personal model pulled towards the global one (ditto-lambda)"))

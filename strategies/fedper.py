@@ -1,0 +1,82 @@
+"""FedPer (Arivazhagan et al., 2019): the body is federated, the classifier head is personal.
+
+Every client keeps its own ``classifier.*`` parameters in ``context.state``; in a
+round it loads them over the received head, trains the whole network, keeps the
+trained head and sends back the body with the head it *received*, so the personal
+head never leaves the client and the server's average changes only the body (the
+global head stays the initial one). A client's head starts from the global head the
+first time it trains, as a new client's would.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from flwr.app import ArrayRecord
+from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
+from torch import nn
+
+from fl_app.config import RunConfig
+from strategies.base import LocalUpdate, MetricAggregation, StrategyBase, flower_strategy_kwargs
+from strategies.personal import personal_scores
+from strategies.registry import StrategyEntry, register_strategy
+
+HEAD_PREFIX = "classifier."
+PERSONAL_HEAD = "fedper-head"
+"""``context.state`` ArrayRecord: this client's head."""
+
+
+def head_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Detached CPU copies of the head's parameters; refuses a model without a ``classifier``."""
+    head = {n: p.detach().cpu().clone() for n, p in model.named_parameters() if n.startswith(HEAD_PREFIX)}
+    if not head:
+        raise ValueError(f"fedper needs a model whose output layer is named '{HEAD_PREFIX[:-1]}'; "
+                         f"{type(model).__name__} has none")
+    return head
+
+
+@torch.no_grad()
+def load_head(model: nn.Module, head: dict[str, torch.Tensor]) -> None:
+    for name, tensor in head.items():
+        model.get_parameter(name).copy_(tensor)
+
+
+class FedPer(StrategyBase, FlowerFedAvg):
+    """FedAvg on what clients send: their trained body and the head they received."""
+
+
+class FedPerUpdate(LocalUpdate):
+    """Local SGD on the received body under this client's personal head."""
+
+    def begin(self, model: nn.Module) -> None:
+        self.received_head = head_state(model)
+        stored = self.context.state.get(PERSONAL_HEAD)
+        if stored is not None:
+            load_head(model, stored.to_torch_state_dict())
+
+    def train(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, generator: torch.Generator,
+              device: torch.device) -> dict[str, float]:
+        metrics = super().train(model, x, y, generator, device)
+        self.context.state[PERSONAL_HEAD] = ArrayRecord(head_state(model))
+        load_head(model, self.received_head)  # the reply carries the body and the unchanged global head
+        return metrics
+
+    def evaluate(self, model: nn.Module, train_x: torch.Tensor, train_y: torch.Tensor, test_x: torch.Tensor,
+                 test_y: torch.Tensor, device: torch.device) -> dict[str, Any]:
+        """The global model, and the received body under this client's head."""
+        stored = self.context.state.get(PERSONAL_HEAD)
+        personal = None
+        if stored is not None:
+            personal = copy.deepcopy(model)
+            load_head(personal, stored.to_torch_state_dict())
+        return personal_scores(model, personal, test_x, test_y, device)
+
+
+def build_server(config: RunConfig, metrics: MetricAggregation) -> FedPer:
+    return FedPer(**flower_strategy_kwargs(config, metrics))
+
+
+register_strategy(StrategyEntry("fedper", build_server, FedPerUpdate,
+                                "FedPer: federated body, personal classifier head kept by each client"))

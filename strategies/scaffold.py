@@ -1,0 +1,177 @@
+"""SCAFFOLD (Karimireddy et al., 2020): control variates correct each client's drift.
+
+The server keeps a control variate c, client i keeps its own c_i, both with the
+model's shape. Every local gradient is corrected by (c − c_i); afterwards the
+client sets c_i from its trajectory (the paper's option II) and sends Δc_i with
+its model, and the server moves c by (1/N)·Σ Δc_i over the replies (N = nodes
+connected). With c = c_i = 0 and server-lr 1 a round is exactly FedAvg's.
+
+Messages: a TRAIN message carries ``"arrays"`` (x), ``"config"`` and
+``"control"`` (c); a reply carries ``"arrays"`` (the local model y_i),
+``"control"`` (Δc_i = c_i⁺ − c_i) and ``"metrics"``. Both control records have
+the keys and shapes of ``"arrays"``; entries that are not trainable parameters
+(BatchNorm running statistics) have no gradient, so they stay zero.
+
+Where this differs from the paper, and why:
+
+* Local steps use the run's SGD with momentum and weight decay, like every other
+  algorithm here (the paper uses plain SGD). The correction is added to the
+  gradient before the optimizer step, so momentum carries it like any gradient.
+  Option II's (x − y_i)/(K·η) then divides by :func:`momentum_step_sum` instead
+  of K: with momentum β the K steps move the weights by η·Σ_k w_k·g_k, where
+  Σ_k w_k is that sum, so the quotient stays a weighted mean of the corrected
+  gradients and c_i⁺ a weighted mean of the raw ones, as option II intends.
+  Dividing by K instead would inflate c_i about 1/(1 − β)-fold (10× at 0.9) and
+  the control variates would diverge. For β = 0 the sum is K: the paper's rule.
+  Weight decay is part of the gradient the optimizer follows, so it is part of
+  c_i too.
+* The model is averaged weighted by example counts (as FedAvg here) before the
+  server step x + server-lr·(ȳ − x); the paper takes the plain mean of Δy_i.
+  c is updated with the plain mean, which keeps c the mean of all clients' c_i.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
+from torch import nn
+
+from fl_app.config import RunConfig
+from fl_app.model_io import arrays_mismatch, federated_state
+from strategies.base import LocalUpdate, MetricAggregation, StrategyBase, arrays_problem, flower_strategy_kwargs
+from strategies.registry import StrategyEntry, register_strategy
+
+CONTROL = "control"
+"""Record name: the server's c in a TRAIN message, the client's Δc_i in its reply."""
+STATE_KEY = "scaffold-control"
+"""Where a client keeps its c_i in ``context.state`` between rounds."""
+
+
+def momentum_step_sum(steps: int, momentum: float) -> float:
+    """Σ_{k=1..K} (1 + β + … + β^(k−1)): how far, in units of η·g, K steps of PyTorch's SGD with
+    momentum β (fresh buffer, no dampening) move the weights when every step sees the same gradient g.
+
+    Step k's gradient stays in the momentum buffer for steps k..K, so it moves the weights by
+    η·(1 + β + … + β^(K−k)); these weights sum to this value, which is K when β = 0.
+    """
+    return sum((1.0 - momentum**k) / (1.0 - momentum) for k in range(1, steps + 1))
+
+
+def _norm(tensors: dict[str, torch.Tensor]) -> float:
+    return float(torch.sqrt(sum((t.double() ** 2).sum() for t in tensors.values()))) if tensors else 0.0
+
+
+class Scaffold(StrategyBase, FlowerFedAvg):
+    """FedAvg that also sends c, collects Δc_i and applies the averaged model with ``server-lr``."""
+
+    extra_reply_arrays = (CONTROL,)
+
+    def __init__(self, *args: Any, server_learning_rate: float = 1.0, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.server_learning_rate = server_learning_rate
+        self.control = ArrayRecord()  # c; zeros shaped like the model from the first round on
+        self.num_nodes = 0  # N: nodes connected when the round was configured
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        messages = list(super().configure_train(server_round, arrays, config, grid))
+        self.num_nodes = len(list(grid.get_node_ids()))
+        if not len(self.control):
+            self.control = ArrayRecord({key: Array(np.zeros_like(a.numpy())) for key, a in arrays.items()})
+        for message in messages:
+            message.content[CONTROL] = self.control
+        return messages
+
+    def reply_problem(self, content: RecordDict) -> str | None:
+        return super().reply_problem(content) or arrays_problem(content[CONTROL], self._reference, CONTROL)
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        usable = self.usable_replies(server_round, replies)
+        average, metrics = self.aggregate_models(server_round, usable)
+        if average is None:
+            return None, metrics
+        updates = [message.content[CONTROL] for message in usable if not message.has_error()]
+        clients = max(self.num_nodes, len(updates))
+        self.control = ArrayRecord({
+            key: Array(np.asarray(c.numpy() + sum(update[key].numpy() for update in updates) / clients))
+            for key, c in self.control.items()
+        })
+        lr = self.server_learning_rate
+        model = ArrayRecord({
+            key: Array(np.asarray(x.numpy() + lr * (average[key].numpy() - x.numpy())))
+            for key, x in self._reference.items()
+        })
+        return model, metrics
+
+
+class ScaffoldUpdate(LocalUpdate):
+    """Local SGD with every gradient corrected by (c − c_i); then c_i⁺ from the trajectory (option II)."""
+
+    def begin(self, model: nn.Module) -> None:
+        if CONTROL not in self.received.array_records:
+            raise ValueError(f"the training message has no '{CONTROL}' record (it holds "
+                             f"{sorted(self.received)}); run the server with strategy=scaffold too")
+        problem = arrays_mismatch(federated_state(model), self.received[CONTROL])
+        if problem is not None:
+            raise ValueError(f"the server's control variate does not fit the model: {problem}")
+        server = self.received[CONTROL].to_torch_state_dict()
+        stored = self.context.state.get(STATE_KEY)
+        local = stored.to_torch_state_dict() if stored is not None else {}
+        params = dict(model.named_parameters())
+        self.start = {name: p.detach().clone() for name, p in params.items()}
+        self.server_control = {name: server[name].to(p.device) for name, p in params.items()}
+        self.local_control = {name: local[name].to(p.device) if name in local else torch.zeros_like(p)
+                              for name, p in params.items()}
+        self.correction = {name: self.server_control[name] - self.local_control[name] for name in params}
+        self.steps = 0
+        self.control_update = ArrayRecord()
+
+    def after_backward(self, model: nn.Module) -> None:
+        """g ← g + c − c_i, before momentum and weight decay."""
+        for name, p in model.named_parameters():
+            if p.grad is None:
+                p.grad = self.correction[name].clone()
+            else:
+                p.grad.add_(self.correction[name])
+        self.steps += 1
+
+    def train(
+        self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, generator: torch.Generator,
+        device: torch.device,
+    ) -> dict[str, float]:
+        """Train, then c_i⁺ = c_i − c + (x − y_i)/(η·momentum_step_sum(K, β)), kept in ``context.state``."""
+        metrics = super().train(model, x, y, generator, device)
+        scale = 1.0 / (self.config.lr * momentum_step_sum(self.steps, self.config.momentum))
+        with torch.no_grad():
+            updated = {name: self.local_control[name] - self.server_control[name] + (self.start[name] - p) * scale
+                       for name, p in model.named_parameters()}
+            delta = {name: updated[name] - self.local_control[name] for name in updated}
+
+        def like_the_model(values: dict[str, torch.Tensor]) -> ArrayRecord:
+            return ArrayRecord({key: values[key].detach().cpu() if key in values else torch.zeros_like(t).cpu()
+                                for key, t in federated_state(model).items()})
+
+        self.context.state[STATE_KEY] = like_the_model(updated)
+        self.control_update = like_the_model(delta)
+        return {**metrics, "local-steps": float(self.steps),
+                "control-norm-start": _norm(self.local_control), "control-norm-end": _norm(updated)}
+
+    def reply_records(self) -> dict[str, ArrayRecord]:
+        return {CONTROL: self.control_update}
+
+
+def build_server(config: RunConfig, metrics: MetricAggregation) -> Scaffold:
+    return Scaffold(server_learning_rate=config.server_lr, **flower_strategy_kwargs(config, metrics))
+
+
+register_strategy(StrategyEntry("scaffold", build_server, ScaffoldUpdate,
+                                "control variates correct client drift (option II; server-lr)"))

@@ -1,0 +1,257 @@
+"""SuPerFed (Hahn et al., KDD 2022; seed 004, ALGORITHMS.md §4): a personal model connected to the federated one.
+
+Each client keeps a local model w_l (same architecture, its own Xavier-normal
+initialisation seeded by the partition id) in ``context.state``; it never leaves
+the client. From round ⌊superfed-start · num-server-rounds⌋ on, every mini-batch
+draws λ ~ U(0, 1) — one for the model (``mm``) or one per layer (``lm``) — and
+trains the point W(λ) = (1 − λ)·w_f + λ·w_l of the segment between the received
+federated model w_f and w_l with
+
+    CE(W(λ)) + μ · Σ_layers ‖w_f − w_g‖₂ + ν · cos²(w_f, w_l)
+
+(ALGORITHMS.md §4: unsquared L2 norm per mixed layer; cosine over all mixed
+parameters flattened together). The mixed weights are formed as tensors of w_f's
+and w_l's leaves and fed to the network with :func:`torch.func.functional_call`,
+so one backward pass reaches both endpoints and no module is rewritten. Before
+the start round only w_f trains (λ = 0, w_l frozen, no cosine term: it would only
+push w_f away from a random vector): FedAvg when μ = 0, the reference's FedProx
+otherwise. The server is FedAvg: only w_f travels, averaged by example count.
+
+BatchNorm buffers (running mean/var) belong to the federated model: the mixed
+network's batches update them during training and they travel with w_f as in
+FedAvg. For evaluation at a given λ they are re-estimated on the client's training
+data (as subspace learning, Wortsman et al. 2021, does for every point of a line),
+because W(λ)'s activations follow neither endpoint's statistics.
+
+A ``superfed-val-fraction`` part of each client's training split is held out from
+training, to choose λ honestly; the paper's per-client best λ on the test split is
+reported too, labelled ``oracle``. (The reply's example count is still the whole
+training split, as for every strategy; with equal fractions the weights are the same.)
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import ArrayRecord, MetricRecord
+from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
+from torch import nn
+from torch.func import functional_call
+
+from fl_app.calibration import classification_scores
+from fl_app.config import RunConfig
+from fl_app.training import iterate_batches
+from strategies.base import LocalUpdate, MetricAggregation, StrategyBase, flower_strategy_kwargs
+from strategies.registry import StrategyEntry, register_strategy
+
+SUPERFED_MODES = ("mm", "lm")
+LAMBDA_GRID = tuple(i / 10 for i in range(11))
+LOCAL_MODEL = "superfed-local-model"
+"""``context.state`` ArrayRecord: the local model's parameters."""
+LOCAL_INFO = "superfed-local-info"
+"""``context.state`` MetricRecord: ``mixing-rounds``, how many rounds trained the local model."""
+
+
+def start_round(config: RunConfig) -> int:
+    """⌊L·R⌋: the first round that mixes (rounds count from 1, so 0 and 1 both mean 'from the start')."""
+    return math.floor(config.superfed_start * config.num_server_rounds)
+
+
+def layer_groups(model: nn.Module) -> list[list[str]]:
+    """Parameter names grouped by the module that owns them (a layer's weight and bias share one λ)."""
+    groups: dict[str, list[str]] = {}
+    for name, _ in model.named_parameters():
+        groups.setdefault(name.rpartition(".")[0], []).append(name)
+    return list(groups.values())
+
+
+def initial_local_model(model: nn.Module, seed: int, partition_id: int) -> dict[str, torch.Tensor]:
+    """w_l's first parameters: Xavier-normal weights (as the reference), zero biases, unit scales for
+    1-D weights (normalisation layers); a function of (seed, partition id) only."""
+    generator = torch.Generator().manual_seed(int(np.random.SeedSequence([seed, partition_id, 0x10CA1])
+                                                  .generate_state(1, np.uint64)[0] >> 1))
+    local = {}
+    for name, param in model.named_parameters():
+        tensor = torch.empty(param.shape, dtype=param.dtype)
+        if param.dim() >= 2:
+            nn.init.xavier_normal_(tensor, generator=generator)
+        elif name.endswith("weight"):
+            nn.init.ones_(tensor)
+        else:
+            nn.init.zeros_(tensor)
+        local[name] = tensor.to(param.device)
+    return local
+
+
+def mixed_parameters(federated: dict[str, torch.Tensor], local: dict[str, torch.Tensor],
+                     groups: list[list[str]], lambdas: list[float]) -> dict[str, torch.Tensor]:
+    """W(λ) = (1 − λ)·w_f + λ·w_l, with ``lambdas[g]`` for every parameter of group ``g``."""
+    return {name: (1.0 - lam) * federated[name] + lam * local[name]
+            for group, lam in zip(groups, lambdas, strict=True) for name in group}
+
+
+def proximal_term(federated: dict[str, torch.Tensor], global_: dict[str, torch.Tensor],
+                  groups: list[list[str]]) -> torch.Tensor:
+    """Σ over layers of the unsquared L2 norm ‖w_f − w_g‖₂ (the layer's parameters flattened together)."""
+    return sum(torch.linalg.vector_norm(torch.cat([(federated[n] - global_[n]).flatten() for n in group]))
+               for group in groups)
+
+
+def squared_cosine(federated: dict[str, torch.Tensor], local: dict[str, torch.Tensor]) -> torch.Tensor:
+    """cos²(w_f, w_l) over all mixed parameters flattened into one vector each."""
+    f = torch.cat([t.flatten() for t in federated.values()])
+    l = torch.cat([local[name].flatten() for name in federated])
+    return (torch.dot(f, l) / (torch.linalg.vector_norm(f) * torch.linalg.vector_norm(l))).pow(2)
+
+
+def _load_local(update: LocalUpdate, model: nn.Module, partition_id: int) -> tuple[dict[str, torch.Tensor], int]:
+    """The stored local model and its count of mixing rounds, or a fresh one and 0."""
+    device = next(model.parameters()).device
+    stored = update.context.state.get(LOCAL_MODEL)
+    if stored is None:
+        return initial_local_model(model, update.config.seed, partition_id), 0
+    local = {name: tensor.to(device) for name, tensor in stored.to_torch_state_dict().items()}
+    expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    if {name: tuple(t.shape) for name, t in local.items()} != expected:
+        raise ValueError("the stored SuPerFed local model does not fit this run's model; a node keeps one "
+                         "local model per run")
+    return local, int(update.context.state[LOCAL_INFO]["mixing-rounds"])
+
+
+def validation_split(n: int, fraction: float, seed: int, partition_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(train, validation) positions in a client's training split; the same in every round and process."""
+    order = torch.as_tensor(np.random.default_rng([seed, partition_id, 0x7A1]).permutation(n))
+    num_val = min(round(n * fraction), max(n - 1, 0))
+    return order[num_val:].sort().values, order[:num_val].sort().values
+
+
+class SuPerFed(StrategyBase, FlowerFedAvg):
+    """The server side is FedAvg: clients send only w_f, averaged weighted by their example counts."""
+
+
+class SuPerFedUpdate(LocalUpdate):
+    """One round of SuPerFed local training; personalised evaluation over the λ grid."""
+
+    def _partition_id(self) -> int:
+        return int(self.context.node_config["partition-id"])
+
+    def begin(self, model: nn.Module) -> None:
+        server_round = int(self.received["config"]["server-round"])
+        partition_id = self._partition_id()
+        self.mixing = server_round >= start_round(self.config)
+        self.groups = layer_groups(model)
+        self.global_params = {n: p.detach().clone() for n, p in model.named_parameters()}
+        local, self.mixing_rounds = _load_local(self, model, partition_id)
+        self.local = {n: t.detach().clone().requires_grad_(self.mixing) for n, t in local.items()}
+        self.local_norm_in = float(torch.linalg.vector_norm(torch.cat([t.flatten() for t in local.values()])))
+        state = np.random.SeedSequence([self.config.seed, server_round, partition_id, 0x1A3DA])
+        self.lambda_generator = torch.Generator().manual_seed(int(state.generate_state(1, np.uint64)[0] >> 1))
+
+    def draw_lambdas(self) -> list[float]:
+        """λ ~ U(0, 1) for this mini-batch: one for every layer (``mm``) or one per layer (``lm``)."""
+        count = 1 if self.config.superfed_mode == "mm" else len(self.groups)
+        draws = torch.rand(count, generator=self.lambda_generator, dtype=torch.float64).tolist()
+        return draws * len(self.groups) if count == 1 else draws
+
+    def optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        """One SGD over both endpoints (w_l only once mixing has started), the run's lr, momentum, decay."""
+        params = list(model.parameters()) + (list(self.local.values()) if self.mixing else [])
+        return torch.optim.SGD(params, lr=self.config.lr, momentum=self.config.momentum,
+                               weight_decay=self.config.weight_decay)
+
+    def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        federated = dict(model.named_parameters())
+        if self.mixing:
+            params = mixed_parameters(federated, self.local, self.groups, self.draw_lambdas())
+            objective = nn.functional.cross_entropy(functional_call(model, params, (x,)), y)
+            if self.config.superfed_nu > 0.0:
+                objective = objective + self.config.superfed_nu * squared_cosine(federated, self.local)
+        else:
+            objective = nn.functional.cross_entropy(model(x), y)
+        if self.config.superfed_mu > 0.0:
+            objective = objective + self.config.superfed_mu * proximal_term(federated, self.global_params,
+                                                                            self.groups)
+        return objective
+
+    def train(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, generator: torch.Generator,
+              device: torch.device) -> dict[str, float]:
+        """Train on the split minus its validation part; keep w_l in ``context.state``; report how far it got."""
+        keep, _ = validation_split(len(y), self.config.superfed_val_fraction, self.config.seed,
+                                   self._partition_id())
+        metrics = super().train(model, x[keep], y[keep], generator, device)
+        if self.mixing:
+            self.mixing_rounds += 1
+            self.context.state[LOCAL_MODEL] = ArrayRecord({n: t.detach().cpu() for n, t in self.local.items()})
+            self.context.state[LOCAL_INFO] = MetricRecord({"mixing-rounds": self.mixing_rounds})
+        with torch.no_grad():
+            local_norm = torch.linalg.vector_norm(torch.cat([t.flatten() for t in self.local.values()]))
+            cosine = squared_cosine(dict(model.named_parameters()), self.local).sqrt()
+        return {**metrics, "superfed-mixing": int(self.mixing), "superfed-local-rounds": self.mixing_rounds,
+                "superfed-local-norm-in": self.local_norm_in, "superfed-local-norm-out": float(local_norm),
+                "superfed-abs-cosine": float(cosine)}
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, train_x: torch.Tensor, train_y: torch.Tensor, test_x: torch.Tensor,
+                 test_y: torch.Tensor, device: torch.device) -> dict[str, Any]:
+        """Accuracy, ECE and MCE of W(λ) for λ in the grid on the local test split; the oracle λ (best on
+        the test split) and the honest λ (best on the held-out validation part of the training split)."""
+        partition_id = self._partition_id()
+        local, mixing_rounds = _load_local(self, model, partition_id)
+        _, val = validation_split(len(train_y), self.config.superfed_val_fraction, self.config.seed, partition_id)
+        federated = {n: p.detach() for n, p in model.named_parameters()}
+        groups = layer_groups(model)
+        point = copy.deepcopy(model)
+        has_batchnorm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in point.modules())
+        test, valid = [], []
+        for lam in LAMBDA_GRID:
+            for name, tensor in mixed_parameters(federated, local, groups, [lam] * len(groups)).items():
+                point.get_parameter(name).copy_(tensor)
+            if has_batchnorm and lam > 0.0:  # W(0) is the received global model, buffers included
+                recalibrate_batchnorm(point, train_x, device, self.config.batch_size)
+            test.append(classification_scores(point, test_x, test_y, device))
+            valid.append(classification_scores(point, train_x[val], train_y[val], device))
+        accuracy = [s[0] for s in test]
+        oracle = _best(accuracy)
+        honest = _best([s[0] for s in valid])
+        chosen = {"oracle": oracle, "honest": honest}
+        picked = {f"{label}-{metric}": (test[i][column] if i is not None else math.nan)
+                  for label, i in chosen.items() for column, metric in enumerate(("accuracy", "ece", "mce"))}
+        lambdas = {f"{label}-lambda": (LAMBDA_GRID[i] if i is not None else math.nan) for label, i in chosen.items()}
+        return {
+            "local-loss": test[0][3], "local-accuracy": accuracy[0], "local-ece": test[0][1], "local-mce": test[0][2],
+            "lambda-accuracy": accuracy, "lambda-ece": [s[1] for s in test], "lambda-mce": [s[2] for s in test],
+            **picked, **lambdas,
+            "superfed-local-trained": int(mixing_rounds > 0),
+        }
+
+
+def _best(accuracies: list[float]) -> int | None:
+    """Index of the highest accuracy (the smallest λ among ties); None when nothing was scored."""
+    finite = [(a, -i) for i, a in enumerate(accuracies) if not math.isnan(a)]
+    return -max(finite)[1] if finite else None
+
+
+def recalibrate_batchnorm(model: nn.Module, x: torch.Tensor, device: torch.device, batch_size: int) -> None:
+    """Re-estimate BatchNorm running statistics as the plain average over one pass of ``x``."""
+    norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    momenta = [m.momentum for m in norms]
+    for m in norms:
+        m.reset_running_stats()
+        m.momentum = None  # cumulative moving average
+    model.train()
+    for xb, _ in iterate_batches(x, x.new_zeros(len(x)), batch_size):
+        model(xb.to(device))
+    for m, momentum in zip(norms, momenta):
+        m.momentum = momentum
+
+
+def build_server(config: RunConfig, metrics: MetricAggregation) -> SuPerFed:
+    return SuPerFed(**flower_strategy_kwargs(config, metrics))
+
+
+register_strategy(StrategyEntry("superfed", build_server, SuPerFedUpdate,
+                                "SuPerFed: a local model mixed with the federated one (superfed-mode mm/lm)"))

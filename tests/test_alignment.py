@@ -1,0 +1,166 @@
+"""The alignment engine: permuted copies are aligned back exactly, for every model and every cost."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from models import PanSettings, build_model, invert_permutations, list_models, permute_state, random_permutations
+from strategies.alignment import (
+    align,
+    find_permutations,
+    list_costs,
+    matched_average,
+    weighted_average,
+)
+
+ALL_MODELS = list_models()
+COSTS = list_costs()
+SHAPE = (1, 8, 8)
+PAN_ON = PanSettings(mode="mul", period=1.0, amplitude=0.5)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread():
+    """One intra-op thread: on a shared 2-core machine, two threads run ~10x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _state(name: str, pan: PanSettings | None = None, seed: int = 1) -> tuple:
+    """A model's spec and state, with per-channel normalisation entries made distinct.
+
+    Default BatchNorm/LayerNorm values are equal for every channel, so a wrongly
+    permuted one would go unnoticed; random values make every entry count.
+    """
+    torch.manual_seed(seed)
+    model = build_model(name, SHAPE, 3, pan)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, (nn.BatchNorm2d, nn.LayerNorm)):
+                module.weight.uniform_(0.5, 1.5)
+                module.bias.normal_(0.0, 0.2)
+            if isinstance(module, nn.BatchNorm2d):
+                module.running_mean.normal_(0.0, 0.2)
+                module.running_var.uniform_(0.5, 2.0)
+    return model.permutation_spec(), model.state_dict()
+
+
+def _permuted(spec, state, seed: int = 2):
+    perms = random_permutations(spec, state, torch.Generator().manual_seed(seed))
+    return perms, permute_state(spec, state, perms)
+
+
+def _assert_states_equal(actual, expected, exact: bool = True):
+    assert actual.keys() == expected.keys()
+    for key in expected:
+        if exact:
+            assert torch.equal(actual[key], expected[key]), key
+        else:
+            torch.testing.assert_close(actual[key], expected[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+# PANs change no state-dict entry (encodings are non-persistent buffers), so a PAN model's state is
+# aligned exactly like a plain one; the PAN-on case runs with one cost to keep the suite quick.
+@pytest.mark.parametrize(("cost", "pan"), [*((cost, None) for cost in COSTS), ("weight", PAN_ON)],
+                         ids=[*(f"{cost}-pan-off" for cost in COSTS), "weight-pan-on"])
+@pytest.mark.parametrize("name", ALL_MODELS)
+def test_permuted_copy_is_aligned_back_exactly(name, cost, pan):
+    spec, state = _state(name, pan)
+    applied, permuted = _permuted(spec, state)
+    assert any(not torch.equal(permuted[k], state[k]) for k in state)
+
+    found = find_permutations(state, permuted, spec, cost)
+    expected = invert_permutations(applied)
+    assert found.keys() == expected.keys()
+    wrong = [group for group in expected if not torch.equal(found[group], expected[group])]
+    assert not wrong, f"{cost} failed to recover groups {wrong}"
+    _assert_states_equal(permute_state(spec, permuted, found), state)
+
+
+@pytest.mark.parametrize("cost", COSTS)
+@pytest.mark.parametrize("name", ALL_MODELS)
+def test_matched_average_of_a_model_and_its_permuted_copy_is_the_model(name, cost):
+    spec, state = _state(name)
+    _, permuted = _permuted(spec, state)
+    matched = matched_average(state, [state, permuted], [1.0, 3.0], spec, cost)
+    _assert_states_equal(matched, state, exact=False)
+
+    plain = weighted_average([state, permuted], [1.0, 3.0])  # the test can fail: plain averaging mixes units
+    differs = [k for k in spec.axes_by_key() if not torch.allclose(plain[k], state[k], rtol=1e-3, atol=1e-4)]
+    assert differs
+
+
+@pytest.mark.parametrize("cost", COSTS)
+@pytest.mark.parametrize("name", ["small-mlp", "twocnn", "resnet20", "transformer-1"])
+def test_a_noisy_permuted_copy_is_still_recovered(name, cost):
+    spec, state = _state(name)
+    applied, permuted = _permuted(spec, state)
+    noise = torch.Generator().manual_seed(5)
+    noisy = {k: v + 1e-3 * v.std() * torch.randn(v.shape, generator=noise)
+             if torch.is_floating_point(v) and v.numel() > 1 else v for k, v in permuted.items()}
+    found = find_permutations(state, noisy, spec, cost)
+    expected = invert_permutations(applied)
+    assert all(torch.equal(found[g], expected[g]) for g in expected)
+
+
+@pytest.mark.parametrize("name", ["small-mlp", "resnet20"])
+def test_iterating_against_the_matched_mean_keeps_the_exact_answer(name):
+    spec, state = _state(name)
+    copies = [_permuted(spec, state, seed)[1] for seed in (2, 3, 4)]
+    start = _state(name, seed=7)[1]  # an unrelated reference only fixes the first unit order
+    matched = matched_average(start, copies, [1.0, 2.0, 3.0], spec, "weight", iterations=3)
+    aligned_back = align(state, matched, spec)
+    _assert_states_equal(aligned_back, state, exact=False)
+
+
+def test_entries_outside_the_spec_are_never_changed():
+    spec, state = _state("resnet20")
+    _, permuted = _permuted(spec, state)
+    permuted["blocks.0.bn1.num_batches_tracked"] = torch.tensor(17)
+    aligned = align(state, permuted, spec)
+    assert torch.equal(aligned["classifier.bias"], permuted["classifier.bias"])
+    assert aligned["blocks.0.bn1.num_batches_tracked"].item() == 17
+
+
+def test_ties_keep_the_current_order():
+    """A model aligned onto itself stays as it is even when two units are identical (a tie)."""
+    spec, state = _state("small-mlp")
+    state = dict(state)
+    for key, axis in (("hidden.1.weight", 0), ("hidden.1.bias", 0), ("hidden.2.weight", 1)):
+        index = [slice(None)] * state[key].dim()
+        index[axis] = 1
+        source = list(index)
+        source[axis] = 0
+        state[key] = state[key].clone()
+        state[key][tuple(index)] = state[key][tuple(source)]
+    for cost in COSTS:
+        found = find_permutations(state, state, spec, cost)
+        assert all(torch.equal(perm, torch.arange(perm.numel())) for perm in found.values()), cost
+
+
+def test_unknown_cost_lists_the_allowed_ones():
+    spec, state = _state("small-mlp")
+    with pytest.raises(ValueError, match=r"unknown alignment cost 'l3'.*'l1'.*'weight'"):
+        align(state, state, spec, cost="l3")
+
+
+def test_states_of_different_shapes_are_refused_by_name():
+    spec, state = _state("small-mlp")
+    other = dict(state, **{"hidden.1.bias": torch.zeros(99)})
+    with pytest.raises(ValueError, match=r"'hidden.1.bias' has shape \(99,\)"):
+        align(state, other, spec)
+    with pytest.raises(ValueError, match=r"missing \['classifier.bias'\]"):
+        align(state, {k: v for k, v in state.items() if k != "classifier.bias"}, spec)
+
+
+def test_weighted_average_weights_by_examples():
+    a, b = {"w": torch.zeros(2), "n": torch.tensor(3)}, {"w": torch.ones(2), "n": torch.tensor(5)}
+    averaged = weighted_average([a, b], [1, 3])
+    torch.testing.assert_close(averaged["w"], torch.full((2,), 0.75))
+    assert averaged["n"].item() == 3
+    with pytest.raises(ValueError, match="positive"):
+        weighted_average([a, b], [1, 0])

@@ -1,0 +1,59 @@
+"""``python -m fl_app.analysis merge``: one-shot merging of K locally trained models."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from fl_app.analysis.__main__ import main
+from fl_app.analysis.merge import merge_accuracies
+from fl_app.data import load_dataset
+from models import build_model, permute_state, random_permutations
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_a_model_merged_with_its_permuted_copy_scores_like_the_model():
+    digits = load_dataset("digits")
+    torch.manual_seed(0)
+    model = build_model("small-mlp", (1, 8, 8), 10)
+    spec, state = model.permutation_spec(), model.state_dict()
+    permuted = permute_state(spec, state, random_permutations(spec, state, torch.Generator().manual_seed(1)))
+    clients, merged = merge_accuracies(model, [state, permuted], [1.0, 2.0], digits.test_x, digits.test_y,
+                                       ["weight", "l1"], 1, torch.device("cpu"))
+    assert clients[0] == clients[1]
+    assert set(merged) == {"average", "matched-weight", "matched-l1", "ensemble"}
+    assert merged["matched-weight"] == merged["matched-l1"] == merged["ensemble"] == clients[0]
+
+
+def test_the_command_trains_merges_and_writes_json_and_plot(tmp_path, capsys):
+    code = main(["merge", "--clients", "2", "--epochs", "1", "--costs", "l1", "--init", "same",
+                 "--out", str(tmp_path)])
+    assert code == 0
+    payload = json.loads((tmp_path / "merge.json").read_text())
+    assert (tmp_path / "merge.png").stat().st_size > 0
+    assert len(payload["client-accuracy"]) == 2 and sum(payload["examples"]) == len(load_dataset("digits").train_y)
+    assert set(payload["merged-accuracy"]) == {"average", "matched-l1", "ensemble"}
+    assert all(0.0 <= acc <= 1.0 for acc in payload["client-accuracy"] + list(payload["merged-accuracy"].values()))
+    assert "matched-l1" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("argv", "fragment"), [
+    (["--clients", "1"], "--clients must be at least 2"),
+    (["--init", "twin"], "--init 'twin'"),
+    (["--costs", "cosine"], "--costs 'cosine'"),
+    (["--dirichlet-alpha", "-1"], "'--dirichlet-alpha'"),
+    (["--model", "vgg99"], "'--model'"),
+])
+def test_bad_options_stop_before_training_with_a_named_error(argv, fragment, tmp_path, capsys):
+    assert main(["merge", *argv, "--out", str(tmp_path / "out")]) == 2
+    assert fragment in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

@@ -1,0 +1,303 @@
+"""SCAFFOLD's control variates and MOON's contrastive loss: client math, server aggregation, state across rounds."""
+
+import json
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
+from flwr.simulation import run_simulation
+from flwr.supercore.task_identity import TaskIdentity
+from torch import nn
+
+from fl_app.client_app import build_client_app
+from fl_app.config import RunConfig
+from fl_app.model_io import to_arrays
+from fl_app.server_app import build_server_app
+from models import build_model
+from strategies import get_strategy
+from strategies.base import MetricAggregation, reply_problem
+from strategies.moon import STATE_KEY as MOON_STATE, MoonUpdate, contrastive_loss
+from strategies.scaffold import CONTROL, STATE_KEY as SCAFFOLD_STATE, ScaffoldUpdate, momentum_step_sum
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread():
+    """One intra-op thread: the test machine's two cores are shared."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _context(**state) -> SimpleNamespace:
+    return SimpleNamespace(state=RecordDict(state))
+
+
+def _tiny_model() -> nn.Linear:
+    torch.manual_seed(0)
+    return nn.Linear(3, 2)
+
+
+def _data(n: int = 6) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    return torch.randn(n, 3, generator=generator), torch.randint(0, 2, (n,), generator=generator)
+
+
+def _record(values: dict[str, torch.Tensor]) -> ArrayRecord:
+    return ArrayRecord({k: v.detach().clone() for k, v in values.items()})
+
+
+# --- SCAFFOLD client --------------------------------------------------------------------------
+
+
+def test_momentum_step_sum_is_k_for_plain_sgd_and_counts_carried_steps():
+    assert momentum_step_sum(5, 0.0) == 5.0
+    assert momentum_step_sum(2, 0.5) == pytest.approx(1.0 + 1.5)  # step 1's gradient moves twice (1 + β)
+
+
+def test_scaffold_client_corrects_gradients_and_updates_its_control_variate():
+    """Plain SGD (the paper's setting): compare with a hand-written corrected SGD and option II."""
+    model, (x, y) = _tiny_model(), _data()
+    start = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    c = {"weight": torch.full((2, 3), 0.3), "bias": torch.tensor([-0.2, 0.1])}
+    c_i = {"weight": torch.linspace(-0.5, 0.5, 6).reshape(2, 3), "bias": torch.tensor([0.4, 0.0])}
+    lr, steps = 0.1, 3
+    config = RunConfig(lr=lr, momentum=0.0, weight_decay=0.0, local_epochs=steps, batch_size=len(y))
+    context = _context(**{SCAFFOLD_STATE: _record(c_i)})
+    update = ScaffoldUpdate(config, context, RecordDict({"arrays": _record(start), CONTROL: _record(c)}))
+
+    metrics = update.train(model, x, y, torch.Generator().manual_seed(0), CPU)
+
+    # by hand: w ← w − η·(∇CE(w) + c − c_i), K times (one full batch per epoch)
+    w = {k: v.clone().requires_grad_(True) for k, v in start.items()}
+    raw_gradients = []
+    for _ in range(steps):
+        loss = nn.functional.cross_entropy(x @ w["weight"].T + w["bias"], y)
+        grads = dict(zip(w, torch.autograd.grad(loss, list(w.values()))))
+        raw_gradients.append(grads)
+        with torch.no_grad():
+            for k in w:
+                w[k] -= lr * (grads[k] + c[k] - c_i[k])
+    for k in w:
+        torch.testing.assert_close(model.state_dict()[k], w[k].detach())
+
+    stored = context.state[SCAFFOLD_STATE].to_torch_state_dict()
+    sent = update.reply_records()[CONTROL].to_torch_state_dict()
+    for k in w:
+        expected = c_i[k] - c[k] + (start[k] - w[k].detach()) / (steps * lr)  # option II
+        torch.testing.assert_close(stored[k], expected)
+        torch.testing.assert_close(sent[k], expected - c_i[k])
+        # option II with plain SGD is the mean of the uncorrected gradients along the way
+        torch.testing.assert_close(stored[k], sum(g[k] for g in raw_gradients) / steps)
+    assert metrics["local-steps"] == steps
+    assert metrics["control-norm-start"] == pytest.approx(math.sqrt(sum((v**2).sum().item() for v in c_i.values())))
+
+
+def test_scaffold_with_momentum_recovers_a_constant_gradient():
+    """With momentum the weights travel further per step; dividing by momentum_step_sum, not K, keeps
+    c_i⁺ the mean gradient (dividing by K would give about 1/(1−β) times it)."""
+
+    class LinearObjective(ScaffoldUpdate):
+        def loss(self, model, x, y):
+            return (model(x) * torch.tensor([1.0, -2.0])).sum()
+
+    model, (x, y) = _tiny_model(), _data()
+    gradient = {"weight": torch.outer(torch.tensor([1.0, -2.0]), x.sum(0)), "bias": torch.tensor([1.0, -2.0]) * len(y)}
+    c = {"weight": torch.full((2, 3), 0.5), "bias": torch.tensor([0.1, -0.1])}
+    c_i = {"weight": torch.full((2, 3), -0.25), "bias": torch.tensor([0.3, 0.2])}
+    config = RunConfig(lr=0.01, momentum=0.9, weight_decay=0.0, local_epochs=4, batch_size=len(y))
+    context = _context(**{SCAFFOLD_STATE: _record(c_i)})
+    update = LinearObjective(config, context, RecordDict({CONTROL: _record(c)}))
+    update.train(model, x, y, torch.Generator().manual_seed(0), CPU)
+    stored = context.state[SCAFFOLD_STATE].to_torch_state_dict()
+    for k in gradient:
+        torch.testing.assert_close(stored[k], gradient[k], rtol=1e-4, atol=1e-4)
+
+
+def test_scaffold_first_round_starts_from_zero_and_keeps_buffers_at_zero():
+    config = RunConfig(dataset="digits", model="resnet20", lr=0.05, local_epochs=1, batch_size=8)
+    model = build_model("resnet20", (1, 8, 8), 10)
+    zeros = ArrayRecord({k: torch.zeros_like(v) for k, v in to_arrays(model).to_torch_state_dict().items()})
+    context = _context()
+    update = ScaffoldUpdate(config, context, RecordDict({CONTROL: zeros}))
+    metrics = update.train(model, torch.randn(8, 1, 8, 8), torch.randint(0, 10, (8,)), torch.Generator(), CPU)
+    assert metrics["control-norm-start"] == 0.0 and metrics["control-norm-end"] > 0.0
+    sent = update.reply_records()[CONTROL]
+    assert set(sent) == set(zeros)  # the same keys as the model: the server checks them against it
+    assert not sent["stem_bn.running_mean"].numpy().any()  # statistics have no gradient: no control variate
+    assert sent["stem_conv.weight"].numpy().any()
+
+
+def test_scaffold_client_refuses_a_message_without_control():
+    update = ScaffoldUpdate(RunConfig(), _context(), RecordDict({"config": ConfigRecord({"server-round": 1})}))
+    with pytest.raises(ValueError, match="no 'control' record.*strategy=scaffold"):
+        update.begin(_tiny_model())
+
+
+# --- SCAFFOLD server --------------------------------------------------------------------------
+
+GLOBAL = {"w": np.zeros((2, 3), dtype=np.float32), "b": np.ones(2, dtype=np.float32)}
+
+
+def _arrays(values: dict[str, np.ndarray]) -> ArrayRecord:
+    return ArrayRecord({k: torch.from_numpy(np.asarray(v, dtype=np.float32)) for k, v in values.items()})
+
+
+def _reply(model: dict, control: dict | None, examples: int, node: int):
+    records = {"arrays": _arrays(model), "metrics": MetricRecord({"num-examples": examples})}
+    if control is not None:
+        records[CONTROL] = _arrays(control)
+    return SimpleNamespace(content=RecordDict(records), has_error=lambda: False,
+                           metadata=SimpleNamespace(src_node_id=node))
+
+
+def _scaffold_server(**config):
+    def fold(records, key):
+        return MetricRecord({"n": len(records)})
+
+    return get_strategy("scaffold").build_server(RunConfig(**config), MetricAggregation(fold, fold))
+
+
+class _Grid:
+    """Four connected nodes that do not answer the partition query (so they sort by node id)."""
+
+    def get_node_ids(self):
+        return [11, 12, 13, 14]
+
+    def send_and_receive(self, messages, timeout=None):
+        return []
+
+
+def test_scaffold_server_sends_zero_control_with_the_model(monkeypatch):
+    for name in ("_run_id", "_task_id", "_node_id"):  # Flower stamps messages with the running task's ids
+        monkeypatch.setattr(TaskIdentity, name, 1)
+    strategy = _scaffold_server(min_available_nodes=4)
+    messages = list(strategy.configure_train(1, _arrays(GLOBAL), ConfigRecord(), _Grid()))
+    assert len(messages) == 4 and strategy.num_nodes == 4
+    for message in messages:
+        control = message.content[CONTROL]
+        assert set(control) == set(GLOBAL)
+        assert all(not control[k].numpy().any() and control[k].shape == GLOBAL[k].shape for k in GLOBAL)
+
+
+def test_scaffold_server_moves_c_by_the_mean_update_over_all_nodes_and_applies_server_lr():
+    strategy = _scaffold_server(server_lr=0.5)
+    strategy._reference = _arrays(GLOBAL)
+    strategy.control = _arrays({"w": np.full((2, 3), 1.0), "b": np.zeros(2)})
+    strategy.num_nodes = 4
+    replies = [
+        _reply({"w": np.full((2, 3), 2.0), "b": np.ones(2)}, {"w": np.full((2, 3), 4.0), "b": np.ones(2)}, 1, 1),
+        _reply({"w": np.full((2, 3), 6.0), "b": np.ones(2)}, {"w": np.full((2, 3), 8.0), "b": np.ones(2)}, 3, 2),
+        _reply({"w": np.full((2, 3), 99.0), "b": np.ones(2)}, None, 5, 3),  # no control update: dropped
+        _reply({"w": np.full((2, 3), 99.0), "b": np.ones(2)}, {"w": np.full((2, 3), np.nan), "b": np.ones(2)}, 5, 4),
+    ]
+    model, metrics = strategy.aggregate_train(1, replies)
+    assert metrics["n"] == 2
+    # ȳ = (1·2 + 3·6)/4 = 5; x + 0.5·(ȳ − x) = 2.5 (the control records are not averaged into the model)
+    np.testing.assert_allclose(model["w"].numpy(), np.full((2, 3), 2.5))
+    np.testing.assert_allclose(model["b"].numpy(), np.ones(2))
+    # c + (|S|/N)·mean Δc_i = 1 + (2/4)·6 = 4
+    np.testing.assert_allclose(strategy.control["w"].numpy(), np.full((2, 3), 4.0))
+    np.testing.assert_allclose(strategy.control["b"].numpy(), np.full(2, 0.5))
+
+
+def test_replies_name_their_array_records():
+    reference = _arrays(GLOBAL)
+    with_control = _reply(GLOBAL, GLOBAL, 2, 1).content
+    assert reply_problem(with_control, reference, (CONTROL,)) is None
+    assert "expected ArrayRecords ['arrays']" in reply_problem(with_control, reference)  # FedAvg expects the model only
+    assert "got ['arrays']" in reply_problem(_reply(GLOBAL, None, 2, 1).content, reference, (CONTROL,))
+    strategy = _scaffold_server()
+    strategy._reference = reference
+    wrong_shape = _reply(GLOBAL, {"w": np.zeros((3, 2)), "b": np.ones(2)}, 2, 1).content
+    assert "'control' has shape (3, 2)" in strategy.reply_problem(wrong_shape)
+
+
+# --- MOON -------------------------------------------------------------------------------------
+
+
+def test_moon_loss_is_the_papers_formula_and_rewards_agreeing_with_the_global_model():
+    generator = torch.Generator().manual_seed(0)
+    z_glob, z_prev = torch.randn(5, 8, generator=generator), torch.randn(5, 8, generator=generator)
+    z = torch.randn(5, 8, generator=generator)
+    tau = 0.5
+
+    def formula(z):
+        positive = torch.exp(nn.functional.cosine_similarity(z, z_glob) / tau)
+        negative = torch.exp(nn.functional.cosine_similarity(z, z_prev) / tau)
+        return (-torch.log(positive / (positive + negative))).mean()
+
+    torch.testing.assert_close(contrastive_loss(z, z_glob, z_prev, tau), formula(z))
+    near_global = z_glob + 0.1 * torch.randn(5, 8, generator=generator)
+    near_previous = z_prev + 0.1 * torch.randn(5, 8, generator=generator)
+    assert contrastive_loss(near_global, z_glob, z_prev, tau) < math.log(2) < contrastive_loss(near_previous, z_glob, z_prev, tau)
+
+
+def test_moon_update_adds_mu_times_the_contrastive_term_once_a_previous_model_exists():
+    torch.manual_seed(0)
+    model, previous = build_model("small-mlp", (1, 8, 8), 10), build_model("small-mlp", (1, 8, 8), 10)
+    x, y = torch.randn(4, 1, 8, 8), torch.randint(0, 10, (4,))
+    config = RunConfig(moon_mu=2.0, moon_tau=0.5)
+    cross_entropy = nn.functional.cross_entropy(model(x), y)
+
+    first = MoonUpdate(config, _context())
+    first.begin(model)
+    torch.testing.assert_close(first.loss(model, x, y), cross_entropy)  # no previous model yet: CE alone
+
+    later = MoonUpdate(config, _context(**{MOON_STATE: to_arrays(previous)}))
+    later.begin(model)
+    with torch.no_grad():
+        model.classifier.bias.add_(1.0)  # the model trains away from the global copy taken in begin()
+        model.hidden[0].weight.mul_(1.5)
+    expected = nn.functional.cross_entropy(model(x), y) + 2.0 * contrastive_loss(
+        model.representation(x), first.global_model.representation(x), previous.representation(x), 0.5)
+    torch.testing.assert_close(later.loss(model, x, y), expected)
+
+
+def test_moon_keeps_the_trained_model_for_the_next_round():
+    model = build_model("small-mlp", (1, 8, 8), 10)
+    context = _context()
+    metrics = MoonUpdate(RunConfig(batch_size=4), context).train(
+        model, torch.randn(8, 1, 8, 8), torch.randint(0, 10, (8,)), torch.Generator().manual_seed(0), CPU)
+    assert metrics["has-previous-model"] == 0.0 and metrics["contrastive-loss"] == 0.0
+    stored = context.state[MOON_STATE].to_torch_state_dict()
+    for key, value in to_arrays(model).to_torch_state_dict().items():
+        assert torch.equal(stored[key], value)
+
+
+# --- two rounds in one simulation (slow: Ray starts, ~80 s each on two cores) ----------------
+# PANs are on here (pan-mode="mul", pan-a=0.1) so that these runs also show that both algorithms run with PAN
+# models; with PANs off the client and server code is the same, and the tests above use plain models.
+
+
+def _simulate(results: Path, strategy: str) -> list[dict]:
+    config = {"dataset": "digits", "num-server-rounds": 2, "partitioner": "iid", "strategy": strategy,
+              "pan-mode": "mul", "pan-a": 0.1, "results-dir": str(results), "min-available-nodes": 3}
+    run_simulation(server_app=build_server_app(config), client_app=build_client_app(config), num_supernodes=3,
+                   backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}})
+    (folder,) = results.iterdir()
+    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [0, 1, 2] and rows[2]["clients-trained"] == 3
+    assert rows[2]["accuracy"] > 0.5  # chance is 0.1; FedAvg reaches ~0.78 here
+    return rows
+
+
+@pytest.mark.slow
+def test_scaffold_control_variates_survive_between_rounds(tmp_path):
+    rows = _simulate(tmp_path, "scaffold")
+    assert rows[1]["control-norm-start"] == 0.0  # nothing stored before round 1
+    assert rows[2]["control-norm-start"] > 0.0  # round 2 starts from the c_i each client wrote in round 1
+    assert rows[2]["control-norm-start"] == pytest.approx(rows[1]["control-norm-end"])
+
+
+@pytest.mark.slow
+def test_moon_previous_model_survives_between_rounds(tmp_path):
+    rows = _simulate(tmp_path, "moon")
+    assert rows[1]["has-previous-model"] == 0.0 and rows[1]["contrastive-loss"] == 0.0
+    assert rows[2]["has-previous-model"] == 1.0 and rows[2]["contrastive-loss"] > 0.0

@@ -1,0 +1,216 @@
+"""Hydra sweeps: conf/ mirrors the run-config schema, bad sweeps stop before training, results are aggregated."""
+
+import csv
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from hydra import compose, initialize_config_dir
+from omegaconf import open_dict
+
+from fl_app import sweep_report
+from fl_app.config import ConfigError, default_run_config, parse_run_config
+from fl_app.sweep import (GROUP_CHOICES, HYDRA_TO_RUN_CONFIG, JOB_RECORD, SET_PER_JOB, hydra_to_run_config,
+                          job_settings, run_job, validate_sweep)
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "conf"
+TINY = ["dataset=digits", "sim.num_supernodes=2", "train.rounds=1"]
+
+
+def composed(overrides=()):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose("config", overrides=list(overrides), return_hydra_config=True)
+
+
+def sweep(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0"}
+    return subprocess.run([sys.executable, "-m", "fl_app.sweep", "-m", *overrides, f"hydra.sweep.dir={tmp_path}"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+
+
+def test_every_run_config_key_has_exactly_one_hydra_path():
+    mapped = [*HYDRA_TO_RUN_CONFIG.values(), *GROUP_CHOICES.values(), *SET_PER_JOB]
+    assert len(mapped) == len(set(mapped))
+    assert sorted(mapped) == sorted(default_run_config())
+
+
+def test_yaml_defaults_equal_schema_defaults():
+    """Compose the defaults and every strategy and model option file: each value must be the schema's default."""
+    defaults = default_run_config()
+    root = composed()
+    assert {group: root.hydra.runtime.choices[group] for group in GROUP_CHOICES} == {
+        group: defaults[key] for group, key in GROUP_CHOICES.items()}
+    seen = {}
+    for group in GROUP_CHOICES:
+        for option in sorted((CONF / group).glob("*.yaml")):
+            cfg = composed([f"{group}={option.stem}"])
+            values = hydra_to_run_config(cfg, cfg.hydra.runtime.choices)
+            for key in GROUP_CHOICES.values():
+                del values[key]
+            seen.update(values)
+    assert set(seen) == set(HYDRA_TO_RUN_CONFIG.values())  # no mapping row without a yaml value
+    assert seen == {key: defaults[key] for key in seen}
+
+
+def test_hydra_overrides_become_the_validated_run_config(tmp_path):
+    cfg = composed(["strategy=fedprox", "strategy.proximal_mu=0.1", "pan.mode=mul", "pan.t=4", "pan.a=0.05",
+                    "data.alpha=0.1", "seed=1", "sim.num_supernodes=7"])
+    config, sim = job_settings(cfg, cfg.hydra.runtime.choices, tmp_path)
+    assert (config.strategy, config.proximal_mu, config.pan_mode, config.pan_t, config.pan_a) == ("fedprox", 0.1, "mul", 4.0, 0.05)
+    assert (config.dirichlet_alpha, config.seed, config.min_available_nodes) == (0.1, 1, 7)
+    assert (config.results_dir, config.run_name) == (str(tmp_path.resolve()), "run")
+    assert sim.num_supernodes == 7
+    assert sim.backend_config()["client_resources"] == {"num_cpus": 1, "num_gpus": 0.0}
+
+
+@pytest.mark.parametrize(("override", "key", "value"), [("pan.a=-1", "pan-a", -1), ("strategy=nope", "strategy", "nope"),
+                                                        ("model=nope", "model", "nope"), ("data.alpha=0", "dirichlet-alpha", 0.0)])
+def test_a_bad_override_fails_with_the_schema_message(tmp_path, override, key, value):
+    with pytest.raises(ConfigError) as schema:
+        parse_run_config({key: value})
+    cfg = composed([override])
+    with pytest.raises(ConfigError) as error:
+        job_settings(cfg, cfg.hydra.runtime.choices, tmp_path)
+    assert str(error.value) == str(schema.value)
+
+
+@pytest.mark.parametrize(("override", "fragment"), [("+train.warmup=1", "'train.warmup'"),
+                                                    ("sim.num_supernodes=0", "'sim.num_supernodes' = 0"),
+                                                    ("sim.client_cpus=4 sim.ray_cpus=2", "sim.client_cpus")])
+def test_keys_outside_the_schema_are_checked_too(tmp_path, override, fragment):
+    cfg = composed(override.split())
+    with pytest.raises(ConfigError, match=fragment.replace(".", r"\.")):
+        job_settings(cfg, cfg.hydra.runtime.choices, tmp_path)
+
+
+@pytest.mark.parametrize(("sweep_override", "key", "value"), [("pan.a=0,-1", "pan-a", -1), ("strategy=fedavg,nope", "strategy", "nope")])
+def test_every_job_of_a_sweep_is_validated_before_it_runs(sweep_override, key, value):
+    with pytest.raises(ConfigError) as schema:
+        parse_run_config({key: value})
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("config", overrides=TINY, return_hydra_config=True)
+        with open_dict(cfg):
+            cfg.hydra.overrides.task = [*TINY, sweep_override, "seed=0,1"]
+        with pytest.raises(ConfigError) as error:
+            validate_sweep(cfg)
+        assert str(schema.value) in str(error.value)
+        with open_dict(cfg):
+            cfg.hydra.overrides.task = [*TINY, "pan.a=0,0.1", "strategy=fedavg,fedprox", "seed=0,1"]
+        assert validate_sweep(cfg) == 8
+
+
+def test_invalid_sweep_exits_before_any_job_starts(tmp_path):
+    result = sweep(tmp_path, *TINY, "pan.a=0,-1")
+    assert result.returncode != 0
+    with pytest.raises(ConfigError) as schema:
+        parse_run_config({"pan-a": -1})
+    assert str(schema.value) in result.stderr
+    assert "no job was started" in result.stderr
+    assert not list(tmp_path.glob("**/.hydra")) and not list(tmp_path.glob("**/run"))
+
+
+def test_a_job_that_cannot_run_is_recorded_as_failed_not_raised(tmp_path):
+    (tmp_path / "run").mkdir()  # an earlier run's folder: reusing it would mix two runs' metrics
+    cfg = composed(TINY)
+    record = run_job(cfg, cfg.hydra.runtime.choices, tmp_path)
+    assert record["status"] == "failed" and "FileExistsError" in record["error"]
+    assert json.loads((tmp_path / JOB_RECORD).read_text()) == record
+
+
+def _fake_job(folder: Path, overrides: list[str], status: str | None, final: float = 0.0, best: float = 0.0) -> None:
+    """A job folder as fl_app.sweep leaves it: Hydra's overrides record, job.json, the run's summary.json."""
+    (folder / ".hydra").mkdir(parents=True)
+    (folder / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
+    if status is None:  # the job died before writing its record
+        return
+    run = folder / "run"
+    record = {"status": status, "error": None if status == "completed" else "RuntimeError: boom",
+              "run-folder": str(run) if status == "completed" else None, "job-wall-time-s": 10.0 + final}
+    (folder / "job.json").write_text(json.dumps(record))
+    if status == "completed":
+        run.mkdir()
+        (run / "summary.json").write_text(json.dumps({"final-accuracy": final, "best-accuracy": best}))
+
+
+def test_report_averages_seeds_and_counts_failures(tmp_path):
+    finals = {("1", "0"): [0.5, 0.7], ("1", "0.1"): [0.6, 0.6], ("4", "0"): [0.8], ("4", "0.1"): [0.4, 0.5]}
+    for (t, a), values in finals.items():
+        for seed, final in enumerate(values):
+            _fake_job(tmp_path / f"pan.a={a},pan.t={t}" / f"seed={seed}", ["pan.mode=mul", f"pan.t={t}", f"pan.a={a}",
+                      f"seed={seed}"], "completed", final, final + 0.1)
+    _fake_job(tmp_path / "pan.a=0,pan.t=4" / "seed=1", ["pan.mode=mul", "pan.t=4", "pan.a=0", "seed=1"], "failed")
+    _fake_job(tmp_path / "pan.a=0,pan.t=4" / "seed=2", ["pan.mode=mul", "pan.t=4", "pan.a=0", "seed=2"], None)
+
+    report = sweep_report.write_report(tmp_path)
+
+    assert (report.jobs, report.failed, report.varying) == (9, 2, ["pan.t", "pan.a"])
+    with report.csv_path.open() as stream:
+        rows = {(row["pan.t"], row["pan.a"]): row for row in csv.DictReader(stream)}
+    assert set(rows) == set(finals)
+    for settings, values in finals.items():
+        row = rows[settings]
+        assert float(row["final-accuracy-mean"]) == pytest.approx(statistics.fmean(values))
+        assert float(row["best-accuracy-mean"]) == pytest.approx(statistics.fmean(values) + 0.1)
+        if len(values) == 1:
+            assert row["final-accuracy-std"] == ""  # a sample std needs two seeds
+        else:
+            assert float(row["final-accuracy-std"]) == pytest.approx(statistics.stdev(values))
+        assert int(row["seeds"]) == len(values)
+    assert rows[("4", "0")]["failed"] == "2" and rows[("1", "0")]["failed"] == "0"
+    table = report.markdown_path.read_text()
+    assert table.count("\n| ") == 4 + 1  # header and one row per configuration
+    assert "| 1 | 0 | 2 | 0 | 0.6000 ± 0.1414 |" in table
+    assert "`pan.mode=mul`" in table
+    assert report.heatmap_path is not None and report.heatmap_path.stat().st_size > 0
+
+
+def test_report_command_prints_the_table_and_refuses_an_empty_folder(tmp_path, capsys):
+    assert sweep_report.main([str(tmp_path)]) == 1
+    for seed in (0, 1):
+        _fake_job(tmp_path / f"seed={seed}", [f"seed={seed}"], "completed", 0.5 + seed / 10, 0.7)
+    assert sweep_report.main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "| 2 | 0 | 0.5500 ± 0.0707 | 0.7000 ± 0.0000 |" in out
+    assert not (tmp_path / "heatmap.png").exists()  # nothing but the seed was swept
+
+
+@pytest.mark.slow
+def test_two_by_two_sweep_writes_four_runs_and_a_four_row_table(tmp_path):
+    result = sweep(tmp_path, *TINY, "pan.mode=mul", "pan.t=1,4", "pan.a=0,0.1")
+    assert result.returncode == 0, result.stderr[-3000:]
+    summaries = sorted(tmp_path.glob("*/seed=0/run/summary.json"))
+    assert len(summaries) == 4  # one folder per configuration, the seed below it, the run folder inside the job's
+    assert {path.parts[-4] for path in summaries} == {
+        f"dataset=digits,pan.a={a},pan.mode=mul,pan.t={t},sim.num_supernodes=2,train.rounds=1"
+        for a in ("0", "0.1") for t in ("1", "4")}
+    with (tmp_path / "summary.csv").open() as stream:
+        rows = list(csv.DictReader(stream))
+    assert len(rows) == 4 and all(row["seeds"] == "1" and row["failed"] == "0" for row in rows)
+    assert all(float(row["final-accuracy-mean"]) > 0.2 for row in rows)  # chance is 0.1
+    assert (tmp_path / "summary.md").read_text().count("\n| ") == 5
+    assert (tmp_path / "heatmap.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_a_failed_job_is_reported_and_the_sweep_goes_on(tmp_path):
+    # The MNIST files exist (validation passes) but are not IDX files: that job fails while loading them.
+    raw = tmp_path / "data" / "MNIST" / "raw"
+    raw.mkdir(parents=True)
+    for name in ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"):
+        (raw / name).write_bytes(b"not an idx file")
+    result = sweep(tmp_path / "sweep", "sim.num_supernodes=2", "train.rounds=1", f"data.root={tmp_path / 'data'}",
+                   "dataset=mnist,digits")
+    assert result.returncode == 1
+    assert "1 of 2 sweep jobs failed" in result.stderr
+    with (tmp_path / "sweep" / "summary.csv").open() as stream:
+        rows = {row["dataset"]: row for row in csv.DictReader(stream)}
+    assert (rows["mnist"]["seeds"], rows["mnist"]["failed"]) == ("0", "1")
+    assert (rows["digits"]["seeds"], rows["digits"]["failed"]) == ("1", "0")  # the job after the failure ran
+    (record,) = (tmp_path / "sweep").glob("*dataset=mnist*/seed=0/job.json")
+    assert json.loads(record.read_text())["status"] == "failed"
