@@ -72,6 +72,7 @@ class RunConfig:
     match_reference: str = "global"
     match_iterations: int = 3
     retrain_epochs: int = 1
+    log_divergence: bool = False
     seed: int = 0
     device: str = "auto"
     results_dir: str = ""

@@ -21,7 +21,9 @@ from flwr.app import ArrayRecord, MetricRecord, RecordDict
 from flwr.common.logger import log
 from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 
+from fl_app.analysis.divergence import divergence_by_layer, weight_divergence
 from fl_app.config import RunConfig, results_root
+from strategies.base import MODEL_RECORD
 
 GlobalEvaluation = Callable[[ArrayRecord], tuple[float, float]]
 
@@ -34,6 +36,7 @@ def make_run_folder(config: RunConfig) -> Path:
     )
     folder = (results_root(config) / name).resolve()
     folder.mkdir(parents=True, exist_ok=bool(config.run_name))
+    (folder / "metrics.jsonl").unlink(missing_ok=True)  # a reused run-name starts its metrics afresh
     return folder
 
 
@@ -76,6 +79,13 @@ def _client_mean(records: list[RecordDict], weight_key: str) -> MetricRecord:
     return aggregated
 
 
+def _layer_divergence(records: list[RecordDict], weight_key: str) -> dict[str, float]:
+    """Per layer, the example-weighted mean over this round's clients of ‖W_k − mean W‖² (PANs paper)."""
+    states = [record[MODEL_RECORD].to_torch_state_dict() for record in records]
+    weights = [float(next(iter(record.metric_records.values()))[weight_key]) for record in records]
+    return divergence_by_layer(weight_divergence(states, weights))
+
+
 @dataclass
 class RoundRecorder:
     """Collects each round's client and server metrics and writes them as one JSON line.
@@ -86,6 +96,7 @@ class RoundRecorder:
 
     folder: Path
     evaluate_global: GlobalEvaluation
+    log_divergence: bool = False
     started: float = field(default_factory=time.time)
     rows: list[dict[str, Any]] = field(default_factory=list)
     _pending: dict[str, Any] = field(default_factory=dict)
@@ -95,6 +106,8 @@ class RoundRecorder:
     def aggregate_train(self, records: list[RecordDict], weight_key: str) -> MetricRecord:
         aggregated = _client_mean(records, weight_key)
         self._pending.update({"clients-trained": len(records), **aggregated})
+        if self.log_divergence:
+            self._pending["weight-divergence"] = _layer_divergence(records, weight_key)
         return aggregated
 
     def aggregate_evaluate(self, records: list[RecordDict], weight_key: str) -> MetricRecord:

@@ -47,7 +47,7 @@ def run_experiment(grid: Grid, config: RunConfig) -> dict[str, Any]:
         load_arrays(model, arrays)
         return evaluate(model, dataset.test_x, dataset.test_y, device)
 
-    recorder = RoundRecorder(folder, evaluate_global)
+    recorder = RoundRecorder(folder, evaluate_global, log_divergence=config.log_divergence)
     wait_for_nodes(grid, config.min_available_nodes)
     strategy = entry.build_server(config, MetricAggregation(recorder.aggregate_train, recorder.aggregate_evaluate))
     result = strategy.start(grid, initial_arrays, num_rounds=config.num_server_rounds,

@@ -1,0 +1,139 @@
+"""PANs off versus on, under FedAvg across Dirichlet α and under five algorithms at small α (issue 3).
+
+Each run is one in-process Flower simulation (the same ServerApp/ClientApp as
+``flwr run``) writing its own run folder; finished runs are skipped, so the
+script can be stopped and resumed. ``--report`` turns the run folders into a
+Markdown table (mean ± std over seeds of the final accuracy and of the best
+accuracy over the last 5 rounds) and a plot.
+
+    python benchmarks/pan_experiment.py --part alpha --seeds 0 1 2
+    python benchmarks/pan_experiment.py --part algorithms --seeds 0 1 2
+    python benchmarks/pan_experiment.py --report
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+DEFAULT_OUT = HERE / "runs" / "pan"
+
+PAN_SETTINGS: dict[str, dict[str, Any]] = {
+    "off": {"pan-mode": "off", "pan-t": 1.0, "pan-a": 0.0},
+    "mul T=1 A=0.1": {"pan-mode": "mul", "pan-t": 1.0, "pan-a": 0.1},
+    "add T=1 A=0.15": {"pan-mode": "add", "pan-t": 1.0, "pan-a": 0.15},
+}
+ALPHAS = (0.1, 1.0, 10.0)
+ALGORITHMS = ("fedavg", "fedprox", "fedavgm", "scaffold", "moon")
+
+
+def planned_runs(part: str, seeds: list[int]) -> list[dict[str, Any]]:
+    """The grid of one part, as run-config overrides (without the shared scale settings)."""
+    if part == "alpha":
+        grid = [("fedavg", pan, alpha) for pan in PAN_SETTINGS for alpha in ALPHAS]
+    else:
+        grid = [(algo, pan, 0.1) for algo in ALGORITHMS for pan in ("off", "mul T=1 A=0.1")]
+    return [{"strategy": algo, "dirichlet-alpha": alpha, "seed": seed, **PAN_SETTINGS[pan], "_pan": pan}
+            for algo, pan, alpha in grid for seed in seeds]
+
+
+def run_name(run: dict[str, Any]) -> str:
+    pan = run["_pan"].replace(" ", "_").replace("=", "")
+    return f"{run['strategy']}__{pan}__alpha{run['dirichlet-alpha']}__seed{run['seed']}"
+
+
+def simulate(run: dict[str, Any], scale: dict[str, Any], out: Path) -> None:
+    """One in-process simulation with the product's apps (Flower shuts Ray down after each)."""
+    from flwr.simulation import run_simulation
+
+    from fl_app.client_app import build_client_app
+    from fl_app.server_app import build_server_app
+
+    overrides = {k: v for k, v in run.items() if not k.startswith("_")}
+    overrides.update({"num-server-rounds": scale["rounds"], "results-dir": str(out), "run-name": run_name(run),
+                      "min-available-nodes": scale["clients"], "fraction-train": scale["fraction"],
+                      "fraction-evaluate": scale["fraction"]})
+    run_simulation(server_app=build_server_app(overrides), client_app=build_client_app(overrides),
+                   num_supernodes=scale["clients"],
+                   backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}})
+
+
+def _mean_std(values: list[float]) -> str:
+    if not values:
+        return "—"
+    std = statistics.stdev(values) if len(values) > 1 else 0.0
+    return f"{100 * statistics.mean(values):.2f} ± {100 * std:.2f}"
+
+
+def report(out: Path) -> str:
+    """Markdown table over every finished run folder, one row per (algorithm, PANs, α)."""
+    groups: dict[tuple[str, str, float], list[dict[str, Any]]] = {}
+    for summary_path in sorted(out.glob("*/summary.json")):
+        config = json.loads((summary_path.parent / "config.json").read_text())
+        pan = next(name for name, keys in PAN_SETTINGS.items()
+                   if all(config[k] == v for k, v in keys.items()))
+        key = (config["strategy"], pan, config["dirichlet-alpha"])
+        groups.setdefault(key, []).append(json.loads(summary_path.read_text()))
+    lines = ["| algorithm | PANs | α | seeds | final accuracy (%) | best of last 5 rounds (%) |",
+             "|---|---|---|---|---|---|"]
+    for (algo, pan, alpha), runs in sorted(groups.items()):
+        lines.append(f"| {algo} | {pan} | {alpha} | {len(runs)} | "
+                     f"{_mean_std([r['final-accuracy'] for r in runs])} | "
+                     f"{_mean_std([r['last-5-best-accuracy'] for r in runs])} |")
+    _plot(groups, out / "pan_experiment.png")
+    return "\n".join(lines)
+
+
+def _plot(groups: dict[tuple[str, str, float], list[dict[str, Any]]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for pan in PAN_SETTINGS:
+        points = sorted((alpha, statistics.mean(r["last-5-best-accuracy"] for r in runs))
+                        for (algo, p, alpha), runs in groups.items() if algo == "fedavg" and p == pan)
+        if points:
+            ax.plot(*zip(*points), marker="o", label=f"FedAvg, PANs {pan}")
+    ax.set(xscale="log", xlabel="Dirichlet α", ylabel="best accuracy of last 5 rounds",
+           title="FedAvg on Fashion-MNIST (MLP): PANs off vs on")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--part", choices=("alpha", "algorithms"))
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--clients", type=int, default=10)
+    parser.add_argument("--fraction", type=float, default=1.0, help="fraction of clients per round")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--report", action="store_true", help="aggregate the finished runs and exit")
+    args = parser.parse_args()
+    out = args.out.resolve()
+    if args.report:
+        print(report(out))
+        return
+    if args.part is None:
+        parser.error("--part is required unless --report is given")
+    scale = {"clients": args.clients, "fraction": args.fraction, "rounds": args.rounds}
+    for run in planned_runs(args.part, args.seeds):
+        if (out / run_name(run) / "summary.json").exists():
+            continue
+        started = time.time()
+        simulate(run, scale, out)
+        print(f"[pan-experiment] {run_name(run)} done in {time.time() - started:.0f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()

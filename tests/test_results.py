@@ -1,0 +1,57 @@
+"""The round recorder: one JSON line per round, client means, divergence logging, the summary."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import ArrayRecord, MetricRecord, RecordDict
+
+from fl_app.results import RoundRecorder
+
+
+def _train_record(value: float, examples: int) -> RecordDict:
+    return RecordDict({"arrays": ArrayRecord({"layer.weight": torch.full((2, 2), value)}),
+                       "metrics": MetricRecord({"num-examples": examples, "train-loss": value, "partition-id": 0})})
+
+
+def _eval_record(partition: int, accuracy: float, examples: int) -> RecordDict:
+    return RecordDict({"metrics": MetricRecord({"num-examples": examples, "local-accuracy": accuracy,
+                                                "local-loss": 1.0, "partition-id": partition})})
+
+
+def test_a_round_becomes_one_line_with_client_means(tmp_path):
+    recorder = RoundRecorder(tmp_path, lambda arrays: (0.5, 0.75))
+    recorder.aggregate_train([_train_record(1.0, 1), _train_record(3.0, 3)], "num-examples")
+    recorder.aggregate_evaluate([_eval_record(0, 0.2, 10), _eval_record(1, 0.8, 30), _eval_record(2, 0.0, 0)],
+                                "num-examples")
+    recorder.evaluate(1, ArrayRecord())
+    (row,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert row["round"] == 1 and row["accuracy"] == 0.75 and row["loss"] == 0.5
+    assert row["train-loss"] == pytest.approx(2.5)  # weighted by examples: (1 + 9) / 4
+    assert row["clients-trained"] == 2
+    assert row["clients-evaluated"] == 2  # the client with an empty local test split is left out
+    assert row["local-accuracy-mean"] == pytest.approx(0.5)
+    assert row["local-accuracy-weighted"] == pytest.approx(0.65)
+    assert row["local-accuracy-per-client"] == {"0": 0.2, "1": 0.8}
+    assert "weight-divergence" not in row
+
+
+def test_weight_divergence_is_logged_when_asked(tmp_path):
+    recorder = RoundRecorder(tmp_path, lambda arrays: (0.0, 0.0), log_divergence=True)
+    recorder.aggregate_train([_train_record(1.0, 1), _train_record(3.0, 1)], "num-examples")
+    recorder.evaluate(1, ArrayRecord())
+    row = json.loads((tmp_path / "metrics.jsonl").read_text())
+    # mean 2, each of 4 entries is 1 away: ‖·‖² = 4 for both clients
+    assert row["weight-divergence"] == {"layer": pytest.approx(4.0)}
+
+
+def test_summary_reads_final_best_and_last_five(tmp_path):
+    accuracies = iter([0.1, 0.5, 0.9, 0.6, 0.7, 0.65, 0.8])
+    recorder = RoundRecorder(tmp_path, lambda arrays: (1.0, next(accuracies)))
+    for server_round in range(7):
+        recorder.evaluate(server_round, ArrayRecord())
+    summary = recorder.summary()
+    assert summary["final-accuracy"] == 0.8 and summary["best-accuracy"] == 0.9 and summary["best-round"] == 2
+    assert summary["last-5-best-accuracy"] == 0.9
+    assert summary["last-5-mean-accuracy"] == pytest.approx(np.mean([0.9, 0.6, 0.7, 0.65, 0.8]))
