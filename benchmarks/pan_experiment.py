@@ -33,13 +33,17 @@ ALGORITHMS = ("fedavg", "fedprox", "fedavgm", "scaffold", "moon")
 
 
 def planned_runs(part: str, seeds: list[int]) -> list[dict[str, Any]]:
-    """The grid of one part, as run-config overrides (without the shared scale settings)."""
+    """The grid of one part, as run-config overrides (without the shared scale settings).
+
+    Seeds are the outer loop and PAN settings the inner one, so a stopped run still
+    leaves complete off/on comparisons for the seeds it finished.
+    """
     if part == "alpha":
-        grid = [("fedavg", pan, alpha) for pan in PAN_SETTINGS for alpha in ALPHAS]
+        grid = [("fedavg", pan, alpha) for alpha in ALPHAS for pan in PAN_SETTINGS]
     else:
         grid = [(algo, pan, 0.1) for algo in ALGORITHMS for pan in ("off", "mul T=1 A=0.1")]
     return [{"strategy": algo, "dirichlet-alpha": alpha, "seed": seed, **PAN_SETTINGS[pan], "_pan": pan}
-            for algo, pan, alpha in grid for seed in seeds]
+            for seed in seeds for algo, pan, alpha in grid]
 
 
 def run_name(run: dict[str, Any]) -> str:
