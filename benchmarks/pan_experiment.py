@@ -8,7 +8,7 @@ accuracy over the last 5 rounds) and a plot.
 
     python benchmarks/pan_experiment.py --part alpha --seeds 0 1 2
     python benchmarks/pan_experiment.py --part algorithms --seeds 0 1 2
-    python benchmarks/pan_experiment.py --report
+    python benchmarks/pan_experiment.py --report --seeds 0 1 2
 """
 
 from __future__ import annotations
@@ -74,11 +74,13 @@ def _mean_std(values: list[float]) -> str:
     return f"{100 * statistics.mean(values):.2f} ± {100 * std:.2f}"
 
 
-def report(out: Path) -> str:
-    """Markdown table over every finished run folder, one row per (algorithm, PANs, α)."""
+def report(out: Path, seeds: list[int]) -> str:
+    """Markdown table over the finished runs of ``seeds``, one row per (algorithm, PANs, α)."""
     groups: dict[tuple[str, str, float], list[dict[str, Any]]] = {}
     for summary_path in sorted(out.glob("*/summary.json")):
         config = json.loads((summary_path.parent / "config.json").read_text())
+        if config["seed"] not in seeds:
+            continue
         pan = next(name for name, keys in PAN_SETTINGS.items()
                    if all(config[k] == v for k, v in keys.items()))
         key = (config["strategy"], pan, config["dirichlet-alpha"])
@@ -126,7 +128,7 @@ def main() -> None:
     args = parser.parse_args()
     out = args.out.resolve()
     if args.report:
-        print(report(out))
+        print(report(out, args.seeds))
         return
     if args.part is None:
         parser.error("--part is required unless --report is given")
