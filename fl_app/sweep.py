@@ -51,6 +51,7 @@ HYDRA_TO_RUN_CONFIG: dict[str, str] = {
     "dataset": "dataset",
     "seed": "seed",
     "device": "device",
+    "log_divergence": "log-divergence",
     "strategy.proximal_mu": "proximal-mu",
     "strategy.server_lr": "server-lr",
     "strategy.server_momentum": "server-momentum",

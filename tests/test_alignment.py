@@ -21,15 +21,6 @@ SHAPE = (1, 8, 8)
 PAN_ON = PanSettings(mode="mul", period=1.0, amplitude=0.5)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """One intra-op thread: on a shared 2-core machine, two threads run ~10x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _state(name: str, pan: PanSettings | None = None, seed: int = 1) -> tuple:
     """A model's spec and state, with per-channel normalisation entries made distinct.
 

@@ -36,15 +36,6 @@ DIGITS = (1, 8, 8)
 PAN_MUL = PanSettings("mul", 1.0, 0.5)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """One intra-op thread: the machine's 2 cores are shared."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def digits():
     return load_dataset("digits")

@@ -66,14 +66,11 @@ def test_launcher_runs_flwr_and_reports_success(tmp_path, capsys):
 
 
 def test_launcher_exits_nonzero_when_the_run_fails(tmp_path):
-    # The files exist (so the launcher's pre-check passes) but are not MNIST: the ServerApp fails to load them.
-    raw = tmp_path / "data" / "MNIST" / "raw"
-    raw.mkdir(parents=True)
-    for name in ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"):
-        (raw / name).write_bytes(b"not an idx file")
+    # Valid keys, so the launcher's pre-checks pass, but the psinet strategy refuses a non-Ψ-Net
+    # model when the ServerApp builds it: the run fails after submission, where `flwr run` would exit 0.
     code = launch.main(["--num-supernodes", "2", "--run-config",
-                        f'dataset="mnist" data-root="{tmp_path / "data"}" num-server-rounds=1 '
-                        f'results-dir="{tmp_path / "results"}" run-name="bad"'])
+                        f'dataset="digits" strategy="psinet" model="mlp" num-server-rounds=1 '
+                        f'results-dir="{tmp_path}" run-name="bad"'])
     assert code == 1
 
 

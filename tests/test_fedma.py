@@ -19,14 +19,6 @@ from strategies.fedma import CLASS_COUNTS, STAGE, FedMAUpdate, completion_plan, 
 NUM_CLASSES = 10
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _model(name: str = "small-mlp", seed: int = 0):
     torch.manual_seed(seed)
     return build_model(name, (1, 8, 8), NUM_CLASSES)

@@ -20,14 +20,6 @@ from strategies.base import MetricAggregation
 PAN_ON = {"pan_mode": "mul", "pan_t": 1.0, "pan_a": 0.5}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _reply(state: dict[str, torch.Tensor], examples: int, node: int):
     content = RecordDict({"arrays": ArrayRecord({k: v.clone() for k, v in state.items()}),
                           "metrics": MetricRecord({"num-examples": examples})})

@@ -13,14 +13,6 @@ from fl_app.data import load_dataset
 from models import build_model, permute_state, random_permutations
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def test_a_model_merged_with_its_permuted_copy_scores_like_the_model():
     digits = load_dataset("digits")
     torch.manual_seed(0)

@@ -31,15 +31,6 @@ ALL_MODELS = list_models()
 PAN_ON = PanSettings(mode="mul", period=1.0, amplitude=0.5)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """One intra-op thread: on a shared 2-core machine, two threads run ~10x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _inputs(shape: tuple[int, int, int], batch: int = 2, seed: int = 0) -> torch.Tensor:
     return torch.randn((batch, *shape), generator=torch.Generator().manual_seed(seed))
 

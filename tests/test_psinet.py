@@ -25,15 +25,6 @@ DIGITS = (1, 8, 8)
 PAN_ON = PanSettings(mode="mul", period=1.0, amplitude=0.5)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """One intra-op thread: the machine's two cores are shared."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _batch(label: int, size: int = 4, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     x = torch.randn((size, *DIGITS), generator=torch.Generator().manual_seed(seed))
     return x, torch.full((size,), label, dtype=torch.long)

@@ -26,15 +26,6 @@ from strategies.scaffold import CONTROL, STATE_KEY as SCAFFOLD_STATE, ScaffoldUp
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """One intra-op thread: the test machine's two cores are shared."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _context(**state) -> SimpleNamespace:
     return SimpleNamespace(state=RecordDict(state))
 

@@ -15,14 +15,6 @@ from strategies.alignment import find_permutations, list_costs
 SHAPE = (1, tokens.LENGTH, tokens.VOCABULARY)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _model(norm_first: bool, pan: PanSettings | None = None) -> Transformer1:
     """A small transformer with every LayerNorm entry made distinct, in eval mode."""
     torch.manual_seed(0)

@@ -231,6 +231,15 @@ def write_json(path: Path, payload: Mapping[str, Any]) -> Path:
     return path
 
 
+def save_outputs(out: Path, name: str, payload: Mapping[str, Any], fig: Any) -> list[Path]:
+    """Every tool's two outputs: ``<name>.json`` and ``<name>.png`` (the figure is closed after)."""
+    json_path = write_json(out / f"{name}.json", payload)
+    png_path = out / f"{name}.png"
+    fig.savefig(png_path, dpi=110)
+    pyplot().close(fig)
+    return [json_path, png_path]
+
+
 def _jsonable(value: Any) -> Any:
     """Tensors and paths in payloads: lists and strings; NaN stays JSON's NaN."""
     if isinstance(value, Tensor):

@@ -42,7 +42,7 @@ from fl_app.analysis.common import (
     load_run_model,
     pan_settings,
     pyplot,
-    write_json,
+    save_outputs,
 )
 from fl_app.analysis.preference import DEFAULT_SAMPLES_PER_CLASS, preference_vectors
 
@@ -116,11 +116,7 @@ def run(args: argparse.Namespace, out: Path) -> list[Path]:
     ax.set(ylabel="total variance (Eq. 5)", title=f"{loaded.source}")
     ax.legend()
     fig.tight_layout()
-    json_path = write_json(out / "depth.json", payload)
-    png_path = out / "depth.png"
-    fig.savefig(png_path, dpi=110)
-    plt.close(fig)
-    return [json_path, png_path]
+    return save_outputs(out, "depth", payload, fig)
 
 
 COMMAND = Subcommand(

@@ -36,7 +36,7 @@ from fl_app.analysis.common import (
     check_model_path,
     pyplot,
     read_state,
-    write_json,
+    save_outputs,
 )
 
 
@@ -147,11 +147,7 @@ def run(args: argparse.Namespace, out: Path) -> list[Path]:
     ax.set(ylabel="mean ||W_k - mean W||^2", title=f"weight divergence over {len(paths)} models")
     ax.grid(alpha=0.3, axis="y")
     fig.tight_layout()
-    json_path = write_json(out / "weight-divergence.json", payload)
-    png_path = out / "weight-divergence.png"
-    fig.savefig(png_path, dpi=110)
-    plt.close(fig)
-    return [json_path, png_path]
+    return save_outputs(out, "weight-divergence", payload, fig)
 
 
 COMMAND = Subcommand(

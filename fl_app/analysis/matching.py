@@ -50,8 +50,8 @@ from fl_app.analysis.common import (
     load_run_model,
     pan_settings,
     pyplot,
+    save_outputs,
     select_samples,
-    write_json,
 )
 from fl_app.analysis.shuffle import draw_permutations, kept_ratio, permuted_copy
 from fl_app.analysis.units import capture_units, group_sizes
@@ -208,11 +208,7 @@ def run(args: argparse.Namespace, out: Path) -> list[Path]:
     ax.set(ylim=(0, 1.05), ylabel="units assigned to their own index", title=f"matching ratio, m = {len(x)}")
     ax.grid(alpha=0.3, axis="y")
     fig.tight_layout()
-    json_path = write_json(out / "matching-ratio.json", payload)
-    png_path = out / "matching-ratio.png"
-    fig.savefig(png_path, dpi=110)
-    plt.close(fig)
-    return [json_path, png_path]
+    return save_outputs(out, "matching-ratio", payload, fig)
 
 
 COMMAND = Subcommand(

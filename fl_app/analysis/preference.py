@@ -43,7 +43,7 @@ from fl_app.analysis.common import (
     load_run_model,
     pan_settings,
     pyplot,
-    write_json,
+    save_outputs,
 )
 from fl_app.analysis.units import capture_units, group_sizes
 
@@ -165,11 +165,7 @@ def run(args: argparse.Namespace, out: Path) -> list[Path]:
         ax.set(xlabel="class", ylabel="unit", title=f"model {name}: {layer}")
         fig.colorbar(image, ax=ax, shrink=0.8)
     fig.tight_layout()
-    json_path = write_json(out / "preference-vectors.json", payload)
-    png_path = out / "preference-vectors.png"
-    fig.savefig(png_path, dpi=110)
-    plt.close(fig)
-    return [json_path, png_path]
+    return save_outputs(out, "preference-vectors", payload, fig)
 
 
 COMMAND = Subcommand(

@@ -53,7 +53,7 @@ from fl_app.analysis.common import (
     check_unit_interval,
     load_run_model,
     pyplot,
-    write_json,
+    save_outputs,
 )
 from fl_app.analysis.units import spec_of
 from fl_app.data import dataset_info
@@ -392,11 +392,7 @@ def _save(out: Path, payload: dict, fig, plt) -> list[Path]:
     for axis in fig.axes:
         axis.grid(alpha=0.3)
     fig.tight_layout()
-    json_path = write_json(out / "shuffle-test.json", payload)
-    png_path = out / "shuffle-test.png"
-    fig.savefig(png_path, dpi=110)
-    plt.close(fig)
-    return [json_path, png_path]
+    return save_outputs(out, "shuffle-test", payload, fig)
 
 
 COMMAND = Subcommand(
