@@ -188,6 +188,17 @@ def fresh_model(name: str, dataset_name: str, pan: PanSettings, seed: int, data_
     return LoadedModel(model.eval(), dataset, f"fresh {name} (seed {seed})", pan)
 
 
+def run_or_fresh_model(run: str | None, option: str, args: argparse.Namespace) -> LoadedModel:
+    """The model of a run folder given as ``option``, or a fresh one from ``--model``: exactly one of them."""
+    if (run is None) == (args.model is None):
+        raise AnalysisError(f"give exactly one of {option} (a run) or --model (a fresh network)")
+    if run is not None:
+        check_model_path(run)
+        return load_run_model(run)
+    return fresh_model(args.model, args.dataset, pan_settings(args.pan_mode, args.pan_t, args.pan_a),
+                       args.seed, args.data_root)
+
+
 def pan_settings(mode: str, period: float, amplitude: float) -> PanSettings:
     """PanSettings from CLI values, with the CLI's option names in the errors."""
     check_choice("--pan-mode", mode, PAN_MODES)

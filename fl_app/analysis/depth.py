@@ -35,13 +35,9 @@ from fl_app.analysis.common import (
     Subcommand,
     add_common_arguments,
     add_fresh_model_arguments,
-    check_fresh_model,
-    check_model_path,
     check_positive_int,
-    fresh_model,
-    load_run_model,
-    pan_settings,
     pyplot,
+    run_or_fresh_model,
     save_outputs,
 )
 from fl_app.analysis.preference import DEFAULT_SAMPLES_PER_CLASS, preference_vectors
@@ -83,15 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace, out: Path) -> list[Path]:
     check_positive_int("--samples-per-class", args.samples_per_class)
-    if (args.model_a is None) == (args.model is None):
-        raise AnalysisError("give exactly one of --model-a (a run) or --model (a fresh network)")
-    if args.model_a is not None:
-        check_model_path(args.model_a)
-        loaded = load_run_model(args.model_a)
-    else:
-        check_fresh_model(args.model, args.dataset)
-        pan = pan_settings(args.pan_mode, args.pan_t, args.pan_a)
-        loaded = fresh_model(args.model, args.dataset, pan, args.seed, args.data_root)
+    loaded = run_or_fresh_model(args.model_a, "--model-a", args)
     data = loaded.dataset
     prefs = preference_vectors(loaded.model, data.test_x, data.test_y, data.num_classes,
                                samples_per_class=args.samples_per_class)

@@ -42,14 +42,12 @@ from fl_app.analysis.common import (
     Subcommand,
     add_common_arguments,
     add_fresh_model_arguments,
-    check_fresh_model,
     check_model_path,
     check_positive_int,
     check_unit_interval,
-    fresh_model,
     load_run_model,
-    pan_settings,
     pyplot,
+    run_or_fresh_model,
     save_outputs,
     select_samples,
 )
@@ -167,18 +165,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, out: Path) -> list[Path]:
     check_positive_int("--samples", args.samples)
     check_unit_interval("--p-sf", args.p_sf)
-    if (args.global_model is None) == (args.model is None):
-        raise AnalysisError("give exactly one of --global-model (a run) or --model (a fresh network)")
-    if args.global_model is not None:
-        check_model_path(args.global_model)
-    else:
-        check_fresh_model(args.model, args.dataset)
-        pan = pan_settings(args.pan_mode, args.pan_t, args.pan_a)
     if args.local_model is not None:
         check_model_path(args.local_model)
-
-    glob = load_run_model(args.global_model) if args.global_model else fresh_model(
-        args.model, args.dataset, pan, args.seed, args.data_root)
+    glob = run_or_fresh_model(args.global_model, "--global-model", args)
     kept = None
     if args.local_model is not None:
         local = load_run_model(args.local_model)

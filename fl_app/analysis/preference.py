@@ -36,13 +36,11 @@ from fl_app.analysis.common import (
     Subcommand,
     add_common_arguments,
     add_fresh_model_arguments,
-    check_fresh_model,
     check_model_path,
     check_positive_int,
-    fresh_model,
     load_run_model,
-    pan_settings,
     pyplot,
+    run_or_fresh_model,
     save_outputs,
 )
 from fl_app.analysis.units import capture_units, group_sizes
@@ -122,18 +120,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace, out: Path) -> list[Path]:
     check_positive_int("--samples-per-class", args.samples_per_class)
-    if (args.model_a is None) == (args.model is None):
-        raise AnalysisError("give exactly one of --model-a (a run) or --model (a fresh network)")
-    if args.model_a is not None:
-        check_model_path(args.model_a)
-    else:
-        check_fresh_model(args.model, args.dataset)
-        pan = pan_settings(args.pan_mode, args.pan_t, args.pan_a)
     if args.model_b is not None:
         check_model_path(args.model_b)
-
-    first = load_run_model(args.model_a) if args.model_a else fresh_model(
-        args.model, args.dataset, pan, args.seed, args.data_root)
+    first = run_or_fresh_model(args.model_a, "--model-a", args)
     groups = list(group_sizes(first.model))
     layer = args.layer if args.layer is not None else groups[-1]
     if layer not in groups:
