@@ -16,7 +16,9 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -30,6 +32,7 @@ from typing import Any
 
 import httpx
 
+from fl_app.checkpoint import resume_checkpoint
 from fl_app.config import ConfigError, RunConfig, parse_run_config, results_root
 from fl_app.data import DatasetMissingError, check_dataset_available, partition_dataset
 
@@ -71,7 +74,8 @@ def to_toml_pairs(values: dict[str, Any]) -> str:
     return " ".join(f"{key}={json.dumps(value)}" for key, value in values.items())
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -83,8 +87,8 @@ def flower_environment(flwr_home: Path) -> dict[str, str]:
     env.update({
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
         "FLWR_HOME": str(flwr_home),
-        "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(_free_port()),
-        "FLWR_LOCAL_CONTROL_API_PORT": str(_free_port()),
+        "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(free_port()),
+        "FLWR_LOCAL_CONTROL_API_PORT": str(free_port()),
         "FLWR_TELEMETRY_ENABLED": "0",
         "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
         "FLWR_DISABLE_UPDATE_CHECK": "1",
@@ -110,35 +114,48 @@ def local_superlink(env: dict[str, str], startup_timeout_s: float = 60.0) -> Ite
                                stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         deadline = time.monotonic() + startup_timeout_s
-        while not _healthy(port):
+        while not healthy(f"http://127.0.0.1:{port}/health"):
             if process.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"flower-superlink did not start; see {home / 'local-superlink' / 'superlink.log'}")
             time.sleep(0.25)
         yield
     finally:
-        _stop(process)
+        stop_process_groups([process])
 
 
-def _healthy(port: str) -> bool:
+def healthy(url: str, verify: ssl.SSLContext | bool = True) -> bool:
+    """Whether a Flower HTTP API answers its health endpoint ``url`` (``verify``: how to trust its TLS)."""
     try:
-        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=1.0).is_success
+        return httpx.get(url, timeout=1.0, verify=verify).is_success
     except httpx.HTTPError:
         return False
 
 
-def _stop(process: subprocess.Popen) -> None:
-    """Terminate the SuperLink's process group (it owns the simulation processes), then make sure."""
-    if process.poll() is not None:
-        return
-    os.killpg(process.pid, 15)
+def stop_process_groups(processes: list[subprocess.Popen], grace_s: float = 20.0) -> None:
+    """Terminate the process groups these processes lead (started with ``start_new_session``; they own
+    their children, e.g. simulation or app processes), all at once; kill what is left after ``grace_s``.
+    A process already reaped is skipped, so no group id that could have been reused is signalled."""
+    running = [process for process in processes if process.poll() is None]
+    for process in running:
+        _signal_group(process, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for process in running:
+        try:
+            process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            _signal_group(process, signal.SIGKILL)
+            process.wait()
+
+
+def _signal_group(process: subprocess.Popen, signum: int) -> None:
     try:
-        process.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, 9)
-        process.wait()
+        os.killpg(process.pid, signum)
+    except ProcessLookupError:  # the whole group has exited meanwhile
+        pass
 
 
-def _flwr(args: list[str], env: dict[str, str], capture: bool = True) -> subprocess.CompletedProcess:
+def flwr_cli(args: list[str], env: dict[str, str], capture: bool = True) -> subprocess.CompletedProcess:
+    """Run ``flwr ARGS`` from the project root (``flwr run .`` builds the app from there)."""
     return subprocess.run(["flwr", *args], env=env, cwd=PROJECT_ROOT, text=True,
                           capture_output=capture, check=False)
 
@@ -147,7 +164,7 @@ def run_status(run_id: str, env: dict[str, str]) -> tuple[str, str]:
     """``(status, details)`` of a run, waiting until it is finished (the status may lag the log)."""
     deadline = time.monotonic() + STATUS_TIMEOUT_S
     while True:
-        listing = _flwr(["ls", "--run-id", run_id, "--format", "json"], env)
+        listing = flwr_cli(["ls", "--run-id", run_id, "--format", "json"], env)
         try:
             run = json.loads(listing.stdout)["runs"][0]
             status, details = run["status"], run.get("status-details", "")
@@ -158,10 +175,11 @@ def run_status(run_id: str, env: dict[str, str]) -> tuple[str, str]:
         time.sleep(1.0)
 
 
-def submit_and_follow(config: RunConfig, federation: str, env: dict[str, str]) -> tuple[str, str]:
-    """Submit the run, stream its log to this terminal, and return its final status."""
-    submitted = _flwr(["run", str(PROJECT_ROOT), "--format", "json", "--run-config",
-                       to_toml_pairs(config.to_run_config()), "--federation-config", federation], env)
+def submit_and_follow(config: RunConfig, env: dict[str, str], run_args: list[str]) -> tuple[str, str]:
+    """Submit the run with ``flwr run PROJECT RUN_ARGS`` (a SuperLink connection name, federation
+    settings), stream its log to this terminal, and return its final status."""
+    submitted = flwr_cli(["run", str(PROJECT_ROOT), *run_args, "--format", "json", "--run-config",
+                          to_toml_pairs(config.to_run_config())], env)
     try:
         reply = json.loads(submitted.stdout)
     except json.JSONDecodeError:
@@ -170,7 +188,7 @@ def submit_and_follow(config: RunConfig, federation: str, env: dict[str, str]) -
         return "not-submitted", (submitted.stdout + submitted.stderr).strip()
     run_id = str(reply["run-id"])
     print(f"[alignfl] run {run_id} submitted", flush=True)
-    _flwr(["log", run_id, "--stream"], env, capture=False)
+    flwr_cli(["log", run_id, "--stream"], env, capture=False)
     return run_status(run_id, env)
 
 
@@ -188,10 +206,34 @@ def prepare_config(overrides: dict[str, Any], num_supernodes: int) -> RunConfig:
         raise ConfigError(f"run-config key 'min-available-nodes' = {config.min_available_nodes} exceeds "
                           f"--num-supernodes={num_supernodes}: the run would wait forever")
     check_dataset_available(config.dataset, config.data_root or None)
+    if config.resume_from:
+        resume_checkpoint(config)  # a missing checkpoint or a changed key is refused here, not after submission
     partition_dataset(config.dataset, config.data_root or None, config.partitioner, num_supernodes, config.seed,
                       dirichlet_alpha=config.dirichlet_alpha, classes_per_client=config.classes_per_client,
                       shards_per_client=config.shards_per_client)  # an infeasible split fails here, not in every client
     return config
+
+
+def torch_cuda_available() -> bool:
+    """Whether torch sees a CUDA device (torch is imported here only: the launcher starts in a second)."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def check_client_resources(num_cpus: int, num_gpus: float, cuda_available: bool) -> None:
+    """Refuse client resources that Ray cannot schedule, before a SuperLink starts: Flower only finds out
+    inside the run (an empty actor pool), after ``flwr run`` has already reported the submission."""
+    if num_cpus < 1:
+        raise ConfigError(f"--num-cpus={num_cpus} is not allowed: CPU cores per client must be an integer >= 1")
+    if not num_gpus >= 0:
+        raise ConfigError(f"--num-gpus={num_gpus} is not allowed: GPUs per client must be >= 0 "
+                          "(a fraction such as 0.25 puts four clients on one GPU)")
+    if num_gpus > 1 and num_gpus != int(num_gpus):
+        raise ConfigError(f"--num-gpus={num_gpus} is not allowed: above 1, Ray hands out whole GPUs only")
+    if num_gpus > 0 and not cuda_available:
+        raise ConfigError(f"--num-gpus={num_gpus} but torch sees no CUDA device here, so no client could be "
+                          "scheduled; use --num-gpus 0 (clients then train on CPU)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -203,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="GPUs per simulated client; fractions share one GPU (e.g. 0.25 = 4 clients per GPU)")
     args = parser.parse_args(argv)
     try:
+        check_client_resources(args.num_cpus, args.num_gpus, torch_cuda_available())
         config = prepare_config(parse_overrides(args.run_config), args.num_supernodes)
     except (ValueError, DatasetMissingError) as error:  # ConfigError is a ValueError
         print(f"[alignfl] refused before starting: {error}", file=sys.stderr)
@@ -213,10 +256,16 @@ def main(argv: list[str] | None = None) -> int:
     env = flower_environment(flwr_home)
     try:
         with local_superlink(env):
-            status, details = submit_and_follow(config, federation, env)
+            status, details = submit_and_follow(config, env, ["--federation-config", federation])
     finally:
         shutil.rmtree(flwr_home, ignore_errors=True)
-    folder = results_root(config) / config.run_name
+    return report_outcome(config, status, details)
+
+
+def report_outcome(config: RunConfig, status: str, details: str) -> int:
+    """Print the run's outcome and where its results are; the exit code: 0 only for a completed run
+    whose summary was written."""
+    folder = Path(config.resume_from) if config.resume_from else results_root(config) / config.run_name
     summary = folder / "summary.json"
     if status != "finished:completed" or not summary.exists():
         print(f"[alignfl] run FAILED ({status}): {details}", file=sys.stderr)

@@ -1,0 +1,281 @@
+"""The deployment: docker-compose.yml and compose.tls.yml against fl_app/deploy.py's commands (fast), and the
+same topology as real processes on loopback (slow: FedAvg and SCAFFOLD across 3 SuperNodes, a SuperNode
+killed mid-run, TLS with SuperNode authentication)."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import tomllib
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+
+import flwr
+import httpx
+import pytest
+import yaml
+from cryptography import x509
+from cryptography.hazmat.primitives.serialization import load_ssh_private_key, load_ssh_public_key
+
+from fl_app import deploy
+from fl_app.deploy import (
+    Deployment,
+    clientapp_executor_command,
+    compose_topology,
+    loopback_topology,
+    make_certificates,
+    register_command,
+    serverapp_executor_command,
+    superlink_command,
+    supernode_command,
+)
+from fl_app.launch import PROJECT_ROOT, free_port, prepare_config, report_outcome
+
+COMPOSE = PROJECT_ROOT / "docker-compose.yml"
+COMPOSE_TLS = PROJECT_ROOT / "compose.tls.yml"
+RUN_TIMEOUT_S = 900
+TINY = {"dataset": "digits", "model": "small-mlp", "num-server-rounds": 2}
+
+
+# --- the compose files and the loopback script agree (no Docker needed) ---
+
+def compose_services(tls: bool) -> dict[str, dict]:
+    """docker-compose.yml's services, with compose.tls.yml over them as ``docker compose -f … -f …`` merges
+    them: an override's command replaces the base's, volumes and dependencies are added."""
+    services = yaml.safe_load(COMPOSE.read_text())["services"]
+    if tls:
+        for name, override in yaml.safe_load(COMPOSE_TLS.read_text())["services"].items():
+            merged = {**services.get(name, {}), **override}
+            merged["volumes"] = [*services.get(name, {}).get("volumes", []), *override.get("volumes", [])]
+            merged["depends_on"] = {**services.get(name, {}).get("depends_on", {}), **override.get("depends_on", {})}
+            services[name] = merged
+    return services
+
+
+def expected_commands(topology: deploy.Topology) -> dict[str, list[str]]:
+    """Every service's argv as fl_app/deploy.py builds it, by compose service name."""
+    commands = {"superlink": superlink_command(topology), "superexec-serverapp": serverapp_executor_command(topology)}
+    for node in range(topology.num_supernodes):
+        commands[f"supernode-{node}"] = supernode_command(topology, node)
+        commands[f"superexec-clientapp-{node}"] = clientapp_executor_command(topology, node)
+    if topology.certificates is not None:
+        commands["supernode-register"] = register_command(topology)
+    return commands
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+def test_compose_services_run_the_commands_of_the_loopback_script(tls):
+    services = compose_services(tls)
+    num_supernodes = sum(bool(re.fullmatch(r"supernode-\d+", name)) for name in services)
+    assert num_supernodes == 3
+    expected = expected_commands(compose_topology(tls, num_supernodes))
+    # entry point + command, flags, node configs, addresses and paths, and no service more or less
+    assert {name: [*service["entrypoint"], *service["command"]] for name, service in services.items()} == expected
+
+
+def mount_target(volume: str) -> str:
+    """The container path of a short-syntax volume ``SOURCE:TARGET[:MODE]`` (SOURCE may hold ``${VAR:-x}``)."""
+    return re.sub(r"\$\{[^}]*\}", "SOURCE", volume).split(":")[1]
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+def test_compose_wiring_images_networks_and_mounts(tls):
+    services = compose_services(tls)
+    assert {service["image"] for service in services.values()} == {"alignfl:flwr-1.41.0"}
+    assert {service["build"] for service in services.values()} == {"."}
+    for name, service in services.items():
+        if name.startswith("superexec-clientapp-"):  # reaches its SuperNode's Runtime API on 127.0.0.1
+            assert service["network_mode"] == f"service:supernode-{name.rsplit('-', 1)[1]}"
+        mounted = [mount_target(volume) for volume in service.get("volumes", [])]
+        for path in (arg for arg in service["command"] if arg.startswith("/app/certs/")):
+            assert any(path == target or path.startswith(target + "/") for target in mounted), (name, path)
+        if tls and re.fullmatch(r"supernode-\d+", name):  # keys are registered before any SuperNode starts
+            assert service["depends_on"]["supernode-register"] == {"condition": "service_completed_successfully"}
+    results = services["superexec-serverapp"]["volumes"][0]
+    assert results.endswith(":/app/alignfl-results")  # results-dir's default (~/alignfl-results) in the image
+
+
+def test_image_pins_the_projects_flower():
+    pinned = next(dep for dep in tomllib.loads((PROJECT_ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+                  if dep.startswith("flwr["))
+    version = pinned.split("==")[1]
+    assert version == flwr.__version__
+    dockerfile = (PROJECT_ROOT / "Dockerfile").read_text()
+    assert f"ARG FLWR_IMAGE=flwr/superexec:{version}-py3.11-" in dockerfile
+    assert f"flwr.__version__ == '{version}'" in dockerfile
+
+
+def test_make_certs_signs_the_superlink_for_its_names_and_makes_flower_readable_keys(tmp_path):
+    certs = make_certificates(tmp_path / "certs", 2)
+    server = x509.load_pem_x509_certificate((certs / "superlink.crt").read_bytes())
+    names = server.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert set(names.get_values_for_type(x509.DNSName)) == {"superlink", "localhost"}
+    assert [str(ip) for ip in names.get_values_for_type(x509.IPAddress)] == ["127.0.0.1"]
+    verified = subprocess.run(["openssl", "verify", "-CAfile", certs / "ca.crt", certs / "superlink.crt",
+                               certs / "supernode-1" / "runtime.crt"], capture_output=True, text=True)
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+    private = load_ssh_private_key((certs / "supernode-0" / "auth").read_bytes(), None)  # what flower-supernode reads
+    public = load_ssh_public_key((certs / "supernode-0" / "auth.pub").read_bytes())    # what flwr supernode register reads
+    assert private.public_key() == public and public.curve.name == "secp384r1"
+    first_key = (certs / "supernode-0" / "auth").read_bytes()
+    make_certificates(certs, 3)  # a larger count adds a node and keeps the others' keys
+    assert (certs / "supernode-0" / "auth").read_bytes() == first_key and (certs / "supernode-2" / "auth.pub").exists()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--num-supernodes", "0"], "--num-supernodes"),
+    (["--certs", "/tmp"], "--certs is only used with --tls"),
+    (["--run-config", 'dataset="digits" lr=-1'], "lr"),
+    (["--num-supernodes", "2", "--run-config", 'dataset="digits" min-available-nodes=3'], "min-available-nodes"),
+])
+def test_deploy_refuses_bad_input_before_starting_anything(argv, message, capsys, tmp_path):
+    assert deploy.main([*argv, "--work-dir", str(tmp_path / "work")]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "work").exists()
+
+
+def test_register_refuses_missing_key_files(tmp_path, capsys):
+    assert deploy.main(["register", "--superlink", "127.0.0.1:1", "--root-certificates", str(tmp_path / "ca.crt"),
+                        str(tmp_path / "auth.pub")]) == 2
+    assert "no such file" in capsys.readouterr().err
+
+
+def test_failed_run_exits_non_zero(tmp_path):
+    config = prepare_config({"dataset": "digits", "results-dir": str(tmp_path), "run-name": "r"}, 2)
+    assert report_outcome(config, "finished:failed", "ServerApp raised") == 1
+    assert report_outcome(config, "finished:completed", "") == 1  # completed but no summary written
+
+
+# --- loopback deployments (slow) ---
+
+def rows(folder: Path) -> list[dict]:
+    """metrics.jsonl's complete lines (a line being written is left out)."""
+    path = folder / "metrics.jsonl"
+    text = path.read_text() if path.exists() else ""
+    return [json.loads(line) for line in text.split("\n")[:-1]]
+
+
+def run_config(results: Path, name: str, num_supernodes: int, **overrides):
+    return prepare_config({**TINY, "results-dir": str(results), "run-name": name, **overrides}, num_supernodes)
+
+
+def run_to_end(running: Deployment, config) -> tuple[str, str]:
+    """The run's final status; a hung run fails the test (stopping the deployment then ends the log stream)."""
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(running.run, config).result(timeout=RUN_TIMEOUT_S)
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory) -> Iterator[Deployment]:
+    """One plaintext deployment of 3 SuperNodes shared by the tests below; the node-killing test goes last."""
+    work = tmp_path_factory.mktemp("deploy")
+    with deploy.deployment(loopback_topology(3, work), work) as running:
+        yield running
+
+
+@pytest.mark.slow
+def test_loopback_runs_exactly_the_compose_services(plain):
+    assert {name: process.args for name, process in plain.services.items()} == expected_commands(plain.topology)
+    assert list(plain.services)[:2] == ["superlink", "superexec-serverapp"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["fedavg", "scaffold"])
+def test_strategy_completes_two_rounds_on_three_supernodes(plain, strategy, tmp_path, capsys):
+    config = run_config(tmp_path, strategy, 3, strategy=strategy)
+    status, details = run_to_end(plain, config)
+    assert status == "finished:completed", details
+    folder = tmp_path / strategy
+    assert {"config.json", "metrics.jsonl", "summary.json", "model.pt"} <= {path.name for path in folder.iterdir()}
+    metrics = rows(folder)
+    assert [row["round"] for row in metrics] == [0, 1, 2]
+    assert all(row["clients-trained"] == 3 and row["clients-evaluated"] == 3 for row in metrics[1:])
+    assert set(metrics[-1]["local-accuracy-per-client"]) == {"0", "1", "2"}  # each node its own partition
+    assert report_outcome(config, status, details) == 0
+    assert f"results in {folder}" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_run_finishes_without_a_supernode_killed_after_round_one(plain, tmp_path):
+    """SIGKILL, as a crash: the SuperLink notices the missing heartbeats (within about a minute), answers
+    the dead node's messages with errors, and the round goes on with the two others."""
+    config = run_config(tmp_path, "killed", 3, **{"min-available-nodes": 2})
+    folder = tmp_path / "killed"
+    with ThreadPoolExecutor(1) as pool:
+        future = pool.submit(plain.run, config)
+        deploy.wait_until(lambda: future.done() or len(rows(folder)) >= 2, RUN_TIMEOUT_S, "round 1's metrics",
+                          interval_s=0.25)
+        assert not future.done(), future.result()
+        for name in ("supernode-2", "superexec-clientapp-2"):  # the node and its app processes
+            os.killpg(plain.services[name].pid, signal.SIGKILL)
+            plain.services[name].wait()
+        status, details = future.result(timeout=RUN_TIMEOUT_S)
+    assert status == "finished:completed", details
+    metrics = rows(folder)
+    assert [row["round"] for row in metrics] == [0, 1, 2]
+    assert metrics[1]["clients-trained"] == 3 and metrics[1]["clients-evaluated"] == 3
+    assert metrics[2]["clients-trained"] == 2 and metrics[2]["clients-evaluated"] == 2
+    assert (folder / "summary.json").exists()
+
+
+def process_group_pids(leaders: list[int]) -> set[int]:
+    """Every live process in these process groups (services and the app processes they started)."""
+    pids = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                pgid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[2])
+            except (OSError, IndexError, ValueError):
+                continue
+            if pgid in leaders:
+                pids.add(int(entry.name))
+    return pids
+
+
+def listening_ports(pids: set[int]) -> set[int]:
+    """The TCP ports these processes listen on (from /proc: socket inodes of their descriptors)."""
+    inodes = set()
+    for pid in pids:
+        try:
+            for fd in (Path("/proc") / str(pid) / "fd").iterdir():
+                target = os.readlink(fd)
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+        except OSError:
+            continue
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # state LISTEN
+                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+@pytest.mark.slow
+def test_tls_with_supernode_authentication(tmp_path):
+    """Two authorised SuperNodes train; a third with a key that was never registered is refused; every
+    port the deployment listens on speaks TLS only."""
+    certs = make_certificates(tmp_path / "certs", 3)  # node 2's key exists but is not registered
+    topology = loopback_topology(2, tmp_path / "work", certs)
+    with deploy.deployment(topology, tmp_path / "work") as running:
+        ports = listening_ports(process_group_pids([process.pid for process in running.services.values()]))
+        assert ports == {topology.superlink_port, *topology.runtime_ports}
+        for port in ports:
+            with pytest.raises(httpx.HTTPError):
+                httpx.get(f"http://127.0.0.1:{port}/health", timeout=10)
+            assert httpx.get(f"https://127.0.0.1:{port}/health", verify=deploy.trust(running.ca), timeout=10).is_success
+
+        stranger = replace(topology, num_supernodes=3, runtime_ports=(*topology.runtime_ports, free_port()))
+        refused = running.start_service("supernode-2-unregistered", supernode_command(stranger, 2))
+        config = run_config(tmp_path / "results", "tls", 2, **{"num-server-rounds": 1})
+        status, details = run_to_end(running, config)
+        assert refused.wait(timeout=RUN_TIMEOUT_S) != 0
+        assert "Failed to activate SuperNode" in running.log_tail("supernode-2-unregistered", 40)
+        assert deploy.online_supernodes(running.cli_environment) == 2
+    assert status == "finished:completed", details
+    metrics = rows(tmp_path / "results" / "tls")
+    assert metrics[-1]["round"] == 1 and metrics[-1]["clients-trained"] == 2
