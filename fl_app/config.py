@@ -40,16 +40,19 @@ class RunConfig:
     local_epochs: int = 1
     batch_size: int = 64
     lr: float = 0.05
+    lr_decay: float = 1.0
     momentum: float = 0.9
     weight_decay: float = 1e-5
     fraction_train: float = 1.0
     fraction_evaluate: float = 1.0
     min_available_nodes: int = 2
+    holdout_clients: int = 0
     partitioner: str = "dirichlet"
     dirichlet_alpha: float = 0.5
     classes_per_client: int = 2
     shards_per_client: int = 2
     test_fraction: float = 0.2
+    data_fraction: float = 1.0
     proximal_mu: float = 0.01
     server_lr: float = 1.0
     server_momentum: float = 0.9
@@ -60,6 +63,8 @@ class RunConfig:
     pan_a: float = 0.0
     psi_groups: int = 0
     psi_depth: int = 2
+    width_factor: float = 1.0
+    init: str = "default"
     superfed_mode: str = "mm"
     superfed_nu: float = 1.0
     superfed_mu: float = 0.01
@@ -77,6 +82,8 @@ class RunConfig:
     device: str = "auto"
     results_dir: str = ""
     run_name: str = ""
+    resume_from: str = ""
+    round_timeout: float = 3600.0
 
     @property
     def pan(self) -> PanSettings:
@@ -191,6 +198,10 @@ def validate(config: RunConfig) -> None:
     for key in _NON_NEGATIVE_FLOATS:
         _check(math.isfinite(values[key]) and values[key] >= 0.0, key, values[key], "must be a finite number >= 0")
     _check(config.lr > 0.0, "lr", config.lr, "must be > 0")
+    _check(math.isfinite(config.lr_decay) and 0.0 < config.lr_decay <= 1.0, "lr-decay", config.lr_decay,
+           "must lie in (0, 1] (the client learning rate is lr · lr-decay^(round − 1); 1 is no decay)")
+    _check(0 <= config.holdout_clients < config.min_available_nodes, "holdout-clients", config.holdout_clients,
+           f"must be an integer in [0, min-available-nodes = {config.min_available_nodes}): some node must train")
     _check(config.momentum < 1.0, "momentum", config.momentum, "must be < 1")
     _check(config.server_momentum < 1.0, "server-momentum", config.server_momentum, "must be < 1")
     _check(math.isfinite(config.moon_mu) and config.moon_mu >= 0.0, "moon-mu", config.moon_mu,
@@ -208,6 +219,10 @@ def validate(config: RunConfig) -> None:
            "must be an absolute path, or empty for the dataset's default location")
     _check("/" not in config.run_name and config.run_name not in (".", ".."), "run-name", config.run_name,
            "must be a plain folder name")
+    _check(not config.resume_from or Path(config.resume_from).is_absolute(), "resume-from", config.resume_from,
+           "must be the absolute path of an earlier run's folder (the one holding checkpoint.pt), or empty")
+    _check(math.isfinite(config.round_timeout) and config.round_timeout > 0.0, "round-timeout",
+           config.round_timeout, "must be a finite number of seconds > 0")
     _, num_classes = dataset_info(config.dataset)
     _check(config.classes_per_client <= num_classes, "classes-per-client", config.classes_per_client,
            f"must be at most the number of classes of '{config.dataset}' ({num_classes})")
@@ -237,6 +252,18 @@ def validate(config: RunConfig) -> None:
     _check(0 <= config.psi_groups <= num_classes, "psi-groups", config.psi_groups,
            f"must lie in [0, {num_classes}] (the classes of '{config.dataset}'); 0 means one group per class")
     _check(config.psi_depth >= 0, "psi-depth", config.psi_depth, "must be an integer >= 0")
+    from models.registry import model_options  # width-factor is a model option (models/cnn.py)
+
+    _check(math.isfinite(config.width_factor) and config.width_factor > 0.0, "width-factor", config.width_factor,
+           "must be a finite number > 0 (1 is the published width)")
+    _check(config.width_factor == 1.0 or "width_factor" in model_options(config.model), "width-factor",
+           config.width_factor, f"model {config.model!r} has no width option; models that take one: "
+           f"{[name for name in list_models() if 'width_factor' in model_options(name)]}")
+    from models.init import INITS
+
+    _check_choice("init", config.init, list(INITS))
+    _check(0.0 < config.data_fraction <= 1.0, "data-fraction", config.data_fraction,
+           "must lie in (0, 1] (the share of each client's partition it keeps; 1 keeps all)")
 
 
 def results_root(config: RunConfig) -> Path:

@@ -23,7 +23,7 @@ from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 
 from fl_app.analysis.divergence import divergence_by_layer, weight_divergence
 from fl_app.config import RunConfig, results_root
-from strategies.base import MODEL_RECORD
+from strategies.base import MODEL_RECORD, NEW_CLIENT, Participation
 
 GlobalEvaluation = Callable[[ArrayRecord], tuple[float, float]]
 
@@ -36,7 +36,8 @@ def make_run_folder(config: RunConfig) -> Path:
     )
     folder = (results_root(config) / name).resolve()
     folder.mkdir(parents=True, exist_ok=bool(config.run_name))
-    (folder / "metrics.jsonl").unlink(missing_ok=True)  # a reused run-name starts its metrics afresh
+    for stale in ("metrics.jsonl", "checkpoint.pt"):  # a reused run-name starts afresh
+        (folder / stale).unlink(missing_ok=True)
     return folder
 
 
@@ -72,10 +73,18 @@ def _unweighted_means(records: list[RecordDict], skip: set[str]) -> dict[str, An
     return means
 
 
+def _new_client_scores(records: list[RecordDict]) -> dict[str, Any]:
+    """Held-out clients' scores of the global model (their ``local-*``), averaged with equal weight."""
+    means = _unweighted_means(records, set())
+    scores = {f"new-client-{key}": means.get(f"local-{key}-mean", math.nan) for key in ("accuracy", "ece", "mce")}
+    return {**scores, "new-clients-evaluated": len(records)}
+
+
 def _client_mean(records: list[RecordDict], weight_key: str) -> MetricRecord:
     """Example-weighted mean of the clients' metrics; a client's id is not a quantity to average."""
     aggregated = aggregate_metricrecords(records, weight_key)
     aggregated.pop("partition-id", None)
+    aggregated.pop(NEW_CLIENT, None)
     return aggregated
 
 
@@ -101,7 +110,8 @@ class RoundRecorder:
     rows: list[dict[str, Any]] = field(default_factory=list)
     _pending: dict[str, Any] = field(default_factory=dict)
     extra_keys: dict[str, None] = field(default_factory=dict)
-    """Ordered set of the clients' other evaluate metrics (``<key>-mean``), repeated in the summary."""
+    """Ordered set of the clients' other evaluate metrics (``<key>-mean``, ``new-client-*``), repeated in the
+    summary."""
 
     def aggregate_train(self, records: list[RecordDict], weight_key: str) -> MetricRecord:
         aggregated = _client_mean(records, weight_key)
@@ -111,11 +121,19 @@ class RoundRecorder:
         return aggregated
 
     def aggregate_evaluate(self, records: list[RecordDict], weight_key: str) -> MetricRecord:
-        """Clients with an empty local test split (tiny Dirichlet partitions) are left out of the means."""
+        """Clients with an empty local test split (tiny Dirichlet partitions) are left out of the means;
+        held-out clients (``new-client``) are averaged on their own, as ``new-client-*``."""
         scored = [r for r in records if next(iter(r.metric_records.values()))[weight_key] > 0]
+        is_new = [bool(next(iter(r.metric_records.values())).get(NEW_CLIENT)) for r in scored]
+        new = [r for r, flag in zip(scored, is_new) if flag]
+        scored = [r for r, flag in zip(scored, is_new) if not flag]
+        if new:
+            scores = _new_client_scores(new)
+            self.extra_keys.update(dict.fromkeys(scores))
+            self._pending.update(scores)
         aggregated = _client_mean(scored, weight_key) if scored else MetricRecord()
         per_client = _client_values(scored, "local-accuracy")
-        extra = _unweighted_means(scored, {weight_key, "partition-id", "local-accuracy", "local-loss"})
+        extra = _unweighted_means(scored, {weight_key, "partition-id", NEW_CLIENT, "local-accuracy", "local-loss"})
         self.extra_keys.update(dict.fromkeys(extra))
         self._pending.update({
             **extra,
@@ -136,12 +154,33 @@ class RoundRecorder:
         with (self.folder / "metrics.jsonl").open("a") as stream:
             stream.write(json.dumps(row, sort_keys=True) + "\n")
         local = row.get("local-accuracy-mean")
-        log(INFO, "[alignfl] round %d: global accuracy %.4f, loss %.4f%s", server_round, accuracy, loss,
-            f", clients' local accuracy {local:.4f}" if local is not None else "")
+        new = row.get("new-client-accuracy")
+        log(INFO, "[alignfl] round %d: global accuracy %.4f, loss %.4f%s%s", server_round, accuracy, loss,
+            f", clients' local accuracy {local:.4f}" if local is not None else "",
+            f", new clients' accuracy {new:.4f}" if new is not None else "")
         return MetricRecord({"accuracy": accuracy, "loss": loss})
 
+    def record_participation(self, server_round: int, participation: Participation) -> None:
+        """The strategy's ``participation_fn``: who was sampled, aggregated and dropped, for this round's line."""
+        self._pending.update(participation.metrics())
+
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the recorder: the rows so far, the extra keys, the elapsed time."""
+        return {"rows": list(self.rows), "extra-keys": list(self.extra_keys), "elapsed-s": time.time() - self.started}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`state`: ``metrics.jsonl`` is rewritten to hold exactly the checkpoint's rows
+        (a round written after the last checkpoint is dropped, to be run again), and the clock goes on."""
+        self.rows = list(state["rows"])
+        self.extra_keys = dict.fromkeys(state["extra-keys"])
+        self.started = time.time() - float(state["elapsed-s"])
+        staged = self.folder / "metrics.jsonl.tmp"
+        staged.write_text("".join(json.dumps(row, sort_keys=True) + "\n" for row in self.rows))
+        staged.replace(self.folder / "metrics.jsonl")
+
     def summary(self) -> dict[str, Any]:
-        """Final and best global accuracy, mean and best of the last 5 rounds (accuracy zig-zags), wall time."""
+        """Final and best global accuracy, mean and best of the last 5 rounds (accuracy zig-zags), wall time,
+        and how many clients' updates each round aggregated (rounds 1, 2, ...)."""
         trained = [r for r in self.rows if r["round"] > 0] or self.rows
         last = trained[-1]
         best = max(trained, key=lambda r: r["accuracy"])
@@ -156,6 +195,7 @@ class RoundRecorder:
             "last-5-mean-accuracy": sum(tail) / len(tail),
             "last-5-best-accuracy": max(tail),
             "wall-time-s": time.time() - self.started,
+            "clients-per-round": [r.get("clients-trained", 0) for r in self.rows if r["round"] > 0],
             **{f"final-{key}": last.get(key) for key in self.extra_keys},
         }
 

@@ -1,23 +1,26 @@
-"""The ServerApp: validates the run config, then runs the chosen strategy with server-side evaluation."""
+"""The ServerApp: validates the run config, then runs the chosen strategy with server-side evaluation,
+checkpointing every round (and resuming from a checkpoint with ``resume-from``)."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Mapping
 from logging import INFO
+from pathlib import Path
 from typing import Any
 
 from flwr.app import ArrayRecord, ConfigRecord, Context
 from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 
-from fl_app.config import RunConfig, parse_run_config
+from fl_app.checkpoint import Checkpoint, capture, resume_checkpoint, save_checkpoint
+from fl_app.config import ConfigError, RunConfig, parse_run_config
 from fl_app.data import check_dataset_available, load_dataset
 from fl_app.model_io import build_run_model, load_arrays, to_arrays
 from fl_app.results import RoundRecorder, finish_run, make_run_folder, write_json
 from fl_app.training import evaluate, seed_everything, select_device
 from strategies import get_strategy
-from strategies.base import MetricAggregation
+from strategies.base import MetricAggregation, arrays_problem
 
 
 def wait_for_nodes(grid: Grid, count: int) -> None:
@@ -28,36 +31,65 @@ def wait_for_nodes(grid: Grid, count: int) -> None:
         time.sleep(1.0)
 
 
+def _run_folder(config: RunConfig, checkpoint: Checkpoint | None) -> Path:
+    """A new run's fresh folder, or the folder of the run being resumed."""
+    return Path(config.resume_from) if checkpoint is not None else make_run_folder(config)
+
+
+def _initial_arrays(model_arrays: ArrayRecord, checkpoint: Checkpoint | None) -> ArrayRecord:
+    """The model the first round starts from: the new model, or the checkpoint's global model if it fits."""
+    if checkpoint is None:
+        return model_arrays
+    problem = arrays_problem(checkpoint.arrays, model_arrays, "checkpoint")
+    if problem is not None:
+        raise ConfigError(f"run-config key 'resume-from': the checkpoint's global model does not fit this run's "
+                          f"model: {problem}")
+    return checkpoint.arrays
+
+
 def run_experiment(grid: Grid, config: RunConfig) -> dict[str, Any]:
-    """Train for ``num-server-rounds`` and write the run folder; returns the summary."""
+    """Train rounds up to ``num-server-rounds`` (after the checkpoint's round when resuming), checkpoint
+    every round and write the run folder; returns the summary."""
     root = config.data_root or None
     check_dataset_available(config.dataset, root)
     entry = get_strategy(config.strategy)
+    checkpoint = resume_checkpoint(config) if config.resume_from else None
     seed_everything(config.seed)
     device = select_device(config.device)
     dataset = load_dataset(config.dataset, root)
     model = build_run_model(config, dataset).to(device)
-    initial_arrays = to_arrays(model)
+    initial_arrays = _initial_arrays(to_arrays(model), checkpoint)
 
-    folder = make_run_folder(config)
+    folder = _run_folder(config, checkpoint)
     write_json(folder / "config.json", config.to_run_config())
-    log(INFO, "[alignfl] %s on %s (%s), run folder: %s", config.strategy, config.dataset, config.model, folder)
+    log(INFO, "[alignfl] %s on %s (%s), run folder: %s%s", config.strategy, config.dataset, config.model, folder,
+        f" (resumed after round {checkpoint.round})" if checkpoint is not None else "")
 
     def evaluate_global(arrays: ArrayRecord) -> tuple[float, float]:
         load_arrays(model, arrays)
         return evaluate(model, dataset.test_x, dataset.test_y, device)
 
     recorder = RoundRecorder(folder, evaluate_global, log_divergence=config.log_divergence)
+    strategy = entry.build_server(config, MetricAggregation(recorder.aggregate_train, recorder.aggregate_evaluate,
+                                                            recorder.record_participation))
+    if checkpoint is not None:
+        recorder.restore(checkpoint.recorder_state)
+        strategy.load_state_dict(checkpoint.strategy_state)
+        strategy.sampling_state = checkpoint.sampling_random
     wait_for_nodes(grid, config.min_available_nodes)
-    strategy = entry.build_server(config, MetricAggregation(recorder.aggregate_train, recorder.aggregate_evaluate))
-    result = strategy.start(grid, initial_arrays, num_rounds=config.num_server_rounds,
+
+    def end_round(server_round: int, arrays: ArrayRecord) -> None:
+        save_checkpoint(folder, capture(server_round, config, arrays, strategy, recorder.state()))
+
+    result = strategy.start(grid, initial_arrays, num_rounds=config.num_server_rounds, timeout=config.round_timeout,
                             train_config=ConfigRecord(config.pan_signature()),
                             evaluate_config=ConfigRecord(config.pan_signature()),
-                            evaluate_fn=recorder.evaluate)
-    if not len(result.arrays):
+                            evaluate_fn=recorder.evaluate,
+                            first_round=checkpoint.round + 1 if checkpoint is not None else 1,
+                            on_round_end=end_round)
+    if not any(row.get("clients-trained") for row in recorder.rows if row["round"] > 0):
         raise RuntimeError(f"no round produced a usable client update; see the log and {folder / 'metrics.jsonl'}")
-    final_arrays = result.arrays
-    summary = finish_run(folder, recorder, final_arrays,
+    summary = finish_run(folder, recorder, result.arrays,
                          f"{config.strategy} · {config.model} · {config.dataset} ({config.partitioner})")
     log(INFO, "[alignfl] finished: final accuracy %.4f, best %.4f; results in %s",
         summary["final-accuracy"], summary["best-accuracy"], folder)

@@ -51,7 +51,9 @@ HYDRA_TO_RUN_CONFIG: dict[str, str] = {
     "dataset": "dataset",
     "seed": "seed",
     "device": "device",
+    "init": "init",
     "log_divergence": "log-divergence",
+    "resume_from": "resume-from",
     "strategy.proximal_mu": "proximal-mu",
     "strategy.server_lr": "server-lr",
     "strategy.server_momentum": "server-momentum",
@@ -69,6 +71,7 @@ HYDRA_TO_RUN_CONFIG: dict[str, str] = {
     "strategy.superfed_val_fraction": "superfed-val-fraction",
     "model.psi_groups": "psi-groups",
     "model.psi_depth": "psi-depth",
+    "model.width_factor": "width-factor",
     "pan.mode": "pan-mode",
     "pan.t": "pan-t",
     "pan.a": "pan-a",
@@ -78,16 +81,20 @@ HYDRA_TO_RUN_CONFIG: dict[str, str] = {
     "data.classes_per_client": "classes-per-client",
     "data.shards_per_client": "shards-per-client",
     "data.test_fraction": "test-fraction",
+    "data.fraction": "data-fraction",
+    "data.holdout_clients": "holdout-clients",
     "data.label_noise": "label-noise",
     "data.label_noise_rate": "label-noise-rate",
     "train.rounds": "num-server-rounds",
     "train.local_epochs": "local-epochs",
     "train.batch_size": "batch-size",
     "train.lr": "lr",
+    "train.lr_decay": "lr-decay",
     "train.momentum": "momentum",
     "train.weight_decay": "weight-decay",
     "train.fraction_train": "fraction-train",
     "train.fraction_evaluate": "fraction-evaluate",
+    "train.round_timeout": "round-timeout",
 }
 #: Config group → the run-config key its choice sets.
 GROUP_CHOICES: dict[str, str] = {"strategy": "strategy", "model": "model"}
@@ -247,8 +254,8 @@ def run_job(cfg: DictConfig, choices: Mapping[str, Any], job_dir: Path) -> dict[
     record: dict[str, Any] = {"status": FAILED, "error": None, "run-folder": None}
     try:
         config, sim = job_settings(cfg, choices, job_dir)
-        run_folder = results_root(config) / config.run_name
-        if run_folder.exists():  # its metrics.jsonl would get a second run's rounds appended
+        run_folder = Path(config.resume_from) if config.resume_from else results_root(config) / config.run_name
+        if run_folder.exists() and not config.resume_from:  # its metrics.jsonl would get a second run's rounds
             raise FileExistsError(f"{run_folder} holds an earlier run; give the sweep a new hydra.sweep.dir")
         simulate(config, sim)
         if not (run_folder / "summary.json").is_file():

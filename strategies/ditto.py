@@ -13,7 +13,7 @@ import copy
 from typing import Any
 
 import torch
-from flwr.app import ArrayRecord
+from flwr.app import ArrayRecord, RecordDict
 from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
 from torch import nn
 
@@ -34,8 +34,8 @@ class Ditto(StrategyBase, FlowerFedAvg):
 class _PersonalStep(LocalUpdate):
     """Local SGD on CE plus (λ/2)·‖v − anchor‖² (the received global model)."""
 
-    def __init__(self, config: RunConfig, anchor: list[torch.Tensor]) -> None:
-        super().__init__(config, context=None)
+    def __init__(self, config: RunConfig, anchor: list[torch.Tensor], received: RecordDict | None = None) -> None:
+        super().__init__(config, context=None, received=received)  # the round's message: its lr decay
         self.anchor = anchor
 
     def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -63,7 +63,7 @@ class DittoUpdate(LocalUpdate):
             personal = copy.deepcopy(model)
         anchor = [p.detach().clone() for p in model.parameters()]
         metrics = super().train(model, x, y, generator, device)
-        personal_metrics = _PersonalStep(self.config, anchor).train(personal, x, y, generator, device)
+        personal_metrics = _PersonalStep(self.config, anchor, self.received).train(personal, x, y, generator, device)
         self.context.state[PERSONAL_MODEL] = ArrayRecord({k: v.detach().cpu()
                                                           for k, v in federated_state(personal).items()})
         return {**metrics, "personal-train-loss": personal_metrics["train-loss"]}

@@ -52,7 +52,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Collection, Iterable, Mapping, Sequence
-from logging import INFO
+from logging import INFO, WARNING
 from typing import Any
 
 import torch
@@ -155,7 +155,8 @@ class FedMA(StrategyBase, FlowerFedAvg):
         self.groups = list(spec.groups)
         self.stage = 0
         self.cycle_start: dict[str, Tensor] = {}
-        self.client_models: dict[int, dict[str, Tensor]] = {}
+        self.client_models: dict[int, dict[str, Tensor]] = {}  # node id → its aligned model, this cycle
+        self._restored_models: dict[int, dict[str, Tensor]] = {}  # partition id → model, from a checkpoint
 
     def summary(self) -> None:
         log(INFO, "\t├──> FedMA: %d groups + output layer per cycle, cost '%s', %d pass(es)",
@@ -172,9 +173,43 @@ class FedMA(StrategyBase, FlowerFedAvg):
         # Later stages go to the cycle's clients only, each with its own partly matched model.
         self._reference = arrays
         config["server-round"] = server_round
+        self._place_restored_models(grid)
         return [Message(RecordDict({MODEL_RECORD: ArrayRecord(state), "config": config}),
                         dst_node_id=node, message_type=MessageType.TRAIN)
                 for node, state in self.client_models.items()]
+
+    def _place_restored_models(self, grid: Grid) -> None:
+        """After a resume, give the cycle's client models (kept by partition) to the nodes now holding those
+        partitions; a partition no connected node holds leaves the cycle, as a client that fails would."""
+        if not self._restored_models:
+            return
+        nodes = self.nodes_by_partition(grid)
+        missing = sorted(set(self._restored_models) - set(nodes))
+        if missing:
+            log(WARNING, "FedMA resumes stage %d without partitions %s: no connected node holds them",
+                self.stage, missing)
+        self.client_models = {nodes[p]: state for p, state in self._restored_models.items() if p in nodes}
+        self._restored_models = {}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The cycle's stage, its starting global model and each client's aligned model (by partition id)."""
+        unnamed = [node for node in self.client_models if node not in self.node_partitions]
+        if unnamed:
+            log(WARNING, "FedMA checkpoint leaves out nodes %s: their partition is unknown", unnamed)
+        return {"stage": self.stage, "cycle-start": dict(self.cycle_start),
+                "client-models": {**{self.node_partitions[node]: dict(state)
+                                     for node, state in self.client_models.items() if node not in unnamed},
+                                  **self._restored_models}}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        unknown = set(state) - {"stage", "cycle-start", "client-models"}
+        if unknown or not 0 <= int(state.get("stage", 0)) <= len(self.groups):
+            raise ValueError(f"FedMA state must hold a stage in 0..{len(self.groups)}, 'cycle-start' and "
+                             f"'client-models'; got entries {sorted(state)}, stage {state.get('stage')!r}")
+        self.stage = int(state["stage"])
+        self.cycle_start = dict(state["cycle-start"])
+        self.client_models = {}
+        self._restored_models = {int(p): dict(models) for p, models in state["client-models"].items()}
 
     def reply_problem(self, content: RecordDict) -> str | None:
         problem = super().reply_problem(content)

@@ -32,7 +32,7 @@ Where this differs from the paper, and why:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -82,7 +82,7 @@ class Scaffold(StrategyBase, FlowerFedAvg):
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         messages = list(super().configure_train(server_round, arrays, config, grid))
-        self.num_nodes = len(list(grid.get_node_ids()))
+        self.num_nodes = len(self.training_grid(grid).get_node_ids())  # held-out nodes never train
         if not len(self.control):
             self.control = ArrayRecord({key: Array(np.zeros_like(a.numpy())) for key, a in arrays.items()})
         for message in messages:
@@ -91,6 +91,16 @@ class Scaffold(StrategyBase, FlowerFedAvg):
 
     def reply_problem(self, content: RecordDict) -> str | None:
         return super().reply_problem(content) or arrays_problem(content[CONTROL], self._reference, CONTROL)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The server's control variate c (the clients' c_i stay on the nodes, in ``context.state``)."""
+        return {"control": self.control.to_torch_state_dict()} if len(self.control) else {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        unknown = set(state) - {"control"}
+        if unknown:
+            raise ValueError(f"SCAFFOLD state has unknown entries {sorted(unknown)}")
+        self.control = ArrayRecord(dict(state["control"])) if "control" in state else ArrayRecord()
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
@@ -150,7 +160,7 @@ class ScaffoldUpdate(LocalUpdate):
     ) -> dict[str, float]:
         """Train, then c_i⁺ = c_i − c + (x − y_i)/(η·momentum_step_sum(K, β)), kept in ``context.state``."""
         metrics = super().train(model, x, y, generator, device)
-        scale = 1.0 / (self.config.lr * momentum_step_sum(self.steps, self.config.momentum))
+        scale = 1.0 / (self.learning_rate() * momentum_step_sum(self.steps, self.config.momentum))
         with torch.no_grad():
             updated = {name: self.local_control[name] - self.server_control[name] + (self.start[name] - p) * scale
                        for name, p in model.named_parameters()}

@@ -1,0 +1,460 @@
+"""Client faults and resume: failed, late or malformed replies are dropped with a reason and never reach the
+global model; a run checkpoints every round and ``resume-from`` continues it without losing or repeating rounds.
+
+Most tests run the real ServerApp (``run_experiment``) against :class:`InProcessGrid`, whose nodes are the real
+ClientApp called in this process (no Ray, no SuperLink), so they take seconds; the ``slow`` ones run Flower's
+simulation.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import random
+from collections.abc import Callable
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, MessageType, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.common.constant import ErrorCode
+from flwr.simulation import run_simulation
+from flwr.supercore.task_identity import TaskIdentity
+
+from fl_app import checkpoint as checkpoint_module
+from fl_app import server_app
+from fl_app.checkpoint import CHECKPOINT, capture, load_checkpoint, save_checkpoint
+from fl_app.client_app import build_client_app
+from fl_app.config import ConfigError, RunConfig, parse_run_config
+from fl_app.server_app import build_server_app, run_experiment
+from strategies import get_strategy, list_strategies
+from strategies.base import MetricAggregation, Participation
+from strategies.fedavg import FedAvg
+
+TINY = {"dataset": "digits", "model": "small-mlp", "num-server-rounds": 2, "min-available-nodes": 3,
+        "batch-size": 32, "device": "cpu"}
+MODELS = {"psinet": "psi-vgg9"}  # every other strategy runs the small MLP
+SLOW_MODELS = {"psinet"}  # a convolutional net: tens of seconds on a loaded CPU
+
+
+@pytest.fixture(autouse=True)
+def _server_identity(monkeypatch):
+    """Flower stamps every message with the process's task identity, which its runtimes set; here no runtime runs."""
+    for name, value in (("_task_id", 1), ("_run_id", 1), ("_node_id", 1)):
+        monkeypatch.setattr(TaskIdentity, name, value)
+
+
+def _corrupt(change: Callable[[dict[str, torch.Tensor]], None]) -> Callable[[RecordDict], None]:
+    def apply(content: RecordDict) -> None:
+        state = content["arrays"].to_torch_state_dict()
+        change(state)
+        content["arrays"] = ArrayRecord(state)
+    return apply
+
+
+def _first(state: dict[str, torch.Tensor]) -> str:
+    return next(iter(state))
+
+
+CORRUPTIONS: dict[str, Callable[[RecordDict], None]] = {
+    "nan": _corrupt(lambda s: s[_first(s)].fill_(math.nan)),
+    "inf": _corrupt(lambda s: s[_first(s)].fill_(math.inf)),
+    "shape": _corrupt(lambda s: s.update({_first(s): s[_first(s)].flatten()[:-1].clone()})),
+    "missing": _corrupt(lambda s: s.pop(next(reversed(s)))),
+}
+
+
+class InProcessGrid:
+    """A Grid whose nodes call a ClientApp in this process. ``faults`` maps a partition to what goes wrong
+    with its training replies: ``raise`` (an error reply, as Flower sends when the ClientApp raises),
+    ``late`` (no reply within the timeout) or a key of :data:`CORRUPTIONS`."""
+
+    def __init__(self, app: ClientApp, num_nodes: int, faults: dict[int, str] | None = None,
+                 first_node_id: int = 1000) -> None:
+        self.app = app
+        self.faults = faults or {}
+        self.contexts = {first_node_id + 7919 * p: Context(run_id=1, node_id=first_node_id + 7919 * p,
+                                                           node_config={"partition-id": p, "num-partitions": num_nodes},
+                                                           state=RecordDict(), run_config={})
+                         for p in range(num_nodes)}
+        self.timeouts: list[float | None] = []
+
+    def get_node_ids(self) -> list[int]:
+        return list(self.contexts)
+
+    def send_and_receive(self, messages, *, timeout: float | None = None) -> list[Message]:
+        self.timeouts.append(timeout)
+        replies = []
+        for message in messages:
+            context = self.contexts[message.metadata.dst_node_id]
+            training = message.metadata.message_type == MessageType.TRAIN
+            fault = self.faults.get(int(context.node_config["partition-id"])) if training else None
+            if fault == "late":
+                continue
+            try:
+                if fault == "raise":
+                    raise RuntimeError("injected client failure")
+                reply = self.app(copy.deepcopy(message), context)
+            except Exception as error:
+                reply = Message(Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, f"{type(error).__name__}: {error}"),
+                                reply_to=message)
+            if fault in CORRUPTIONS:
+                CORRUPTIONS[fault](reply.content)
+            replies.append(reply)
+        return replies
+
+
+def run(tmp_path: Path, name: str, num_nodes: int = 3, faults: dict[int, str] | None = None,
+        first_node_id: int = 1000, **settings) -> tuple[Path, InProcessGrid]:
+    """One in-process run of the real ServerApp; returns its folder and grid."""
+    values = {**TINY, "min-available-nodes": num_nodes, "results-dir": str(tmp_path), "run-name": name, **settings}
+    grid = InProcessGrid(build_client_app(values), num_nodes, faults, first_node_id)
+    run_experiment(grid, parse_run_config(values))
+    return tmp_path / name, grid
+
+
+def rows(folder: Path) -> list[dict]:
+    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
+def without_clock(records: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if k != "elapsed-s"} for r in records]
+
+
+def final_model(folder: Path) -> dict[str, torch.Tensor]:
+    return torch.load(folder / "model.pt")
+
+
+# --- client faults ---------------------------------------------------------------------------------------
+
+
+def test_failed_late_and_malformed_clients_are_dropped_with_their_reasons(tmp_path):
+    faults = {1: "raise", 2: "nan", 3: "late", 4: "shape"}
+    folder, grid = run(tmp_path, "faults", num_nodes=5, faults=faults, **{"round-timeout": 7.5})
+    records = rows(folder)
+    assert [r["round"] for r in records] == [0, 1, 2]
+    for row in records[1:]:
+        assert (row["clients-sampled"], row["clients-trained"], row["clients-dropped"]) == (5, 1, 4)
+        reasons = row["clients-dropped-reasons"]
+        assert sorted(reasons) == ["1", "2", "3", "4"]
+        assert "injected client failure" in reasons["1"]
+        assert "NaN" in reasons["2"]
+        assert "timeout" in reasons["3"]
+        assert "shape" in reasons["4"]
+    assert all(timeout == 7.5 for timeout in grid.timeouts[1:])  # the partition QUERY has its own timeout
+    summary = json.loads((folder / "summary.json").read_text())
+    assert summary["clients-per-round"] == [1, 1]
+    assert all(torch.isfinite(t).all() for t in final_model(folder).values())
+
+
+@pytest.mark.parametrize("strategy", [pytest.param(name, marks=pytest.mark.slow) if name in SLOW_MODELS else name
+                                      for name in list_strategies()])
+def test_a_dropped_reply_never_reaches_the_global_model(tmp_path, strategy):
+    """For every strategy: NaN and incomplete replies leave the global model exactly as when those clients fail
+    outright or never answer, while the remaining client's updates do change it."""
+    settings = {"strategy": strategy, "model": MODELS.get(strategy, "small-mlp"), "superfed-start": 0.0}
+    malformed, _ = run(tmp_path, "malformed", faults={1: "nan", 2: "missing"}, **settings)
+    absent, _ = run(tmp_path, "absent", faults={1: "raise", 2: "late"}, **settings)
+    reference = final_model(absent)
+    assert all(torch.equal(final_model(malformed)[k], reference[k]) for k in reference)
+    records = rows(malformed)
+    assert [r["clients-trained"] for r in records[1:]] == [1, 1]
+    assert records[-1]["loss"] != records[0]["loss"]  # partition 0's updates went in
+
+
+def test_a_round_with_fewer_than_min_train_nodes_usable_replies_keeps_the_global_model():
+    strategy = get_strategy("fedavg").build_server(RunConfig(), MetricAggregation(_fold, _fold))
+    strategy.min_train_nodes = 2
+    strategy._reference = ArrayRecord({"w": torch.zeros(2)})
+    seen: list[Participation] = []
+    strategy.participation_fn = lambda _, participation: seen.append(participation)
+    strategy._sampled = [1, 2, 3]
+    good = _reply({"w": torch.ones(2)}, node=1)
+    assert strategy.aggregate_train(1, [good, _error_reply(node=2)]) == (None, None)
+    assert seen[0].sampled == 3 and seen[0].trained == 0
+    assert "fewer than min-train-nodes=2" in seen[0].dropped["node 1"]
+    assert "timeout" in seen[0].dropped["node 3"]
+
+
+def _fold(records, key):
+    return MetricRecord({"n": len(records)})
+
+
+def _reply(arrays: dict[str, torch.Tensor], node: int, examples: int = 4, **metrics) -> SimpleNamespace:
+    content = RecordDict({"arrays": ArrayRecord(arrays), "metrics": MetricRecord({"num-examples": examples,
+                                                                                  **metrics})})
+    return SimpleNamespace(content=content, has_error=lambda: False, metadata=SimpleNamespace(src_node_id=node))
+
+
+def _error_reply(node: int) -> SimpleNamespace:
+    return SimpleNamespace(has_error=lambda: True, error=Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, "boom"),
+                           metadata=SimpleNamespace(src_node_id=node))
+
+
+def test_a_reply_whose_metric_keys_differ_is_dropped_instead_of_failing_the_round():
+    strategy = get_strategy("fedavg").build_server(RunConfig(), MetricAggregation(_fold, _fold))
+    strategy._reference = ArrayRecord({"w": torch.zeros(2)})
+    replies = [_reply({"w": torch.ones(2)}, 1, loss=1.0), _reply({"w": torch.full((2,), 9.0)}, 2, other=1.0),
+               _reply({"w": torch.full((2,), 3.0)}, 3, loss=2.0)]
+    arrays, metrics = strategy.aggregate_train(1, replies)
+    np.testing.assert_allclose(arrays["w"].numpy(), [2.0, 2.0])  # node 2 (odd keys) left out
+    assert metrics["n"] == 2
+
+
+def test_malformed_evaluate_replies_are_left_out_of_the_means():
+    strategy = get_strategy("fedavg").build_server(RunConfig(), MetricAggregation(_fold, _fold))
+
+    def evaluate_reply(node: int, **metrics) -> SimpleNamespace:
+        return SimpleNamespace(content=RecordDict({"metrics": MetricRecord(metrics)}), has_error=lambda: False,
+                               metadata=SimpleNamespace(src_node_id=node))
+
+    replies = [evaluate_reply(1, **{"num-examples": 3, "local-accuracy": 0.5}),
+               evaluate_reply(2, **{"local-accuracy": 0.9}),  # no example count
+               evaluate_reply(3, **{"num-examples": -1, "local-accuracy": 0.9}),
+               _error_reply(4),
+               evaluate_reply(5, **{"num-examples": 0, "local-accuracy": 0.0})]  # an empty test split is fine
+    assert strategy.aggregate_evaluate(1, replies)["n"] == 2
+
+
+class _NanAggregate(FedAvg):
+    """A strategy whose aggregation is broken: the round loop must refuse what it returns."""
+
+    def aggregate_train(self, server_round, replies):
+        list(replies)
+        return ArrayRecord({"w": torch.full((2,), math.nan)}), None
+
+
+def test_the_round_loop_refuses_an_aggregate_that_is_not_finite():
+    strategy = _NanAggregate(min_available_nodes=1, min_train_nodes=1, min_evaluate_nodes=1)
+    app = ClientApp()
+
+    @app.train()
+    def train(message: Message, context: Context) -> Message:
+        return Message(RecordDict({"arrays": message.content["arrays"],
+                                   "metrics": MetricRecord({"num-examples": 1})}), reply_to=message)
+
+    @app.query()
+    def query(message: Message, context: Context) -> Message:
+        return Message(RecordDict({"metrics": MetricRecord({"partition-id": 0, "num-partitions": 1})}),
+                       reply_to=message)
+
+    @app.evaluate()
+    def evaluate(message: Message, context: Context) -> Message:
+        return Message(RecordDict({"metrics": MetricRecord({"num-examples": 1})}), reply_to=message)
+
+    start = ArrayRecord({"w": torch.ones(2)})
+    result = strategy.start(InProcessGrid(app, 1), start, num_rounds=2)
+    assert torch.equal(torch.from_numpy(result.arrays["w"].numpy()), torch.ones(2))
+
+
+# --- checkpoints and resume ------------------------------------------------------------------------------
+
+
+RESUMABLE = {"num-server-rounds": 4, "fraction-train": 0.5, "strategy": "fedavgm"}
+
+
+def test_a_resumed_run_continues_exactly_where_the_straight_run_goes(tmp_path):
+    """FedAvgM (server momentum) with half the clients sampled: a run stopped after round 2 and resumed on
+    other node ids gives rounds 3 and 4 as the uninterrupted run does, each round once."""
+    straight, _ = run(tmp_path, "straight", num_nodes=4, **RESUMABLE)
+    stopped, _ = run(tmp_path, "stopped", num_nodes=4, **{**RESUMABLE, "num-server-rounds": 2})
+    assert load_checkpoint(stopped).round == 2
+    run(tmp_path, "ignored", num_nodes=4, first_node_id=555, **{**RESUMABLE, "resume-from": str(stopped)})
+    assert not (tmp_path / "ignored").exists()  # a resumed run writes into the folder it resumes
+    assert without_clock(rows(stopped)) == without_clock(rows(straight))
+    assert [r["round"] for r in rows(stopped)] == [0, 1, 2, 3, 4]
+    assert all(r["clients-trained"] == 2 for r in rows(stopped)[1:])
+    model = final_model(stopped)
+    assert all(torch.equal(model[k], final_model(straight)[k]) for k in model)
+    summary = json.loads((stopped / "summary.json").read_text())
+    assert summary["rounds"] == 4 and summary["clients-per-round"] == [2, 2, 2, 2]
+    assert json.loads((stopped / "config.json").read_text())["resume-from"] == str(stopped)
+
+
+def test_a_crash_between_a_rounds_metrics_and_its_checkpoint_loses_and_repeats_nothing(tmp_path, monkeypatch):
+    straight, _ = run(tmp_path, "straight", **{"num-server-rounds": 3, "strategy": "fedma"})
+
+    def crash_at_round_2(folder, checkpoint):
+        if checkpoint.round == 2:
+            raise KeyboardInterrupt("the server dies after writing round 2's metrics")
+        return save_checkpoint(folder, checkpoint)
+
+    monkeypatch.setattr(server_app, "save_checkpoint", crash_at_round_2)
+    with pytest.raises(KeyboardInterrupt):
+        run(tmp_path, "crashed", **{"num-server-rounds": 3, "strategy": "fedma"})
+    crashed = tmp_path / "crashed"
+    assert [r["round"] for r in rows(crashed)] == [0, 1, 2] and load_checkpoint(crashed).round == 1
+    monkeypatch.setattr(server_app, "save_checkpoint", save_checkpoint)
+    # FedMA is mid-cycle after round 1: the clients' aligned models are carried by partition to new node ids
+    run(tmp_path, "again", first_node_id=4242, **{"num-server-rounds": 3, "strategy": "fedma",
+                                                   "resume-from": str(crashed)})
+    assert without_clock(rows(crashed)) == without_clock(rows(straight))
+    model = final_model(crashed)
+    assert all(torch.equal(model[k], final_model(straight)[k]) for k in model)
+
+
+def test_client_sampling_ignores_other_draws_from_the_global_random():
+    """Flower samples with Python's global ``random``, which other server code also draws from at times that
+    depend on the clock; each strategy lends it its own stream, so the sampled clients stay reproducible."""
+    grid = InProcessGrid(build_client_app(TINY), 6)
+
+    def sampled(perturb: bool) -> list[list[int]]:
+        config = parse_run_config({**TINY, "fraction-train": 0.5, "seed": 3})
+        strategy = get_strategy("fedavg").build_server(config, MetricAggregation(_fold, _fold))
+        rounds = []
+        for round_ in (1, 2, 3):
+            if perturb:
+                random.random()
+            messages = strategy.configure_train(round_, ArrayRecord({"w": torch.zeros(1)}), ConfigRecord(), grid)
+            rounds.append(sorted(m.metadata.dst_node_id for m in messages))
+        return rounds
+
+    random.seed(0)
+    first = sampled(perturb=False)
+    random.seed(1)
+    assert sampled(perturb=True) == first
+    assert len({tuple(nodes) for nodes in first}) > 1  # the draws differ between rounds
+
+
+def test_resume_refuses_a_missing_folder_or_checkpoint_and_changed_keys(tmp_path):
+    def resume(**settings):
+        values = {**TINY, "results-dir": str(tmp_path), "run-name": "new", **settings}
+        run_experiment(InProcessGrid(build_client_app(values), 3), parse_run_config(values))
+
+    with pytest.raises(ConfigError, match="no such folder"):
+        resume(**{"resume-from": str(tmp_path / "nowhere")})
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match=f"holds no {CHECKPOINT}"):
+        resume(**{"resume-from": str(tmp_path / "empty")})
+    folder, _ = run(tmp_path, "done", **{"num-server-rounds": 2})
+    for key, value in [("strategy", "fedprox"), ("seed", 3), ("dirichlet-alpha", 0.1), ("pan-mode", "mul"),
+                       ("model", "twonn"), ("fraction-train", 0.5)]:
+        with pytest.raises(ConfigError, match=f"'{key}': checkpoint .*, now {value!r}"):
+            resume(**{"resume-from": str(folder), key: value, "num-server-rounds": 3})
+    with pytest.raises(ConfigError, match="already completed round 2; set at least 2"):
+        resume(**{"resume-from": str(folder), "num-server-rounds": 1})
+    (folder / CHECKPOINT).write_bytes(b"not a checkpoint")
+    with pytest.raises(ConfigError, match="cannot be read"):
+        resume(**{"resume-from": str(folder), "num-server-rounds": 3})
+    assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.parametrize(("key", "value", "fragment"), [("resume-from", "runs/a", "absolute"),
+                                                         ("round-timeout", 0.0, "> 0"),
+                                                         ("round-timeout", math.inf, "> 0")])
+def test_resume_and_timeout_keys_are_checked(key, value, fragment):
+    with pytest.raises(ConfigError, match=fragment):
+        parse_run_config({key: value})
+
+
+def _state_after_rounds(name: str, rounds: int):
+    """A strategy of ``name`` after ``rounds`` aggregations of two fake replies."""
+    strategy = get_strategy(name).build_server(RunConfig(strategy=name), MetricAggregation(_fold, _fold))
+    reference = ArrayRecord({"w": torch.zeros(3)})
+    strategy._reference = reference
+    if name == "fedavgm":
+        strategy.current_arrays = reference
+    if name == "scaffold":
+        strategy.control = ArrayRecord({"w": torch.zeros(3)})  # configure_train sets c to zeros in round 1
+    for round_ in range(1, rounds + 1):
+        replies = [_reply({"w": torch.full((3,), float(round_ + node))}, node) for node in (1, 2)]
+        if name == "scaffold":
+            for reply in replies:
+                reply.content["control"] = ArrayRecord({"w": torch.full((3,), 0.5)})
+        arrays, _ = strategy.aggregate_train(round_, replies)
+        strategy._reference = arrays
+    return strategy
+
+
+@pytest.mark.parametrize("name", ["fedavgm", "scaffold"])
+def test_server_state_survives_a_checkpoint_file(tmp_path, name):
+    strategy = _state_after_rounds(name, 2)
+    state = strategy.state_dict()
+    assert state  # these strategies carry something from round to round
+    recorder = {"rows": [{"round": 0, "accuracy": 0.1}], "extra-keys": [], "elapsed-s": 1.0}
+    save_checkpoint(tmp_path, capture(2, RunConfig(strategy=name), strategy._reference, strategy, recorder))
+    fresh = get_strategy(name).build_server(RunConfig(strategy=name), MetricAggregation(_fold, _fold))
+    fresh.load_state_dict(load_checkpoint(tmp_path).strategy_state)
+    fresh._reference = strategy._reference
+    replies = [_reply({"w": torch.full((3,), 7.0)}, 1)]
+    if name == "scaffold":
+        replies[0].content["control"] = ArrayRecord({"w": torch.ones(3)})
+    expected, _ = strategy.aggregate_train(3, copy.deepcopy(replies))
+    got, _ = fresh.aggregate_train(3, replies)
+    np.testing.assert_array_equal(got["w"].numpy(), expected["w"].numpy())
+
+
+def test_a_stateless_strategy_refuses_foreign_state():
+    strategy = get_strategy("fedavg").build_server(RunConfig(), MetricAggregation(_fold, _fold))
+    assert strategy.state_dict() == {}
+    with pytest.raises(ValueError, match="keeps no server state"):
+        strategy.load_state_dict({"control": {}})
+
+
+def test_the_checkpoint_is_replaced_whole(tmp_path):
+    config = RunConfig()
+    strategy = get_strategy("fedavg").build_server(config, MetricAggregation(_fold, _fold))
+    recorder = {"rows": [], "extra-keys": [], "elapsed-s": 0.0}
+    save_checkpoint(tmp_path, capture(1, config, ArrayRecord({"w": torch.zeros(2)}), strategy, recorder))
+    save_checkpoint(tmp_path, capture(2, config, ArrayRecord({"w": torch.ones(2)}), strategy, recorder))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [CHECKPOINT]  # no temporary file left behind
+    loaded = load_checkpoint(tmp_path)
+    assert loaded.round == 2 and torch.equal(torch.from_numpy(loaded.arrays["w"].numpy()), torch.ones(2))
+    assert loaded.sampling_random == strategy.sampling_state
+    assert checkpoint_module.config_differences(loaded.config, config.replace(num_server_rounds=50)) == {}
+
+
+# --- Flower's simulation (Ray) ---------------------------------------------------------------------------
+
+BACKEND = {"client_resources": {"num_cpus": 1, "num_gpus": 0.0}}
+
+
+def simulate(tmp_path: Path, name: str, client_app: ClientApp | None = None, num_nodes: int = 4,
+             **settings) -> Path:
+    values = {**TINY, "min-available-nodes": num_nodes, "results-dir": str(tmp_path), "run-name": name, **settings}
+    run_simulation(server_app=build_server_app(values), client_app=client_app or build_client_app(values),
+                   num_supernodes=num_nodes, backend_config=BACKEND)
+    return tmp_path / name
+
+
+@pytest.mark.slow
+def test_simulation_resumed_after_round_2_equals_the_straight_run(tmp_path):
+    settings = {"num-server-rounds": 4, "fraction-train": 0.5}
+    straight = simulate(tmp_path, "straight", **settings)
+    stopped = simulate(tmp_path, "stopped", **{**settings, "num-server-rounds": 2})
+    simulate(tmp_path, "resumed", **{**settings, "resume-from": str(stopped)})
+    assert [r["round"] for r in rows(stopped)] == [0, 1, 2, 3, 4]
+    assert without_clock(rows(stopped)) == without_clock(rows(straight))
+
+
+@pytest.mark.slow
+def test_simulation_drops_a_client_that_raises_and_finishes(tmp_path):
+    settings = {**TINY, "min-available-nodes": 3}
+    inner = build_client_app(settings)
+    app = ClientApp()
+
+    @app.train()
+    def train(message: Message, context: Context) -> Message:
+        if int(context.node_config["partition-id"]) == 1:
+            raise RuntimeError("injected client failure")
+        return inner(message, context)
+
+    @app.evaluate()
+    def evaluate(message: Message, context: Context) -> Message:
+        return inner(message, context)
+
+    @app.query()
+    def query(message: Message, context: Context) -> Message:
+        return inner(message, context)
+
+    folder = simulate(tmp_path, "faulty", client_app=app, num_nodes=3)
+    records = rows(folder)
+    assert [r["round"] for r in records] == [0, 1, 2]
+    for row in records[1:]:
+        assert (row["clients-sampled"], row["clients-trained"], row["clients-dropped"]) == (3, 2, 1)
+        assert "injected client failure" in row["clients-dropped-reasons"]["1"]
+    assert json.loads((folder / "summary.json").read_text())["clients-per-round"] == [2, 2]
