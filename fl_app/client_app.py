@@ -23,7 +23,7 @@ from fl_app.label_noise import noisy_labels
 from fl_app.model_io import build_run_model, load_arrays
 from fl_app.training import round_generator, select_device
 from strategies import get_strategy
-from strategies.base import MODEL_RECORD, NUM_EXAMPLES
+from strategies.base import MODEL_RECORD, NEW_CLIENT, NUM_EXAMPLES, is_holdout
 
 
 @dataclass(frozen=True)
@@ -77,13 +77,17 @@ def client_data(config: RunConfig, partition_id: int, num_partitions: int) -> Cl
                                    dirichlet_alpha=config.dirichlet_alpha,
                                    classes_per_client=config.classes_per_client,
                                    shards_per_client=config.shards_per_client)
-    train_idx, test_idx = client_split(partitions[partition_id], config.test_fraction, config.seed, partition_id)
+    train_idx, test_idx = client_split(partitions[partition_id], config.test_fraction, config.seed, partition_id,
+                                       config.data_fraction)
     if len(train_idx) == 0:
         raise ValueError(f"partition {partition_id} of {num_partitions} has no training examples; use fewer "
                          "clients, a larger dirichlet-alpha or another partitioner")
-    train_y = noisy_labels(dataset.train_y[train_idx], dataset.num_classes, config.label_noise,
+    train, test = torch.as_tensor(train_idx, dtype=torch.long), torch.as_tensor(test_idx, dtype=torch.long)
+    train_y = noisy_labels(dataset.train_y.index_select(0, train), dataset.num_classes, config.label_noise,
                            config.label_noise_rate, config.seed, partition_id)  # test labels stay clean
-    return ClientData(dataset.train_x[train_idx], train_y, dataset.train_x[test_idx], dataset.train_y[test_idx])
+    # index_select with a tensor: numpy-array indexing of a tensor is several times slower (every message pays it)
+    return ClientData(dataset.train_x.index_select(0, train), train_y, dataset.train_x.index_select(0, test),
+                      dataset.train_y.index_select(0, test))
 
 
 @lru_cache(maxsize=4)
@@ -114,6 +118,9 @@ def build_client_app(overrides: Mapping[str, Any] | None = None) -> ClientApp:
     @app.train()
     def train(message: Message, context: Context) -> Message:
         config, partition_id, data, model, device = _receive(message, context, overrides)
+        if is_holdout(partition_id, int(context.node_config["num-partitions"]), config.holdout_clients):
+            raise ValueError(f"partition {partition_id} is held out (holdout-clients={config.holdout_clients}) "
+                             "and must not train; run the server with the same holdout-clients")
         server_round = int(message.content["config"]["server-round"])
         generator = round_generator(config.seed, server_round, partition_id)
         torch.manual_seed(int(torch.randint(0, 2**62, (1,), generator=generator)))
@@ -129,9 +136,14 @@ def build_client_app(overrides: Mapping[str, Any] | None = None) -> ClientApp:
     @app.evaluate()
     def evaluate_local(message: Message, context: Context) -> Message:
         config, partition_id, data, model, device = _receive(message, context, overrides)
+        new_client = is_holdout(partition_id, int(context.node_config["num-partitions"]), config.holdout_clients)
         update = get_strategy(config.strategy).client_update(config, context, message.content)
+        # Every reply has the same keys (Flower aggregates only those); a new client's ``local-*`` scores
+        # are the global model's, which is all the server reads from it (its personal scores, if any, are of
+        # a model that never trained).
         scores = update.evaluate(model, data.train_x, data.train_y, data.test_x, data.test_y, device)
-        metrics = MetricRecord({**scores, NUM_EXAMPLES: len(data.test_y), "partition-id": partition_id})
+        metrics = MetricRecord({**scores, NUM_EXAMPLES: len(data.test_y), "partition-id": partition_id,
+                                NEW_CLIENT: int(new_client)})
         return Message(content=RecordDict({"metrics": metrics}), reply_to=message)
 
     @app.query()

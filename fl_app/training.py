@@ -43,7 +43,8 @@ def iterate_batches(
     """Mini-batches of in-memory tensors, shuffled when a generator is given (no DataLoader overhead)."""
     order = torch.randperm(len(y), generator=generator) if generator is not None else torch.arange(len(y))
     for batch in order.split(batch_size):
-        yield x[batch], y[batch]
+        # index_select copies whole rows; x[batch] takes torch's general indexing path, several times slower
+        yield x.index_select(0, batch.to(x.device)), y.index_select(0, batch.to(y.device))
 
 
 @torch.no_grad()

@@ -21,13 +21,16 @@ def flwr_log(caplog):
 def test_auto_falls_back_to_cpu_and_says_so(monkeypatch, flwr_log):
     monkeypatch.setattr(training.torch.cuda, "is_available", lambda: False)
     assert select_device("auto") == torch.device("cpu")
-    assert "CUDA is not available, training on CPU" in flwr_log.text
+    # a set: caplog sees the record through its own handler and through the root logger
+    assert {(r.levelno, r.getMessage()) for r in flwr_log.records} == {
+        (logging.INFO, "device=auto: CUDA is not available, training on CPU")}
 
 
 def test_explicit_cuda_without_cuda_falls_back_with_a_warning(monkeypatch, flwr_log):
     monkeypatch.setattr(training.torch.cuda, "is_available", lambda: False)
     assert select_device("cuda:1") == torch.device("cpu")
-    assert "device=cuda:1 requested but CUDA is not available" in flwr_log.text
+    assert {(r.levelno, r.getMessage()) for r in flwr_log.records} == {
+        (logging.WARNING, "device=cuda:1 requested but CUDA is not available: falling back to CPU")}
 
 
 def test_auto_takes_cuda_when_present(monkeypatch):

@@ -1,0 +1,182 @@
+"""Server-side aggregation cost per round of every registered strategy, at K clients.
+
+For each strategy and K, a fresh server strategy is configured for round 1 (``configure_train`` on a
+grid of K nodes that does not answer the partition query), and each of the K training messages gets an
+authentic reply built by the strategy's own client update, as the ClientApp builds it: ``train`` on a
+few random examples (so SCAFFOLD's control update, FedMA's class counts, Ψ-Net's held groups are
+there), then the model is replaced by a synthetic "trained" client model (the global model with its
+hidden units randomly permuted and Gaussian noise added, so matching has real work) before
+``model_record``. Only ``aggregate_train`` is timed (reply checks included): the median of
+``--repeats`` runs, each on a fresh strategy and fresh replies.
+
+Round 1 is what is timed: FedMA's first round matches only the first layer of its schedule, so its
+later rounds cost a different amount. Ψ-Net needs a Ψ-Net model and runs with ``psi-vgg9`` in the
+"vgg9" column (and is left out of the "mlp" one).
+
+    flock /tmp/alignfl-exp.lock env OMP_NUM_THREADS=1 .venv/bin/python benchmarks/aggregation_cost.py
+    .venv/bin/python benchmarks/aggregation_cost.py --models mlp --clients 10 --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord, RecordDict
+from flwr.supercore.task_identity import TaskIdentity
+
+from benchutil import append_jsonl, machine, median, read_jsonl
+from fl_app.config import RunConfig, parse_run_config
+from fl_app.model_io import build_run_model, federated_state, load_arrays, to_arrays
+from fl_app.data import dataset_info
+from models import permute_state, random_permutations
+from strategies import get_strategy, list_strategies
+from strategies.base import MetricAggregation
+
+MODEL_FOR = {"mlp": {"psinet": None}, "vgg9": {"psinet": "psi-vgg9"}}
+"""Per benchmark model, the strategies that need another model (None: left out)."""
+
+
+class FakeGrid:
+    """K connected nodes that never answer (the partition query gets no reply: nodes sort by id)."""
+
+    def __init__(self, clients: int) -> None:
+        self.nodes = list(range(1, clients + 1))
+
+    def get_node_ids(self) -> list[int]:
+        return self.nodes
+
+    def send_and_receive(self, messages: Any, timeout: float | None = None) -> list[Any]:
+        return []
+
+
+def _fold(records: list[RecordDict], key: str) -> MetricRecord:
+    return MetricRecord({"clients": len(records)})
+
+
+class _Dataset:
+    """What build_run_model reads of a dataset, without loading one."""
+
+    def __init__(self, name: str) -> None:
+        self.input_shape, self.num_classes = dataset_info(name)
+
+
+def synthetic_client_states(config: RunConfig, clients: int, seed: int) -> tuple[torch.nn.Module, list[dict]]:
+    """The global model, and K client models: its hidden units permuted at random, plus N(0, 0.01²) noise."""
+    model = build_run_model(config, _Dataset(config.dataset))
+    spec, state = model.permutation_spec(), federated_state(model)
+    generator = torch.Generator().manual_seed(seed)
+    states = []
+    for _ in range(clients):
+        permuted = permute_state(spec, state, random_permutations(spec, state, generator))
+        states.append({k: v + 0.01 * torch.randn(v.shape, generator=generator) for k, v in permuted.items()})
+    return model, states
+
+
+def replies(config: RunConfig, strategy: Any, model: torch.nn.Module, states: list[dict]) -> list[Any]:
+    """Round 1's training messages for K nodes, answered by the strategy's client update."""
+    global_arrays = to_arrays(model)
+    messages = list(strategy.configure_train(1, global_arrays, ConfigRecord(config.pan_signature()),
+                                             FakeGrid(len(states))))
+    (channels, height, width), num_classes = dataset_info(config.dataset)
+    generator = torch.Generator().manual_seed(0)
+    answers = []
+    for index, (message, state) in enumerate(zip(messages, states)):
+        context = Context(run_id=1, node_id=message.metadata.dst_node_id,
+                          node_config={"partition-id": index, "num-partitions": len(states)},
+                          state=RecordDict(), run_config={})
+        load_arrays(model, message.content["arrays"])
+        x = torch.randn(8, channels, height, width, generator=generator)
+        y = torch.randint(0, num_classes, (8,), generator=generator)
+        update = get_strategy(config.strategy).client_update(config, context, message.content)
+        metrics = update.train(model, x, y, generator, torch.device("cpu"))
+        model.load_state_dict(state, strict=False)
+        content = RecordDict({"arrays": update.model_record(model), **update.reply_records(),
+                              "metrics": MetricRecord({**metrics, "num-examples": 100 + index,
+                                                       "partition-id": index})})
+        answers.append(SimpleNamespace(content=content, has_error=lambda: False,
+                                       metadata=SimpleNamespace(src_node_id=message.metadata.dst_node_id)))
+    return answers
+
+
+def aggregation_seconds(config: RunConfig, clients: int, repeats: int) -> list[float]:
+    """``repeats`` timings of round 1's ``aggregate_train`` on fresh strategies and replies."""
+    seconds = []
+    for repeat in range(repeats):
+        model, states = synthetic_client_states(config, clients, seed=repeat)
+        strategy = get_strategy(config.strategy).build_server(config, MetricAggregation(_fold, _fold))
+        answers = replies(config, strategy, model, states)
+        started = time.perf_counter()
+        arrays, _ = strategy.aggregate_train(1, answers)
+        seconds.append(time.perf_counter() - started)
+        if arrays is None:
+            raise RuntimeError(f"strategy {config.strategy} aggregated nothing from {clients} synthetic replies")
+    return seconds
+
+
+def report(rows: list[dict[str, Any]]) -> str:
+    """One row per strategy, one column per (model, K): median seconds (min-max)."""
+    columns = sorted({(row["model"], row["clients"]) for row in rows}, key=lambda c: (c[0] != "mlp", c[0], c[1]))
+    by_key = {(row["strategy"], row["model"], row["clients"]): row for row in rows}
+    lines = ["| strategy | " + " | ".join(f"{model} K={k} (s)" for model, k in columns) + " |",
+             "|---|" + "---|" * len(columns)]
+    for name in sorted({row["strategy"] for row in rows}):
+        cells = []
+        for model, k in columns:
+            row = by_key.get((name, model, k))
+            cells.append("–" if row is None else
+                         f"{median(row['seconds']):.3f} ({min(row['seconds']):.3f}–{max(row['seconds']):.3f})")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", choices=sorted(MODEL_FOR), default=["mlp"])
+    parser.add_argument("--clients", nargs="+", type=int, default=[10, 100])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--strategies", nargs="+", default=None, help="default: every registered strategy")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="folder for rows.jsonl and report.md (default: a new one under ~/alignfl-results); "
+                             "an existing folder is resumed: measured cells are not run again")
+    args = parser.parse_args(argv)
+    names = args.strategies or list_strategies()
+    unknown = sorted(set(names) - set(list_strategies()))
+    if unknown:
+        parser.error(f"unknown strategies {unknown}; allowed: {list_strategies()}")
+    if args.repeats < 1 or min(args.clients) < 2:
+        parser.error(f"--repeats must be >= 1 and every --clients >= 2, got {args.repeats} and {args.clients}")
+    torch.set_num_threads(1)
+    for name in ("_run_id", "_task_id", "_node_id"):  # Flower stamps messages with the running task's ids
+        setattr(TaskIdentity, name, 1)
+    out = (args.out or Path.home() / "alignfl-results" / "benchmarks" /
+           f"aggregation-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}").resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    rows_path = out / "rows.jsonl"
+    done = {(row["strategy"], row["model"], row["clients"]) for row in read_jsonl(rows_path)}
+    print(f"[aggregation] {machine()}; results in {out}", flush=True)
+    for base_model in args.models:
+        for clients in args.clients:
+            for name in names:
+                model = MODEL_FOR[base_model].get(name, base_model)
+                if model is None or (name, base_model, clients) in done:
+                    continue
+                config = parse_run_config({"strategy": name, "model": model, "dataset": "fashion-mnist",
+                                           "min-available-nodes": clients})
+                seconds = aggregation_seconds(config, clients, args.repeats)
+                append_jsonl(rows_path, {"strategy": name, "model": base_model, "run-model": model,
+                                         "clients": clients, "seconds": seconds, "machine": machine()})
+                print(f"[aggregation] {name} {model} K={clients}: median {median(seconds):.3f} s", flush=True)
+    text = report(read_jsonl(rows_path))
+    (out / "report.md").write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
