@@ -11,9 +11,16 @@ Everything reads the spec and nothing else: a shared permutation (a ResNet
 residual stream with its BatchNorm entries, a transformer's residual stream with
 its embedding and LayerNorms, q and k of an attention head) is one group that
 lists all of its axes, so its cost simply sums over all of them. A unit's row
-comes from :func:`~models.permutation.unit_view`, so a flattened channel brings
-its whole block of ``H*W`` columns. State-dict keys that no group touches are
-never changed; PAN encodings are not in state dicts at all.
+is its row of :func:`~models.permutation.unit_view` (built by :func:`unit_rows`),
+so a flattened channel brings its whole block of ``H*W`` columns. State-dict
+keys that no group touches are never changed; PAN encodings are not in state
+dicts at all.
+
+Speed (``benchmarks/matching_speed.py``): the reference's rows are built once
+for all models aligned onto it (:class:`Target`), and each entry's share of a
+group's score is kept until a permutation it depends on changes
+(:class:`PairScores`), so the ``weight`` descent computes most shares once per
+model instead of once per visit; the permutations found are the same.
 
 Costs (registered by name, see :func:`list_costs`):
 
@@ -46,11 +53,10 @@ import torch
 from scipy.optimize import linear_sum_assignment
 from torch import Tensor
 
-from models.permutation import AxisRef, PermutationSpec, permute_axis, permute_state, unit_view
+from models.permutation import AxisRef, PermutationSpec, permute_state
 
 StateDict = Mapping[str, Tensor]
 Permutations = dict[str, Tensor]
-Matcher = Callable[[StateDict, StateDict, PermutationSpec, torch.Generator], Permutations]
 Score = Callable[[Tensor, Tensor], Tensor]
 
 MAX_SWEEPS = 100
@@ -61,12 +67,41 @@ MAX_SWEEPS = 100
 _IMPROVEMENT_RTOL = 1e-9
 
 
+class Target:
+    """The reference model that others are aligned onto, with its unit rows built once.
+
+    Every model aligned onto the same reference (all clients of a round) reads
+    the same reference rows, so they are made once per reference rather than
+    once per client.
+    """
+
+    def __init__(self, reference: StateDict, spec: PermutationSpec) -> None:
+        self.reference = reference
+        self.spec = spec
+        self.sizes = spec.group_sizes(reference)
+        self.axes = spec.axes_by_key()
+        self._rows: dict[AxisRef, Tensor] = {}
+
+    def rows(self, ref: AxisRef) -> Tensor:
+        """The reference's float32 ``J x F`` matrix of entry ``ref``, one row per unit."""
+        if ref not in self._rows:
+            self._rows[ref] = unit_rows(self.reference[ref.key], ref, ())
+        return self._rows[ref]
+
+    def identity(self, group: str) -> Tensor:
+        return torch.arange(self.sizes[group])
+
+
+Matcher = Callable[[Target, StateDict, torch.Generator], Permutations]
+
+
 @dataclass(frozen=True)
 class CostEntry:
     """One registered cost: how all groups of a model are matched, and its unit-to-unit score.
 
     ``score(reference_rows, other_rows)`` is the ``J x J`` matrix to maximise for
-    one group; the layer-wise FedMA schedule solves one group at a time with it.
+    one group, summed over the group's entries; the layer-wise FedMA schedule
+    solves one group at a time with it.
     """
 
     name: str
@@ -79,7 +114,7 @@ _COSTS: dict[str, CostEntry] = {}
 
 
 def register_cost(name: str, score: Score, summary: str) -> Callable[[Matcher], Matcher]:
-    """Decorator registering ``match(reference, other, spec, generator) -> permutations`` under ``name``."""
+    """Decorator registering ``match(target, other, generator) -> permutations`` under ``name``."""
 
     def decorate(match: Matcher) -> Matcher:
         if name in _COSTS:
@@ -117,33 +152,27 @@ def check_compatible(reference: StateDict, other: StateDict, spec: PermutationSp
     spec.group_sizes(reference)
 
 
-def unit_rows(
-    state: StateDict,
-    refs: Iterable[AxisRef],
-    perms: Mapping[str, Tensor],
-    axes_by_key: Mapping[str, list[tuple[str, AxisRef]]],
-) -> list[Tensor]:
-    """For every entry in ``refs`` (all acting on one group), a float32 ``J x F`` matrix, one row per unit.
+def unit_rows(tensor: Tensor, ref: AxisRef, moves: Sequence[tuple[AxisRef, Tensor]]) -> Tensor:
+    """``unit_view(tensor, ref)`` as float32 after reordering the other axes by ``moves`` ((axis, permutation) pairs).
 
-    Before an entry is viewed along its own axis, the permutations in ``perms``
-    are applied to its *other* permuted axes, so rows are compared in the
-    reference's order of the neighbouring groups. The blocks are kept apart
-    (not concatenated): both scores are sums over features, so they are summed
-    block by block without copying every row into one matrix.
+    Same rows as permuting with :func:`~models.permutation.permute_axis` and
+    then taking the unit view, but with at most one copy per move (or one for
+    the layout when there is none): every permuted axis is split into
+    ``(units, block)``, the units of ``ref`` are moved to the front as a view,
+    and the other units are gathered from that view. Cost matrices are
+    dominated by these copies and the matrix products.
     """
-    blocks = []
-    for ref in refs:
-        tensor = state[ref.key]
-        for name, other in axes_by_key[ref.key]:
-            if other.axis != ref.axis and name in perms:
-                tensor = permute_axis(tensor, other, perms[name])
-        blocks.append(unit_view(tensor, ref).float())
-    return blocks
-
-
-def group_score(score: Score, reference_rows: list[Tensor], other_rows: list[Tensor]) -> Tensor:
-    """``score`` summed over the entries of a group (both scores add up over feature blocks)."""
-    return sum(score(a, b) for a, b in zip(reference_rows, other_rows))
+    blocks = {axis.axis: axis.block for axis, _ in moves} | {ref.axis: ref.block}
+    shape: list[int] = []
+    units_at: dict[int, int] = {}
+    for dim, length in enumerate(tensor.shape):
+        units_at[dim] = len(shape)
+        shape += [length // blocks[dim], blocks[dim]] if dim in blocks else [length]
+    view = tensor.reshape(shape).movedim(units_at[ref.axis], 0)
+    for axis, perm in moves:
+        dim = units_at[axis.axis] + (units_at[axis.axis] < units_at[ref.axis])
+        view = view.index_select(dim, perm.to(device=tensor.device, dtype=torch.long))
+    return view.reshape(view.shape[0], -1).float()
 
 
 def best_assignment(score: Tensor, current: Tensor) -> Tensor:
@@ -162,7 +191,72 @@ def best_assignment(score: Tensor, current: Tensor) -> Tensor:
     return current
 
 
-# --- costs ----------------------------------------------------------------------------
+def _same(first: tuple[Tensor | None, ...], second: tuple[Tensor | None, ...]) -> bool:
+    """Whether two tuples hold the very same permutation objects (a permutation is replaced, never edited)."""
+    return len(first) == len(second) and all(a is b for a, b in zip(first, second))
+
+
+class PairScores:
+    """Score matrices for aligning one model onto a :class:`Target`, built entry by entry.
+
+    A group's score is a sum over its entries (both scores add up over
+    feature blocks). Each entry's share depends only on the permutations of
+    the entry's *other* axes, which are applied to the other model before its
+    rows are compared with the reference's, so a share is cached until one of
+    those permutations is replaced. Coordinate descent mostly changes one
+    group at a time, so most shares are computed once per model; and a group
+    none of whose inputs changed since it was last solved is not solved again
+    (the solver is deterministic, so the answer would be the same).
+    """
+
+    def __init__(self, target: Target, other: StateDict, score: Score) -> None:
+        self.target = target
+        self.other = other
+        self.score = score
+        self._shares: dict[AxisRef, tuple[tuple[Tensor | None, ...], Tensor]] = {}
+        self._settled: dict[str, tuple[tuple[AxisRef, ...], tuple[Tensor | None, ...]]] = {}
+
+    def _inputs(self, ref: AxisRef, perms: Mapping[str, Tensor]) -> tuple[Tensor | None, ...]:
+        """The permutations (None: not solved yet) of the other axes of ``ref``'s entry."""
+        return tuple(perms.get(name) for name, axis in self.target.axes[ref.key] if axis.axis != ref.axis)
+
+    def share(self, ref: AxisRef, perms: Mapping[str, Tensor]) -> Tensor:
+        """Entry ``ref``'s ``J x J`` share of its group's score under ``perms``."""
+        inputs = self._inputs(ref, perms)
+        cached = self._shares.get(ref)
+        if cached is not None and _same(cached[0], inputs):
+            return cached[1]
+        moves = [(axis, perms[name]) for name, axis in self.target.axes[ref.key]
+                 if axis.axis != ref.axis and perms.get(name) is not None]
+        share = self.score(self.target.rows(ref), unit_rows(self.other[ref.key], ref, moves))
+        self._shares[ref] = (inputs, share)
+        return share
+
+    def solve(self, group: str, refs: Sequence[AxisRef], perms: Mapping[str, Tensor]) -> Tensor:
+        """The best permutation of ``group`` from the entries ``refs``, keeping the current one on ties.
+
+        The current one is ``perms[group]``, or the identity while the group is
+        unsolved; the identity is also the answer when ``refs`` is empty (no evidence).
+        """
+        current = perms.get(group)
+        if current is None:
+            current = self.target.identity(group)
+        if not refs:
+            return current
+        inputs = tuple(dep for ref in refs for dep in self._inputs(ref, perms))
+        settled = self._settled.get(group)
+        if settled is not None and settled[0] == tuple(refs) and _same(settled[1], (current, *inputs)):
+            return current
+        perm = best_assignment(sum(self.share(ref, perms) for ref in refs), current)
+        self._settled[group] = (tuple(refs), (perm, *inputs))
+        return perm
+
+
+def solved_refs(spec: PermutationSpec, group: str, solved: Iterable[str]) -> list[AxisRef]:
+    """The entries of ``group`` whose other permuted axes all belong to ``solved`` groups."""
+    done, axes = set(solved), spec.axes_by_key()
+    return [ref for ref in spec.groups[group]
+            if all(name in done for name, other in axes[ref.key] if other.axis != ref.axis)]
 
 
 def solve_group(
@@ -175,28 +269,20 @@ def solve_group(
     belong to solved groups, with those permutations applied. The identity
     wins ties, and is the answer when no such entry exists (no evidence).
     """
-    identity = torch.arange(spec.group_sizes(reference)[group])
-    refs = solved_refs(spec, group, solved)
-    if not refs:
-        return identity
-    axes = spec.axes_by_key()
-    rows = unit_rows(reference, refs, {}, axes), unit_rows(other, refs, solved, axes)
-    return best_assignment(group_score(score, *rows), identity)
+    scores = PairScores(Target(reference, spec), other, score)
+    return scores.solve(group, solved_refs(spec, group, solved), solved)
 
 
-def sequential_matching(reference: StateDict, other: StateDict, spec: PermutationSpec, score: Score) -> Permutations:
+def sequential_matching(scores: PairScores) -> Permutations:
     """Solve each group once, in spec order (input side first), from the entries already aligned."""
+    spec = scores.target.spec
     perms: Permutations = {}
     for name in spec.groups:
-        perms[name] = solve_group(reference, other, spec, name, perms, score)
+        perms[name] = scores.solve(name, solved_refs(spec, name, perms), perms)
     return perms
 
 
-def solved_refs(spec: PermutationSpec, group: str, solved: Iterable[str]) -> list[AxisRef]:
-    """The entries of ``group`` whose other permuted axes all belong to ``solved`` groups."""
-    done, axes = set(solved), spec.axes_by_key()
-    return [ref for ref in spec.groups[group]
-            if all(name in done for name, other in axes[ref.key] if other.axis != ref.axis)]
+# --- costs ----------------------------------------------------------------------------
 
 
 def inner_products(reference_rows: Tensor, other_rows: Tensor) -> Tensor:
@@ -210,9 +296,7 @@ def negative_l1(reference_rows: Tensor, other_rows: Tensor) -> Tensor:
 
 
 @register_cost("weight", inner_products, "Git Re-Basin weight matching: coordinate descent on sum <W_ref, P W_other>")
-def weight_matching(
-    reference: StateDict, other: StateDict, spec: PermutationSpec, generator: torch.Generator
-) -> Permutations:
+def weight_matching(target: Target, other: StateDict, generator: torch.Generator) -> Permutations:
     """Coordinate descent over all groups, in random order, until a sweep changes nothing.
 
     Starts from :func:`sequential_matching` with inner products instead of the
@@ -223,16 +307,15 @@ def weight_matching(
     be recovered. The descent only accepts strict improvements, so it never
     leaves an exact match.
     """
-    axes = spec.axes_by_key()
-    perms = sequential_matching(reference, other, spec, inner_products)
-    targets = {name: unit_rows(reference, refs, {}, axes) for name, refs in spec.groups.items()}
-    names = list(spec.groups)
+    groups = target.spec.groups
+    scores = PairScores(target, other, inner_products)
+    perms = sequential_matching(scores)
+    names = list(groups)
     for _ in range(MAX_SWEEPS):
         changed = False
         for index in torch.randperm(len(names), generator=generator).tolist():
             name = names[index]
-            rows = unit_rows(other, spec.groups[name], perms, axes)
-            perm = best_assignment(group_score(inner_products, targets[name], rows), perms[name])
+            perm = scores.solve(name, groups[name], perms)
             if perm is not perms[name]:
                 perms[name], changed = perm, True
         if not changed:
@@ -241,11 +324,9 @@ def weight_matching(
 
 
 @register_cost("l1", negative_l1, "Simple-FedMA: sum of absolute differences, groups solved in order from the input")
-def l1_matching(
-    reference: StateDict, other: StateDict, spec: PermutationSpec, generator: torch.Generator
-) -> Permutations:
+def l1_matching(target: Target, other: StateDict, generator: torch.Generator) -> Permutations:
     """One pass from the input side (``generator`` is unused: the order is fixed)."""
-    return sequential_matching(reference, other, spec, negative_l1)
+    return sequential_matching(PairScores(target, other, negative_l1))
 
 
 # --- public API -----------------------------------------------------------------------
@@ -266,7 +347,7 @@ def find_permutations(
     """
     entry = get_cost(cost)
     check_compatible(reference, other, spec)
-    return entry.match(reference, other, spec, generator or torch.Generator().manual_seed(0))
+    return entry.match(Target(reference, spec), other, generator or torch.Generator().manual_seed(0))
 
 
 def align(
@@ -286,19 +367,23 @@ def weighted_average(states: Sequence[StateDict], weights: Sequence[float]) -> d
     Integer entries (BatchNorm's ``num_batches_tracked``) cannot be averaged and
     are taken from the first state.
     """
+    _check_weights(states, weights)
+    total = float(sum(weights))
+    averaged: dict[str, Tensor] = {}
+    for key, first in states[0].items():
+        averaged[key] = torch.zeros_like(first) if torch.is_floating_point(first) else first.clone()
+        if torch.is_floating_point(first):
+            for state, weight in zip(states, weights):
+                averaged[key].add_(state[key], alpha=float(weight) / total)
+    return averaged
+
+
+def _check_weights(states: Sequence[StateDict], weights: Sequence[float]) -> None:
     if not states or len(states) != len(weights):
         raise ValueError(f"need one weight per state and at least one state, got {len(states)} states "
                          f"and {len(weights)} weights")
     if any(not w > 0 for w in weights):
         raise ValueError(f"weights must be positive, got {list(weights)}")
-    total = float(sum(weights))
-    averaged: dict[str, Tensor] = {}
-    for key, first in states[0].items():
-        if torch.is_floating_point(first):
-            averaged[key] = sum(state[key] * (float(w) / total) for state, w in zip(states, weights))
-        else:
-            averaged[key] = first.clone()
-    return averaged
 
 
 def matched_average(
@@ -315,11 +400,18 @@ def matched_average(
     With ``iterations > 1`` the states are aligned again onto the matched mean
     of the previous iteration, which moves the target from the reference to
     the clients' consensus (the reference only fixes the unit order at first).
+    Every input is checked before any matching starts.
     """
     if iterations < 1:
         raise ValueError(f"iterations must be >= 1, got {iterations}")
+    _check_weights(states, weights)
+    match = get_cost(cost).match
+    for state in states:
+        check_compatible(reference, state, spec)
     generator = generator or torch.Generator().manual_seed(0)
     target: StateDict = reference
     for _ in range(iterations):
-        target = weighted_average([align(target, state, spec, cost, generator) for state in states], weights)
+        shared = Target(target, spec)  # one set of reference rows for every state
+        target = weighted_average([permute_state(spec, state, match(shared, state, generator)) for state in states],
+                                  weights)
     return dict(target)

@@ -7,11 +7,13 @@ import torch
 from torch import nn
 
 from models import PanSettings, build_model, invert_permutations, list_models, permute_state, random_permutations
+from models.permutation import permute_axis, unit_view
 from strategies.alignment import (
     align,
     find_permutations,
     list_costs,
     matched_average,
+    unit_rows,
     weighted_average,
 )
 
@@ -106,6 +108,23 @@ def test_iterating_against_the_matched_mean_keeps_the_exact_answer(name):
     matched = matched_average(start, copies, [1.0, 2.0, 3.0], spec, "weight", iterations=3)
     aligned_back = align(state, matched, spec)
     _assert_states_equal(aligned_back, state, exact=False)
+
+
+@pytest.mark.parametrize("name", ["vgg9", "twocnn", "resnet20", "transformer-1"])
+def test_unit_rows_equal_permuting_then_viewing(name):
+    """The one-copy row builder agrees with permute_axis + unit_view, flattened blocks included."""
+    torch.manual_seed(0)
+    model = build_model(name, (1, 16, 16), 3)  # 16 x 16: the conv nets flatten blocks of H*W > 1
+    spec, state = model.permutation_spec(), model.state_dict()
+    assert name in ("resnet20", "transformer-1") or any(r.block > 1 for refs in spec.groups.values() for r in refs)
+    perms = random_permutations(spec, state, torch.Generator().manual_seed(3))
+    for key, refs in spec.axes_by_key().items():
+        for _, ref in refs:
+            moves = [(other, perms[group]) for group, other in refs if other.axis != ref.axis]
+            expected = state[key]
+            for other, perm in moves:
+                expected = permute_axis(expected, other, perm)
+            assert torch.equal(unit_rows(state[key], ref, moves), unit_view(expected, ref).float()), (key, ref)
 
 
 def test_entries_outside_the_spec_are_never_changed():
