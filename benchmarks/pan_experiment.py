@@ -51,23 +51,27 @@ def run_name(run: dict[str, Any]) -> str:
     return f"{run['strategy']}__{pan}__alpha{run['dirichlet-alpha']}__seed{run['seed']}"
 
 
-def simulate(run: dict[str, Any], scale: dict[str, Any], out: Path) -> None:
-    """One in-process simulation with the product's apps (Flower shuts Ray down after each)."""
+def simulate(run: dict[str, Any], scale: dict[str, Any], out: Path, name: str | None = None) -> None:
+    """One in-process simulation with the product's apps (Flower shuts Ray down after each).
+
+    ``run`` holds run-config overrides (keys starting with ``_`` are labels, not sent),
+    which win over ``scale``'s; the run folder is ``out / name`` (default: :func:`run_name`).
+    """
     from flwr.simulation import run_simulation
 
     from fl_app.client_app import build_client_app
     from fl_app.server_app import build_server_app
 
-    overrides = {k: v for k, v in run.items() if not k.startswith("_")}
-    overrides.update({"num-server-rounds": scale["rounds"], "results-dir": str(out), "run-name": run_name(run),
-                      "min-available-nodes": scale["clients"], "fraction-train": scale["fraction"],
-                      "fraction-evaluate": scale["fraction"]})
+    overrides = {"num-server-rounds": scale["rounds"], "results-dir": str(out), "run-name": name or run_name(run),
+                 "min-available-nodes": scale["clients"], "fraction-train": scale["fraction"],
+                 "fraction-evaluate": scale["fraction"]}
+    overrides.update({k: v for k, v in run.items() if not k.startswith("_")})  # a run's own keys win
     run_simulation(server_app=build_server_app(overrides), client_app=build_client_app(overrides),
                    num_supernodes=scale["clients"],
                    backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}})
 
 
-def _mean_std(values: list[float]) -> str:
+def mean_std(values: list[float]) -> str:
     if not values:
         return "—"
     std = statistics.stdev(values) if len(values) > 1 else 0.0
@@ -89,8 +93,8 @@ def report(out: Path, seeds: list[int]) -> str:
              "|---|---|---|---|---|---|"]
     for (algo, pan, alpha), runs in sorted(groups.items()):
         lines.append(f"| {algo} | {pan} | {alpha} | {len(runs)} | "
-                     f"{_mean_std([r['final-accuracy'] for r in runs])} | "
-                     f"{_mean_std([r['last-5-best-accuracy'] for r in runs])} |")
+                     f"{mean_std([r['final-accuracy'] for r in runs])} | "
+                     f"{mean_std([r['last-5-best-accuracy'] for r in runs])} |")
     _plot(groups, out / "pan_experiment.png")
     return "\n".join(lines)
 

@@ -158,9 +158,9 @@ class SuPerFedUpdate(LocalUpdate):
         return draws * len(self.groups) if count == 1 else draws
 
     def optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
-        """One SGD over both endpoints (w_l only once mixing has started), the run's lr, momentum, decay."""
+        """One SGD over both endpoints (w_l only once mixing has started), this round's lr, momentum, decay."""
         params = list(model.parameters()) + (list(self.local.values()) if self.mixing else [])
-        return torch.optim.SGD(params, lr=self.config.lr, momentum=self.config.momentum,
+        return torch.optim.SGD(params, lr=self.learning_rate(), momentum=self.config.momentum,
                                weight_decay=self.config.weight_decay)
 
     def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

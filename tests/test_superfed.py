@@ -275,6 +275,103 @@ def test_config_refuses_bad_superfed_and_noise_values():
             parse_run_config({key: value})
 
 
+# --- new (held-out) clients and learning-rate decay ---------------------------------------------------------
+
+
+def test_config_refuses_bad_holdout_and_lr_decay_values():
+    for values in [{"holdout-clients": -1}, {"holdout-clients": 2, "min-available-nodes": 2},
+                   {"lr-decay": 0.0}, {"lr-decay": 1.5}, {"lr-decay": math.nan}]:
+        key = next(k for k in values if k != "min-available-nodes")
+        with pytest.raises(ConfigError, match=f"'{key}'"):
+            parse_run_config(values)
+    assert parse_run_config({"holdout-clients": 1, "min-available-nodes": 2}).holdout_clients == 1
+
+
+class _QueryGrid:
+    """Nodes 11..16 holding partitions 0..5 of 6, answering the server's partition query."""
+
+    def get_node_ids(self):
+        return [16, 11, 15, 12, 14, 13]
+
+    def send_and_receive(self, messages, timeout=None):
+        return [SimpleNamespace(has_error=lambda: False, metadata=SimpleNamespace(src_node_id=m.metadata.dst_node_id),
+                                content={"metrics": {"partition-id": m.metadata.dst_node_id - 11,
+                                                     "num-partitions": 6}})
+                for m in messages]
+
+
+@pytest.mark.parametrize("strategy", ["fedavg", "superfed", "scaffold"])
+def test_held_out_partitions_are_never_sampled_for_training_but_are_evaluated(monkeypatch, strategy):
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from fl_app.model_io import to_arrays
+    from strategies.base import MetricAggregation
+
+    for name in ("_run_id", "_task_id", "_node_id"):  # Flower stamps messages with the running task's ids
+        monkeypatch.setattr(TaskIdentity, name, 1)
+    fold = lambda records, key: MetricRecord()  # noqa: E731
+    config = RunConfig(strategy=strategy, dataset="digits", model="small-mlp", holdout_clients=2,
+                       min_available_nodes=6)
+    server = get_strategy(strategy).build_server(config, MetricAggregation(fold, fold))
+    arrays = to_arrays(fresh_model())
+    trained = [m.metadata.dst_node_id for m in server.configure_train(1, arrays, ConfigRecord(), _QueryGrid())]
+    evaluated = [m.metadata.dst_node_id for m in server.configure_evaluate(1, arrays, ConfigRecord(), _QueryGrid())]
+    assert sorted(trained) == [11, 12, 13, 14]  # partitions 4 and 5 of 6 are the new clients
+    assert sorted(evaluated) == [11, 12, 13, 14, 15, 16]
+
+
+def test_recorder_scores_new_clients_apart_from_the_trained_ones(tmp_path):
+    recorder = RoundRecorder(tmp_path, lambda arrays: (0.0, 0.5))
+    trained = [RecordDict({"metrics": MetricRecord({"num-examples": 10, "partition-id": i, "local-accuracy": acc,
+                                                    "local-ece": 0.1, "lambda-accuracy": [acc, acc],
+                                                    "new-client": 0})})
+               for i, acc in enumerate([0.9, 0.7])]
+    new = [RecordDict({"metrics": MetricRecord({"num-examples": n, "partition-id": 2 + i, "local-accuracy": acc,
+                                                "local-ece": ece, "local-mce": 0.3, "new-client": 1})})
+           for i, (n, acc, ece) in enumerate([(10, 0.2, 0.4), (30, 0.4, 0.2)])]
+    recorder.aggregate_evaluate(trained + new, "num-examples")
+    recorder.evaluate(1, None)
+    row = json.loads((tmp_path / "metrics.jsonl").read_text())
+    assert row["clients-evaluated"] == 2 and row["new-clients-evaluated"] == 2
+    assert row["local-accuracy-mean"] == pytest.approx(0.8) and row["lambda-accuracy-mean"] == pytest.approx([0.8, 0.8])
+    assert row["new-client-accuracy"] == pytest.approx(0.3)  # mean over new clients, not weighted by examples
+    assert (row["new-client-ece"], row["new-client-mce"]) == (pytest.approx(0.3), pytest.approx(0.3))
+    assert recorder.summary()["final-new-client-accuracy"] == pytest.approx(0.3)
+    assert "new-client-mean" not in row  # a flag, not a score
+
+
+def test_learning_rate_decays_per_round_and_needs_the_round():
+    config = RunConfig(**SETTINGS, lr_decay=0.5)
+    assert LocalUpdate(config, make_context(), received(3)).learning_rate() == pytest.approx(0.05 * 0.25)
+    assert LocalUpdate(config.replace(lr_decay=1.0), make_context()).learning_rate() == 0.05
+    with pytest.raises(ValueError, match="server-round"):
+        LocalUpdate(config, make_context()).learning_rate()
+
+
+def test_a_decayed_round_trains_exactly_like_the_decayed_learning_rate():
+    x, y = data()
+    decayed, plain = fresh_model(), fresh_model()
+    run(LocalUpdate(RunConfig(**SETTINGS, lr_decay=0.9), make_context(), received(4)), decayed, x, y)
+    run(LocalUpdate(RunConfig(**{**SETTINGS, "lr": 0.05 * 0.9**3}), make_context(), received(4)), plain, x, y)
+    assert_same_state(decayed, plain)
+
+
+def test_every_optimizer_override_uses_the_decayed_learning_rate():
+    from strategies.ditto import _PersonalStep
+    from strategies.psinet import PsiNetUpdate
+
+    config = RunConfig(**SETTINGS, lr_decay=0.5, superfed_start=0.0)
+    expected = 0.05 * 0.5**2
+    superfed = SuPerFedUpdate(config, make_context(), received(3))
+    model = fresh_model()
+    superfed.begin(model)
+    psinet = PsiNetUpdate(config, make_context(), received(3))
+    psinet._keys = [name for name, _ in model.named_parameters()]
+    for optimizer in (superfed.optimizer(model), psinet.optimizer(model),
+                      _PersonalStep(config, [], received(3)).optimizer(model)):
+        assert optimizer.param_groups[0]["lr"] == pytest.approx(expected)
+
+
 # --- in-process simulation ----------------------------------------------------------------------------------
 
 
@@ -286,9 +383,9 @@ def test_simulation_keeps_each_local_model_across_rounds_and_reports_personalise
     from fl_app.server_app import build_server_app
 
     config = {"strategy": "superfed", "dataset": "digits", "model": "small-mlp", "num-server-rounds": 2,
-              "superfed-start": 0.0, "results-dir": str(tmp_path), "min-available-nodes": 1,
-              "partitioner": "iid"}
-    run_simulation(server_app=build_server_app(config), client_app=build_client_app(config), num_supernodes=1,
+              "superfed-start": 0.0, "results-dir": str(tmp_path), "min-available-nodes": 2,
+              "partitioner": "iid", "holdout-clients": 1, "lr-decay": 0.9}
+    run_simulation(server_app=build_server_app(config), client_app=build_client_app(config), num_supernodes=2,
                    backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}})
     (folder,) = tmp_path.iterdir()
     rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
@@ -301,6 +398,19 @@ def test_simulation_keeps_each_local_model_across_rounds_and_reports_personalise
     assert len(summary["final-lambda-accuracy-mean"]) == 11
     assert summary["final-superfed-local-trained-mean"] == 1.0
     assert summary["final-oracle-accuracy-mean"] >= summary["final-honest-accuracy-mean"]
+    # partition 1 of 2 is a new client: never trained (above), scored with the global model every round
+    assert all(row["new-clients-evaluated"] == 1 and row["clients-evaluated"] == 1 for row in rows[1:])
+    assert summary["final-new-client-accuracy"] == rows[-1]["new-client-accuracy"]
+    from fl_app.data import load_dataset
+    from fl_app.model_io import build_run_model
+    from fl_app.training import evaluate
+
+    run_config = parse_run_config(config)
+    final = build_run_model(run_config, load_dataset("digits"))
+    final.load_state_dict(torch.load(folder / "model.pt"))
+    new_client = client_data(run_config, 1, 2)
+    _, accuracy = evaluate(final, new_client.test_x, new_client.test_y, torch.device("cpu"))
+    assert rows[-1]["new-client-accuracy"] == pytest.approx(accuracy)
 
 
 # --- 4. personalised baselines ------------------------------------------------------------------------------
