@@ -5,7 +5,8 @@ mean/std and held as tensors in a per-process cache, so that a simulation
 process serving many clients reads and converts it once. A partition is a pure
 function of (dataset, data root, partitioner, its parameters, number of
 partitions, seed); all partitions of a split are computed together, by
-flwr-datasets' partitioners, and cached.
+flwr-datasets' partitioners, and cached per process and on disk
+(``~/.cache/alignfl/partitions``, keyed by a hash of the labels and settings).
 
 Where the files come from:
 
@@ -29,8 +30,10 @@ from __future__ import annotations
 
 import functools
 import gzip
+import hashlib
 import math
 import numbers
+import os
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -56,6 +59,8 @@ DIRICHLET_MIN_PARTITION_SIZE = 1
 # used once there are at least as many clients as classes); the others are drawn
 # at random from the seeded generator, as in Li et al. (2021), NIID-Bench.
 PATHOLOGICAL_CLASS_ASSIGNMENT = "first-deterministic"
+# Partitions computed once are stored here, shared by every process (see _partition_cache_file).
+PARTITION_CACHE_DIR = "~/.cache/alignfl/partitions"
 
 _IDX_STEMS = (
     "train-images-idx3-ubyte",
@@ -651,9 +656,58 @@ def partition_dataset(
 def _compute_partitions(
     dataset: str, root: Path | None, partitioner: str, settings: _PartitionSettings
 ) -> tuple[np.ndarray, ...]:
+    labels = _load_cached(dataset, root).train_y.numpy()
+    path = _partition_cache_file(labels, partitioner, settings)
+    parts = _read_partition_cache(path, settings.num_partitions)
+    if parts is None:
+        parts = _partition_labels(labels, dataset, partitioner, settings)
+        _write_partition_cache(path, parts)
+    for part in parts:
+        part.flags.writeable = False  # shared through the cache
+    return parts
+
+
+def _partition_cache_file(labels: np.ndarray, partitioner: str, settings: _PartitionSettings) -> Path:
+    """The disk-cache file of one partitioning, named by a hash of everything it depends on.
+
+    Why a disk cache: every simulation process (each Ray actor of each run) would
+    otherwise import flwr-datasets and partition again, tens of seconds on a small
+    CPU. The key holds the training labels themselves, the partitioner and its
+    settings, and the flwr-datasets version, so a changed input is never served stale.
+    """
+    from importlib.metadata import version
+
+    digest = hashlib.sha256(labels.tobytes())
+    digest.update(repr((partitioner, settings, PATHOLOGICAL_CLASS_ASSIGNMENT, version("flwr-datasets"))).encode())
+    return Path(PARTITION_CACHE_DIR).expanduser() / f"{digest.hexdigest()[:32]}.npz"
+
+
+def _read_partition_cache(path: Path, num_partitions: int) -> tuple[np.ndarray, ...] | None:
+    """The cached partitions, or None when the file is absent or unreadable (then they are recomputed)."""
+    try:
+        with np.load(path) as stored:
+            return tuple(np.array(stored[f"p{i}"], dtype=np.int64) for i in range(num_partitions))
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def _write_partition_cache(path: Path, parts: tuple[np.ndarray, ...]) -> None:
+    """Store the partitions atomically (a concurrent reader sees the whole file or none); best effort."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.tmp.npz")
+        np.savez(partial, **{f"p{i}": part for i, part in enumerate(parts)})
+        os.replace(partial, path)
+    except OSError:
+        pass  # a read-only home only costs the recomputation
+
+
+def _partition_labels(
+    labels: np.ndarray, dataset: str, partitioner: str, settings: _PartitionSettings
+) -> tuple[np.ndarray, ...]:
+    """Run the flwr-datasets partitioner over the labels (the work the caches save)."""
     from datasets import Dataset
 
-    labels = _load_cached(dataset, root).train_y.numpy()
     # Shuffle rows by the seed: IidPartitioner cuts contiguous blocks, and the
     # label partitioners take each class's samples in row order.
     order = np.random.default_rng(settings.seed).permutation(len(labels))
@@ -674,25 +728,29 @@ def _compute_partitions(
             f"with {given} (seed={settings.seed}); change these settings. "
             f"flwr-datasets said: {err}"
         ) from err
-    for part in parts:
-        part.flags.writeable = False  # shared through the cache
     return parts
 
 
 def client_split(
-    indices: np.ndarray, test_fraction: float, seed: int, partition_id: int
+    indices: np.ndarray, test_fraction: float, seed: int, partition_id: int, keep_fraction: float = 1.0
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Shuffle one partition and split it into (train, local test).
+    """Shuffle one partition, keep a share of it, and split that into (train, local test).
 
     The generator is seeded by (seed, partition_id), so each client gets its own
-    split, the same in every round and process. The test part has
-    round(n * test_fraction) samples, but at least one sample stays for training.
+    split, the same in every round and process. ``keep_fraction`` (run-config
+    ``data-fraction``) keeps the first round(n * keep_fraction) shuffled samples, at
+    least one: a random subset of every client's data, so experiments shrink without
+    changing which classes a client holds. The test part has round(m * test_fraction)
+    of the m kept samples, but at least one sample stays for training.
     """
     if not isinstance(test_fraction, numbers.Real) or not 0 <= test_fraction < 1:
         raise ValueError(f"test-fraction must be a number in [0, 1), got {test_fraction!r}")
+    if not isinstance(keep_fraction, numbers.Real) or not 0 < keep_fraction <= 1:
+        raise ValueError(f"data-fraction must be a number in (0, 1], got {keep_fraction!r}")
     rng = np.random.default_rng(
         [_require_int("seed", seed, 0), _require_int("partition-id", partition_id, 0)]
     )
     shuffled = rng.permutation(np.asarray(indices))
+    shuffled = shuffled[: max(round(len(shuffled) * keep_fraction), 1)]
     num_test = min(round(len(shuffled) * test_fraction), max(len(shuffled) - 1, 0))
     return shuffled[num_test:], shuffled[:num_test]

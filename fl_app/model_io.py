@@ -13,6 +13,7 @@ from flwr.app import ArrayRecord
 from torch import nn
 
 from models import build_model
+from models.init import INITS
 from models.registry import model_options
 
 if TYPE_CHECKING:
@@ -21,10 +22,13 @@ if TYPE_CHECKING:
 
 
 def build_run_model(config: RunConfig, dataset: ImageDataset) -> nn.Module:
-    """The run's network for this dataset, with the run's PAN settings and the model's own options
-    (run-config fields named by :func:`models.registry.model_options`, e.g. ``psi_groups``)."""
+    """The run's network for this dataset, with the run's PAN settings, the model's own options
+    (run-config fields named by :func:`models.registry.model_options`, e.g. ``psi_groups``) and the
+    run's weight init (:data:`models.init.INITS`)."""
     options = {name: getattr(config, name) for name in model_options(config.model)}
-    return build_model(config.model, dataset.input_shape, dataset.num_classes, config.pan, **options)
+    model = build_model(config.model, dataset.input_shape, dataset.num_classes, config.pan, **options)
+    INITS[config.init](model)
+    return model
 
 
 def federated_state(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -19,11 +19,15 @@ called ``groups``, so every grouped state-dict key contains ``groups.{g}.``
 (``convs.3.groups.7.weight``, ``norms.3.groups.7.bias``,
 ``classifier.groups.7.weight``). :func:`group_layout` reads that convention from
 key names alone; the client (trimming) and the server (aggregation) both use it.
-Forward passes concatenate the per-group tensors and run one grouped conv /
-batched matmul, so the split costs no extra kernels.
+Grouped convs concatenate the per-group weights and run one grouped conv, so the
+split costs no extra kernels; while a hook is registered on a group's conv (the
+analysis tools capture activations that way) they call each group's module
+instead, so the hook fires. Grouped linears and heads always call each group's
+module.
 
 Widths: a layer of width ``w`` gets ``ceil(w / G)`` units per group, i.e. ``w``
-rounded up to a multiple of ``G`` (VGG-9's 32..512 are not multiples of 10).
+rounded up to a multiple of ``G`` (VGG-9's 32..512 are not multiples of 10). The
+``width_factor`` option scales the base widths first, as for the plain VGGs.
 
 Class -> group mapping: contiguous, class ``c`` -> group ``c * G // C``; ``G = C``
 is the one-to-one mapping, ``G < C`` one-to-many (every group gets
@@ -41,17 +45,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from models.cnn import conv_plan, pooling_plan
+from models.cnn import WIDTH_OPTION, ConvStack, conv_plan, pooling_plan, scale_widths
 from models.pan import PanSettings, PositionEncoding
 from models.permutation import AxisRef, PermutationSpec, batchnorm_of, inputs_of, outputs_of
 from models.registry import InputShape, register_model
-from models.vgg import VGG9_CONFIG, VGG11_CONFIG
+from models.vgg import VGG9_CONFIG, VGG9_HIDDEN, VGG11_CONFIG
 
 DEFAULT_GROUPS = 0
 """``psi-groups`` default: one group per class."""
 DEFAULT_DEPTH = 2
 """``psi-depth`` default: the first two convs shared (VGG's 32/64-channel low-level layers)."""
-PSI_OPTIONS = ("psi_groups", "psi_depth")
+PSI_OPTIONS = ("psi_groups", "psi_depth", WIDTH_OPTION)
 PSI_MODELS = ("psi-vgg9", "psi-vgg11")
 """Models whose state follows the ``groups.{g}.`` convention (what the ``psinet`` strategy needs)."""
 _GROUP_KEY = re.compile(r"(?:^|\.)groups\.(\d+)\.")
@@ -130,9 +134,18 @@ class GroupedConv2d(nn.Module):
         )
 
     def forward(self, x: Tensor) -> Tensor:
+        if any(conv._forward_pre_hooks or conv._forward_hooks for conv in self.groups):
+            return self.forward_per_group(x)
         weight = torch.cat([conv.weight for conv in self.groups])
         bias = torch.cat([conv.bias for conv in self.groups])
         return F.conv2d(x, weight, bias, padding=self.padding, groups=1 if self.branching else len(self.groups))
+
+    def forward_per_group(self, x: Tensor) -> Tensor:
+        """The same function, calling each ``groups.{g}`` conv on its own input: slower, but hooks on a
+        group (the analysis tools' activation capture) see exactly that group's input and output.
+        :meth:`forward` takes this path only while such a hook is registered."""
+        chunks = [x] * len(self.groups) if self.branching else x.chunk(len(self.groups), dim=1)
+        return torch.cat([conv(chunk) for conv, chunk in zip(self.groups, chunks, strict=True)], dim=1)
 
 
 class GroupedNorm(nn.Module):
@@ -183,8 +196,8 @@ class GroupedHeads(GroupedLinear):
         return super().forward(x).index_select(1, self.class_order)
 
 
-class PsiNet(nn.Module):
-    """A VGG-style conv net in Ψ-Net form (see the module notes).
+class PsiNet(ConvStack):
+    """A VGG-style conv net in Ψ-Net form (see the module notes); its forward pass is :class:`ConvStack`'s.
 
     Parameters
     ----------
@@ -249,20 +262,6 @@ class PsiNet(nn.Module):
         """A layer's total number of units."""
         return group_width if index < self.depth else group_width * self.num_groups
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.classifier(self.representation(x))
-
-    def representation(self, x: Tensor) -> Tensor:
-        """The classifier's input: the last hidden FC's activations, or the flattened features."""
-        for conv, norm, pan, pool in zip(self.convs, self.norms, self.conv_pans, self.pool_after):
-            x = F.relu(pan(norm(conv(x))))
-            if pool:
-                x = F.max_pool2d(x, 2)
-        x = torch.flatten(x, 1)
-        for fc, pan in zip(self.fcs, self.fc_pans):
-            x = F.relu(pan(fc(x)))
-        return x
-
     def layout(self) -> GroupLayout:
         """Shared and per-group keys of this model's federated (floating-point) state."""
         return group_layout(k for k, v in self.state_dict().items() if torch.is_floating_point(v))
@@ -294,14 +293,16 @@ class PsiNet(nn.Module):
 
 
 @register_model("psi-vgg9", options=PSI_OPTIONS)
-def psi_vgg9(input_shape: InputShape, num_classes: int, pan: PanSettings,
-             psi_groups: int = DEFAULT_GROUPS, psi_depth: int = DEFAULT_DEPTH) -> PsiNet:
-    """VGG-9 (convs 32, 64, M, 128, 128, M, 256, 256, M; FC 512, 512) in Ψ-Net form."""
-    return PsiNet(input_shape, num_classes, VGG9_CONFIG, (512, 512), 3, pan, psi_groups, psi_depth)
+def psi_vgg9(input_shape: InputShape, num_classes: int, pan: PanSettings, psi_groups: int = DEFAULT_GROUPS,
+             psi_depth: int = DEFAULT_DEPTH, width_factor: float = 1.0) -> PsiNet:
+    """VGG-9 (convs 32, 64, M, 128, 128, M, 256, 256, M; FC 512, 512, each times ``width_factor``) in Ψ-Net form."""
+    config, hidden = scale_widths(VGG9_CONFIG, width_factor), scale_widths(VGG9_HIDDEN, width_factor)
+    return PsiNet(input_shape, num_classes, config, hidden, 3, pan, psi_groups, psi_depth)
 
 
 @register_model("psi-vgg11", options=PSI_OPTIONS)
-def psi_vgg11(input_shape: InputShape, num_classes: int, pan: PanSettings,
-              psi_groups: int = DEFAULT_GROUPS, psi_depth: int = DEFAULT_DEPTH) -> PsiNet:
-    """VGG-11 convs with a single classifier (heads) in Ψ-Net form."""
-    return PsiNet(input_shape, num_classes, VGG11_CONFIG, (), 3, pan, psi_groups, psi_depth)
+def psi_vgg11(input_shape: InputShape, num_classes: int, pan: PanSettings, psi_groups: int = DEFAULT_GROUPS,
+              psi_depth: int = DEFAULT_DEPTH, width_factor: float = 1.0) -> PsiNet:
+    """VGG-11 convs (times ``width_factor``) with a single classifier (heads) in Ψ-Net form."""
+    return PsiNet(input_shape, num_classes, scale_widths(VGG11_CONFIG, width_factor), (), 3, pan, psi_groups,
+                  psi_depth)

@@ -1,4 +1,10 @@
-"""VGG networks (3x3 convs, padding 1, ReLU, no BatchNorm) built on :class:`models.cnn.PlainConvNet`.
+"""VGG networks (3x3 convs, padding 1, ReLU) built on :class:`models.cnn.PlainConvNet`.
+
+``vgg9`` and ``vgg11`` have no normalisation, as in the FL literature; ``vgg9-bn`` and
+``vgg9-gn`` add BatchNorm or one-group GroupNorm after every conv (seed 001's
+normalisation ablation; see :mod:`models.cnn` for the GroupNorm's group count).
+Every VGG takes the model option ``width_factor`` (run-config key ``width-factor``),
+which scales every conv and hidden FC width (1: the published widths).
 
 Max-pools that would shrink a side below 1 pixel are skipped (see :mod:`models.cnn`),
 which VGG-11 needs on 8x8 digits and 28x28 images.
@@ -6,21 +12,39 @@ which VGG-11 needs on 8x8 digits and 28x28 images.
 
 from __future__ import annotations
 
-from models.cnn import POOL, PlainConvNet
+from models.cnn import POOL, WIDTH_OPTION, PlainConvNet, scale_widths
 from models.pan import PanSettings
 from models.registry import InputShape, register_model
 
 VGG9_CONFIG = (32, 64, POOL, 128, 128, POOL, 256, 256, POOL)
+VGG9_HIDDEN = (512, 512)
 VGG11_CONFIG = (64, POOL, 128, POOL, 256, 256, POOL, 512, 512, POOL, 512, 512, POOL)
 
 
-@register_model("vgg9")
-def vgg9(input_shape: InputShape, num_classes: int, pan: PanSettings) -> PlainConvNet:
+def _vgg9(input_shape: InputShape, num_classes: int, pan: PanSettings, width_factor: float, norm: str) -> PlainConvNet:
+    config, hidden = scale_widths(VGG9_CONFIG, width_factor), scale_widths(VGG9_HIDDEN, width_factor)
+    return PlainConvNet(input_shape, num_classes, config, hidden, 3, pan, norm)
+
+
+@register_model("vgg9", options=(WIDTH_OPTION,))
+def vgg9(input_shape: InputShape, num_classes: int, pan: PanSettings, width_factor: float = 1.0) -> PlainConvNet:
     """FL-literature VGG-9: six convs, then FC (4096 on 32x32 input) -> 512 -> 512 -> classes."""
-    return PlainConvNet(input_shape, num_classes, VGG9_CONFIG, (512, 512), 3, pan)
+    return _vgg9(input_shape, num_classes, pan, width_factor, "none")
 
 
-@register_model("vgg11")
-def vgg11(input_shape: InputShape, num_classes: int, pan: PanSettings) -> PlainConvNet:
+@register_model("vgg9-bn", options=(WIDTH_OPTION,))
+def vgg9_bn(input_shape: InputShape, num_classes: int, pan: PanSettings, width_factor: float = 1.0) -> PlainConvNet:
+    """VGG-9 with BatchNorm after every conv."""
+    return _vgg9(input_shape, num_classes, pan, width_factor, "bn")
+
+
+@register_model("vgg9-gn", options=(WIDTH_OPTION,))
+def vgg9_gn(input_shape: InputShape, num_classes: int, pan: PanSettings, width_factor: float = 1.0) -> PlainConvNet:
+    """VGG-9 with one-group GroupNorm after every conv."""
+    return _vgg9(input_shape, num_classes, pan, width_factor, "gn")
+
+
+@register_model("vgg11", options=(WIDTH_OPTION,))
+def vgg11(input_shape: InputShape, num_classes: int, pan: PanSettings, width_factor: float = 1.0) -> PlainConvNet:
     """Standard VGG-11 convs with a single linear classifier, as in the PANs paper."""
-    return PlainConvNet(input_shape, num_classes, VGG11_CONFIG, (), 3, pan)
+    return PlainConvNet(input_shape, num_classes, scale_widths(VGG11_CONFIG, width_factor), (), 3, pan)

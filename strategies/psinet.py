@@ -88,7 +88,7 @@ class PsiNetUpdate(LocalUpdate):
         """SGD over the shared and held parameters only."""
         keep = set(self._keys)
         params = [p for name, p in model.named_parameters() if name in keep]
-        return torch.optim.SGD(params, lr=self.config.lr, momentum=self.config.momentum,
+        return torch.optim.SGD(params, lr=self.learning_rate(), momentum=self.config.momentum,
                                weight_decay=self.config.weight_decay)
 
     def model_record(self, model: nn.Module) -> ArrayRecord:

@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from fl_app.analysis import (
     AnalysisError,
@@ -30,7 +31,8 @@ from fl_app.analysis.shuffle import gaussian_inputs
 from fl_app.config import parse_run_config
 from fl_app.data import load_dataset
 from fl_app.model_io import federated_state
-from models import PanSettings, build_model, list_models
+from models import PanSettings, PermutationSpec, build_model, list_models
+from models.permutation import inputs_of, outputs_of
 
 DIGITS = (1, 8, 8)
 PAN_MUL = PanSettings("mul", 1.0, 0.5)
@@ -214,10 +216,9 @@ def test_captured_activations_are_after_pan_and_relu(digits):
         "hidden.0": (5, 20, 1), "hidden.1": (5, 100, 1), "hidden.2": (5, 120, 1), "hidden.3": (5, 84, 1)}
 
 
-HOOKABLE = [name for name in list_models() if not name.startswith("psi-")]
 
 
-@pytest.mark.parametrize("name", HOOKABLE)
+@pytest.mark.parametrize("name", list_models())
 def test_every_group_of_every_model_is_captured(name):
     model = _model(name)
     with capture_units(model) as acts, torch.no_grad():
@@ -226,14 +227,46 @@ def test_every_group_of_every_model_is_captured(name):
     assert all(acts[g].shape[:2] == (2, n) for g, n in acts.sizes.items())
 
 
+@pytest.mark.parametrize("name", ["psi-vgg9", "psi-vgg11"])
+def test_psinet_groups_are_captured_and_hooks_leave_the_function_alone(name):
+    """A grouped conv runs its groups' modules one by one while hooked, so every group is captured."""
+    model = _model(name).eval()
+    x = torch.randn(2, *DIGITS)
+    with torch.no_grad():
+        plain = model(x)
+        with capture_units(model) as acts:
+            hooked = model(x)
+    torch.testing.assert_close(hooked, plain, rtol=1e-5, atol=1e-6)
+    assert set(acts.raw) == set(model.permutation_spec().groups)
+    assert all(acts[g].shape[:2] == (2, n) for g, n in acts.sizes.items())
+    first_grouped = model.depth  # branches: every group reads all shared channels; later ones their own slice
+    assert acts.raw[f"convs.{first_grouped - 1}"].shape[1] == model.convs[first_grouped - 1].out_channels
+    group_input = acts.raw[f"convs.{first_grouped}.groups.1"]
+    assert group_input.shape[1] == model.convs[first_grouped].groups[1].out_channels
+
+
+class _Bypass(nn.Module):
+    """A hidden layer whose only reader is applied through its weights (``F.linear``): that module never runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hidden = nn.Linear(64, 5)
+        self.classifier = nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.hidden(x.flatten(1)))
+        return nn.functional.linear(h, self.classifier.weight, self.classifier.bias)
+
+    def permutation_spec(self) -> PermutationSpec:
+        return PermutationSpec({"hidden": outputs_of("hidden") + inputs_of("classifier")})
+
+
 def test_groups_of_layers_that_never_run_are_refused_by_name(digits):
-    """Ψ-Net's grouped layers call their children's weights functionally: no hook sees them."""
-    model = _model("psi-vgg9")
+    model = _Bypass()
     with capture_units(model) as acts, torch.no_grad():
         model(torch.randn(2, *DIGITS))
-    assert acts["convs.0"].shape[:2] == (2, 32)  # a shared layer: captured
-    with pytest.raises(AnalysisError, match="'convs.2.groups.0' were not captured"):
-        acts["convs.2.groups.0"]
+    with pytest.raises(AnalysisError, match="'hidden' were not captured"):
+        acts["hidden"]
     with pytest.raises(AnalysisError, match="not captured"):
         matching_ratio(model, model, digits.test_x[:10])
 

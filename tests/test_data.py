@@ -39,6 +39,15 @@ needs_debian_fashion_mnist = pytest.mark.skipif(
 )
 
 
+@pytest.fixture(autouse=True)
+def private_partition_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Every test gets its own empty disk cache of partitions: partitioning really runs, and no test writes
+    to the home folder."""
+    folder = tmp_path / "partitions"
+    monkeypatch.setattr(data, "PARTITION_CACHE_DIR", str(folder))
+    return folder
+
+
 @pytest.fixture
 def fresh_dataset_cache() -> Iterator[None]:
     """For tests that change where files are found: no cached dataset may answer for them."""
@@ -389,6 +398,28 @@ def test_partitions_are_a_pure_function_of_the_seed(partitioner: str) -> None:
     assert not all(np.array_equal(a, b) for a, b in zip(first, other))
 
 
+def test_partitions_are_cached_on_disk_and_recomputed_when_unreadable(
+    private_partition_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    data._compute_partitions.cache_clear()
+    first = data.partition_dataset("digits", None, "pathological", 7, seed=5, classes_per_client=3)
+    (stored,) = private_partition_cache.glob("*.npz")
+    compute = data._partition_labels
+    data._compute_partitions.cache_clear()
+    monkeypatch.setattr(data, "_partition_labels", lambda *args: pytest.fail("recomputed despite the disk cache"))
+    again = data.partition_dataset("digits", None, "pathological", 7, seed=5, classes_per_client=3)
+    assert all(np.array_equal(a, b) and a.dtype == np.int64 and not a.flags.writeable for a, b in zip(again, first))
+
+    monkeypatch.setattr(data, "_partition_labels", compute)
+    data.partition_dataset("digits", None, "pathological", 7, seed=5, classes_per_client=2)
+    assert len(list(private_partition_cache.glob("*.npz"))) == 2  # other settings, another file
+    stored.write_bytes(b"not an npz file")
+    data._compute_partitions.cache_clear()
+    recomputed = data.partition_dataset("digits", None, "pathological", 7, seed=5, classes_per_client=3)
+    assert all(np.array_equal(a, b) for a, b in zip(recomputed, first))
+    assert not list(private_partition_cache.glob("*.tmp.npz"))
+
+
 @needs_debian_fashion_mnist
 def test_dirichlet_small_alpha_many_clients_is_quick() -> None:
     data.load_dataset("fashion-mnist")  # time the partitioning, not the loading
@@ -465,3 +496,19 @@ def test_client_split_keeps_a_training_sample() -> None:
 def test_client_split_rejects_bad_fraction(fraction: float) -> None:
     with pytest.raises(ValueError, match="test-fraction"):
         data.client_split(np.arange(10), fraction, 0, 0)
+
+
+def test_client_split_keeps_a_seeded_share_then_splits_it() -> None:
+    indices = np.arange(1000, 1100)
+    train, test = data.client_split(indices, 0.2, seed=0, partition_id=5, keep_fraction=0.3)
+    assert (len(train), len(test)) == (24, 6)
+    full_train, full_test = data.client_split(indices, 0.2, seed=0, partition_id=5)
+    kept = np.concatenate([test, train])  # the kept share is a prefix of the same shuffle
+    assert np.array_equal(kept, np.concatenate([full_test, full_train])[:30])
+    assert [len(part) for part in data.client_split(np.arange(10), 0.2, 0, 0, keep_fraction=0.01)] == [1, 0]
+
+
+@pytest.mark.parametrize("fraction", [0.0, -0.5, 1.5, "0.5"])
+def test_client_split_rejects_bad_keep_fraction(fraction: object) -> None:
+    with pytest.raises(ValueError, match="data-fraction"):
+        data.client_split(np.arange(10), 0.2, 0, 0, keep_fraction=fraction)

@@ -38,8 +38,8 @@ def _inputs(shape: tuple[int, int, int], batch: int = 2, seed: int = 0) -> torch
 def _randomised_model(name: str, shape: tuple[int, int, int], num_classes: int, pan: PanSettings | None = None):
     """A model in eval mode whose outputs depend strongly on every weight and statistic.
 
-    Default BN values (weight 1, bias 0, mean 0, var 1) are the same for every
-    channel, so a mis-permuted BN would go unnoticed; and PyTorch's default
+    Default BN/GN values (weight 1, bias 0, mean 0, var 1) are the same for every
+    channel, so a mis-permuted norm would go unnoticed; and PyTorch's default
     init shrinks the signal through deep plain nets (VGG-11's outputs barely
     depend on its first layer), which would hide errors there. So weights get
     variance-preserving (He) init, and biases and BN parameters random values.
@@ -52,9 +52,10 @@ def _randomised_model(name: str, shape: tuple[int, int, int], num_classes: int, 
                 nn.init.kaiming_normal_(module.weight, nonlinearity="relu")
                 if module.bias is not None:
                     module.bias.normal_(0.0, 0.1)
-            if isinstance(module, nn.BatchNorm2d):
+            if isinstance(module, (nn.BatchNorm2d, nn.GroupNorm)):
                 module.weight.uniform_(0.5, 1.5)
                 module.bias.normal_(0.0, 0.2)
+            if isinstance(module, nn.BatchNorm2d):
                 module.running_mean.normal_(0.0, 0.2)
                 module.running_var.uniform_(0.5, 2.0)
     return model.eval()
@@ -81,8 +82,8 @@ def _output_after(name, shape, num_classes, pan, state) -> torch.Tensor:
 
 
 def test_registry_lists_every_network():
-    assert ALL_MODELS == sorted(["mlp", "small-mlp", "twonn", "twocnn", "vgg9", "vgg11", "resnet20", "transformer-1",
-                                 "psi-vgg9", "psi-vgg11"])
+    assert ALL_MODELS == sorted(["mlp", "small-mlp", "twonn", "twocnn", "vgg9", "vgg9-bn", "vgg9-gn", "vgg11",
+                                 "resnet20", "transformer-1", "psi-vgg9", "psi-vgg11"])
 
 
 def test_unknown_model_name_lists_allowed_names():
@@ -139,6 +140,34 @@ def test_classifier_of_representation_is_the_forward_pass(name, pan):
 def test_vgg9_flatten_matches_paper_on_cifar():
     model = build_model("vgg9", (3, 32, 32), 10)
     assert model.state_dict()["fcs.0.weight"].shape == (512, 4096)
+
+
+@pytest.mark.parametrize(("name", "norm", "entries"), [("vgg9", None, 0), ("vgg9-bn", nn.BatchNorm2d, 4),
+                                                     ("vgg9-gn", nn.GroupNorm, 2)])
+def test_vgg9_norm_variants_sit_after_every_conv_and_move_with_its_channels(name, norm, entries):
+    model = build_model(name, (1, 28, 28), 10)
+    norms = [m for m in model.modules() if isinstance(m, (nn.BatchNorm2d, nn.GroupNorm))]
+    assert len(norms) == (6 if norm else 0) and all(type(m) is norm for m in norms)
+    if norm is nn.GroupNorm:
+        assert all(m.num_groups == 1 for m in norms)
+    refs = {ref.key for ref in model.permutation_spec().groups["convs.2"]}
+    assert len({key for key in refs if key.startswith("norms.2.")}) == entries
+    plain = build_model("vgg9", (1, 28, 28), 10).state_dict()
+    assert {k: v.shape for k, v in plain.items()} == {
+        k: v.shape for k, v in model.state_dict().items() if not k.startswith("norms.")}
+
+
+def test_width_factor_scales_every_hidden_layer():
+    model = build_model("vgg9-bn", (1, 28, 28), 10, width_factor=0.25)
+    assert [conv.out_channels for conv in model.convs] == [8, 16, 32, 32, 64, 64]
+    assert [fc.out_features for fc in model.fcs] == [128, 128]
+    assert model.norms[5].num_features == 64
+    assert [conv.out_channels for conv in build_model("vgg11", (1, 8, 8), 10, width_factor=0.001).convs] == [1] * 8
+    psi = build_model("psi-vgg9", (1, 28, 28), 10, width_factor=0.5)  # 128 * 0.5 = 64 -> 7 per group
+    assert psi.convs[1].out_channels == 32 and psi.convs[2].groups[0].out_channels == 7
+    for bad in (0, -1.0, float("nan"), True):
+        with pytest.raises(ValueError, match="width-factor"):
+            build_model("vgg9", (1, 8, 8), 10, width_factor=bad)
 
 
 def test_vgg11_skips_pools_that_would_empty_the_map():
@@ -355,3 +384,29 @@ def test_encoding_broadcasts_over_units(mode, shape):
 def test_bad_pan_settings_name_the_field(field, kwargs):
     with pytest.raises(ValueError, match=f"PanSettings.{field}"):
         PanSettings(**kwargs)
+
+
+# --- run-config weight init -----------------------------------------------------------
+
+
+def test_he_init_redraws_every_layer_and_default_keeps_the_builders():
+    from fl_app.config import ConfigError, parse_run_config
+    from fl_app.data import load_dataset
+    from fl_app.model_io import build_run_model
+
+    digits = load_dataset("digits")
+
+    def built(init: str) -> nn.Module:
+        torch.manual_seed(0)
+        return build_run_model(parse_run_config({"dataset": "digits", "model": "vgg9", "init": init}), digits)
+
+    torch.manual_seed(0)
+    as_built = build_model("vgg9", digits.input_shape, digits.num_classes)
+    default, he = built("default"), built("he")
+    assert all(torch.equal(a, b) for a, b in zip(as_built.state_dict().values(), default.state_dict().values()))
+    layers = [m for m in he.modules() if isinstance(m, (nn.Conv2d, nn.Linear))]
+    assert len(layers) == 9 and all(not m.bias.any() for m in layers)
+    conv = he.convs[3].weight  # fan-in 64 * 9: He std sqrt(2 / 576) = 0.059; PyTorch's default gives 0.024
+    assert abs(conv.std().item() - math.sqrt(2 / conv[0].numel())) < 0.005
+    with pytest.raises(ConfigError, match="'init' = 'xavier'"):
+        parse_run_config({"init": "xavier"})

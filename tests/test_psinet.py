@@ -97,7 +97,8 @@ def test_bad_options_name_the_key():
         build_model("psi-vgg9", DIGITS, 4, psi_groups=5)
     with pytest.raises(ValueError, match=r"takes no option\(s\) \['psi_groups'\]"):
         build_model("vgg9", DIGITS, 10, psi_groups=2)
-    assert model_options("psi-vgg11") == ("psi_groups", "psi_depth") and model_options("vgg9") == ()
+    assert model_options("psi-vgg11") == ("psi_groups", "psi_depth", "width_factor")
+    assert model_options("vgg9") == ("width_factor",)
 
 
 def test_run_config_reaches_the_builder():

@@ -23,9 +23,11 @@ A group that no linear/conv layer reads (attention's ``attn.qk``: q and k meet i
 matmul) is read at the **output** of its first producer (the axis-0 ``.weight``
 entry), e.g. the queries.
 
-Limitation: a layer whose module never runs (Ψ-Net's grouped layers concatenate their
-``groups.{g}`` weights and call ``F.conv2d``/``F.linear`` from the parent) cannot be
-hooked; reading such a group raises :class:`UnitsNotCaptured` naming it.
+Ψ-Net's grouped layers store one module per group (``convs.3.groups.7``); a grouped conv
+calls them one by one while a hook sits on one of them (otherwise it runs them as a
+single grouped convolution), so its groups are captured like any other layer. A layer
+whose module never runs still cannot be hooked; reading such a group raises
+:class:`UnitsNotCaptured` naming it.
 
 The feature axis is the layer's: the last axis for ``nn.Linear`` (also over tokens),
 axis 1 for convolutions. ``(N, J * block, ...)`` is then viewed as ``(N, J, S)``: one
