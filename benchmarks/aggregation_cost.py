@@ -30,7 +30,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 
-from benchutil import append_jsonl, machine, median, read_jsonl
+from benchutil import append_jsonl, machine, median, read_jsonl, write_report
 from fl_app.config import RunConfig, parse_run_config
 from fl_app.model_io import build_run_model, federated_state, load_arrays, to_arrays
 from fl_app.data import dataset_info
@@ -172,10 +172,7 @@ def main(argv: list[str] | None = None) -> int:
                 append_jsonl(rows_path, {"strategy": name, "model": base_model, "run-model": model,
                                          "clients": clients, "seconds": seconds, "machine": machine()})
                 print(f"[aggregation] {name} {model} K={clients}: median {median(seconds):.3f} s", flush=True)
-    text = report(read_jsonl(rows_path))
-    (out / "report.md").write_text(text + "\n")
-    print(text)
-    return 0
+    return write_report(out, rows_path, report)
 
 
 if __name__ == "__main__":

@@ -50,6 +50,14 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
+def write_report(out: Path, rows_path: Path, report: Callable[[list[dict[str, Any]]], str]) -> int:
+    """Render every row measured so far into ``out/report.md`` and print it; the exit code of a benchmark."""
+    text = report(read_jsonl(rows_path))
+    (out / "report.md").write_text(text + "\n")
+    print(text)
+    return 0
+
+
 def run_metrics(results_dir: Path, run_name: str) -> list[dict[str, Any]]:
     """The rows of a finished run's ``metrics.jsonl``."""
     return read_jsonl(results_dir / run_name / "metrics.jsonl")

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from benchutil import (RoundCounter, TreeSampler, append_jsonl, machine, median, read_jsonl, round_seconds,
-                       run_metrics, simulate)
+                       run_metrics, simulate, write_report)
 from fl_app.calibration import classification_scores
 from fl_app.config import RunConfig, parse_run_config
 from fl_app.data import client_split, load_dataset, partition_dataset
@@ -179,10 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         append_jsonl(rows_path, row)
         print(f"[overhead] run {index} ({side}): " +
               ", ".join(f"r{r['round']} {r['seconds']:.2f}s acc {r['accuracy']:.4f}" for r in rounds), flush=True)
-    text = report(read_jsonl(rows_path))
-    (out / "report.md").write_text(text + "\n")
-    print(text)
-    return 0
+    return write_report(out, rows_path, report)
 
 
 if __name__ == "__main__":

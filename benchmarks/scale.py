@@ -29,7 +29,8 @@ from typing import Any
 
 import torch
 
-from benchutil import RoundCounter, TreeSampler, append_jsonl, machine, median, read_jsonl, round_seconds, run_metrics, simulate
+from benchutil import (RoundCounter, TreeSampler, append_jsonl, machine, median, read_jsonl, round_seconds, run_metrics,
+                       simulate, write_report)
 from fl_app.config import parse_run_config
 from fl_app.data import partition_dataset
 
@@ -139,10 +140,7 @@ def main(argv: list[str] | None = None) -> int:
                "load-after": list(os.getloadavg())}
         append_jsonl(rows_path, row)
         print(f"[scale] {name}: {row}", flush=True)
-    text = report(read_jsonl(rows_path))
-    (out / "report.md").write_text(text + "\n")
-    print(text)
-    return 0
+    return write_report(out, rows_path, report)
 
 
 if __name__ == "__main__":

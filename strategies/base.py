@@ -240,6 +240,7 @@ class StrategyBase:
         self._reference = ArrayRecord()
         self.participation_fn = participation_fn
         self._sampled: list[int] = []  # the nodes sent this round's training messages (set by start)
+        self._destinations: dict[str, int] = {}  # message id -> node, of the messages start sent last
 
     def _ordered(self, grid: Grid) -> PartitionOrderedGrid:
         """Learn the partition of nodes not seen before, then view the grid in partition order."""
@@ -303,9 +304,22 @@ class StrategyBase:
             self.sampling_state = random.getstate()
             random.setstate(outer)
 
+    def _send(self, grid: Grid, messages: list[Message], timeout: float) -> list[Message]:
+        """Send and wait for the replies, remembering where each message went (see :meth:`replier`)."""
+        replies = list(grid.send_and_receive(messages, timeout=timeout)) if messages else []
+        self._destinations = {message.metadata.message_id: message.metadata.dst_node_id
+                              for message in messages if message.metadata.message_id}
+        return replies
+
+    def replier(self, reply: Message) -> int:
+        """The node a reply answers for. An error the SuperLink makes for a node that went away (Flower's
+        ``NODE_UNAVAILABLE``) comes from the SuperLink's own node id, so it is traced back to the node
+        the message was sent to."""
+        return self._destinations.get(reply.metadata.reply_to_message_id, reply.metadata.src_node_id)
+
     def _in_partition_order(self, replies: Iterable[Message]) -> list[Message]:
         def position(message: Message) -> tuple[int, int]:
-            node = message.metadata.src_node_id
+            node = self.replier(message)
             return self.node_partitions.get(node, 2**63), node
 
         return sorted(replies, key=position)
@@ -326,13 +340,13 @@ class StrategyBase:
             if problem is None:
                 well_formed.append(message)
             else:
-                dropped[self.client_name(message.metadata.src_node_id)] = problem
+                dropped[self.client_name(self.replier(message))] = problem
         kept = []
         for message, problem in zip(well_formed, odd_metric_keys([m.content for m in well_formed]), strict=True):
             if problem is None:
                 kept.append(message)
             else:
-                dropped[self.client_name(message.metadata.src_node_id)] = problem
+                dropped[self.client_name(self.replier(message))] = problem
         return kept
 
     def usable_replies(self, server_round: int, replies: Iterable[Message]) -> list[Message]:
@@ -342,14 +356,14 @@ class StrategyBase:
         replies, malformed ones, and all of them when fewer than ``min_train_nodes`` remain.
         """
         ordered = self._in_partition_order(replies)
-        answered = {message.metadata.src_node_id for message in ordered}
+        answered = {self.replier(message) for message in ordered}
         dropped = {self.client_name(node): "no reply within the round's timeout"
                    for node in self._sampled if node not in answered}
         usable = self._checked(ordered, self.reply_problem, dropped)
         least = max(1, self.min_train_nodes)  # type: ignore[attr-defined]
         if len(usable) < least:
             for message in usable:
-                dropped[self.client_name(message.metadata.src_node_id)] = (
+                dropped[self.client_name(self.replier(message))] = (
                     f"round not aggregated: {len(usable)} usable replies, fewer than min-train-nodes={least}")
             usable = []
         for client, reason in dropped.items():
@@ -431,7 +445,7 @@ class StrategyBase:
             log(INFO, "[ROUND %s/%s]", server_round, num_rounds)
             arrays = self._train_round(server_round, arrays, train_config, grid, timeout, result)
             messages = list(self.configure_evaluate(server_round, arrays, evaluate_config, grid))
-            replies = grid.send_and_receive(messages, timeout=timeout) if messages else []
+            replies = self._send(grid, messages, timeout)
             metrics = self.aggregate_evaluate(server_round, replies)
             if metrics is not None:
                 result.evaluate_metrics_clientapp[server_round] = metrics
@@ -444,7 +458,7 @@ class StrategyBase:
         """One training round; returns the new global model, or ``arrays`` when the round aggregated nothing."""
         messages = list(self.configure_train(server_round, arrays, config, grid))
         self._sampled = [message.metadata.dst_node_id for message in messages]
-        replies = grid.send_and_receive(messages, timeout=timeout) if messages else []
+        replies = self._send(grid, messages, timeout)
         aggregated, metrics = self.aggregate_train(server_round, replies)
         self._sampled = []
         if metrics is not None:

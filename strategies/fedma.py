@@ -229,7 +229,7 @@ class FedMA(StrategyBase, FlowerFedAvg):
             self.stage, self.client_models = 0, {}  # a stage without replies ends the cycle
             return arrays, metrics
         replies = [m for m in usable if not m.has_error()]
-        nodes = [m.metadata.src_node_id for m in replies]
+        nodes = [self.replier(m) for m in replies]
         states = [m.content[MODEL_RECORD].to_torch_state_dict() for m in replies]
         weights = reply_weights(replies, self.weighted_by_key)
         plan = completion_plan(self.spec, states[0])

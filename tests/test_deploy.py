@@ -218,6 +218,9 @@ def test_run_finishes_without_a_supernode_killed_after_round_one(plain, tmp_path
     assert [row["round"] for row in metrics] == [0, 1, 2]
     assert metrics[1]["clients-trained"] == 3 and metrics[1]["clients-evaluated"] == 3
     assert metrics[2]["clients-trained"] == 2 and metrics[2]["clients-evaluated"] == 2
+    # the dead node, if still sampled, is counted once and named by its partition
+    assert metrics[2]["clients-sampled"] == 2 + metrics[2]["clients-dropped"] <= 3
+    assert set(metrics[2]["clients-dropped-reasons"]) <= {"2"}
     assert (folder / "summary.json").exists()
 
 

@@ -12,6 +12,7 @@ import copy
 import json
 import math
 import random
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -21,7 +22,7 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, MessageType, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
-from flwr.common.constant import ErrorCode
+from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode
 from flwr.simulation import run_simulation
 from flwr.supercore.task_identity import TaskIdentity
 
@@ -71,7 +72,8 @@ CORRUPTIONS: dict[str, Callable[[RecordDict], None]] = {
 class InProcessGrid:
     """A Grid whose nodes call a ClientApp in this process. ``faults`` maps a partition to what goes wrong
     with its training replies: ``raise`` (an error reply, as Flower sends when the ClientApp raises),
-    ``late`` (no reply within the timeout) or a key of :data:`CORRUPTIONS`."""
+    ``late`` (no reply within the timeout), ``gone`` (the node died: the SuperLink answers for it, from its
+    own node id) or a key of :data:`CORRUPTIONS`. Messages get ids as Flower's grids give them."""
 
     def __init__(self, app: ClientApp, num_nodes: int, faults: dict[int, str] | None = None,
                  first_node_id: int = 1000) -> None:
@@ -90,10 +92,16 @@ class InProcessGrid:
         self.timeouts.append(timeout)
         replies = []
         for message in messages:
+            message.metadata.__dict__["_message_id"] = uuid.uuid4().hex  # what Flower's grids do on push
             context = self.contexts[message.metadata.dst_node_id]
             training = message.metadata.message_type == MessageType.TRAIN
             fault = self.faults.get(int(context.node_config["partition-id"])) if training else None
             if fault == "late":
+                continue
+            if fault == "gone":
+                reply = Message(Error(ErrorCode.NODE_UNAVAILABLE, "node unavailable"), reply_to=message)
+                reply.metadata.__dict__["_src_node_id"] = SUPERLINK_NODE_ID
+                replies.append(reply)
                 continue
             try:
                 if fault == "raise":
@@ -132,19 +140,20 @@ def final_model(folder: Path) -> dict[str, torch.Tensor]:
 # --- client faults ---------------------------------------------------------------------------------------
 
 
-def test_failed_late_and_malformed_clients_are_dropped_with_their_reasons(tmp_path):
-    faults = {1: "raise", 2: "nan", 3: "late", 4: "shape"}
-    folder, grid = run(tmp_path, "faults", num_nodes=5, faults=faults, **{"round-timeout": 7.5})
+def test_failed_late_gone_and_malformed_clients_are_dropped_with_their_reasons(tmp_path):
+    faults = {1: "raise", 2: "nan", 3: "late", 4: "shape", 5: "gone"}
+    folder, grid = run(tmp_path, "faults", num_nodes=6, faults=faults, **{"round-timeout": 7.5})
     records = rows(folder)
     assert [r["round"] for r in records] == [0, 1, 2]
     for row in records[1:]:
-        assert (row["clients-sampled"], row["clients-trained"], row["clients-dropped"]) == (5, 1, 4)
+        assert (row["clients-sampled"], row["clients-trained"], row["clients-dropped"]) == (6, 1, 5)
         reasons = row["clients-dropped-reasons"]
-        assert sorted(reasons) == ["1", "2", "3", "4"]
+        assert sorted(reasons) == ["1", "2", "3", "4", "5"]  # the SuperLink's answer named by the dead node
         assert "injected client failure" in reasons["1"]
         assert "NaN" in reasons["2"]
         assert "timeout" in reasons["3"]
         assert "shape" in reasons["4"]
+        assert "node unavailable" in reasons["5"]
     assert all(timeout == 7.5 for timeout in grid.timeouts[1:])  # the partition QUERY has its own timeout
     summary = json.loads((folder / "summary.json").read_text())
     assert summary["clients-per-round"] == [1, 1]
@@ -187,12 +196,12 @@ def _fold(records, key):
 def _reply(arrays: dict[str, torch.Tensor], node: int, examples: int = 4, **metrics) -> SimpleNamespace:
     content = RecordDict({"arrays": ArrayRecord(arrays), "metrics": MetricRecord({"num-examples": examples,
                                                                                   **metrics})})
-    return SimpleNamespace(content=content, has_error=lambda: False, metadata=SimpleNamespace(src_node_id=node))
+    return SimpleNamespace(content=content, has_error=lambda: False, metadata=SimpleNamespace(reply_to_message_id="", src_node_id=node))
 
 
 def _error_reply(node: int) -> SimpleNamespace:
     return SimpleNamespace(has_error=lambda: True, error=Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, "boom"),
-                           metadata=SimpleNamespace(src_node_id=node))
+                           metadata=SimpleNamespace(reply_to_message_id="", src_node_id=node))
 
 
 def test_a_reply_whose_metric_keys_differ_is_dropped_instead_of_failing_the_round():
@@ -210,7 +219,7 @@ def test_malformed_evaluate_replies_are_left_out_of_the_means():
 
     def evaluate_reply(node: int, **metrics) -> SimpleNamespace:
         return SimpleNamespace(content=RecordDict({"metrics": MetricRecord(metrics)}), has_error=lambda: False,
-                               metadata=SimpleNamespace(src_node_id=node))
+                               metadata=SimpleNamespace(reply_to_message_id="", src_node_id=node))
 
     replies = [evaluate_reply(1, **{"num-examples": 3, "local-accuracy": 0.5}),
                evaluate_reply(2, **{"local-accuracy": 0.9}),  # no example count

@@ -57,7 +57,7 @@ def _reply(state, node: int, counts: torch.Tensor, examples: int = 10):
     content = RecordDict({"arrays": ArrayRecord({k: v.clone() for k, v in state.items()}),
                           CLASS_COUNTS: ArrayRecord({"counts": counts}),
                           "metrics": MetricRecord({"num-examples": examples})})
-    return SimpleNamespace(content=content, has_error=lambda: False, metadata=SimpleNamespace(src_node_id=node))
+    return SimpleNamespace(content=content, has_error=lambda: False, metadata=SimpleNamespace(reply_to_message_id="", src_node_id=node))
 
 
 def _strategy(global_state, **config):

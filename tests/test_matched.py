@@ -23,7 +23,7 @@ PAN_ON = {"pan_mode": "mul", "pan_t": 1.0, "pan_a": 0.5}
 def _reply(state: dict[str, torch.Tensor], examples: int, node: int):
     content = RecordDict({"arrays": ArrayRecord({k: v.clone() for k, v in state.items()}),
                           "metrics": MetricRecord({"num-examples": examples})})
-    return SimpleNamespace(content=content, has_error=lambda: False, metadata=SimpleNamespace(src_node_id=node))
+    return SimpleNamespace(content=content, has_error=lambda: False, metadata=SimpleNamespace(reply_to_message_id="", src_node_id=node))
 
 
 def _strategy(global_state: dict[str, torch.Tensor], **config):

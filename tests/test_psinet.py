@@ -220,7 +220,7 @@ def _reply(held: list[int], value: float, examples: int, node: int = 1, *, array
         HELD_RECORD: ArrayRecord({HELD_KEY: torch.tensor(declared, dtype=torch.int64)}),
         "metrics": MetricRecord({"num-examples": examples}),
     })
-    return SimpleNamespace(content=content, has_error=lambda: False, metadata=SimpleNamespace(src_node_id=node))
+    return SimpleNamespace(content=content, has_error=lambda: False, metadata=SimpleNamespace(reply_to_message_id="", src_node_id=node))
 
 
 def _strategy():

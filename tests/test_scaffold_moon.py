@@ -145,7 +145,7 @@ def _reply(model: dict, control: dict | None, examples: int, node: int):
     if control is not None:
         records[CONTROL] = _arrays(control)
     return SimpleNamespace(content=RecordDict(records), has_error=lambda: False,
-                           metadata=SimpleNamespace(src_node_id=node))
+                           metadata=SimpleNamespace(reply_to_message_id="", src_node_id=node))
 
 
 def _scaffold_server(**config):

@@ -48,7 +48,7 @@ def test_fedprox_adds_half_mu_squared_distance_to_the_global_model():
 def _reply(arrays: dict[str, np.ndarray], examples, node: int = 1, **metrics):
     content = RecordDict({"arrays": ArrayRecord({k: torch.from_numpy(v) for k, v in arrays.items()}),
                           "metrics": MetricRecord({"num-examples": examples, **metrics})})
-    return SimpleNamespace(content=content, has_error=lambda: False, metadata=SimpleNamespace(src_node_id=node))
+    return SimpleNamespace(content=content, has_error=lambda: False, metadata=SimpleNamespace(reply_to_message_id="", src_node_id=node))
 
 
 GLOBAL = {"w": np.zeros((2, 3), dtype=np.float32), "b": np.zeros(2, dtype=np.float32)}

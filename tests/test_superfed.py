@@ -294,7 +294,7 @@ class _QueryGrid:
         return [16, 11, 15, 12, 14, 13]
 
     def send_and_receive(self, messages, timeout=None):
-        return [SimpleNamespace(has_error=lambda: False, metadata=SimpleNamespace(src_node_id=m.metadata.dst_node_id),
+        return [SimpleNamespace(has_error=lambda: False, metadata=SimpleNamespace(reply_to_message_id="", src_node_id=m.metadata.dst_node_id),
                                 content={"metrics": {"partition-id": m.metadata.dst_node_id - 11,
                                                      "num-partitions": 6}})
                 for m in messages]
