@@ -209,7 +209,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=25, help="R (the paper: 500)")
     parser.add_argument("--local-epochs", type=int, default=5, help="E (the paper: 10)")
     parser.add_argument("--batch-size", type=int, default=50, help="B (the paper: 10)")
-    parser.add_argument("--lr", type=float, default=0.05, help="client lr (the paper: 0.01 at B = 10)")
+    parser.add_argument("--lr", type=float, default=0.01, help="client lr (the paper: 0.01 at B = 10)")
     parser.add_argument("--noise", nargs="+", choices=list(NOISE), default=["pair 0.4", "symmetric 0.6"])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--figure", type=Path, default=HERE / "figures" / "superfed_lambda.png")

@@ -34,7 +34,7 @@ import argparse
 import copy
 import math
 import statistics
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -59,6 +59,7 @@ from fl_app.analysis.units import spec_of
 from fl_app.data import dataset_info
 from fl_app.training import evaluate
 from models import PanSettings, PermutationSpec, build_model, permute_state
+from models.init import INITS  # how a sweep's shared weights start: their scale decides how add and mul PANs compare
 
 DEFAULT_P_SF = (0.0, 0.1, 0.25, 0.5, 1.0)
 DEFAULT_AMPLITUDES = (0.0, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0)
@@ -188,25 +189,6 @@ def _accuracy(model: nn.Module, test_data: tuple[Tensor, Tensor] | None) -> floa
 
 
 # --- the PAN sweep ------------------------------------------------------------------
-
-
-def _keep_init(model: nn.Module) -> None:
-    """PyTorch's default init, as ``build_model`` leaves it (and as the authors' code uses)."""
-
-
-def _he_init(model: nn.Module) -> None:
-    """Variance-preserving (He) weights, zero biases: pre-activations stay of order 1 at every depth."""
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, (nn.Linear, nn.Conv2d)):
-                nn.init.kaiming_normal_(module.weight, nonlinearity="relu")
-                if module.bias is not None:
-                    module.bias.zero_()
-
-
-# How a sweep's shared weights are initialised. The scale of the pre-activations decides
-# how additive (h + e) and multiplicative (h * (1 + e)) PANs compare; see shuffle_sweep.
-INITS: dict[str, Callable[[nn.Module], None]] = {"default": _keep_init, "he": _he_init}
 
 
 @dataclass(frozen=True)
