@@ -1,6 +1,6 @@
 """FedAvg (VGG-9) versus grouped Ψ-Net averaging (psi-vgg9) in pathological N x C settings (issue 5).
 
-Seed 001 Table 1 / Figs. 5 and 7 at CPU scale. Three parts, each a grid of runs over seeds:
+Seed 001 Table 1 / Figs. 5 and 7 at CPU scale. Four parts, each a grid of runs over seeds:
 
 * ``settings``: FedAvg on plain ``vgg9`` and ``psinet`` on ``psi-vgg9`` in 10x3, 10x5
   and 10x10 (clients x classes per client, pathological split);
@@ -9,6 +9,9 @@ Seed 001 Table 1 / Figs. 5 and 7 at CPU scale. Three parts, each a grid of runs 
   ``settings`` part's 10x5 runs;
 * ``scaling``: the same two methods with 20 and 50 clients x 5 classes (10x5 is in
   ``settings``). It runs last within a seed because it costs the most.
+* ``architecture``: FedAvg on ``psi-vgg9`` itself (every client trains and sends every
+  group) in 10x3, 10x5 and 10x10, so that the grouped architecture and the grouped
+  aggregation can be told apart (not in the paper).
 
 Each run is one Flower simulation with the product's ServerApp/ClientApp (clients in
 this process by default, see :func:`in_process_backend`), writing its run folder under ``--out``; a run whose folder holds ``summary.json`` is
@@ -45,17 +48,20 @@ METHODS: dict[str, dict[str, Any]] = {
     "psinet": {"strategy": "psinet", "model": "psi-vgg9"},
     "fedavg-bn": {"strategy": "fedavg", "model": "vgg9-bn"},
     "fedavg-gn": {"strategy": "fedavg", "model": "vgg9-gn"},
+    "fedavg-psi": {"strategy": "fedavg", "model": "psi-vgg9"},
 }
 PARTS: dict[str, list[tuple[int, int, str]]] = {
     "settings": [(10, c, m) for c in (3, 5, 10) for m in ("fedavg", "psinet")],
     "ablation": [(10, 5, m) for m in ("fedavg-bn", "fedavg-gn")],
     "scaling": [(n, 5, m) for n in (20, 50) for m in ("fedavg", "psinet")],
+    "architecture": [(10, c, "fedavg-psi") for c in (3, 5, 10)],
 }
 COMPARED = list(dict.fromkeys((n, c) for part in ("settings", "scaling") for n, c, _ in PARTS[part]))
 """The (clients, classes) settings of the FedAvg-versus-Ψ-Net table."""
 ABLATION_ROWS = [("fedavg", "FedAvg, no norm"), ("fedavg-bn", "FedAvg + BN"), ("fedavg-gn", "FedAvg + GN"),
                  ("psinet", "Ψ-Net (BN shared, GN grouped)")]
-COLORS = {"fedavg": "tab:blue", "psinet": "tab:orange", "fedavg-bn": "tab:green", "fedavg-gn": "tab:red"}
+COLORS = {"fedavg": "tab:blue", "psinet": "tab:orange", "fedavg-bn": "tab:green", "fedavg-gn": "tab:red",
+          "fedavg-psi": "tab:purple"}
 
 
 def prepare_data(out: Path, test_per_class: int) -> str:
@@ -218,23 +224,26 @@ def _cells(runs: list[dict[str, Any]]) -> str:
             f"{mean_std([r['last-5-mean-accuracy'] for r in runs])} | {mean_std([r['best-accuracy'] for r in runs])}")
 
 
-def main_table(out: Path, seeds: list[int]) -> str:
-    lines = ["| N×C | method | model | seeds | final acc % | last-5 mean acc % | best acc % | Ψ − FedAvg (final) |",
+def comparison_table(out: Path, seeds: list[int], baseline: str, settings: list[tuple[int, int]]) -> str:
+    """``baseline`` against ``psinet`` per (clients, classes) setting, with the paired per-seed gap."""
+    lines = [f"| N×C | method | model | seeds | final acc % | last-5 mean acc % | best acc % | Ψ − {baseline} (final) |",
              "|---|---|---|---|---|---|---|---|"]
-    for clients, classes in COMPARED:
-        runs = {m: load(out, clients, classes, m, seeds) for m in ("fedavg", "psinet")}
+    for clients, classes in settings:
+        runs = {m: load(out, clients, classes, m, seeds) for m in (baseline, "psinet")}
+        if not any(runs.values()):
+            continue
         for method, found in runs.items():
             gap = ""
-            if method == "psinet" and runs["fedavg"] and found:
-                paired = _paired_gaps(runs["fedavg"], found)
+            if method == "psinet" and runs[baseline] and found:
+                paired = _paired_gaps(runs[baseline], found)
                 gap = mean_std(paired) if paired else ""
             lines.append(f"| {clients}×{classes} | {method} | {METHODS[method]['model']} | {_cells(found)} | {gap} |")
     return "\n".join(lines) + "\n"
 
 
-def _paired_gaps(fedavg: list[dict[str, Any]], psinet: list[dict[str, Any]]) -> list[float]:
-    """Ψ-Net minus FedAvg final accuracy, per seed both finished."""
-    by_seed = {Path(r["run-folder"]).name.rsplit("seed", 1)[1]: r["final-accuracy"] for r in fedavg}
+def _paired_gaps(baseline: list[dict[str, Any]], psinet: list[dict[str, Any]]) -> list[float]:
+    """Ψ-Net minus the baseline's final accuracy, per seed both finished."""
+    by_seed = {Path(r["run-folder"]).name.rsplit("seed", 1)[1]: r["final-accuracy"] for r in baseline}
     return [r["final-accuracy"] - by_seed[s] for r in psinet
             if (s := Path(r["run-folder"]).name.rsplit("seed", 1)[1]) in by_seed]
 
@@ -297,8 +306,10 @@ def _curve(ax: Any, runs: list[dict[str, Any]], label: str, color: str) -> None:
 def report(args: argparse.Namespace) -> None:
     figures = args.figures or args.out
     figures.mkdir(parents=True, exist_ok=True)
-    text = ("## N×C settings and node scaling\n\n" + main_table(args.out, args.seeds)
-            + "\n## Normalisation ablation\n\n" + ablation_table(args.out, args.seeds))
+    text = ("## N×C settings and node scaling\n\n" + comparison_table(args.out, args.seeds, "fedavg", COMPARED)
+            + "\n## Normalisation ablation\n\n" + ablation_table(args.out, args.seeds)
+            + "\n## Same architecture (psi-vgg9): FedAvg versus grouped averaging\n\n"
+            + comparison_table(args.out, args.seeds, "fedavg-psi", [(10, c) for c in (3, 5, 10)]))
     paths = plot(args.out, args.seeds, figures)
     (args.out / "results.md").write_text(text)
     print(text)
