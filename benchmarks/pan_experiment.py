@@ -83,7 +83,8 @@ def mean_std(values: list[float]) -> str:
 
 
 def report(out: Path, seeds: list[int]) -> str:
-    """Markdown table over the finished runs of ``seeds``, one row per (algorithm, PANs, α)."""
+    """Markdown table over the finished runs of ``seeds``, one row per (algorithm, PANs, α), with each PAN
+    setting's final accuracy minus PANs off, paired by seed (same split, same initial model)."""
     groups: dict[tuple[str, str, float], list[dict[str, Any]]] = {}
     for summary_path in sorted(out.glob("*/summary.json")):
         config = json.loads((summary_path.parent / "config.json").read_text())
@@ -92,13 +93,16 @@ def report(out: Path, seeds: list[int]) -> str:
         pan = next(name for name, keys in PAN_SETTINGS.items()
                    if all(config[k] == v for k, v in keys.items()))
         key = (config["strategy"], pan, config["dirichlet-alpha"])
-        groups.setdefault(key, []).append(json.loads(summary_path.read_text()))
-    lines = ["| algorithm | PANs | α | seeds | final accuracy (%) | best of last 5 rounds (%) |",
-             "|---|---|---|---|---|---|"]
+        groups.setdefault(key, []).append({**json.loads(summary_path.read_text()), "seed": config["seed"]})
+    lines = ["| algorithm | PANs | α | seeds | final accuracy (%) | best of last 5 rounds (%) | PANs − off, final (points) |",
+             "|---|---|---|---|---|---|---|"]
     for (algo, pan, alpha), runs in sorted(groups.items()):
+        off = {r["seed"]: r["final-accuracy"] for r in groups.get((algo, "off", alpha), [])}
+        paired = [r["final-accuracy"] - off[r["seed"]] for r in runs if r["seed"] in off]
+        gap = "" if pan == "off" else mean_std(paired)
         lines.append(f"| {algo} | {pan} | {alpha} | {len(runs)} | "
                      f"{mean_std([r['final-accuracy'] for r in runs])} | "
-                     f"{mean_std([r['last-5-best-accuracy'] for r in runs])} |")
+                     f"{mean_std([r['last-5-best-accuracy'] for r in runs])} | {gap} |")
     _plot(groups, out / "pan_experiment.png")
     return "\n".join(lines)
 
