@@ -100,7 +100,7 @@ def replies(config: RunConfig, strategy: Any, model: torch.nn.Module, states: li
                               "metrics": MetricRecord({**metrics, "num-examples": 100 + index,
                                                        "partition-id": index})})
         answers.append(SimpleNamespace(content=content, has_error=lambda: False,
-                                       metadata=SimpleNamespace(src_node_id=message.metadata.dst_node_id)))
+                                       metadata=SimpleNamespace(reply_to_message_id="", src_node_id=message.metadata.dst_node_id)))
     return answers
 
 
