@@ -228,6 +228,8 @@ class StrategyBase:
     """
 
     extra_reply_arrays: tuple[str, ...] = ()
+    state_keys: frozenset[str] = frozenset()
+    """The entries :meth:`state_dict` may hold (none: the rounds depend only on the global model)."""
 
     def __init__(self, *args: Any, participation_fn: ParticipationListener | None = None, sampling_seed: int = 0,
                  holdout_clients: int = 0, **kwargs: Any) -> None:
@@ -404,11 +406,16 @@ class StrategyBase:
         whose rounds depend only on the global model. Clients are named by partition id, never node id."""
         return {}
 
+    def check_state(self, state: Mapping[str, Any]) -> None:
+        """Refuse a checkpoint's strategy state with entries this strategy does not keep (:attr:`state_keys`)."""
+        unknown = set(state) - self.state_keys
+        if unknown:
+            kept = f"keeps only {sorted(self.state_keys)}" if self.state_keys else "keeps no server state"
+            raise ValueError(f"strategy {type(self).__name__} {kept}, but the checkpoint holds {sorted(unknown)}")
+
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Take up what :meth:`state_dict` returned, to resume a run."""
-        if state:
-            raise ValueError(f"strategy {type(self).__name__} keeps no server state, but the checkpoint holds "
-                             f"{sorted(state)}")
+        self.check_state(state)
 
     def start(
         self,

@@ -21,6 +21,8 @@ class FedAvgM(StrategyBase, FlowerFedAvgM):
     (``current_arrays``) and the momentum buffer, one array per model entry in key order.
     """
 
+    state_keys = frozenset({"current-arrays", "momentum"})
+
     def state_dict(self) -> dict[str, Any]:
         if self.current_arrays is None:
             return {}
@@ -32,9 +34,7 @@ class FedAvgM(StrategyBase, FlowerFedAvgM):
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        unknown = set(state) - {"current-arrays", "momentum"}
-        if unknown:
-            raise ValueError(f"FedAvgM state has unknown entries {sorted(unknown)}")
+        self.check_state(state)
         self.current_arrays = ArrayRecord(dict(state["current-arrays"])) if "current-arrays" in state else None
         momentum = state.get("momentum")
         keys = list(self.current_arrays.keys()) if self.current_arrays is not None else []

@@ -144,6 +144,7 @@ class FedMA(StrategyBase, FlowerFedAvg):
     """
 
     extra_reply_arrays = (CLASS_COUNTS,)
+    state_keys = frozenset({"stage", "cycle-start", "client-models"})
 
     def __init__(self, spec: PermutationSpec, cost: str, passes: int, num_classes: int, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -202,10 +203,9 @@ class FedMA(StrategyBase, FlowerFedAvg):
                                   **self._restored_models}}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        unknown = set(state) - {"stage", "cycle-start", "client-models"}
-        if unknown or not 0 <= int(state.get("stage", 0)) <= len(self.groups):
-            raise ValueError(f"FedMA state must hold a stage in 0..{len(self.groups)}, 'cycle-start' and "
-                             f"'client-models'; got entries {sorted(state)}, stage {state.get('stage')!r}")
+        self.check_state(state)
+        if not 0 <= int(state.get("stage", 0)) <= len(self.groups):
+            raise ValueError(f"FedMA state must hold a stage in 0..{len(self.groups)}, got {state.get('stage')!r}")
         self.stage = int(state["stage"])
         self.cycle_start = dict(state["cycle-start"])
         self.client_models = {}

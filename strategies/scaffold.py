@@ -71,6 +71,7 @@ class Scaffold(StrategyBase, FlowerFedAvg):
     """FedAvg that also sends c, collects Δc_i and applies the averaged model with ``server-lr``."""
 
     extra_reply_arrays = (CONTROL,)
+    state_keys = frozenset({"control"})
 
     def __init__(self, *args: Any, server_learning_rate: float = 1.0, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -97,9 +98,7 @@ class Scaffold(StrategyBase, FlowerFedAvg):
         return {"control": self.control.to_torch_state_dict()} if len(self.control) else {}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        unknown = set(state) - {"control"}
-        if unknown:
-            raise ValueError(f"SCAFFOLD state has unknown entries {sorted(unknown)}")
+        self.check_state(state)
         self.control = ArrayRecord(dict(state["control"])) if "control" in state else ArrayRecord()
 
     def aggregate_train(
