@@ -17,6 +17,7 @@ COPY --chown=app:app pyproject.toml README.md ./
 COPY --chown=app:app fl_app ./fl_app
 COPY --chown=app:app strategies ./strategies
 COPY --chown=app:app models ./models
+COPY --chown=app:app core ./core
 RUN python -m pip install --no-cache-dir --extra-index-url "${TORCH_INDEX}" . \
     && python -c "import flwr; assert flwr.__version__ == '1.41.0', f'flwr {flwr.__version__} is not the pinned 1.41.0'" \
     # mount points owned by "app": SuperLink state, run folders (results-dir's default ~/alignfl-results),

@@ -32,8 +32,8 @@ from flwr.supercore.task_identity import TaskIdentity
 
 from benchutil import append_jsonl, machine, median, read_jsonl, write_report
 from fl_app.config import RunConfig, parse_run_config
-from fl_app.model_io import build_run_model, federated_state, load_arrays, to_arrays
-from fl_app.data import dataset_info
+from core.model_io import build_run_model, federated_state, load_arrays, to_arrays
+from core.data import dataset_info
 from models import permute_state, random_permutations
 from strategies import get_strategy, list_strategies
 from strategies.base import MetricAggregation

@@ -52,7 +52,7 @@ BASE = {"model": "small-mlp", "dataset": "fashion-mnist", "partitioner": "dirich
 
 def fedma_cycle(model: str, dataset: str) -> int:
     """Communications per FedMA cycle: one per permutation group plus one for the output layer."""
-    from fl_app.data import dataset_info
+    from core.data import dataset_info
     from models import build_model
     from models.pan import PanSettings
 
@@ -113,10 +113,10 @@ def pan_measurement(config: "RunConfig", init: str) -> dict[str, Any]:
     import torch
 
     from fl_app.analysis.merge import train_clients
-    from fl_app.model_io import build_run_model
-    from fl_app.training import evaluate
+    from core.model_io import build_run_model
+    from core.training import evaluate
     from models import permute_state
-    from strategies.alignment import find_permutations, matched_average, weighted_average
+    from core.alignment import find_permutations, matched_average, weighted_average
 
     device = torch.device("cpu")
     states, counts, dataset = train_clients(config, PAN_CLIENTS, init == "same", device)

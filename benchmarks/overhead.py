@@ -37,11 +37,11 @@ from torch import nn
 
 from benchutil import (RoundCounter, TreeSampler, append_jsonl, machine, median, read_jsonl, round_seconds,
                        run_metrics, simulate, write_report)
-from fl_app.calibration import classification_scores
+from core.calibration import classification_scores
 from fl_app.config import RunConfig, parse_run_config
-from fl_app.data import client_split, load_dataset, partition_dataset
-from fl_app.model_io import build_run_model, federated_state
-from fl_app.training import evaluate, iterate_batches, round_generator, seed_everything
+from core.data import client_split, load_dataset, partition_dataset
+from core.model_io import build_run_model, federated_state
+from core.training import evaluate, iterate_batches, round_generator, seed_everything
 
 EXPERIMENT = {"strategy": "fedavg", "model": "mlp", "dataset": "fashion-mnist", "local-epochs": 1,
               "batch-size": 64, "num-server-rounds": 5, "seed": 0}

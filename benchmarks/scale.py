@@ -32,7 +32,7 @@ import torch
 from benchutil import (RoundCounter, TreeSampler, append_jsonl, machine, median, read_jsonl, round_seconds, run_metrics,
                        simulate, write_report)
 from fl_app.config import parse_run_config
-from fl_app.data import partition_dataset
+from core.data import partition_dataset
 
 EXPERIMENT = {"strategy": "fedavg", "model": "mlp", "dataset": "fashion-mnist", "partitioner": "dirichlet",
               "dirichlet-alpha": 0.3, "local-epochs": 1, "batch-size": 64, "seed": 0}

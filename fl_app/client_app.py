@@ -18,10 +18,10 @@ from flwr.clientapp import ClientApp
 from torch import nn
 
 from fl_app.config import RunConfig, parse_run_config
-from fl_app.data import client_split, load_dataset, partition_dataset
-from fl_app.label_noise import noisy_labels
-from fl_app.model_io import build_run_model, load_arrays
-from fl_app.training import round_generator, select_device
+from core.data import client_split, load_dataset, partition_dataset
+from core.label_noise import noisy_labels
+from core.model_io import build_run_model, load_arrays
+from core.training import round_generator, select_device
 from strategies import get_strategy
 from strategies.base import MODEL_RECORD, NEW_CLIENT, NUM_EXAMPLES, is_holdout
 

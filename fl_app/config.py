@@ -179,7 +179,7 @@ _NON_NEGATIVE_FLOATS = ("lr", "momentum", "weight-decay", "proximal-mu", "server
 def validate(config: RunConfig) -> None:
     """Refuse values no run could use, naming the key, the value and what is allowed."""
     # Imported here: the registries import this module's types.
-    from fl_app.data import dataset_info, list_datasets, list_partitioners
+    from core.data import dataset_info, list_datasets, list_partitioners
     from models import list_models
     from strategies import list_strategies
 
@@ -226,14 +226,14 @@ def validate(config: RunConfig) -> None:
     _, num_classes = dataset_info(config.dataset)
     _check(config.classes_per_client <= num_classes, "classes-per-client", config.classes_per_client,
            f"must be at most the number of classes of '{config.dataset}' ({num_classes})")
-    from strategies.alignment import list_costs  # matched/fedma keys (strategies/matched.py, fedma.py)
+    from core.alignment import list_costs  # matched/fedma keys (strategies/matched.py, fedma.py)
     from strategies.matched import MATCH_REFERENCES
 
     _check_choice("match-cost", config.match_cost, list_costs())
     _check_choice("match-reference", config.match_reference, MATCH_REFERENCES)
     _check(config.match_iterations >= 1, "match-iterations", config.match_iterations, "must be an integer >= 1")
     _check(config.retrain_epochs >= 1, "retrain-epochs", config.retrain_epochs, "must be an integer >= 1")
-    from fl_app.label_noise import LABEL_NOISE_KINDS  # superfed, label-noise and ditto keys
+    from core.label_noise import LABEL_NOISE_KINDS  # superfed, label-noise and ditto keys
     from strategies.superfed import SUPERFED_MODES
 
     _check_choice("superfed-mode", config.superfed_mode, SUPERFED_MODES)

@@ -45,7 +45,7 @@ from pathlib import Path
 from flwr.supercore.error import ApiErrorCode
 
 from fl_app.config import RunConfig
-from fl_app.data import DatasetMissingError
+from core.data import DatasetMissingError
 from fl_app.launch import (
     PROJECT_ROOT,
     flower_environment,

@@ -15,10 +15,10 @@ from flwr.serverapp import Grid, ServerApp
 
 from fl_app.checkpoint import Checkpoint, capture, resume_checkpoint, save_checkpoint
 from fl_app.config import ConfigError, RunConfig, parse_run_config
-from fl_app.data import check_dataset_available, load_dataset
-from fl_app.model_io import build_run_model, load_arrays, to_arrays
+from core.data import check_dataset_available, load_dataset
+from core.model_io import build_run_model, load_arrays, to_arrays
 from fl_app.results import RoundRecorder, finish_run, make_run_folder, write_json
-from fl_app.training import evaluate, seed_everything, select_device
+from core.training import evaluate, seed_everything, select_device
 from strategies import get_strategy
 from strategies.base import MetricAggregation, arrays_problem
 

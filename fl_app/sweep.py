@@ -37,7 +37,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from fl_app.client_app import build_client_app
 from fl_app.config import ConfigError, RunConfig, parse_run_config, results_root
-from fl_app.data import DatasetMissingError, check_dataset_available
+from core.data import DatasetMissingError, check_dataset_available
 from fl_app.results import write_json
 from fl_app.server_app import build_server_app
 

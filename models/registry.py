@@ -22,7 +22,7 @@ def register_model(name: str, options: tuple[str, ...] = ()) -> Callable[[ModelB
 
     ``options`` names the keyword arguments the builder takes beyond the three common
     ones (e.g. the Ψ-Net's ``psi_groups``); they are run-config field names, so
-    :func:`fl_app.model_io.build_run_model` can fill them from the run config, and
+    :func:`core.model_io.build_run_model` can fill them from the run config, and
     every option must have a default in the builder.
     """
 

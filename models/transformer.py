@@ -2,7 +2,7 @@
 
 Tokens: an input ``(C, H, W)`` is read as ``H`` tokens of ``C*W`` features each
 (row ``h`` of every channel is token ``h``). For the one-hot token datasets
-(``(1, length, vocabulary)``, see ``majority-tokens`` in :mod:`fl_app.data`) the
+(``(1, length, vocabulary)``, see ``majority-tokens`` in :mod:`core.data`) the
 linear token embedding is exactly an embedding table lookup (plus a shared
 bias); on images it embeds pixel rows, so the model runs on every dataset.
 

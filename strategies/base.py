@@ -20,9 +20,9 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result
 from torch import nn
 
-from fl_app.model_io import to_arrays
-from fl_app.calibration import classification_scores
-from fl_app.training import iterate_batches
+from core.model_io import to_arrays
+from core.calibration import classification_scores
+from core.training import iterate_batches
 
 if TYPE_CHECKING:
     from fl_app.config import RunConfig

@@ -18,7 +18,7 @@ from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
 from torch import nn
 
 from fl_app.config import RunConfig
-from fl_app.model_io import federated_state
+from core.model_io import federated_state
 from strategies.base import LocalUpdate, MetricAggregation, StrategyBase, flower_strategy_kwargs
 from strategies.personal import personal_scores
 from strategies.registry import StrategyEntry, register_strategy

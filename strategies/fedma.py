@@ -21,7 +21,7 @@ rounds"):
 An entry is *completed* at the stage of the last group it touches (a hidden
 layer's weight is complete once both its input and output groups are matched).
 Matching group ``s`` solves one assignment per client with the run's
-``match-cost`` score (:mod:`strategies.alignment`) on the entries whose other
+``match-cost`` score (:mod:`core.alignment`) on the entries whose other
 axes are already aligned (incoming weights, bias, normalisation entries),
 against the global model the cycle started from (``match-reference=global``) or,
 for ``match-iterations`` passes, against the running matched mean
@@ -63,10 +63,10 @@ from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
 from torch import Tensor, nn
 
 from fl_app.config import RunConfig
-from fl_app.data import dataset_info
-from fl_app.model_io import federated_state
+from core.data import dataset_info
+from core.model_io import federated_state
 from models import PermutationSpec, permute_state
-from strategies.alignment import get_cost, solve_group, weighted_average
+from core.alignment import get_cost, solve_group, weighted_average
 from strategies.base import MODEL_RECORD, LocalUpdate, MetricAggregation, StrategyBase, flower_strategy_kwargs
 from strategies.matched import reply_weights, run_permutation_spec
 from strategies.registry import StrategyEntry, register_strategy

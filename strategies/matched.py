@@ -3,7 +3,7 @@
 Clients run FedAvg's local SGD. Before averaging, the server reorders each
 client model's hidden units (every group of the model's permutation spec) to
 best match a reference, solving one assignment problem per group with
-:mod:`strategies.alignment`, then averages weighted by examples
+:mod:`core.alignment`, then averages weighted by examples
 (ALGORITHMS.md §2). PAN encodings never travel, so nothing here knows whether
 PANs are on: the matching reads weights only. With PANs on, moving a unit to
 another position also gives it another encoding, so the reordering is no
@@ -21,7 +21,7 @@ Run-config keys:
 
 ``match-cost``
     ``weight`` (Git Re-Basin weight matching) or ``l1`` (Simple-FedMA), see
-    :mod:`strategies.alignment`.
+    :mod:`core.alignment`.
 ``match-reference``
     ``global``: align onto the global model the clients started from (one pass).
     ``iterative``: the first pass aligns onto the global model, each further
@@ -43,9 +43,9 @@ from flwr.common.logger import log
 from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
 
 from fl_app.config import RunConfig
-from fl_app.data import dataset_info
+from core.data import dataset_info
 from models import Permutable, PermutationSpec, build_model
-from strategies.alignment import matched_average
+from core.alignment import matched_average
 from strategies.base import MODEL_RECORD, LocalUpdate, MetricAggregation, StrategyBase, flower_strategy_kwargs
 from strategies.registry import StrategyEntry, register_strategy
 
@@ -75,7 +75,7 @@ class Matched(StrategyBase, FlowerFedAvg):
     spec : PermutationSpec
         The model's permutation groups (from :func:`run_permutation_spec`).
     cost : str
-        A name from :func:`strategies.alignment.list_costs`.
+        A name from :func:`core.alignment.list_costs`.
     reference : {"global", "iterative"}
         See the module notes.
     iterations : int

@@ -37,7 +37,7 @@ from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
 from torch import nn
 
 from fl_app.config import RunConfig
-from fl_app.model_io import load_arrays, to_arrays
+from core.model_io import load_arrays, to_arrays
 from strategies.base import LocalUpdate, MetricAggregation, StrategyBase, flower_strategy_kwargs
 from strategies.registry import StrategyEntry, register_strategy
 

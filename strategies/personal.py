@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fl_app.calibration import classification_scores
+from core.calibration import classification_scores
 
 
 def personal_scores(global_model: nn.Module, personal_model: nn.Module | None, test_x: torch.Tensor,

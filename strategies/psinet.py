@@ -41,7 +41,7 @@ from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
 from torch import nn
 
 from fl_app.config import ConfigError, RunConfig
-from fl_app.model_io import federated_state
+from core.model_io import federated_state
 from models.psinet import PSI_MODELS, GroupLayout, PsiNet, group_layout, held_groups
 from strategies.base import (
     MODEL_RECORD,

@@ -43,7 +43,7 @@ from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
 from torch import nn
 
 from fl_app.config import RunConfig
-from fl_app.model_io import arrays_mismatch, federated_state
+from core.model_io import arrays_mismatch, federated_state
 from strategies.base import LocalUpdate, MetricAggregation, StrategyBase, arrays_problem, flower_strategy_kwargs
 from strategies.registry import StrategyEntry, register_strategy
 

@@ -42,9 +42,9 @@ from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
 from torch import nn
 from torch.func import functional_call
 
-from fl_app.calibration import classification_scores
+from core.calibration import classification_scores
 from fl_app.config import RunConfig
-from fl_app.training import iterate_batches
+from core.training import iterate_batches
 from strategies.base import LocalUpdate, MetricAggregation, StrategyBase, flower_strategy_kwargs
 from strategies.registry import StrategyEntry, register_strategy
 

@@ -8,7 +8,7 @@ from torch import nn
 
 from models import PanSettings, build_model, invert_permutations, list_models, permute_state, random_permutations
 from models.permutation import permute_axis, unit_view
-from strategies.alignment import (
+from core.alignment import (
     align,
     find_permutations,
     list_costs,

@@ -29,8 +29,8 @@ from fl_app.analysis import (
 from fl_app.analysis.__main__ import SUBCOMMANDS, main
 from fl_app.analysis.shuffle import gaussian_inputs
 from fl_app.config import parse_run_config
-from fl_app.data import load_dataset
-from fl_app.model_io import federated_state
+from core.data import load_dataset
+from core.model_io import federated_state
 from models import PanSettings, PermutationSpec, build_model, list_models
 from models.permutation import inputs_of, outputs_of
 

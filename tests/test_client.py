@@ -8,8 +8,8 @@ from flwr.app import ConfigRecord
 
 from fl_app.client_app import check_pan_agreement, client_data, node_partition
 from fl_app.config import RunConfig
-from fl_app.data import load_dataset
-from fl_app.model_io import build_run_model, load_arrays, to_arrays
+from core.data import load_dataset
+from core.model_io import build_run_model, load_arrays, to_arrays
 
 
 def test_node_partition_is_read_and_checked():

@@ -1,4 +1,4 @@
-"""Tests for fl_app.data: dataset registry and loaders, partitions, client splits.
+"""Tests for core.data: dataset registry and loaders, partitions, client splits.
 
 Everything runs offline: real loaders read tiny files written here in
 torchvision's layouts, and partitioning is tested mostly on scikit-learn's digits.
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from fl_app import data
+from core import data
 
 pytestmark = [
     # pyarrow 25 deprecation raised inside ShardPartitioner's dataset.sort; not ours.

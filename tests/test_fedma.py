@@ -10,7 +10,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
 from fl_app.config import RunConfig
-from fl_app.model_io import federated_state
+from core.model_io import federated_state
 from models import build_model, permute_state, random_permutations
 from strategies import get_strategy
 from strategies.base import MetricAggregation

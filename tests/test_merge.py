@@ -9,7 +9,7 @@ import torch
 
 from fl_app.analysis.__main__ import main
 from fl_app.analysis.merge import merge_accuracies
-from fl_app.data import load_dataset
+from core.data import load_dataset
 from models import build_model, permute_state, random_permutations
 
 

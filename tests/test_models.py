@@ -391,8 +391,8 @@ def test_bad_pan_settings_name_the_field(field, kwargs):
 
 def test_he_init_redraws_every_layer_and_default_keeps_the_builders():
     from fl_app.config import ConfigError, parse_run_config
-    from fl_app.data import load_dataset
-    from fl_app.model_io import build_run_model
+    from core.data import load_dataset
+    from core.model_io import build_run_model
 
     digits = load_dataset("digits")
 

@@ -13,7 +13,7 @@ from flwr.app import ArrayRecord, MetricRecord, RecordDict
 from torch import nn
 
 from fl_app.config import ConfigError, RunConfig, parse_run_config
-from fl_app.model_io import build_run_model, federated_state
+from core.model_io import build_run_model, federated_state
 from models import PanSettings, build_model
 from models.psinet import GroupedNorm, PsiNet, contiguous_class_groups, group_layout, held_groups
 from models.registry import model_options

@@ -15,7 +15,7 @@ from torch import nn
 
 from fl_app.client_app import build_client_app
 from fl_app.config import RunConfig
-from fl_app.model_io import to_arrays
+from core.model_io import to_arrays
 from fl_app.server_app import build_server_app
 from models import build_model
 from strategies import get_strategy

@@ -10,10 +10,10 @@ import torch
 from flwr.app import ConfigRecord, MetricRecord, RecordDict
 from torch import nn
 
-from fl_app.calibration import calibration_errors
+from core.calibration import calibration_errors
 from fl_app.client_app import client_data
 from fl_app.config import ConfigError, RunConfig, parse_run_config
-from fl_app.label_noise import noisy_labels
+from core.label_noise import noisy_labels
 from fl_app.results import RoundRecorder
 from models import build_model
 from strategies import get_strategy
@@ -304,7 +304,7 @@ class _QueryGrid:
 def test_held_out_partitions_are_never_sampled_for_training_but_are_evaluated(monkeypatch, strategy):
     from flwr.supercore.task_identity import TaskIdentity
 
-    from fl_app.model_io import to_arrays
+    from core.model_io import to_arrays
     from strategies.base import MetricAggregation
 
     for name in ("_run_id", "_task_id", "_node_id"):  # Flower stamps messages with the running task's ids
@@ -401,9 +401,9 @@ def test_simulation_keeps_each_local_model_across_rounds_and_reports_personalise
     # partition 1 of 2 is a new client: never trained (above), scored with the global model every round
     assert all(row["new-clients-evaluated"] == 1 and row["clients-evaluated"] == 1 for row in rows[1:])
     assert summary["final-new-client-accuracy"] == rows[-1]["new-client-accuracy"]
-    from fl_app.data import load_dataset
-    from fl_app.model_io import build_run_model
-    from fl_app.training import evaluate
+    from core.data import load_dataset
+    from core.model_io import build_run_model
+    from core.training import evaluate
 
     run_config = parse_run_config(config)
     final = build_run_model(run_config, load_dataset("digits"))

@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from fl_app import training
-from fl_app.training import evaluate, iterate_batches, round_generator, select_device
+from core import training
+from core.training import evaluate, iterate_batches, round_generator, select_device
 
 
 @pytest.fixture

@@ -6,11 +6,11 @@ import pytest
 import torch
 from torch import nn
 
-from fl_app import tokens
-from fl_app.data import load_dataset
+from core import tokens
+from core.data import load_dataset
 from models import PanSettings, PermutationSpec, invert_permutations, permute_state, random_permutations
 from models.transformer import Transformer1, sinusoid_table
-from strategies.alignment import find_permutations, list_costs
+from core.alignment import find_permutations, list_costs
 
 SHAPE = (1, tokens.LENGTH, tokens.VOCABULARY)
 

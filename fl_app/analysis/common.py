@@ -4,8 +4,8 @@ Models come from two sources:
 
 * a **run folder** written by a training run (``<run>/model.pt`` + ``<run>/config.json``),
   or a ``model.pt`` file with the run's ``config.json`` beside it; the network is rebuilt
-  with :func:`fl_app.config.parse_run_config` and :func:`fl_app.model_io.build_run_model`,
-  and its dataset with :func:`fl_app.data.load_dataset`;
+  with :func:`fl_app.config.parse_run_config` and :func:`core.model_io.build_run_model`,
+  and its dataset with :func:`core.data.load_dataset`;
 * a **fresh** model built from ``--model`` / ``--dataset`` with seeded PyTorch default init.
 
 Every check here raises :class:`AnalysisError` naming the bad value and what is allowed,
@@ -28,8 +28,8 @@ import torch
 from torch import Tensor, nn
 
 from fl_app.config import ConfigError, RunConfig, parse_run_config
-from fl_app.data import ImageDataset, list_datasets, load_dataset
-from fl_app.model_io import build_run_model, federated_state
+from core.data import ImageDataset, list_datasets, load_dataset
+from core.model_io import build_run_model, federated_state
 from models import PanSettings, build_model, list_models
 from models.pan import PAN_MODES
 

@@ -10,7 +10,7 @@ accuracy of
 * every client model on its own;
 * ``average``: the coordinate-wise average, weighted by example counts (one-shot FedAvg);
 * ``matched-<cost>``: every model aligned onto client 0 with that cost (see
-  :mod:`strategies.alignment`), then averaged the same way; with
+  :mod:`core.alignment`), then averaged the same way; with
   ``--match-iterations N`` the models are aligned again onto the matched mean,
   ``N`` passes in all;
 * ``ensemble``: the mean of the clients' softmax outputs (K forward passes, an
@@ -42,11 +42,11 @@ from fl_app.analysis.common import (
     write_json,
 )
 from fl_app.config import ConfigError, RunConfig, parse_run_config
-from fl_app.data import ImageDataset, list_datasets, load_dataset, partition_dataset
-from fl_app.model_io import build_run_model
-from fl_app.training import evaluate, iterate_batches, round_generator, select_device
+from core.data import ImageDataset, list_datasets, load_dataset, partition_dataset
+from core.model_io import build_run_model
+from core.training import evaluate, iterate_batches, round_generator, select_device
 from models import Permutable, list_models
-from strategies.alignment import list_costs, matched_average, weighted_average
+from core.alignment import list_costs, matched_average, weighted_average
 from strategies.base import LocalUpdate
 
 INITS = ("same", "different")

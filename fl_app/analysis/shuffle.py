@@ -56,8 +56,8 @@ from fl_app.analysis.common import (
     save_outputs,
 )
 from fl_app.analysis.units import spec_of
-from fl_app.data import dataset_info
-from fl_app.training import evaluate
+from core.data import dataset_info
+from core.training import evaluate
 from models import PanSettings, PermutationSpec, build_model, permute_state
 from models.init import INITS  # how a sweep's shared weights start: their scale decides how add and mul PANs compare
 

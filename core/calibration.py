@@ -13,7 +13,7 @@ import math
 import torch
 from torch import nn
 
-from fl_app.training import iterate_batches
+from core.training import iterate_batches
 
 CALIBRATION_BINS = 15
 

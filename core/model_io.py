@@ -18,7 +18,7 @@ from models.registry import model_options
 
 if TYPE_CHECKING:
     from fl_app.config import RunConfig
-    from fl_app.data import ImageDataset
+    from core.data import ImageDataset
 
 
 def build_run_model(config: RunConfig, dataset: ImageDataset) -> nn.Module:
