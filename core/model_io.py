@@ -6,6 +6,7 @@ PAN encodings are non-persistent buffers and integer counters such as BatchNorm'
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 import torch
@@ -14,21 +15,24 @@ from torch import nn
 
 from models import build_model
 from models.init import INITS
-from models.registry import model_options
 
 if TYPE_CHECKING:
-    from fl_app.config import RunConfig
+    from core.config import RunConfig
     from core.data import ImageDataset
 
 
-def build_run_model(config: RunConfig, dataset: ImageDataset) -> nn.Module:
-    """The run's network for this dataset, with the run's PAN settings, the model's own options
-    (run-config fields named by :func:`models.registry.model_options`, e.g. ``psi_groups``) and the
-    run's weight init (:data:`models.init.INITS`)."""
-    options = {name: getattr(config, name) for name in model_options(config.model)}
-    model = build_model(config.model, dataset.input_shape, dataset.num_classes, config.pan, **options)
+def build_model_for(config: RunConfig, input_shape: tuple[int, int, int], num_classes: int) -> nn.Module:
+    """The run's network for inputs of ``input_shape`` and ``num_classes`` classes, with the run's PAN
+    settings, the model's own options and the run's weight init (:data:`models.init.INITS`)."""
+    options = {f.name: getattr(config.model_options, f.name) for f in dataclasses.fields(config.model_options)}
+    model = build_model(config.model, input_shape, num_classes, config.pan, **options)
     INITS[config.init](model)
     return model
+
+
+def build_run_model(config: RunConfig, dataset: ImageDataset) -> nn.Module:
+    """The run's network for this dataset (:func:`build_model_for`)."""
+    return build_model_for(config, dataset.input_shape, dataset.num_classes)
 
 
 def federated_state(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -2,8 +2,8 @@
 
 After every round the ServerApp writes ``checkpoint.pt`` into the
 run folder: the round number, the run config, the global arrays, the strategy's
-server state (:meth:`strategies.base.StrategyBase.state_dict`), the metrics rows so
-far and the state of the strategy's client-sampling stream (so a resumed run samples
+server state (:meth:`core.rounds.ServerStrategy.state_dict`), the metrics rows so
+far and the state of the round runner's client-sampling stream (so a resumed run samples
 the clients the uninterrupted run would have). It is written to
 a temporary file that then replaces the old one, so a crash leaves the previous
 checkpoint whole.
@@ -25,14 +25,15 @@ from typing import Any
 import torch
 from flwr.app import ArrayRecord
 
-from fl_app.config import ConfigError, RunConfig
-from strategies.base import StrategyBase
+from core.config import RunConfig
+from core.rounds import RoundRunner
+from models.options import ConfigError
 
 CHECKPOINT = "checkpoint.pt"
 FORMAT = 1
 RESUMABLE_CHANGES = frozenset({
     "resume-from", "num-server-rounds", "round-timeout", "device", "min-available-nodes", "results-dir",
-    "run-name", "data-root", "log-divergence",
+    "run-name", "data-root", "log-divergence", "node-wait-timeout",
 })
 """Run-config keys a resumed run may set differently: where and how long it runs, not what it computes
 (``num-server-rounds`` may grow to extend a run; SuPerFed's mixing start, a fraction of it, moves then)."""
@@ -48,14 +49,14 @@ class Checkpoint:
     strategy_state: dict[str, Any]
     recorder_state: dict[str, Any]
     sampling_random: Any
-    """:attr:`strategies.base.StrategyBase.sampling_state`: a ``random.getstate()`` tuple."""
+    """:attr:`core.rounds.RoundRunner.sampling_state`: a ``random.getstate()`` tuple."""
 
 
-def capture(server_round: int, config: RunConfig, arrays: ArrayRecord, strategy: StrategyBase,
+def capture(server_round: int, config: RunConfig, arrays: ArrayRecord, runner: RoundRunner,
             recorder_state: dict[str, Any]) -> Checkpoint:
     """A checkpoint of the server as it is now."""
-    return Checkpoint(server_round, config.to_run_config(), arrays, strategy.state_dict(), recorder_state,
-                      strategy.sampling_state)
+    return Checkpoint(server_round, config.to_run_config(), arrays, runner.strategy.state_dict(), recorder_state,
+                      runner.sampling_state)
 
 
 def save_checkpoint(folder: Path, checkpoint: Checkpoint) -> Path:

@@ -17,13 +17,14 @@ from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from torch import nn
 
-from fl_app.config import RunConfig, parse_run_config
 from core.data import client_split, load_dataset, partition_dataset
 from core.label_noise import noisy_labels
 from core.model_io import build_run_model, load_arrays
+from core.config import RunConfig
+from core.rounds import MODEL_RECORD, NEW_CLIENT, NUM_EXAMPLES, is_holdout
 from core.training import round_generator, select_device
+from fl_app.config import parse_run_config
 from strategies import get_strategy
-from strategies.base import MODEL_RECORD, NEW_CLIENT, NUM_EXAMPLES, is_holdout
 
 
 @dataclass(frozen=True)
@@ -124,7 +125,7 @@ def build_client_app(overrides: Mapping[str, Any] | None = None) -> ClientApp:
         server_round = int(message.content["config"]["server-round"])
         generator = round_generator(config.seed, server_round, partition_id)
         torch.manual_seed(int(torch.randint(0, 2**62, (1,), generator=generator)))
-        update = get_strategy(config.strategy).client_update(config, context, message.content)
+        update = get_strategy(config.strategy).client(config, context, message.content)
         metrics = update.train(model, data.train_x, data.train_y, generator, device)
         reply = RecordDict({
             MODEL_RECORD: update.model_record(model),
@@ -137,7 +138,7 @@ def build_client_app(overrides: Mapping[str, Any] | None = None) -> ClientApp:
     def evaluate_local(message: Message, context: Context) -> Message:
         config, partition_id, data, model, device = _receive(message, context, overrides)
         new_client = is_holdout(partition_id, int(context.node_config["num-partitions"]), config.holdout_clients)
-        update = get_strategy(config.strategy).client_update(config, context, message.content)
+        update = get_strategy(config.strategy).client(config, context, message.content)
         # Every reply has the same keys (Flower aggregates only those); a new client's ``local-*`` scores
         # are the global model's, which is all the server reads from it (its personal scores, if any, are of
         # a model that never trained).

@@ -21,9 +21,9 @@ from flwr.app import ArrayRecord, MetricRecord, RecordDict
 from flwr.common.logger import log
 from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 
-from fl_app.analysis.divergence import divergence_by_layer, weight_divergence
-from fl_app.config import RunConfig, results_root
-from strategies.base import MODEL_RECORD, NEW_CLIENT, Participation
+from core.divergence import divergence_by_layer, weight_divergence
+from core.config import RunConfig, results_root
+from core.rounds import MODEL_RECORD, NEW_CLIENT, Participation
 
 GlobalEvaluation = Callable[[ArrayRecord], tuple[float, float]]
 
@@ -99,8 +99,8 @@ def _layer_divergence(records: list[RecordDict], weight_key: str) -> dict[str, f
 class RoundRecorder:
     """Collects each round's client and server metrics and writes them as one JSON line.
 
-    Flower calls, per round: the train aggregation, the evaluate aggregation, then
-    ``evaluate_fn`` (server-side evaluation), which is where the line is written.
+    The round runner calls, per round: the train aggregation, the evaluate aggregation, then
+    ``evaluate`` (server-side evaluation), which is where the line is written.
     """
 
     folder: Path
@@ -161,8 +161,12 @@ class RoundRecorder:
         return MetricRecord({"accuracy": accuracy, "loss": loss})
 
     def record_participation(self, server_round: int, participation: Participation) -> None:
-        """The strategy's ``participation_fn``: who was sampled, aggregated and dropped, for this round's line."""
+        """Who was sampled, aggregated and dropped, for this round's line."""
         self._pending.update(participation.metrics())
+
+    def record_round(self, server_round: int, metrics: dict[str, Any]) -> None:
+        """What the strategy reports of its own round (e.g. how many units a matching moved)."""
+        self._pending.update(metrics)
 
     def state(self) -> dict[str, Any]:
         """What a checkpoint keeps of the recorder: the rows so far, the extra keys, the elapsed time."""

@@ -1,34 +1,27 @@
-"""The ServerApp: validates the run config, then runs the chosen strategy with server-side evaluation,
-checkpointing every round (and resuming from a checkpoint with ``resume-from``)."""
+"""The ServerApp: validates the run config, builds the model and the algorithm's server side from it, then runs
+the rounds with server-side evaluation, checkpointing every round (and resuming from a checkpoint with
+``resume-from``)."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping
 from logging import INFO
 from pathlib import Path
 from typing import Any
 
-from flwr.app import ArrayRecord, ConfigRecord, Context
+from flwr.app import ArrayRecord, Context
 from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 
-from fl_app.checkpoint import Checkpoint, capture, resume_checkpoint, save_checkpoint
-from fl_app.config import ConfigError, RunConfig, parse_run_config
+from core.config import RunConfig
 from core.data import check_dataset_available, load_dataset
-from core.model_io import build_run_model, load_arrays, to_arrays
-from fl_app.results import RoundRecorder, finish_run, make_run_folder, write_json
+from core.model_io import build_run_model, load_arrays
+from core.rounds import MetricAggregation, RoundRunner, arrays_problem
 from core.training import evaluate, seed_everything, select_device
+from fl_app.checkpoint import Checkpoint, capture, resume_checkpoint, save_checkpoint
+from fl_app.config import ConfigError, build_context, parse_run_config
+from fl_app.results import RoundRecorder, finish_run, make_run_folder, write_json
 from strategies import get_strategy
-from strategies.base import MetricAggregation, arrays_problem
-
-
-def wait_for_nodes(grid: Grid, count: int) -> None:
-    """Block until ``count`` nodes are connected: Flower sizes each round's sample from the nodes
-    connected at that moment, so starting early would shrink the first rounds."""
-    while (connected := len(list(grid.get_node_ids()))) < count:
-        log(INFO, "[alignfl] waiting for nodes: %d connected, min-available-nodes=%d", connected, count)
-        time.sleep(1.0)
 
 
 def _run_folder(config: RunConfig, checkpoint: Checkpoint | None) -> Path:
@@ -52,13 +45,14 @@ def run_experiment(grid: Grid, config: RunConfig) -> dict[str, Any]:
     every round and write the run folder; returns the summary."""
     root = config.data_root or None
     check_dataset_available(config.dataset, root)
-    entry = get_strategy(config.strategy)
     checkpoint = resume_checkpoint(config) if config.resume_from else None
     seed_everything(config.seed)
     device = select_device(config.device)
     dataset = load_dataset(config.dataset, root)
     model = build_run_model(config, dataset).to(device)
-    initial_arrays = _initial_arrays(to_arrays(model), checkpoint)
+    context = build_context(config, model)
+    strategy = get_strategy(config.strategy).server(context)
+    initial_arrays = _initial_arrays(context.initial_arrays, checkpoint)
 
     folder = _run_folder(config, checkpoint)
     write_json(folder / "config.json", config.to_run_config())
@@ -70,26 +64,21 @@ def run_experiment(grid: Grid, config: RunConfig) -> dict[str, Any]:
         return evaluate(model, dataset.test_x, dataset.test_y, device)
 
     recorder = RoundRecorder(folder, evaluate_global, log_divergence=config.log_divergence)
-    strategy = entry.build_server(config, MetricAggregation(recorder.aggregate_train, recorder.aggregate_evaluate,
-                                                            recorder.record_participation))
+    runner = RoundRunner(strategy, grid, MetricAggregation(recorder.aggregate_train, recorder.aggregate_evaluate,
+                                                           recorder.record_participation, recorder.record_round))
     if checkpoint is not None:
         recorder.restore(checkpoint.recorder_state)
         strategy.load_state_dict(checkpoint.strategy_state)
-        strategy.sampling_state = checkpoint.sampling_random
-    wait_for_nodes(grid, config.min_available_nodes)
+        runner.sampling_state = checkpoint.sampling_random
 
     def end_round(server_round: int, arrays: ArrayRecord) -> None:
-        save_checkpoint(folder, capture(server_round, config, arrays, strategy, recorder.state()))
+        save_checkpoint(folder, capture(server_round, config, arrays, runner, recorder.state()))
 
-    result = strategy.start(grid, initial_arrays, num_rounds=config.num_server_rounds, timeout=config.round_timeout,
-                            train_config=ConfigRecord(config.pan_signature()),
-                            evaluate_config=ConfigRecord(config.pan_signature()),
-                            evaluate_fn=recorder.evaluate,
-                            first_round=checkpoint.round + 1 if checkpoint is not None else 1,
-                            on_round_end=end_round)
+    final = runner.run(initial_arrays, first_round=checkpoint.round + 1 if checkpoint is not None else 1,
+                       evaluate_fn=recorder.evaluate, on_round_end=end_round)
     if not any(row.get("clients-trained") for row in recorder.rows if row["round"] > 0):
         raise RuntimeError(f"no round produced a usable client update; see the log and {folder / 'metrics.jsonl'}")
-    summary = finish_run(folder, recorder, result.arrays,
+    summary = finish_run(folder, recorder, final,
                          f"{config.strategy} · {config.model} · {config.dataset} ({config.partitioner})")
     log(INFO, "[alignfl] finished: final accuracy %.4f, best %.4f; results in %s",
         summary["final-accuracy"], summary["best-accuracy"], folder)

@@ -41,8 +41,6 @@ NORMS: dict[str, Callable[[int], nn.Module]] = {
     "gn": lambda width: nn.GroupNorm(1, width),
 }
 """Normalisation after each conv, by name: ``width -> module``."""
-WIDTH_OPTION = "width_factor"
-"""Model option (run-config key ``width-factor``) scaling every hidden layer's width."""
 
 
 def conv_plan(config: Sequence[int | str]) -> list[tuple[int, bool]]:

@@ -45,17 +45,24 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from models.cnn import WIDTH_OPTION, ConvStack, conv_plan, pooling_plan, scale_widths
+from models.cnn import ConvStack, conv_plan, pooling_plan, scale_widths
+from models.options import WidthOptions, option
 from models.pan import PanSettings, PositionEncoding
 from models.permutation import AxisRef, PermutationSpec, batchnorm_of, inputs_of, outputs_of
 from models.registry import InputShape, register_model
 from models.vgg import VGG9_CONFIG, VGG9_HIDDEN, VGG11_CONFIG
 
-DEFAULT_GROUPS = 0
-"""``psi-groups`` default: one group per class."""
-DEFAULT_DEPTH = 2
-"""``psi-depth`` default: the first two convs shared (VGG's 32/64-channel low-level layers)."""
-PSI_OPTIONS = ("psi_groups", "psi_depth", WIDTH_OPTION)
+
+
+@dataclass(frozen=True)
+class PsiOptions(WidthOptions):
+    """A Ψ-Net's grouping (its depth's upper bound depends on the net and is checked when it is built)."""
+
+    psi_groups: int = option(0, "class groups of the Psi-Net (0: one group per class)", lambda v: v >= 0,
+                             "must be an integer >= 0 (0: one group per class)")
+    psi_depth: int = option(2, "hidden layers shared by every group (the first two convs: VGG's low-level layers)",
+                            lambda v: v >= 0, "must be an integer >= 0")
+
 PSI_MODELS = ("psi-vgg9", "psi-vgg11")
 """Models whose state follows the ``groups.{g}.`` convention (what the ``psinet`` strategy needs)."""
 _GROUP_KEY = re.compile(r"(?:^|\.)groups\.(\d+)\.")
@@ -292,17 +299,17 @@ class PsiNet(ConvStack):
         return PermutationSpec(spec)
 
 
-@register_model("psi-vgg9", options=PSI_OPTIONS)
-def psi_vgg9(input_shape: InputShape, num_classes: int, pan: PanSettings, psi_groups: int = DEFAULT_GROUPS,
-             psi_depth: int = DEFAULT_DEPTH, width_factor: float = 1.0) -> PsiNet:
+@register_model("psi-vgg9", options=PsiOptions)
+def psi_vgg9(input_shape: InputShape, num_classes: int, pan: PanSettings, psi_groups: int,
+             psi_depth: int, width_factor: float) -> PsiNet:
     """VGG-9 (convs 32, 64, M, 128, 128, M, 256, 256, M; FC 512, 512, each times ``width_factor``) in Ψ-Net form."""
     config, hidden = scale_widths(VGG9_CONFIG, width_factor), scale_widths(VGG9_HIDDEN, width_factor)
     return PsiNet(input_shape, num_classes, config, hidden, 3, pan, psi_groups, psi_depth)
 
 
-@register_model("psi-vgg11", options=PSI_OPTIONS)
-def psi_vgg11(input_shape: InputShape, num_classes: int, pan: PanSettings, psi_groups: int = DEFAULT_GROUPS,
-              psi_depth: int = DEFAULT_DEPTH, width_factor: float = 1.0) -> PsiNet:
+@register_model("psi-vgg11", options=PsiOptions)
+def psi_vgg11(input_shape: InputShape, num_classes: int, pan: PanSettings, psi_groups: int,
+              psi_depth: int, width_factor: float) -> PsiNet:
     """VGG-11 convs (times ``width_factor``) with a single classifier (heads) in Ψ-Net form."""
     return PsiNet(input_shape, num_classes, scale_widths(VGG11_CONFIG, width_factor), (), 3, pan, psi_groups,
                   psi_depth)

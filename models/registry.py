@@ -2,45 +2,51 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from numbers import Integral
 from typing import Any
 
 from torch import nn
 
+from models.options import NoOptions, check_settings
 from models.pan import PanSettings
 
 InputShape = tuple[int, int, int]
 ModelBuilder = Callable[..., nn.Module]
 
 _MODELS: dict[str, ModelBuilder] = {}
-_OPTIONS: dict[str, tuple[str, ...]] = {}
+_OPTIONS: dict[str, type] = {}
 
 
-def register_model(name: str, options: tuple[str, ...] = ()) -> Callable[[ModelBuilder], ModelBuilder]:
+def register_model(name: str, options: type = NoOptions) -> Callable[[ModelBuilder], ModelBuilder]:
     """Decorator registering ``builder(input_shape, num_classes, pan, **options) -> nn.Module`` under ``name``.
 
-    ``options`` names the keyword arguments the builder takes beyond the three common
-    ones (e.g. the Ψ-Net's ``psi_groups``); they are run-config field names, so
-    :func:`core.model_io.build_run_model` can fill them from the run config, and
-    every option must have a default in the builder.
+    ``options`` is the model's settings class (:mod:`models.options`): its fields are the keyword
+    arguments the builder takes beyond the three common ones, their defaults and checks, and
+    (hyphenated) the run-config keys that set them.
     """
 
     def decorate(builder: ModelBuilder) -> ModelBuilder:
         if name in _MODELS:
             raise ValueError(f"model name {name!r} is already registered")
         _MODELS[name] = builder
-        _OPTIONS[name] = tuple(options)
+        _OPTIONS[name] = options
         return builder
 
     return decorate
 
 
-def model_options(name: str) -> tuple[str, ...]:
-    """The extra keyword options the model ``name`` accepts (empty for most models)."""
+def model_options(name: str) -> type:
+    """The settings class of the model ``name`` (:class:`models.options.NoOptions` for most models)."""
     if name not in _MODELS:
         raise ValueError(f"unknown model {name!r}; allowed: {list_models()}")
-    return _OPTIONS.get(name, ())
+    return _OPTIONS[name]
+
+
+def option_names(name: str) -> tuple[str, ...]:
+    """The builder's keyword options of the model ``name``."""
+    return tuple(f.name for f in dataclasses.fields(model_options(name)))
 
 
 def list_models() -> list[str]:
@@ -75,13 +81,16 @@ def build_model(
     """
     if name not in _MODELS:
         raise ValueError(f"unknown model {name!r}; allowed: {list_models()}")
-    unknown = sorted(set(options) - set(model_options(name)))
+    unknown = sorted(set(options) - set(option_names(name)))
     if unknown:
-        raise ValueError(f"model {name!r} takes no option(s) {unknown}; allowed: {list(model_options(name))}")
+        raise ValueError(f"model {name!r} takes no option(s) {unknown}; allowed: {list(option_names(name))}")
+    settings = model_options(name)(**options)
+    check_settings(settings)
     shape = _check_input_shape(input_shape)
     if not _is_int(num_classes) or num_classes < 2:
         raise ValueError(f"num_classes must be an int >= 2, got {num_classes!r}")
-    return _MODELS[name](shape, int(num_classes), pan if pan is not None else PanSettings(), **options)
+    values = {f.name: getattr(settings, f.name) for f in dataclasses.fields(settings)}
+    return _MODELS[name](shape, int(num_classes), pan if pan is not None else PanSettings(), **values)
 
 
 def _check_input_shape(input_shape: tuple[int, int, int]) -> InputShape:

@@ -10,25 +10,29 @@ epochs on CE(v) + (ditto-lambda / 2)·‖v − w‖², with w the *received* glo
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from flwr.app import ArrayRecord, RecordDict
-from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
 from torch import nn
 
-from fl_app.config import RunConfig
+from core.config import RunConfig
 from core.model_io import federated_state
-from strategies.base import LocalUpdate, MetricAggregation, StrategyBase, flower_strategy_kwargs
+from core.rounds import ServerStrategy
+from models.options import non_negative, option
+from strategies.base import LocalUpdate
 from strategies.personal import personal_scores
-from strategies.registry import StrategyEntry, register_strategy
+from strategies.registry import Algorithm, register_strategy
 
 PERSONAL_MODEL = "ditto-personal"
 """``context.state`` ArrayRecord: the personal model's floating-point state."""
 
 
-class Ditto(StrategyBase, FlowerFedAvg):
-    """The server is FedAvg over the clients' global-model updates."""
+@dataclass(frozen=True)
+class DittoSettings:
+    ditto_lambda: float = option(0.1, "pull of each personal model towards the global one", non_negative,
+                                 "must be a finite number >= 0")
 
 
 class _PersonalStep(LocalUpdate):
@@ -40,7 +44,7 @@ class _PersonalStep(LocalUpdate):
 
     def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         pull = sum((p - a).pow(2).sum() for p, a in zip(model.parameters(), self.anchor))
-        return super().loss(model, x, y) + 0.5 * self.config.ditto_lambda * pull
+        return super().loss(model, x, y) + 0.5 * self.settings.ditto_lambda * pull
 
 
 def stored_personal(context: Any, model: nn.Module) -> nn.Module | None:
@@ -73,9 +77,5 @@ class DittoUpdate(LocalUpdate):
         return personal_scores(model, stored_personal(self.context, model), test_x, test_y, device)
 
 
-def build_server(config: RunConfig, metrics: MetricAggregation) -> Ditto:
-    return Ditto(**flower_strategy_kwargs(config, metrics))
-
-
-register_strategy(StrategyEntry("ditto", build_server, DittoUpdate,
-                                "Ditto: FedAvg plus a personal model pulled towards the global one (ditto-lambda)"))
+register_strategy(Algorithm("ditto", ServerStrategy, DittoUpdate, "Ditto: FedAvg plus a personal model pulled "
+                            "towards the global one (ditto-lambda)", DittoSettings))

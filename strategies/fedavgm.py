@@ -3,48 +3,62 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
-from flwr.app import ArrayRecord
-from flwr.serverapp.strategy import FedAvgM as FlowerFedAvgM
+from flwr.app import Array, ArrayRecord
 
-from fl_app.config import RunConfig
-from strategies.base import LocalUpdate, MetricAggregation, StrategyBase, flower_strategy_kwargs
-from strategies.registry import StrategyEntry, register_strategy
+from core.rounds import Reply, RunContext, ServerStrategy, weighted_mean
+from models.options import non_negative, option
+from strategies.base import LocalUpdate
+from strategies.registry import Algorithm, register_strategy
 
 
-class FedAvgM(StrategyBase, FlowerFedAvgM):
-    """Flower's FedAvgM (server-lr, server-momentum) with malformed replies dropped.
+@dataclass(frozen=True)
+class ServerStepSettings:
+    """The server's step towards the clients' average (shared by FedAvgM and SCAFFOLD)."""
 
-    Its server state is Flower's: the model the next pseudo-gradient is taken from
-    (``current_arrays``) and the momentum buffer, one array per model entry in key order.
-    """
+    server_lr: float = option(1.0, "step size of the server's update of the global model", non_negative,
+                              "must be a finite number >= 0")
 
-    state_keys = frozenset({"current-arrays", "momentum"})
+
+@dataclass(frozen=True)
+class FedAvgMSettings(ServerStepSettings):
+    server_momentum: float = option(0.9, "momentum of the server's update", lambda v: 0 <= v < 1,
+                                    "must lie in [0, 1)")
+
+
+class FedAvgM(ServerStrategy):
+    """x ← x − server-lr · m, m ← β·m + (x − mean of the clients' models) (Flower's FedAvgM arithmetic; no
+    step when server-lr is 1 and β is 0). The momentum buffer is the server state."""
+
+    state_keys = frozenset({"momentum"})
+
+    def __init__(self, context: RunContext) -> None:
+        super().__init__(context)
+        self.momentum: dict[str, np.ndarray] | None = None
+
+    def aggregate(self, server_round: int, replies: list[Reply], reference: ArrayRecord) -> ArrayRecord | None:
+        average = weighted_mean(replies)
+        lr, beta = self.settings.server_lr, self.settings.server_momentum
+        if lr == 1.0 and beta == 0.0:
+            return average
+        step = {key: reference[key].numpy() - average[key].numpy() for key in average}
+        if beta > 0.0:
+            self.momentum = step if self.momentum is None else {k: beta * self.momentum[k] + step[k] for k in step}
+            step = self.momentum
+        return ArrayRecord({key: Array(np.asarray(reference[key].numpy() - lr * step[key])) for key in average})
 
     def state_dict(self) -> dict[str, Any]:
-        if self.current_arrays is None:
-            return {}
-        keys = list(self.current_arrays.keys())
-        state: dict[str, Any] = {"current-arrays": self.current_arrays.to_torch_state_dict()}
-        if self.momentum_vector is not None:
-            state["momentum"] = {key: torch.from_numpy(value) for key, value in zip(keys, self.momentum_vector,
-                                                                                      strict=True)}
-        return state
+        return {} if self.momentum is None else {"momentum": {k: torch.from_numpy(v) for k, v in self.momentum.items()}}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.check_state(state)
-        self.current_arrays = ArrayRecord(dict(state["current-arrays"])) if "current-arrays" in state else None
         momentum = state.get("momentum")
-        keys = list(self.current_arrays.keys()) if self.current_arrays is not None else []
-        self.momentum_vector = [momentum[key].numpy() for key in keys] if momentum is not None else None
+        self.momentum = None if momentum is None else {k: v.numpy() for k, v in momentum.items()}
 
 
-def build_server(config: RunConfig, metrics: MetricAggregation) -> FedAvgM:
-    return FedAvgM(server_learning_rate=config.server_lr, server_momentum=config.server_momentum,
-                   **flower_strategy_kwargs(config, metrics))
-
-
-register_strategy(StrategyEntry("fedavgm", build_server, LocalUpdate,
-                                "FedAvg with server momentum (server-lr, server-momentum)"))
+register_strategy(Algorithm("fedavgm", FedAvgM, LocalUpdate,
+                            "FedAvg with server momentum (server-lr, server-momentum)", FedAvgMSettings))

@@ -13,8 +13,8 @@ rounds"):
   units of the groups matched so far reordered to the global order; it freezes
   those entries, retrains the rest for ``retrain-epochs``, and the server
   matches group ``s``;
-* stage ``G``: clients freeze everything but the output layer (``classifier.*``,
-  the name every registered model uses) and retrain it for ``retrain-epochs``;
+* stage ``G``: clients freeze everything but the output layer (the model's head,
+  :func:`models.protocol.head_of`) and retrain it for ``retrain-epochs``;
   the server averages it *per class*, row ``c`` weighted by each client's
   number of examples of class ``c`` (clients send their class counts).
 
@@ -51,38 +51,42 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from logging import INFO, WARNING
 from typing import Any
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 from flwr.common.logger import log
-from flwr.serverapp import Grid
-from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
 from torch import Tensor, nn
 
-from fl_app.config import RunConfig
-from core.data import dataset_info
-from core.model_io import federated_state
-from models import PermutationSpec, permute_state
 from core.alignment import get_cost, solve_group, weighted_average
-from strategies.base import MODEL_RECORD, LocalUpdate, MetricAggregation, StrategyBase, flower_strategy_kwargs
-from strategies.matched import reply_weights, run_permutation_spec
-from strategies.registry import StrategyEntry, register_strategy
+from core.model_io import federated_state
+from core.rounds import CONFIG_RECORD, MODEL_RECORD, NodeDirectory, Reply, RunContext, ServerStrategy
+from models import PermutationSpec, permute_state
+from models.options import option
+from models.protocol import head_of
+from strategies.base import LocalUpdate
+from strategies.matched import MatchSettings, permutation_spec
+from strategies.registry import Algorithm, register_strategy
 
-OUTPUT_LAYER = "classifier."
 STAGE = "fedma-stage"
 CLASS_COUNTS = "class-counts"
 """The extra reply record: ``{"counts": int64 tensor of length num_classes}``."""
 
 
-def completion_plan(spec: PermutationSpec, keys: Iterable[str]) -> list[frozenset[str]]:
+@dataclass(frozen=True)
+class FedMASettings(MatchSettings):
+    retrain_epochs: int = option(1, "local epochs after each layer is matched", lambda v: v >= 1,
+                                 "must be an integer >= 1")
+
+
+def completion_plan(spec: PermutationSpec, keys: Iterable[str], head: Collection[str]) -> list[frozenset[str]]:
     """The entries completed at each stage ``0 .. G``.
 
-    Stage ``s < G``: entries outside the output layer whose groups all lie among
-    the first ``s + 1``. Stage ``G``: the rest (the output layer and any entry
-    no group touches).
+    Stage ``s < G``: entries outside the output layer ``head`` whose groups all lie among the first ``s + 1``.
+    Stage ``G``: the rest (the output layer and any entry no group touches).
     """
     groups = list(spec.groups)
     touched = {key: {name for name, _ in refs} for key, refs in spec.axes_by_key().items()}
@@ -90,16 +94,16 @@ def completion_plan(spec: PermutationSpec, keys: Iterable[str]) -> list[frozense
     plan = []
     for stage in range(len(groups)):
         matched = set(groups[: stage + 1])
-        done = {k for k in remaining if not k.startswith(OUTPUT_LAYER) and k in touched and touched[k] <= matched}
+        done = {k for k in remaining if k not in head and k in touched and touched[k] <= matched}
         plan.append(frozenset(done))
         remaining -= done
     plan.append(frozenset(remaining))
     return plan
 
 
-def frozen_at(spec: PermutationSpec, keys: Iterable[str], stage: int) -> set[str]:
+def frozen_at(spec: PermutationSpec, keys: Iterable[str], head: Collection[str], stage: int) -> set[str]:
     """The entries a client must leave unchanged while training at ``stage``."""
-    return set().union(*completion_plan(spec, keys)[:stage])
+    return set().union(*completion_plan(spec, keys, head)[:stage])
 
 
 def per_class_average(
@@ -125,80 +129,62 @@ def per_class_average(
     return averaged
 
 
-class FedMA(StrategyBase, FlowerFedAvg):
-    """The layer-wise FedMA schedule (see the module notes); one stage per server round.
-
-    Parameters
-    ----------
-    spec : PermutationSpec
-        The model's permutation groups; their order is the matching order.
-    cost : str
-        Name of the alignment cost whose score matches one group.
-    passes : int
-        1 to match onto the cycle's starting global model; more to iterate
-        against the running matched mean.
-    num_classes : int
-        Length of the class counts clients send.
-    **kwargs
-        Flower FedAvg's arguments.
-    """
+class FedMA(ServerStrategy):
+    """The layer-wise FedMA schedule (see the module notes); one stage per server round."""
 
     extra_reply_arrays = (CLASS_COUNTS,)
     state_keys = frozenset({"stage", "cycle-start", "client-models"})
 
-    def __init__(self, spec: PermutationSpec, cost: str, passes: int, num_classes: int, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.spec = spec
-        self.score = get_cost(cost).score
-        self.cost = cost
-        self.passes = passes
-        self.num_classes = num_classes
-        self.groups = list(spec.groups)
+    def __init__(self, context: RunContext) -> None:
+        super().__init__(context)
+        self.spec = permutation_spec(context, "fedma")
+        self.head = frozenset(context.head.keys)
+        self.num_classes = context.head.num_classes
+        self.score = get_cost(self.settings.match_cost).score
+        self.groups = list(self.spec.groups)
         self.stage = 0
         self.cycle_start: dict[str, Tensor] = {}
         self.client_models: dict[int, dict[str, Tensor]] = {}  # node id → its aligned model, this cycle
+        self.client_partitions: dict[int, int | None] = {}  # node id → its partition, this cycle
         self._restored_models: dict[int, dict[str, Tensor]] = {}  # partition id → model, from a checkpoint
 
-    def summary(self) -> None:
-        log(INFO, "\t├──> FedMA: %d groups + output layer per cycle, cost '%s', %d pass(es)",
-            len(self.groups), self.cost, self.passes)
-        super().summary()
+    def describe(self) -> str:
+        return (f"FedMA: {len(self.groups)} groups + output layer per cycle, cost '{self.settings.match_cost}', "
+                f"{self.settings.passes} pass(es)")
 
-    def configure_train(
-        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
-    ) -> Iterable[Message]:
+    def plan_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                   sample: Callable[[], list[int]], nodes: NodeDirectory) -> dict[int, RecordDict]:
         config[STAGE] = self.stage
         if self.stage == 0:
             self.cycle_start = arrays.to_torch_state_dict()
-            return super().configure_train(server_round, arrays, config, grid)
+            return super().plan_train(server_round, arrays, config, sample, nodes)
         # Later stages go to the cycle's clients only, each with its own partly matched model.
-        self._reference = arrays
-        config["server-round"] = server_round
-        self._place_restored_models(grid)
-        return [Message(RecordDict({MODEL_RECORD: ArrayRecord(state), "config": config}),
-                        dst_node_id=node, message_type=MessageType.TRAIN)
-                for node, state in self.client_models.items()]
+        self._place_restored_models(nodes)
+        return {node: RecordDict({MODEL_RECORD: ArrayRecord(state), CONFIG_RECORD: config})
+                for node, state in self.client_models.items()}
 
-    def _place_restored_models(self, grid: Grid) -> None:
+    def _place_restored_models(self, nodes: NodeDirectory) -> None:
         """After a resume, give the cycle's client models (kept by partition) to the nodes now holding those
         partitions; a partition no connected node holds leaves the cycle, as a client that fails would."""
         if not self._restored_models:
             return
-        nodes = self.nodes_by_partition(grid)
-        missing = sorted(set(self._restored_models) - set(nodes))
+        by_partition = nodes.by_partition()
+        missing = sorted(set(self._restored_models) - set(by_partition))
         if missing:
             log(WARNING, "FedMA resumes stage %d without partitions %s: no connected node holds them",
                 self.stage, missing)
-        self.client_models = {nodes[p]: state for p, state in self._restored_models.items() if p in nodes}
+        self.client_models = {by_partition[p]: state for p, state in self._restored_models.items()
+                              if p in by_partition}
+        self.client_partitions = {by_partition[p]: p for p in self._restored_models if p in by_partition}
         self._restored_models = {}
 
     def state_dict(self) -> dict[str, Any]:
         """The cycle's stage, its starting global model and each client's aligned model (by partition id)."""
-        unnamed = [node for node in self.client_models if node not in self.node_partitions]
+        unnamed = [node for node in self.client_models if self.client_partitions.get(node) is None]
         if unnamed:
             log(WARNING, "FedMA checkpoint leaves out nodes %s: their partition is unknown", unnamed)
         return {"stage": self.stage, "cycle-start": dict(self.cycle_start),
-                "client-models": {**{self.node_partitions[node]: dict(state)
+                "client-models": {**{self.client_partitions[node]: dict(state)
                                      for node, state in self.client_models.items() if node not in unnamed},
                                   **self._restored_models}}
 
@@ -211,8 +197,8 @@ class FedMA(StrategyBase, FlowerFedAvg):
         self.client_models = {}
         self._restored_models = {int(p): dict(models) for p, models in state["client-models"].items()}
 
-    def reply_problem(self, content: RecordDict) -> str | None:
-        problem = super().reply_problem(content)
+    def reply_problem(self, content: RecordDict, reference: ArrayRecord) -> str | None:
+        problem = super().reply_problem(content, reference)
         if problem is not None:
             return problem
         counts = content[CLASS_COUNTS].get("counts")
@@ -220,46 +206,41 @@ class FedMA(StrategyBase, FlowerFedAvg):
             return f"'{CLASS_COUNTS}' must hold 'counts': {self.num_classes} non-negative class counts"
         return None
 
-    def aggregate_models(
-        self, server_round: int, usable: list[Message]
-    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        # Flower's FedAvg logs the replies and folds their metrics; its plain average is replaced.
-        arrays, metrics = super().aggregate_models(server_round, usable)
-        if arrays is None:
-            self.stage, self.client_models = 0, {}  # a stage without replies ends the cycle
-            return arrays, metrics
-        replies = [m for m in usable if not m.has_error()]
-        nodes = [self.replier(m) for m in replies]
-        states = [m.content[MODEL_RECORD].to_torch_state_dict() for m in replies]
-        weights = reply_weights(replies, self.weighted_by_key)
-        plan = completion_plan(self.spec, states[0])
+    def on_empty_round(self, server_round: int) -> None:
+        """A stage without usable replies ends the cycle."""
+        self.stage, self.client_models = 0, {}
+
+    def aggregate(self, server_round: int, replies: list[Reply], reference: ArrayRecord) -> ArrayRecord | None:
+        states = [reply.arrays.to_torch_state_dict() for reply in replies]
+        weights = [reply.examples for reply in replies]
+        plan = completion_plan(self.spec, states[0], self.head)
         started = time.perf_counter()
         if self.stage < len(self.groups):
-            merged = self._match_stage(nodes, states, weights, plan[self.stage])
+            merged = self._match_stage(replies, states, weights, plan[self.stage])
             self.stage += 1
         else:
-            counts = torch.stack([torch.from_numpy(m.content[CLASS_COUNTS]["counts"].numpy()) for m in replies])
+            counts = torch.stack([torch.from_numpy(r.content[CLASS_COUNTS]["counts"].numpy()) for r in replies])
             merged = {**states[0], **per_class_average(states, counts, weights, plan[-1])}
             self.stage, self.client_models = 0, {}
         log(INFO, "round %d: FedMA stage %s done for %d clients in %.2f s", server_round,
             self.groups[self.stage - 1] if self.stage else "output layer", len(replies), time.perf_counter() - started)
-        return ArrayRecord(merged), metrics
+        return ArrayRecord(merged)
 
-    def _match_stage(
-        self, nodes: list[int], states: list[dict[str, Tensor]], weights: list[float], completed: frozenset[str]
-    ) -> dict[str, Tensor]:
+    def _match_stage(self, replies: list[Reply], states: list[dict[str, Tensor]], weights: list[float],
+                     completed: frozenset[str]) -> dict[str, Tensor]:
         """Match the current group, keep each client's aligned model for the next stage, return the global."""
         group = self.groups[self.stage]
         sizes = self.spec.group_sizes(self.cycle_start)
         solved = {name: torch.arange(sizes[name]) for name in self.groups[: self.stage]}  # already in global order
         target: Mapping[str, Tensor] = self.cycle_start
-        for _ in range(self.passes):
+        for _ in range(self.settings.passes):
             aligned = [permute_state(self.spec, state, {group: solve_group(target, state, self.spec, group, solved,
                                                                            self.score)})
                        for state in states]
             target = weighted_average(aligned, weights)
-        self.client_models = {node: {**state, **{key: target[key] for key in completed}}
-                              for node, state in zip(nodes, aligned)}
+        self.client_models = {reply.node: {**state, **{key: target[key] for key in completed}}
+                              for reply, state in zip(replies, aligned)}
+        self.client_partitions = {reply.node: reply.partition for reply in replies}
         return dict(target)
 
 
@@ -271,10 +252,11 @@ class FedMAUpdate(LocalUpdate):
     ) -> dict[str, float]:
         stage = int(self.received["config"][STAGE])
         state = federated_state(model)
-        frozen = frozen_at(model.permutation_spec(), state, stage)
+        head = head_of(model)
+        frozen = frozen_at(model.permutation_spec(), state, head.keys, stage)
         kept = {key: state[key].detach().clone() for key in frozen}
         if stage > 0:
-            self.config = dataclasses.replace(self.config, local_epochs=self.config.retrain_epochs)
+            self.config = dataclasses.replace(self.config, local_epochs=self.settings.retrain_epochs)
         trainable = [p for name, p in model.named_parameters() if name not in frozen]
         for p in model.parameters():
             p.requires_grad_(False)
@@ -286,18 +268,12 @@ class FedMAUpdate(LocalUpdate):
             for p in model.parameters():  # the client process reuses this model for the next message
                 p.requires_grad_(True)
         model.load_state_dict(kept, strict=False)  # frozen buffers (BatchNorm statistics) too
-        self.class_counts = torch.bincount(y.cpu(), minlength=model.classifier.out_features)
+        self.class_counts = torch.bincount(y.cpu(), minlength=head.num_classes)
         return metrics
 
     def reply_records(self) -> dict[str, ArrayRecord]:
         return {CLASS_COUNTS: ArrayRecord({"counts": self.class_counts})}
 
 
-def build_server(config: RunConfig, metrics: MetricAggregation) -> FedMA:
-    passes = config.match_iterations if config.match_reference == "iterative" else 1
-    return FedMA(run_permutation_spec(config), config.match_cost, passes, dataset_info(config.dataset)[1],
-                 **flower_strategy_kwargs(config, metrics))
-
-
-register_strategy(StrategyEntry("fedma", build_server, FedMAUpdate,
-                                "FedMA's layer-wise schedule: match one group per round, freeze, retrain the rest"))
+register_strategy(Algorithm("fedma", FedMA, FedMAUpdate, "FedMA's layer-wise schedule: match one group per round, "
+                            "freeze, retrain the rest", FedMASettings))

@@ -15,36 +15,28 @@ from typing import Any
 
 import torch
 from flwr.app import ArrayRecord
-from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
 from torch import nn
 
-from fl_app.config import RunConfig
-from strategies.base import LocalUpdate, MetricAggregation, StrategyBase, flower_strategy_kwargs
+from core.rounds import ServerStrategy
+from models.protocol import head_of
+from strategies.base import LocalUpdate
 from strategies.personal import personal_scores
-from strategies.registry import StrategyEntry, register_strategy
+from strategies.registry import Algorithm, register_strategy
 
-HEAD_PREFIX = "classifier."
 PERSONAL_HEAD = "fedper-head"
 """``context.state`` ArrayRecord: this client's head."""
 
 
 def head_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Detached CPU copies of the head's parameters; refuses a model without a ``classifier``."""
-    head = {n: p.detach().cpu().clone() for n, p in model.named_parameters() if n.startswith(HEAD_PREFIX)}
-    if not head:
-        raise ValueError(f"fedper needs a model whose output layer is named '{HEAD_PREFIX[:-1]}'; "
-                         f"{type(model).__name__} has none")
-    return head
+    """Detached CPU copies of the head's parameters (:func:`models.protocol.head_of`)."""
+    keys = set(head_of(model).keys)
+    return {n: p.detach().cpu().clone() for n, p in model.named_parameters() if n in keys}
 
 
 @torch.no_grad()
 def load_head(model: nn.Module, head: dict[str, torch.Tensor]) -> None:
     for name, tensor in head.items():
         model.get_parameter(name).copy_(tensor)
-
-
-class FedPer(StrategyBase, FlowerFedAvg):
-    """FedAvg on what clients send: their trained body and the head they received."""
 
 
 class FedPerUpdate(LocalUpdate):
@@ -74,9 +66,5 @@ class FedPerUpdate(LocalUpdate):
         return personal_scores(model, personal, test_x, test_y, device)
 
 
-def build_server(config: RunConfig, metrics: MetricAggregation) -> FedPer:
-    return FedPer(**flower_strategy_kwargs(config, metrics))
-
-
-register_strategy(StrategyEntry("fedper", build_server, FedPerUpdate,
-                                "FedPer: federated body, personal classifier head kept by each client"))
+register_strategy(Algorithm("fedper", ServerStrategy, FedPerUpdate,
+                            "FedPer: federated body, personal classifier head kept by each client (server: FedAvg)"))

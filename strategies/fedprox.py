@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
-from flwr.serverapp.strategy import FedProx as FlowerFedProx
 from torch import nn
 
-from fl_app.config import RunConfig
-from strategies.base import LocalUpdate, MetricAggregation, StrategyBase, flower_strategy_kwargs
-from strategies.registry import StrategyEntry, register_strategy
+from core.rounds import ServerStrategy
+from models.options import non_negative, option
+from strategies.base import LocalUpdate
+from strategies.registry import Algorithm, register_strategy
 
 
-class FedProx(StrategyBase, FlowerFedProx):
-    """Flower's FedProx (it sends ``proximal-mu`` to clients) with malformed replies dropped."""
+@dataclass(frozen=True)
+class FedProxSettings:
+    proximal_mu: float = option(0.01, "weight of the proximal term (mu / 2) * ||w - w_global||^2", non_negative,
+                                "must be a finite number >= 0")
 
 
 class FedProxUpdate(LocalUpdate):
@@ -23,12 +27,8 @@ class FedProxUpdate(LocalUpdate):
 
     def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         proximal = sum((p - g).pow(2).sum() for p, g in zip(model.parameters(), self.global_params))
-        return super().loss(model, x, y) + 0.5 * self.config.proximal_mu * proximal
+        return super().loss(model, x, y) + 0.5 * self.settings.proximal_mu * proximal
 
 
-def build_server(config: RunConfig, metrics: MetricAggregation) -> FedProx:
-    return FedProx(proximal_mu=config.proximal_mu, **flower_strategy_kwargs(config, metrics))
-
-
-register_strategy(StrategyEntry("fedprox", build_server, FedProxUpdate,
-                                "FedAvg with a proximal term (proximal-mu) in the client loss"))
+register_strategy(Algorithm("fedprox", ServerStrategy, FedProxUpdate,
+                            "FedAvg with a proximal term (proximal-mu) in the client loss", FedProxSettings))

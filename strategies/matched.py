@@ -34,101 +34,76 @@ Run-config keys:
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from logging import INFO
-from typing import Any
 
 import torch
-from flwr.app import ArrayRecord, Message, MetricRecord
+from flwr.app import ArrayRecord
 from flwr.common.logger import log
-from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
 
-from fl_app.config import RunConfig
-from core.data import dataset_info
-from models import Permutable, PermutationSpec, build_model
-from core.alignment import matched_average
-from strategies.base import MODEL_RECORD, LocalUpdate, MetricAggregation, StrategyBase, flower_strategy_kwargs
-from strategies.registry import StrategyEntry, register_strategy
+from core.alignment import list_costs, matched_average
+from core.rounds import Reply, RunContext, ServerStrategy
+from models import PermutationSpec
+from models.options import ConfigError, option
+from strategies.base import LocalUpdate
+from strategies.registry import Algorithm, register_strategy
 
 MATCH_REFERENCES = ("global", "iterative")
 
 
-def run_permutation_spec(config: RunConfig) -> PermutationSpec:
-    """The permutation spec of the run's model, built from the config alone (no data is read)."""
-    input_shape, num_classes = dataset_info(config.dataset)
-    model = build_model(config.model, input_shape, num_classes, config.pan)
-    if not isinstance(model, Permutable):
-        raise ValueError(f"model '{config.model}' has no permutation_spec(); strategy '{config.strategy}' "
-                         "needs one to match hidden units")
-    return model.permutation_spec()
+@dataclass(frozen=True)
+class MatchSettings:
+    """How client units are matched (shared by ``matched`` and ``fedma``)."""
+
+    match_cost: str = option("weight", "how the cost of pairing two units is measured (weight: Git Re-Basin "
+                             "weight matching; l1: Simple-FedMA)", lambda v: v in list_costs(),
+                             f"choose one of {list_costs()}")
+    match_reference: str = option("global", "what clients' units are matched to (global: the round's global "
+                                  "model; iterative: the running matched mean)", lambda v: v in MATCH_REFERENCES,
+                                  f"choose one of {list(MATCH_REFERENCES)}")
+    match_iterations: int = option(3, "passes when match-reference is iterative", lambda v: v >= 1,
+                                   "must be an integer >= 1")
+
+    @property
+    def passes(self) -> int:
+        return self.match_iterations if self.match_reference == "iterative" else 1
 
 
-def reply_weights(replies: list[Message], key: str) -> list[float]:
-    """Each reply's averaging weight (its example count), read from its one MetricRecord."""
-    return [float(next(iter(m.content.metric_records.values()))[key]) for m in replies]
+def permutation_spec(context: RunContext, strategy: str) -> PermutationSpec:
+    """The run model's permutation description; refuses a model without one, or one that names entries the
+    model's state lacks."""
+    if context.spec is None:
+        raise ConfigError(f"run-config key 'model' = {context.config.model!r} is not allowed with strategy "
+                          f"'{strategy}': the model has no permutation description to match units with")
+    missing = sorted(set(context.spec.axes_by_key()) - set(context.initial_arrays.keys()))
+    if missing:
+        raise ConfigError(f"model {context.config.model!r}: its permutation description names entries the model "
+                          f"does not have ({missing[:5]}); strategy '{strategy}' cannot match it")
+    return context.spec
 
 
-class Matched(StrategyBase, FlowerFedAvg):
-    """FedAvg whose average is taken after aligning every client model onto a reference.
+class Matched(ServerStrategy):
+    """FedAvg whose average is taken after aligning every client model onto a reference (module notes)."""
 
-    Parameters
-    ----------
-    spec : PermutationSpec
-        The model's permutation groups (from :func:`run_permutation_spec`).
-    cost : str
-        A name from :func:`core.alignment.list_costs`.
-    reference : {"global", "iterative"}
-        See the module notes.
-    iterations : int
-        Passes with ``reference="iterative"``.
-    seed : int
-        Seeds the per-round order in which the ``weight`` cost visits groups.
-    **kwargs
-        Flower FedAvg's arguments (:func:`flower_strategy_kwargs`).
-    """
+    def __init__(self, context: RunContext) -> None:
+        super().__init__(context)
+        self.spec = permutation_spec(context, "matched")
 
-    def __init__(self, spec: PermutationSpec, cost: str, reference: str, iterations: int, seed: int,
-                 **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        if reference not in MATCH_REFERENCES:
-            raise ValueError(f"match reference {reference!r} is not one of {list(MATCH_REFERENCES)}")
-        self.spec = spec
-        self.cost = cost
-        self.reference = reference
-        self.passes = iterations if reference == "iterative" else 1
-        self.seed = seed
-
-    def summary(self) -> None:
-        log(INFO, "\t├──> Matching: cost '%s', reference '%s', %d pass(es), %d groups",
-            self.cost, self.reference, self.passes, len(self.spec.groups))
-        super().summary()
-
-    def aggregate_models(
-        self, server_round: int, usable: list[Message]
-    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        # Flower's FedAvg logs the replies and folds their metrics; its plain average is replaced.
-        arrays, metrics = super().aggregate_models(server_round, usable)
-        if arrays is None:
-            return arrays, metrics
-        replies = [m for m in usable if not m.has_error()]
+    def aggregate(self, server_round: int, replies: list[Reply], reference: ArrayRecord) -> ArrayRecord | None:
         started = time.perf_counter()
         matched = matched_average(
-            self._reference.to_torch_state_dict(),
-            [m.content[MODEL_RECORD].to_torch_state_dict() for m in replies],
-            reply_weights(replies, self.weighted_by_key),
+            reference.to_torch_state_dict(),
+            [reply.arrays.to_torch_state_dict() for reply in replies],
+            [reply.examples for reply in replies],
             self.spec,
-            self.cost,
-            self.passes,
-            torch.Generator().manual_seed(self.seed * 10_007 + server_round),
+            self.settings.match_cost,
+            self.settings.passes,
+            torch.Generator().manual_seed(self.context.config.seed * 10_007 + server_round),
         )
-        log(INFO, "round %d: matched %d client models (%s cost, %d pass(es)) in %.2f s",
-            server_round, len(replies), self.cost, self.passes, time.perf_counter() - started)
-        return ArrayRecord(matched), metrics
+        log(INFO, "round %d: matched %d client models (%s cost, %d pass(es)) in %.2f s", server_round,
+            len(replies), self.settings.match_cost, self.settings.passes, time.perf_counter() - started)
+        return ArrayRecord(matched)
 
 
-def build_server(config: RunConfig, metrics: MetricAggregation) -> Matched:
-    return Matched(run_permutation_spec(config), config.match_cost, config.match_reference,
-                   config.match_iterations, config.seed, **flower_strategy_kwargs(config, metrics))
-
-
-register_strategy(StrategyEntry("matched", build_server, LocalUpdate,
-                                "align client units onto a reference (match-cost, match-reference), then average"))
+register_strategy(Algorithm("matched", Matched, LocalUpdate, "align client units onto a reference (match-cost, "
+                            "match-reference), then average", MatchSettings))

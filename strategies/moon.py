@@ -30,19 +30,26 @@ Where this differs from the paper, and why:
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
 from torch import nn
 
-from fl_app.config import RunConfig
 from core.model_io import load_arrays, to_arrays
-from strategies.base import LocalUpdate, MetricAggregation, StrategyBase, flower_strategy_kwargs
-from strategies.registry import StrategyEntry, register_strategy
+from core.rounds import ServerStrategy
+from models.options import non_negative, option, positive
+from strategies.base import LocalUpdate
+from strategies.registry import Algorithm, register_strategy
 
 STATE_KEY = "moon-previous-model"
 """Where a client keeps its last local model in ``context.state``."""
+
+
+@dataclass(frozen=True)
+class MoonSettings:
+    moon_mu: float = option(1.0, "weight of the model-contrastive loss", non_negative, "must be a finite number >= 0")
+    moon_tau: float = option(0.5, "temperature of the model-contrastive loss", positive, "must be a finite number > 0")
 
 
 def contrastive_loss(z: torch.Tensor, z_glob: torch.Tensor, z_prev: torch.Tensor, tau: float) -> torch.Tensor:
@@ -59,10 +66,6 @@ def _frozen(model: nn.Module) -> nn.Module:
         parameter.grad = None
         parameter.requires_grad_(False)
     return frozen
-
-
-class Moon(StrategyBase, FlowerFedAvg):
-    """FedAvg: MOON changes only the clients' objective."""
 
 
 class MoonUpdate(LocalUpdate):
@@ -84,9 +87,9 @@ class MoonUpdate(LocalUpdate):
             return cross_entropy
         with torch.no_grad():
             z_glob, z_prev = self.global_model.representation(x), self.previous_model.representation(x)
-        contrastive = contrastive_loss(z, z_glob, z_prev, self.config.moon_tau)
+        contrastive = contrastive_loss(z, z_glob, z_prev, self.settings.moon_tau)
         self.contrastive_total, self.batches = self.contrastive_total + contrastive.item(), self.batches + 1
-        return cross_entropy + self.config.moon_mu * contrastive
+        return cross_entropy + self.settings.moon_mu * contrastive
 
     def train(
         self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, generator: torch.Generator,
@@ -100,9 +103,5 @@ class MoonUpdate(LocalUpdate):
                 "contrastive-loss": self.contrastive_total / self.batches if self.batches else 0.0}
 
 
-def build_server(config: RunConfig, metrics: MetricAggregation) -> Moon:
-    return Moon(**flower_strategy_kwargs(config, metrics))
-
-
-register_strategy(StrategyEntry("moon", build_server, MoonUpdate,
-                                "model-contrastive local loss against the global and previous models (moon-mu, moon-tau)"))
+register_strategy(Algorithm("moon", ServerStrategy, MoonUpdate, "model-contrastive local loss against the global "
+                            "and previous models (moon-mu, moon-tau); the server is FedAvg", MoonSettings))

@@ -31,28 +31,17 @@ Where this differs from the paper, and why:
 
 from __future__ import annotations
 
-from logging import WARNING
-
 import numpy as np
 import torch
-from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
-from flwr.common.logger import log
-from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
+from flwr.app import Array, ArrayRecord, RecordDict
 from torch import nn
 
-from fl_app.config import ConfigError, RunConfig
 from core.model_io import federated_state
-from models.psinet import PSI_MODELS, GroupLayout, PsiNet, group_layout, held_groups
-from strategies.base import (
-    MODEL_RECORD,
-    NUM_EXAMPLES,
-    LocalUpdate,
-    MetricAggregation,
-    StrategyBase,
-    flower_strategy_kwargs,
-    reply_problem,
-)
-from strategies.registry import StrategyEntry, register_strategy
+from core.rounds import Reply, RunContext, ServerStrategy, reply_problem
+from models.options import ConfigError
+from models.psinet import GroupLayout, PsiNet, held_groups
+from strategies.base import LocalUpdate
+from strategies.registry import Algorithm, register_strategy
 
 HELD_RECORD = "psi-groups"
 """Reply record naming the groups the client holds (and so trained and sent)."""
@@ -69,8 +58,7 @@ class PsiNetUpdate(LocalUpdate):
         device: torch.device,
     ) -> dict[str, float]:
         if not isinstance(model, PsiNet):
-            raise ValueError(f"strategy 'psinet' needs a Ψ-Net model ({list(PSI_MODELS)}), "
-                             f"got {type(model).__name__}")
+            raise ValueError(f"strategy 'psinet' needs a Ψ-Net model, got {type(model).__name__}")
         self.held = held_groups(model.class_groups, y)
         self._keys = model.layout().keys_for(self.held)
         classes = [c for c, g in enumerate(model.class_groups) if g in self.held]
@@ -128,43 +116,31 @@ def masked_average(reference: ArrayRecord, models: list[ArrayRecord], weights: l
     return ArrayRecord(averaged)
 
 
-class PsiNetStrategy(StrategyBase, FlowerFedAvg):
+class PsiNetStrategy(ServerStrategy):
     """Shared keys averaged over all participants, each group's keys over its holders."""
 
     extra_reply_arrays = (HELD_RECORD,)
 
-    def layout(self) -> GroupLayout:
-        """Shared and per-group keys of the current global model."""
-        return group_layout(self._reference.keys())
+    def __init__(self, context: RunContext) -> None:
+        if not isinstance(context.layout, GroupLayout):
+            raise ConfigError(f"run-config key 'model' = {context.config.model!r} is not allowed with strategy "
+                              "'psinet': it needs a Ψ-Net model (one whose state splits into shared and per-group "
+                              "keys, e.g. psi-vgg9)")
+        super().__init__(context)
+        self.layout: GroupLayout = context.layout
 
-    def reply_problem(self, content: RecordDict) -> str | None:
+    def reply_problem(self, content: RecordDict, reference: ArrayRecord) -> str | None:
         """A reply must carry exactly the shared keys and the keys of the groups it declares."""
-        layout = self.layout()
-        held, problem = declared_groups(content, layout.num_groups)
+        held, problem = declared_groups(content, self.layout.num_groups)
         if problem is not None:
             return problem
-        expected = ArrayRecord({key: self._reference[key] for key in layout.keys_for(held)})
+        expected = ArrayRecord({key: reference[key] for key in self.layout.keys_for(held)})
         return reply_problem(content, expected, self.extra_reply_arrays)
 
-    def aggregate_models(
-        self, server_round: int, usable: list[Message]
-    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        replies = [message.content for message in usable if not message.has_error()]
-        if not replies:
-            log(WARNING, "round %d: no usable training reply; the global model is unchanged", server_round)
-            return None, None
-        weights = [float(next(iter(content.metric_records.values()))[NUM_EXAMPLES]) for content in replies]
-        arrays = masked_average(self._reference, [content[MODEL_RECORD] for content in replies], weights)
-        return arrays, self.train_metrics_aggr_fn(replies, self.weighted_by_key)
+    def aggregate(self, server_round: int, replies: list[Reply], reference: ArrayRecord) -> ArrayRecord | None:
+        return masked_average(reference, [reply.arrays for reply in replies], [reply.examples for reply in replies])
 
 
-def build_server(config: RunConfig, metrics: MetricAggregation) -> PsiNetStrategy:
-    if config.model not in PSI_MODELS:
-        raise ConfigError(f"run-config key 'model' = {config.model!r} is not allowed with strategy 'psinet': "
-                          f"choose one of {list(PSI_MODELS)}")
-    return PsiNetStrategy(**flower_strategy_kwargs(config, metrics))
-
-
-register_strategy(StrategyEntry("psinet", build_server, PsiNetUpdate,
-                                "Ψ-Net: shared layers averaged over all, each group over its holders; "
-                                "clients trim groups they hold no class of"))
+register_strategy(Algorithm("psinet", PsiNetStrategy, PsiNetUpdate,
+                            "Ψ-Net: shared layers averaged over all, each group over its holders; "
+                            "clients trim groups they hold no class of"))

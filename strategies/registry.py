@@ -1,44 +1,47 @@
-"""Name → algorithm: the server Strategy factory and the client local update it expects.
+"""Name → algorithm: its settings class, its server side and the client update it expects.
 
-Adding an algorithm is one module that calls :func:`register_strategy` and one
-import line in ``strategies/__init__.py``.
+An algorithm is one module that ends with one line, ``register_strategy(Algorithm(...))``;
+the run config, the Hydra configs and ``pyproject.toml``'s defaults are derived from the
+settings classes registered here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from flwr.serverapp.strategy import Strategy
-
-    from fl_app.config import RunConfig
-    from strategies.base import LocalUpdate, MetricAggregation
+from core.rounds import RunContext, ServerStrategy
+from models.options import NoOptions
+from strategies.base import LocalUpdate
 
 
 @dataclass(frozen=True)
-class StrategyEntry:
-    """One algorithm: how to build its server strategy and which client update it runs."""
+class Algorithm:
+    """One algorithm.
+
+    ``settings`` is its settings class (:mod:`models.options`; keys of no other algorithm may share a name
+    with a different default); ``server`` builds its server side from the run context and raises
+    ``ConfigError`` for a model it cannot work with; ``client`` is its local update."""
 
     name: str
-    build_server: Callable[[RunConfig, MetricAggregation], Strategy]
-    client_update: type[LocalUpdate]
+    server: Callable[[RunContext], ServerStrategy]
+    client: type[LocalUpdate]
     summary: str
+    settings: type = NoOptions
 
 
-_REGISTRY: dict[str, StrategyEntry] = {}
+_REGISTRY: dict[str, Algorithm] = {}
 
 
-def register_strategy(entry: StrategyEntry) -> StrategyEntry:
-    """Add an algorithm under ``entry.name``; a name may be registered once."""
-    if entry.name in _REGISTRY:
-        raise ValueError(f"strategy '{entry.name}' is already registered")
-    _REGISTRY[entry.name] = entry
-    return entry
+def register_strategy(algorithm: Algorithm) -> Algorithm:
+    """Add an algorithm under ``algorithm.name``; a name may be registered once."""
+    if algorithm.name in _REGISTRY:
+        raise ValueError(f"strategy '{algorithm.name}' is already registered")
+    _REGISTRY[algorithm.name] = algorithm
+    return algorithm
 
 
-def get_strategy(name: str) -> StrategyEntry:
+def get_strategy(name: str) -> Algorithm:
     """The registered algorithm called ``name``."""
     try:
         return _REGISTRY[name]

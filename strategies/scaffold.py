@@ -32,20 +32,19 @@ Where this differs from the paper, and why:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 import torch
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
-from flwr.serverapp import Grid
-from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
+from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 from torch import nn
 
-from fl_app.config import RunConfig
 from core.model_io import arrays_mismatch, federated_state
-from strategies.base import LocalUpdate, MetricAggregation, StrategyBase, arrays_problem, flower_strategy_kwargs
-from strategies.registry import StrategyEntry, register_strategy
+from core.rounds import NodeDirectory, Reply, RunContext, ServerStrategy, arrays_problem, weighted_mean
+from strategies.base import LocalUpdate
+from strategies.fedavgm import ServerStepSettings
+from strategies.registry import Algorithm, register_strategy
 
 CONTROL = "control"
 """Record name: the server's c in a TRAIN message, the client's Δc_i in its reply."""
@@ -67,31 +66,29 @@ def _norm(tensors: dict[str, torch.Tensor]) -> float:
     return float(torch.sqrt(sum((t.double() ** 2).sum() for t in tensors.values()))) if tensors else 0.0
 
 
-class Scaffold(StrategyBase, FlowerFedAvg):
+class Scaffold(ServerStrategy):
     """FedAvg that also sends c, collects Δc_i and applies the averaged model with ``server-lr``."""
 
     extra_reply_arrays = (CONTROL,)
     state_keys = frozenset({"control"})
 
-    def __init__(self, *args: Any, server_learning_rate: float = 1.0, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.server_learning_rate = server_learning_rate
+    def __init__(self, context: RunContext) -> None:
+        super().__init__(context)
         self.control = ArrayRecord()  # c; zeros shaped like the model from the first round on
-        self.num_nodes = 0  # N: nodes connected when the round was configured
+        self.num_nodes = 0  # N: nodes that may train, connected when the round was planned
 
-    def configure_train(
-        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
-    ) -> Iterable[Message]:
-        messages = list(super().configure_train(server_round, arrays, config, grid))
-        self.num_nodes = len(self.training_grid(grid).get_node_ids())  # held-out nodes never train
+    def plan_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                   sample: Callable[[], list[int]], nodes: NodeDirectory) -> dict[int, RecordDict]:
+        contents = super().plan_train(server_round, arrays, config, sample, nodes)
+        self.num_nodes = len(nodes.trainable())
         if not len(self.control):
             self.control = ArrayRecord({key: Array(np.zeros_like(a.numpy())) for key, a in arrays.items()})
-        for message in messages:
-            message.content[CONTROL] = self.control
-        return messages
+        for content in contents.values():
+            content[CONTROL] = self.control
+        return contents
 
-    def reply_problem(self, content: RecordDict) -> str | None:
-        return super().reply_problem(content) or arrays_problem(content[CONTROL], self._reference, CONTROL)
+    def reply_problem(self, content: RecordDict, reference: ArrayRecord) -> str | None:
+        return super().reply_problem(content, reference) or arrays_problem(content[CONTROL], reference, CONTROL)
 
     def state_dict(self) -> dict[str, Any]:
         """The server's control variate c (the clients' c_i stay on the nodes, in ``context.state``)."""
@@ -101,25 +98,19 @@ class Scaffold(StrategyBase, FlowerFedAvg):
         self.check_state(state)
         self.control = ArrayRecord(dict(state["control"])) if "control" in state else ArrayRecord()
 
-    def aggregate_train(
-        self, server_round: int, replies: Iterable[Message]
-    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        usable = self.usable_replies(server_round, replies)
-        average, metrics = self.aggregate_models(server_round, usable)
-        if average is None:
-            return None, metrics
-        updates = [message.content[CONTROL] for message in usable if not message.has_error()]
+    def aggregate(self, server_round: int, replies: list[Reply], reference: ArrayRecord) -> ArrayRecord | None:
+        average = weighted_mean(replies)
+        updates = [reply.content[CONTROL] for reply in replies]
         clients = max(self.num_nodes, len(updates))
         self.control = ArrayRecord({
             key: Array(np.asarray(c.numpy() + sum(update[key].numpy() for update in updates) / clients))
             for key, c in self.control.items()
         })
-        lr = self.server_learning_rate
-        model = ArrayRecord({
+        lr = self.settings.server_lr
+        return ArrayRecord({
             key: Array(np.asarray(x.numpy() + lr * (average[key].numpy() - x.numpy())))
-            for key, x in self._reference.items()
+            for key, x in reference.items()
         })
-        return model, metrics
 
 
 class ScaffoldUpdate(LocalUpdate):
@@ -178,9 +169,5 @@ class ScaffoldUpdate(LocalUpdate):
         return {CONTROL: self.control_update}
 
 
-def build_server(config: RunConfig, metrics: MetricAggregation) -> Scaffold:
-    return Scaffold(server_learning_rate=config.server_lr, **flower_strategy_kwargs(config, metrics))
-
-
-register_strategy(StrategyEntry("scaffold", build_server, ScaffoldUpdate,
-                                "control variates correct client drift (option II; server-lr)"))
+register_strategy(Algorithm("scaffold", Scaffold, ScaffoldUpdate,
+                            "control variates correct client drift (option II; server-lr)", ServerStepSettings))

@@ -35,18 +35,21 @@ import copy
 import math
 from typing import Any
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 from flwr.app import ArrayRecord, MetricRecord
-from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
 from torch import nn
 from torch.func import functional_call
 
 from core.calibration import classification_scores
-from fl_app.config import RunConfig
+from core.config import RunConfig
+from core.rounds import ServerStrategy
 from core.training import iterate_batches
-from strategies.base import LocalUpdate, MetricAggregation, StrategyBase, flower_strategy_kwargs
-from strategies.registry import StrategyEntry, register_strategy
+from models.options import non_negative, option
+from strategies.base import LocalUpdate
+from strategies.registry import Algorithm, register_strategy
 
 SUPERFED_MODES = ("mm", "lm")
 LAMBDA_GRID = tuple(i / 10 for i in range(11))
@@ -56,9 +59,22 @@ LOCAL_INFO = "superfed-local-info"
 """``context.state`` MetricRecord: ``mixing-rounds``, how many rounds trained the local model."""
 
 
+@dataclass(frozen=True)
+class SuPerFedSettings:
+    superfed_mode: str = option("mm", "model mixing (mm: one lambda per batch) or layer mixing (lm: one per layer)",
+                                lambda v: v in SUPERFED_MODES, f"choose one of {list(SUPERFED_MODES)}")
+    superfed_nu: float = option(1.0, "weight of the connectivity regulariser cos^2(w_f, w_l)", non_negative,
+                                "must be a finite number >= 0")
+    superfed_mu: float = option(0.01, "weight of the proximal term", non_negative, "must be a finite number >= 0")
+    superfed_start: float = option(0.5, "share of num-server-rounds before mixing starts", lambda v: 0 <= v <= 1,
+                                   "must lie in [0, 1] (the fraction of num-server-rounds before mixing starts)")
+    superfed_val_fraction: float = option(0.1, "share of each client's training data held out to choose lambda",
+                                          lambda v: 0 <= v < 1, "must lie in [0, 1)")
+
+
 def start_round(config: RunConfig) -> int:
     """⌊L·R⌋: the first round that mixes (rounds count from 1, so 0 and 1 both mean 'from the start')."""
-    return math.floor(config.superfed_start * config.num_server_rounds)
+    return math.floor(config.settings.superfed_start * config.num_server_rounds)
 
 
 def layer_groups(model: nn.Module) -> list[list[str]]:
@@ -129,10 +145,6 @@ def validation_split(n: int, fraction: float, seed: int, partition_id: int) -> t
     return order[num_val:].sort().values, order[:num_val].sort().values
 
 
-class SuPerFed(StrategyBase, FlowerFedAvg):
-    """The server side is FedAvg: clients send only w_f, averaged weighted by their example counts."""
-
-
 class SuPerFedUpdate(LocalUpdate):
     """One round of SuPerFed local training; personalised evaluation over the λ grid."""
 
@@ -153,7 +165,7 @@ class SuPerFedUpdate(LocalUpdate):
 
     def draw_lambdas(self) -> list[float]:
         """λ ~ U(0, 1) for this mini-batch: one for every layer (``mm``) or one per layer (``lm``)."""
-        count = 1 if self.config.superfed_mode == "mm" else len(self.groups)
+        count = 1 if self.settings.superfed_mode == "mm" else len(self.groups)
         draws = torch.rand(count, generator=self.lambda_generator, dtype=torch.float64).tolist()
         return draws * len(self.groups) if count == 1 else draws
 
@@ -168,19 +180,19 @@ class SuPerFedUpdate(LocalUpdate):
         if self.mixing:
             params = mixed_parameters(federated, self.local, self.groups, self.draw_lambdas())
             objective = nn.functional.cross_entropy(functional_call(model, params, (x,)), y)
-            if self.config.superfed_nu > 0.0:
-                objective = objective + self.config.superfed_nu * squared_cosine(federated, self.local)
+            if self.settings.superfed_nu > 0.0:
+                objective = objective + self.settings.superfed_nu * squared_cosine(federated, self.local)
         else:
             objective = nn.functional.cross_entropy(model(x), y)
-        if self.config.superfed_mu > 0.0:
-            objective = objective + self.config.superfed_mu * proximal_term(federated, self.global_params,
+        if self.settings.superfed_mu > 0.0:
+            objective = objective + self.settings.superfed_mu * proximal_term(federated, self.global_params,
                                                                             self.groups)
         return objective
 
     def train(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, generator: torch.Generator,
               device: torch.device) -> dict[str, float]:
         """Train on the split minus its validation part; keep w_l in ``context.state``; report how far it got."""
-        keep, _ = validation_split(len(y), self.config.superfed_val_fraction, self.config.seed,
+        keep, _ = validation_split(len(y), self.settings.superfed_val_fraction, self.config.seed,
                                    self._partition_id())
         metrics = super().train(model, x[keep], y[keep], generator, device)
         if self.mixing:
@@ -201,7 +213,7 @@ class SuPerFedUpdate(LocalUpdate):
         the test split) and the honest λ (best on the held-out validation part of the training split)."""
         partition_id = self._partition_id()
         local, mixing_rounds = _load_local(self, model, partition_id)
-        _, val = validation_split(len(train_y), self.config.superfed_val_fraction, self.config.seed, partition_id)
+        _, val = validation_split(len(train_y), self.settings.superfed_val_fraction, self.config.seed, partition_id)
         federated = {n: p.detach() for n, p in model.named_parameters()}
         groups = layer_groups(model)
         point = copy.deepcopy(model)
@@ -249,9 +261,5 @@ def recalibrate_batchnorm(model: nn.Module, x: torch.Tensor, device: torch.devic
         m.momentum = momentum
 
 
-def build_server(config: RunConfig, metrics: MetricAggregation) -> SuPerFed:
-    return SuPerFed(**flower_strategy_kwargs(config, metrics))
-
-
-register_strategy(StrategyEntry("superfed", build_server, SuPerFedUpdate,
-                                "SuPerFed: a local model mixed with the federated one (superfed-mode mm/lm)"))
+register_strategy(Algorithm("superfed", ServerStrategy, SuPerFedUpdate, "SuPerFed: a local model mixed with the "
+                            "federated one (superfed-mode mm/lm); the server averages w_f as FedAvg", SuPerFedSettings))

@@ -30,11 +30,12 @@ from fl_app import checkpoint as checkpoint_module
 from fl_app import server_app
 from fl_app.checkpoint import CHECKPOINT, capture, load_checkpoint, save_checkpoint
 from fl_app.client_app import build_client_app
-from fl_app.config import ConfigError, RunConfig, parse_run_config
+from core.config import RunConfig
+from fl_app.config import ConfigError, parse_run_config
 from fl_app.server_app import build_server_app, run_experiment
 from strategies import get_strategy, list_strategies
-from strategies.base import MetricAggregation, Participation
-from strategies.fedavg import FedAvg
+from core.rounds import MetricAggregation, Participation
+from fl_app.inprocess import InProcessGrid
 
 TINY = {"dataset": "digits", "model": "small-mlp", "num-server-rounds": 2, "min-available-nodes": 3,
         "batch-size": 32, "device": "cpu"}
@@ -69,47 +70,38 @@ CORRUPTIONS: dict[str, Callable[[RecordDict], None]] = {
 }
 
 
-class InProcessGrid:
-    """A Grid whose nodes call a ClientApp in this process. ``faults`` maps a partition to what goes wrong
-    with its training replies: ``raise`` (an error reply, as Flower sends when the ClientApp raises),
-    ``late`` (no reply within the timeout), ``gone`` (the node died: the SuperLink answers for it, from its
-    own node id) or a key of :data:`CORRUPTIONS`. Messages get ids as Flower's grids give them."""
+class FaultyGrid(InProcessGrid):
+    """In-process nodes whose training replies go wrong as ``faults`` says, per partition: ``raise`` (an error
+    reply, as Flower sends when the ClientApp raises), ``late`` (no reply within the timeout), ``gone`` (the node
+    died: the SuperLink answers for it, from its own node id) or a key of :data:`CORRUPTIONS`."""
 
     def __init__(self, app: ClientApp, num_nodes: int, faults: dict[int, str] | None = None,
                  first_node_id: int = 1000) -> None:
-        self.app = app
+        super().__init__(app, num_nodes, first_node_id)
         self.faults = faults or {}
-        self.contexts = {first_node_id + 7919 * p: Context(run_id=1, node_id=first_node_id + 7919 * p,
-                                                           node_config={"partition-id": p, "num-partitions": num_nodes},
-                                                           state=RecordDict(), run_config={})
-                         for p in range(num_nodes)}
         self.timeouts: list[float | None] = []
-
-    def get_node_ids(self) -> list[int]:
-        return list(self.contexts)
 
     def send_and_receive(self, messages, *, timeout: float | None = None) -> list[Message]:
         self.timeouts.append(timeout)
         replies = []
         for message in messages:
-            message.metadata.__dict__["_message_id"] = uuid.uuid4().hex  # what Flower's grids do on push
             context = self.contexts[message.metadata.dst_node_id]
             training = message.metadata.message_type == MessageType.TRAIN
             fault = self.faults.get(int(context.node_config["partition-id"])) if training else None
             if fault == "late":
                 continue
             if fault == "gone":
+                message.metadata.__dict__["_message_id"] = uuid.uuid4().hex
                 reply = Message(Error(ErrorCode.NODE_UNAVAILABLE, "node unavailable"), reply_to=message)
                 reply.metadata.__dict__["_src_node_id"] = SUPERLINK_NODE_ID
                 replies.append(reply)
                 continue
-            try:
-                if fault == "raise":
-                    raise RuntimeError("injected client failure")
-                reply = self.app(copy.deepcopy(message), context)
-            except Exception as error:
-                reply = Message(Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, f"{type(error).__name__}: {error}"),
-                                reply_to=message)
+            if fault == "raise":
+                message.metadata.__dict__["_message_id"] = uuid.uuid4().hex
+                replies.append(Message(Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION,
+                                             "RuntimeError: injected client failure"), reply_to=message))
+                continue
+            reply = self.deliver(message)
             if fault in CORRUPTIONS:
                 CORRUPTIONS[fault](reply.content)
             replies.append(reply)
@@ -117,10 +109,10 @@ class InProcessGrid:
 
 
 def run(tmp_path: Path, name: str, num_nodes: int = 3, faults: dict[int, str] | None = None,
-        first_node_id: int = 1000, **settings) -> tuple[Path, InProcessGrid]:
+        first_node_id: int = 1000, **settings) -> tuple[Path, FaultyGrid]:
     """One in-process run of the real ServerApp; returns its folder and grid."""
     values = {**TINY, "min-available-nodes": num_nodes, "results-dir": str(tmp_path), "run-name": name, **settings}
-    grid = InProcessGrid(build_client_app(values), num_nodes, faults, first_node_id)
+    grid = FaultyGrid(build_client_app(values), num_nodes, faults, first_node_id)
     run_experiment(grid, parse_run_config(values))
     return tmp_path / name, grid
 

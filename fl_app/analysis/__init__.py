@@ -5,7 +5,7 @@ the commands write ``<tool>.json`` and ``<tool>.png`` into an output folder.
 """
 
 from fl_app.analysis.common import AnalysisError
-from fl_app.analysis.divergence import divergence_by_layer, weight_divergence
+from core.divergence import divergence_by_layer, weight_divergence
 from fl_app.analysis.matching import GroupMatch, matching_ratio
 from fl_app.analysis.preference import PreferenceAgreement, compare_preferences, preference_vectors
 from fl_app.analysis.shuffle import (

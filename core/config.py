@@ -1,0 +1,213 @@
+"""The settings every run has, whatever its algorithm and model, and the composed :class:`RunConfig`.
+
+The common settings come in sections (:data:`SECTIONS`): the run itself, training,
+data and PANs. Each is a settings class of :mod:`models.options`, so its defaults,
+help and checks are written once, here; the algorithm's settings and the model's
+options are declared by the algorithm's module and the model's module the same way.
+:class:`RunConfig` holds the common settings as fields and the chosen algorithm's
+settings and model's options as two objects; the schema that builds it from run-config
+keys lives with the registries it needs (:mod:`fl_app.config`).
+
+Hydra paths are ``<section>.<leaf>``; a leaf is the field name with the section's name
+left off where the field starts with it (``data.root`` is ``data_root``, run-config key
+``data-root``; ``pan.mode`` is ``pan_mode``, key ``pan-mode``), so paths and keys map
+onto each other mechanically (:func:`hydra_leaf`, :func:`key_of_path`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from core.data import dataset_info, list_datasets, list_partitioners
+from core.label_noise import LABEL_NOISE_KINDS
+from models.init import INITS
+from models.options import (
+    NoOptions,
+    Setting,
+    check_settings,
+    non_negative,
+    option,
+    positive,
+    refuse,
+    settings_fields,
+    unit_interval,
+)
+from models.pan import PAN_MODES, PanSettings
+
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
+
+
+def _one_of(choices: tuple[str, ...]) -> dict[str, Any]:
+    return {"check": lambda value: value in choices, "allowed": f"choose one of {sorted(choices)}"}
+
+
+def _absolute_or_empty(what: str) -> dict[str, Any]:
+    return {"check": lambda value: not value or Path(value).is_absolute(),
+            "allowed": f"must be an absolute path ({what}), or empty"}
+
+
+@dataclass(frozen=True)
+class RunSection:
+    """What runs, on what, where its results go."""
+
+    strategy: str = option("fedavg", "the federated algorithm (see 'Algorithms')")
+    model: str = option("mlp", "the network (see 'Models')")
+    dataset: str = option("fashion-mnist", "the data set", lambda v: v in list_datasets(),
+                          "choose a registered data set")
+    seed: int = option(0, "seeds data splits, initialisation, sampling and every client's batches",
+                       lambda v: v >= 0, "must be >= 0")
+    device: str = option("auto", "where clients and the server compute: auto (CUDA when present), cpu, cuda, "
+                         "cuda:<index>", lambda v: v in DEVICE_CHOICES or v.startswith("cuda:"),
+                         f"one of {list(DEVICE_CHOICES)} or 'cuda:<index>'")
+    init: str = option("default", "weight init after the model is built (default: as built; he: He-normal)",
+                       lambda v: v in INITS, f"choose one of {sorted(INITS)}")
+    log_divergence: bool = option(False, "log per-layer weight divergence of the clients' models every round")
+    results_dir: str = option("", "where run folders go (absolute; empty: ~/alignfl-results)",
+                              **_absolute_or_empty("the app runs from a copy in another directory"))
+    run_name: str = option("", "the run folder's name (empty: strategy-model-dataset-time)",
+                           lambda v: "/" not in v and v not in (".", ".."), "must be a plain folder name")
+    resume_from: str = option("", "an earlier run's folder (absolute) to continue from its checkpoint.pt",
+                              **_absolute_or_empty("the folder holding checkpoint.pt"))
+
+
+@dataclass(frozen=True)
+class TrainSection:
+    """Rounds, local optimisation and participation."""
+
+    num_server_rounds: int = option(10, "communication rounds", positive, "must be a positive integer")
+    local_epochs: int = option(1, "local epochs per round", positive, "must be a positive integer")
+    batch_size: int = option(64, "local mini-batch size", positive, "must be a positive integer")
+    lr: float = option(0.05, "client learning rate", positive, "must be a finite number > 0")
+    lr_decay: float = option(1.0, "client lr is lr * lr-decay^(round - 1)", unit_interval,
+                             "must lie in (0, 1] (1 is no decay)")
+    momentum: float = option(0.9, "client SGD momentum", lambda v: 0 <= v < 1, "must lie in [0, 1)")
+    weight_decay: float = option(1e-5, "client SGD weight decay", non_negative, "must be a finite number >= 0")
+    fraction_train: float = option(1.0, "share of the clients sampled for training each round", unit_interval,
+                                   "must lie in (0, 1]")
+    fraction_evaluate: float = option(1.0, "share of the clients sampled for local evaluation each round",
+                                      unit_interval, "must lie in (0, 1]")
+    min_available_nodes: int = option(2, "nodes the first round waits for (later rounds use whoever is online)",
+                                      positive, "must be a positive integer")
+    node_wait_timeout: float = option(300.0, "seconds the first round waits for min-available-nodes before it "
+                                      "starts with the nodes connected", positive, "must be a finite number > 0")
+    round_timeout: float = option(3600.0, "seconds to wait for clients' replies each round; late ones are dropped",
+                                  positive, "must be a finite number of seconds > 0")
+
+
+@dataclass(frozen=True)
+class DataSection:
+    """How the data set is split over clients."""
+
+    data_root: str = option("", "where the data set lives (absolute; empty: its default location)",
+                            **_absolute_or_empty("a torchvision-style root"))
+    partitioner: str = option("dirichlet", "how the training set is split over clients",
+                              lambda v: v in list_partitioners(), "choose a registered partitioner")
+    dirichlet_alpha: float = option(0.5, "Dirichlet concentration (smaller is more skewed)", positive,
+                                    "must be > 0 (smaller is more skewed)")
+    classes_per_client: int = option(2, "classes per client (pathological)", positive, "must be a positive integer")
+    shards_per_client: int = option(2, "shards per client (shard)", positive, "must be a positive integer")
+    test_fraction: float = option(0.2, "share of each client's data kept for its local test split",
+                                  lambda v: 0 < v < 1, "must lie in (0, 1)")
+    data_fraction: float = option(1.0, "share of each client's partition it keeps (before the test split)",
+                                  unit_interval, "must lie in (0, 1] (1 keeps all)")
+    holdout_clients: int = option(0, "the last partitions never train; they score the global model as new clients",
+                                  lambda v: v >= 0, "must be an integer >= 0")
+    label_noise: str = option("none", "kind of noise put on clients' training labels",
+                              **_one_of(LABEL_NOISE_KINDS))
+    label_noise_rate: float = option(0.0, "share of training labels changed", lambda v: 0 <= v < 1,
+                                     "must lie in [0, 1)")
+
+
+@dataclass(frozen=True)
+class PanSection:
+    """Position-Aware Neurons on every hidden layer: e_j = A sin(2 pi T j / J)."""
+
+    pan_mode: str = option("off", "off | add | mul", **_one_of(PAN_MODES))
+    pan_t: float = option(1.0, "period T: sine periods across a layer's units", non_negative,
+                          "must be a finite number >= 0")
+    pan_a: float = option(0.0, "amplitude A", non_negative, "must be a finite number >= 0")
+
+
+SECTIONS: dict[str, type] = {"": RunSection, "train": TrainSection, "data": DataSection, "pan": PanSection}
+"""Hydra section → the common settings it holds (``""``: the top level)."""
+
+
+@dataclass(frozen=True)
+class RunConfig(RunSection, TrainSection, DataSection, PanSection):
+    """Every setting of one run: the common ones as fields, plus the chosen algorithm's ``settings`` and the
+    chosen model's ``model_options`` (settings objects of those modules; built by :func:`fl_app.config.parse_run_config`)."""
+
+    settings: Any = NoOptions()
+    model_options: Any = NoOptions()
+
+    @property
+    def pan(self) -> PanSettings:
+        """The Position-Aware-Neuron settings every hidden layer of the model uses."""
+        return PanSettings(self.pan_mode, self.pan_t, self.pan_a)
+
+    def pan_signature(self) -> dict[str, Any]:
+        """The keys a client must share with the server: encodings are fixed, never averaged."""
+        return {"pan-mode": self.pan_mode, "pan-t": self.pan_t, "pan-a": self.pan_a}
+
+    def to_run_config(self) -> dict[str, Any]:
+        """The hyphenated key → value mapping, as ``flwr run`` and the results folder store it."""
+        return {setting.key: value for setting, value in self.items()}
+
+    def items(self) -> list[tuple[Setting, Any]]:
+        """Every setting of the run with its value: common, then the algorithm's, then the model's."""
+        common = [(s, getattr(self, s.name)) for s in common_settings()]
+        own = [(s, getattr(part, s.name)) for part in (self.settings, self.model_options)
+               for s in settings_fields(type(part))]
+        return common + own
+
+    def replace(self, **changes: Any) -> RunConfig:
+        """A checked copy with some common fields changed (field names, not keys)."""
+        changed = dataclasses.replace(self, **changes)
+        check_settings(changed)
+        return changed
+
+    def check(self) -> None:
+        """Checks across fields (each field's own check has run)."""
+        if self.holdout_clients >= self.min_available_nodes:
+            raise refuse("holdout-clients", self.holdout_clients, f"must be an integer in [0, min-available-nodes = "
+                         f"{self.min_available_nodes}): some node must train")
+        _, num_classes = dataset_info(self.dataset)
+        if self.classes_per_client > num_classes:
+            raise refuse("classes-per-client", self.classes_per_client,
+                         f"must be at most the number of classes of '{self.dataset}' ({num_classes})")
+
+
+def common_settings() -> list[Setting]:
+    """The common settings, section by section."""
+    return [setting for section in SECTIONS.values() for setting in settings_fields(section)]
+
+
+def section_of(key: str) -> str:
+    """The Hydra section of a common run-config key."""
+    for section, settings in SECTIONS.items():
+        if key in {s.key for s in settings_fields(settings)}:
+            return section
+    raise KeyError(key)
+
+
+def hydra_leaf(section: str, key: str) -> str:
+    """The leaf name of run-config ``key`` in Hydra ``section``: underscores, the section's name left off."""
+    leaf = key.removeprefix(f"{section}-") if section else key
+    return leaf.replace("-", "_")
+
+
+def key_of_path(section: str, leaf: str, keys: set[str]) -> str | None:
+    """The run-config key (among ``keys``) of Hydra path ``<section>.<leaf>``, or None."""
+    plain = leaf.replace("_", "-")
+    for key in (f"{section}-{plain}" if section else plain, plain):
+        if key in keys:
+            return key
+    return None
+
+
+def results_root(config: RunConfig) -> Path:
+    """Where run folders go: ``results-dir`` or ``~/alignfl-results``."""
+    return Path(config.results_dir) if config.results_dir else Path.home() / "alignfl-results"
