@@ -17,23 +17,26 @@ no training): a model the algorithm cannot work with is refused before anything 
 from __future__ import annotations
 
 import argparse
+import os
 import re
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from core.config import RunConfig, common_settings
+from core.config import RunConfig, common_settings, results_root
 from core.data import dataset_info
 from core.model_io import build_model_for, federated_state, to_arrays
 from core.rounds import RunContext, ServerStrategy
 from models import list_models
-from models.options import ConfigError, Setting, build_settings, coerce, settings_fields
+from models.options import ConfigError, Setting, build_settings, coerce, refuse, settings_fields
 from models.protocol import head_of
 from models.registry import model_options
 from strategies import get_strategy, list_strategies
 
-__all__ = ["ConfigError", "RunConfig", "check_run", "default_run_config", "parse_run_config"]
+__all__ = ["ConfigError", "RunConfig", "check_run", "default_run_config", "parse_run_config", "results_root",
+           "validate_run"]
 
 PYPROJECT = Path(__file__).resolve().parent.parent / "pyproject.toml"
 
@@ -128,6 +131,42 @@ def check_run(config: RunConfig) -> ServerStrategy:
         raise ConfigError(f"model {config.model!r} with {config.dataset!r}: {error}") from None
     federated_state(model)
     return get_strategy(config.strategy).server(build_context(config, model))
+
+
+def path_problem(path: Path, writable: bool) -> str | None:
+    """Why ``path`` cannot be used, or None: its nearest existing ancestor must be a directory this process can
+    read (and, when ``writable``, create files in; tried with a temporary file that is removed at once)."""
+    existing = path
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{existing} is not a directory"
+    if not os.access(existing, os.R_OK | os.X_OK):
+        return f"{existing} is not readable by this user"
+    if writable:
+        try:
+            with tempfile.TemporaryFile(dir=existing):
+                pass
+        except OSError as error:
+            return f"cannot create files in {existing} ({error.strerror or error})"
+    return None
+
+
+def check_paths(config: RunConfig) -> None:
+    """Refuse a results folder nobody can write, or a data root that does not exist, naming the key."""
+    problem = path_problem(results_root(config), writable=True)
+    if problem is not None:
+        raise refuse("results-dir", config.results_dir, f"the run folder must be writable: {problem}")
+    if config.data_root and not Path(config.data_root).is_dir():
+        raise refuse("data-root", config.data_root, "must be an existing directory (a torchvision-style root)")
+    if config.data_root and not os.access(config.data_root, os.R_OK | os.X_OK):
+        raise refuse("data-root", config.data_root, "must be readable by this user")
+
+
+def validate_run(config: RunConfig) -> ServerStrategy:
+    """Everything that can be checked before a run starts: folders, model and algorithm (:func:`check_run`)."""
+    check_paths(config)
+    return check_run(config)
 
 
 def pyproject_table() -> str:

@@ -33,7 +33,7 @@ from typing import Any
 import httpx
 
 from fl_app.checkpoint import resume_checkpoint
-from fl_app.config import ConfigError, RunConfig, parse_run_config, results_root
+from fl_app.config import ConfigError, RunConfig, parse_run_config, results_root, validate_run
 from core.data import DatasetMissingError, check_dataset_available, partition_dataset
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
@@ -49,13 +49,16 @@ def parse_overrides(text: str) -> dict[str, Any]:
             raise ConfigError(f"run-config override {item!r} is not of the form key=value")
         try:
             overrides[key.strip()] = tomllib.loads(f"v = {value.strip()}")["v"]
-        except tomllib.TOMLDecodeError:
+        except tomllib.TOMLDecodeError as error:
+            if '"' in value or "'" in value:  # a broken string, never a bare word
+                raise ConfigError(f"run-config override {item!r}: {value.strip()!r} is not a TOML value ({error}); "
+                                  'write strings in double quotes, e.g. run-name="abc"') from None
             overrides[key.strip()] = value.strip()
     return overrides
 
 
 def _split_pairs(text: str) -> list[str]:
-    """Split on spaces outside double quotes."""
+    """Split on spaces outside double quotes; an unclosed quote is a syntax error."""
     pairs, current, quoted = [], "", False
     for char in text:
         if char == '"':
@@ -66,6 +69,8 @@ def _split_pairs(text: str) -> list[str]:
             current = ""
         else:
             current += char
+    if quoted:
+        raise ConfigError(f"--run-config {text!r}: a double quote is not closed (in {current!r})")
     return pairs + ([current] if current else [])
 
 
@@ -206,6 +211,7 @@ def prepare_config(overrides: dict[str, Any], num_supernodes: int) -> RunConfig:
         raise ConfigError(f"run-config key 'min-available-nodes' = {config.min_available_nodes} exceeds "
                           f"--num-supernodes={num_supernodes}: the run would wait forever")
     check_dataset_available(config.dataset, config.data_root or None)
+    validate_run(config)
     if config.resume_from:
         resume_checkpoint(config)  # a missing checkpoint or a changed key is refused here, not after submission
     partition_dataset(config.dataset, config.data_root or None, config.partitioner, num_supernodes, config.seed,

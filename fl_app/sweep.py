@@ -1,21 +1,26 @@
 """Hydra entry point: one in-process Flower simulation per Hydra job.
 
-    python -m fl_app.sweep pan.mode=mul pan.t=4 pan.a=0.1 data.alpha=0.1 seed=1
-    python -m fl_app.sweep -m pan.mode=mul pan.t=1,4,8 pan.a=0,0.05,0.1 data.alpha=0.1,1.0 seed=0,1,2
+    python -m fl_app.sweep pan.mode=mul pan.t=4 pan.a=0.1 data.dirichlet_alpha=0.1 seed=1
+    python -m fl_app.sweep -m pan.mode=mul pan.t=1,4,8 pan.a=0,0.05,0.1 data.dirichlet_alpha=0.1,1.0 seed=0,1,2
 
-The composed Hydra config (``conf/``) becomes run-config keys through
-:data:`HYDRA_TO_RUN_CONFIG` and is validated by :func:`fl_app.config.parse_run_config`,
-the schema ``flwr run`` uses, so a wrong value fails with the same message
-either way. A multirun checks every job's config before the first job trains
-(:class:`ValidateSweep`). Each job writes its run folder ``<job dir>/run`` and a
-``job.json`` (status, error, wall time) that :mod:`fl_app.sweep_report` reads; a
-job that fails is logged and recorded, and the sweep goes on.
+The Hydra configs are generated from the settings classes (:func:`register_configs`: the
+common sections of :mod:`core.config`, every registered algorithm under ``strategy/`` and
+every model under ``model/``), so their defaults are the schema's. Paths map onto run-config
+keys mechanically (:func:`core.config.key_of_path`: ``data.root`` is ``data-root``,
+``strategy.proximal_mu`` is ``proximal-mu``), and the result is validated by
+:func:`fl_app.config.parse_run_config`, the schema ``flwr run`` uses. An override of a key
+that only an unselected algorithm or model has is refused before Hydra starts, naming its
+owner. A multirun checks every job's config before the first job trains
+(:class:`ValidateSweep`). Each job writes its run folder ``<job dir>/run`` and a ``job.json``
+(status, error, wall time) that :mod:`fl_app.sweep_report` reads; a job that fails is logged
+and recorded, and the sweep goes on.
 """
 
 from __future__ import annotations
 
 import logging
-import math
+import re
+import sys
 import time
 import traceback
 from collections.abc import Mapping
@@ -28,6 +33,7 @@ import ray
 import torch
 from flwr.simulation import run_simulation
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -35,69 +41,22 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from fl_app.client_app import build_client_app
-from fl_app.config import ConfigError, RunConfig, parse_run_config, results_root
+from core.config import SECTIONS, hydra_leaf, key_of_path
 from core.data import DatasetMissingError, check_dataset_available
+from fl_app.client_app import build_client_app
+from fl_app.config import ConfigError, RunConfig, owned_settings, parse_run_config, results_root, validate_run
 from fl_app.results import write_json
 from fl_app.server_app import build_server_app
+from models import list_models
+from models.options import non_negative, option, positive, settings_fields
+from models.registry import model_options
+from strategies import get_strategy, list_strategies
 
 log = logging.getLogger(__name__)
 
-#: Hydra path → run-config key, one row per key. The keys ``strategy`` and ``model`` are not paths:
-#: they are the choices of the config groups of the same names (:data:`GROUP_CHOICES`), whose option
-#: files hold that strategy's or model's own settings. A path absent from the composed config
-#: (``strategy.proximal_mu`` unless ``strategy=fedprox``) leaves its key at the schema's default.
-HYDRA_TO_RUN_CONFIG: dict[str, str] = {
-    "dataset": "dataset",
-    "seed": "seed",
-    "device": "device",
-    "init": "init",
-    "log_divergence": "log-divergence",
-    "resume_from": "resume-from",
-    "strategy.proximal_mu": "proximal-mu",
-    "strategy.server_lr": "server-lr",
-    "strategy.server_momentum": "server-momentum",
-    "strategy.moon_mu": "moon-mu",
-    "strategy.moon_tau": "moon-tau",
-    "strategy.ditto_lambda": "ditto-lambda",
-    "strategy.match_cost": "match-cost",
-    "strategy.match_reference": "match-reference",
-    "strategy.match_iterations": "match-iterations",
-    "strategy.retrain_epochs": "retrain-epochs",
-    "strategy.superfed_mode": "superfed-mode",
-    "strategy.superfed_nu": "superfed-nu",
-    "strategy.superfed_mu": "superfed-mu",
-    "strategy.superfed_start": "superfed-start",
-    "strategy.superfed_val_fraction": "superfed-val-fraction",
-    "model.psi_groups": "psi-groups",
-    "model.psi_depth": "psi-depth",
-    "model.width_factor": "width-factor",
-    "pan.mode": "pan-mode",
-    "pan.t": "pan-t",
-    "pan.a": "pan-a",
-    "data.root": "data-root",
-    "data.partitioner": "partitioner",
-    "data.alpha": "dirichlet-alpha",
-    "data.classes_per_client": "classes-per-client",
-    "data.shards_per_client": "shards-per-client",
-    "data.test_fraction": "test-fraction",
-    "data.fraction": "data-fraction",
-    "data.holdout_clients": "holdout-clients",
-    "data.label_noise": "label-noise",
-    "data.label_noise_rate": "label-noise-rate",
-    "train.rounds": "num-server-rounds",
-    "train.local_epochs": "local-epochs",
-    "train.batch_size": "batch-size",
-    "train.lr": "lr",
-    "train.lr_decay": "lr-decay",
-    "train.momentum": "momentum",
-    "train.weight_decay": "weight-decay",
-    "train.fraction_train": "fraction-train",
-    "train.fraction_evaluate": "fraction-evaluate",
-    "train.round_timeout": "round-timeout",
-}
-#: Config group → the run-config key its choice sets.
-GROUP_CHOICES: dict[str, str] = {"strategy": "strategy", "model": "model"}
+GROUPS = ("strategy", "model")
+"""Config groups whose choice is a run-config key of the same name; their options hold that algorithm's or
+model's own settings."""
 #: Run-config keys each job sets itself: every node must join, and the run folder goes in the job's folder.
 SET_PER_JOB = ("min-available-nodes", "results-dir", "run-name")
 #: Top-level sections of the Hydra config that are not run-config keys.
@@ -107,34 +66,43 @@ JOB_RECORD = "job.json"
 COMPLETED, FAILED = "completed", "failed"
 
 
+def _none_or(check: Any) -> Any:
+    return lambda value: value is None or check(value)
+
+
 @dataclass(frozen=True)
 class SimSettings:
-    """How one job's simulation uses the machine (``sim.*``, defaults in conf/sim/default.yaml; not run-config keys)."""
+    """How one job's simulation uses the machine (``sim.*``; not run-config keys)."""
 
-    num_supernodes: int
-    client_cpus: float
-    client_gpus: float
-    ray_cpus: int | None
-    ray_gpus: float | None
-    torch_threads: int | None
+    num_supernodes: int = option(10, "clients; the job also sets run-config min-available-nodes to this",
+                                 lambda v: isinstance(v, int) and v > 0, "must be a positive integer")
+    client_cpus: float = option(1.0, "Ray CPUs per client: at most ray_cpus / client_cpus clients train at once",
+                                positive, "must be a positive number")
+    client_gpus: float = option(0.0, "Ray GPUs per client (e.g. 0.25: four clients share one GPU)", non_negative,
+                                "must be a non-negative number")
+    ray_cpus: int | None = option(None, "CPUs this job's Ray may use (null: every core); cap it when jobs run in "
+                                  "parallel", _none_or(lambda v: isinstance(v, int) and v > 0),
+                                  "must be a positive integer or null")
+    ray_gpus: float | None = option(None, "GPUs this job's Ray may use (null: every visible GPU)",
+                                    _none_or(non_negative), "must be a non-negative number or null")
+    torch_threads: int | None = option(None, "torch threads of the job's own process (server-side evaluation); "
+                                       "null: torch's default", _none_or(lambda v: isinstance(v, int) and v > 0),
+                                       "must be a positive integer or null")
 
     @classmethod
     def from_config(cls, sim: Mapping[str, Any]) -> SimSettings:
         """Check ``sim.*`` the way the schema checks run-config keys: name the key, the value, what is allowed."""
         known = set(cls.__dataclass_fields__)
-        if set(sim) != known:
-            raise ConfigError(f"sim has key(s) {sorted('sim.' + k for k in set(sim) - known)} it does not know and "
-                              f"lacks {sorted('sim.' + k for k in known - set(sim))}; "
+        unknown = sorted(set(sim) - known)
+        if unknown:
+            raise ConfigError(f"sim has key(s) {['sim.' + k for k in unknown]} it does not know; "
                               f"the keys are {sorted('sim.' + k for k in known)}")
         settings = cls(**sim)
-        _check_number("sim.num_supernodes", settings.num_supernodes, integer=True, positive=True)
-        _check_number("sim.client_cpus", settings.client_cpus, positive=True)
-        _check_number("sim.client_gpus", settings.client_gpus)
-        for key in ("ray_cpus", "torch_threads"):
-            if getattr(settings, key) is not None:
-                _check_number(f"sim.{key}", getattr(settings, key), integer=True, positive=True)
-        if settings.ray_gpus is not None:
-            _check_number("sim.ray_gpus", settings.ray_gpus)
+        for name, spec in cls.__dataclass_fields__.items():
+            value = getattr(settings, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float, type(None))) \
+                    or not spec.metadata["check"](value):
+                raise ConfigError(f"'sim.{name}' = {value!r} is not allowed: {spec.metadata['allowed']}")
         if settings.ray_cpus is not None and settings.client_cpus > settings.ray_cpus:
             raise ConfigError(f"sim.client_cpus = {settings.client_cpus} is not allowed: must be at most "
                               f"sim.ray_cpus = {settings.ray_cpus}, or no client could ever be scheduled")
@@ -148,12 +116,24 @@ class SimSettings:
                 "init_args": init_args}
 
 
-def _check_number(key: str, value: Any, *, integer: bool = False, positive: bool = False) -> None:
-    kind = int if integer else (int, float)
-    allowed = f"must be a{' positive' if positive else ' non-negative'} {'integer' if integer else 'number'}"
-    if (isinstance(value, bool) or not isinstance(value, kind) or not math.isfinite(value)
-            or value < 0 or (positive and value == 0)):
-        raise ConfigError(f"'{key}' = {value!r} is not allowed: {allowed}")
+def _section_node(section: str, settings: type, skip: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The Hydra node of a settings class: leaf → default."""
+    return {hydra_leaf(section, s.key): s.default for s in settings_fields(settings) if s.key not in skip}
+
+
+def register_configs() -> None:
+    """Put the generated configs into Hydra's ConfigStore (again after an algorithm or model registers)."""
+    store = ConfigStore.instance()
+    store.store(name="alignfl_run", node=_section_node("", SECTIONS[""], ("strategy", "model", *SET_PER_JOB)))
+    for section, settings in SECTIONS.items():
+        if section:
+            store.store(group=section, name="default", node=_section_node(section, settings, SET_PER_JOB))
+    store.store(group="sim", name="default", node={f: spec.default for f, spec in
+                                                    SimSettings.__dataclass_fields__.items()})
+    for name in list_strategies():
+        store.store(group="strategy", name=name, node=_section_node("", get_strategy(name).settings))
+    for name in list_models():
+        store.store(group="model", name=name, node=_section_node("", model_options(name)))
 
 
 def _leaves(node: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -173,13 +153,20 @@ def hydra_to_run_config(cfg: DictConfig, choices: Mapping[str, Any]) -> dict[str
     sections = [key for key in cfg if key not in NOT_RUN_CONFIG]
     container = OmegaConf.to_container(OmegaConf.masked_copy(cfg, sections), resolve=True)
     assert isinstance(container, dict)
-    leaves = _leaves(container)
-    unmapped = sorted(set(leaves) - set(HYDRA_TO_RUN_CONFIG))
+    keys = set(owned_settings()) | {s.key for settings in SECTIONS.values() for s in settings_fields(settings)}
+    values: dict[str, Any] = {group: choices[group] for group in GROUPS}
+    unmapped = []
+    for path, value in _leaves(container).items():
+        section, _, leaf = path.rpartition(".")
+        key = key_of_path("" if section in GROUPS else section, leaf, keys)
+        if key is None:
+            unmapped.append(path)
+        else:
+            values[key] = value
     if unmapped:
-        raise ConfigError(f"Hydra key(s) {unmapped} map to no run-config key; "
-                          f"known keys: {sorted(HYDRA_TO_RUN_CONFIG)} (see fl_app/sweep.py)")
-    return {**{key: choices[group] for group, key in GROUP_CHOICES.items()},
-            **{HYDRA_TO_RUN_CONFIG[path]: value for path, value in leaves.items()}}
+        raise ConfigError(f"Hydra key(s) {sorted(unmapped)} map to no run-config key; a path is "
+                          "<section>.<key with _ for ->, e.g. train.lr or data.dirichlet_alpha")
+    return values
 
 
 def job_settings(cfg: DictConfig, choices: Mapping[str, Any], results_dir: Path) -> tuple[RunConfig, SimSettings]:
@@ -187,7 +174,9 @@ def job_settings(cfg: DictConfig, choices: Mapping[str, Any], results_dir: Path)
     sim = SimSettings.from_config(OmegaConf.to_container(cfg.sim, resolve=True))  # type: ignore[arg-type]
     values = {**hydra_to_run_config(cfg, choices), "min-available-nodes": sim.num_supernodes,
               "results-dir": str(results_dir.resolve()), "run-name": RUN_NAME}
-    return parse_run_config(values), sim
+    config = parse_run_config(values)
+    validate_run(config)
+    return config, sim
 
 
 def sweep_job_overrides(config: DictConfig) -> list[list[str]]:
@@ -279,13 +268,52 @@ class JobFailed(RuntimeError):
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
-def main(cfg: DictConfig) -> str:
+def hydra_main(cfg: DictConfig) -> str:
     """One Hydra job; returns its status (a multirun's report is written by ``fl_app.sweep_report``)."""
     hydra_config = HydraConfig.get()
     record = run_job(cfg, hydra_config.runtime.choices, Path(hydra_config.runtime.output_dir))
     if record["status"] == FAILED and hydra_config.mode == RunMode.RUN:
         raise JobFailed(record["error"])
     return record["status"]
+
+
+_OVERRIDE = re.compile(r"^(?P<group>strategy|model)(?:\.(?P<leaf>\w+))?=(?P<value>.*)$")
+
+
+def unowned_override(arguments: list[str]) -> str | None:
+    """Why an override sets a key that the chosen algorithm or model (every choice of a swept group) lacks, or
+    None; Hydra itself would only say that the key is not in the config."""
+    choices = {"strategy": ["fedavg"], "model": ["mlp"]}
+    leaves: list[tuple[str, str]] = []
+    for argument in arguments:
+        match = _OVERRIDE.match(argument.lstrip("+~"))
+        if match is None:
+            continue
+        if match["leaf"] is None:
+            choices[match["group"]] = match["value"].split(",")
+        else:
+            leaves.append((match["group"], match["leaf"]))
+    owned = owned_settings()
+    for group, leaf in leaves:
+        key = leaf.replace("_", "-")
+        owners = list(owned[key].owners) if key in owned else []
+        strays = [choice for choice in choices[group] if choice not in owners]
+        if not owners:
+            return f"override {group}.{leaf}: no {group} has a setting '{key}'"
+        if strays:
+            return (f"override {group}.{leaf}: '{key}' belongs to {group} {owners}, not to {group} {strays}; "
+                    f"set {group}={owners[0]} or leave the override out")
+    return None
+
+
+def main() -> None:
+    """``python -m fl_app.sweep``: refuse an override no chosen algorithm or model has, then run Hydra."""
+    register_configs()
+    problem = unowned_override(sys.argv[1:])
+    if problem is not None:
+        print(f"[alignfl] refused before starting: {problem}", file=sys.stderr)
+        sys.exit(2)
+    hydra_main()
 
 
 if __name__ == "__main__":
