@@ -109,6 +109,10 @@ class DataSection:
                                     "must be > 0 (smaller is more skewed)")
     classes_per_client: int = option(2, "classes per client (pathological)", positive, "must be a positive integer")
     shards_per_client: int = option(2, "shards per client (shard)", positive, "must be a positive integer")
+    samples_per_client: int = option(0, "samples per client (fixed-pairs; 0: as many as the smallest class allows)",
+                                     lambda v: v >= 0, "must be an integer >= 0")
+    train_size: int = option(0, "training samples partitioned, a seeded random subset (0: all)", lambda v: v >= 0,
+                             "must be an integer >= 0 (0: the whole training set)")
     test_fraction: float = option(0.2, "share of each client's data kept for its local test split",
                                   lambda v: 0 < v < 1, "must lie in (0, 1)")
     data_fraction: float = option(1.0, "share of each client's partition it keeps (before the test split)",
@@ -151,6 +155,12 @@ class RunConfig(RunSection, TrainSection, DataSection, PanSection):
     def pan_signature(self) -> dict[str, Any]:
         """The keys a client must share with the server: encodings are fixed, never averaged."""
         return {"pan-mode": self.pan_mode, "pan-t": self.pan_t, "pan-a": self.pan_a}
+
+    def partition_options(self) -> dict[str, Any]:
+        """The keyword settings of :func:`core.data.partition_dataset`."""
+        return {"dirichlet_alpha": self.dirichlet_alpha, "classes_per_client": self.classes_per_client,
+                "shards_per_client": self.shards_per_client, "samples_per_client": self.samples_per_client,
+                "train_size": self.train_size}
 
     def to_run_config(self) -> dict[str, Any]:
         """The hyphenated key → value mapping, as ``flwr run`` and the results folder store it."""

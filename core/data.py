@@ -512,6 +512,8 @@ class _PartitionSettings:
     dirichlet_alpha: float
     classes_per_client: int
     shards_per_client: int
+    samples_per_client: int = 0
+    train_size: int = 0
 
 
 _PartitionerBuilder = Callable[[_PartitionSettings], "Partitioner"]
@@ -601,6 +603,15 @@ def _build_shard(settings: _PartitionSettings) -> Partitioner:
     )
 
 
+@_partitioner("fixed-pairs", keys=("samples-per-client",))
+def _build_fixed_pairs(settings: _PartitionSettings) -> Partitioner:
+    """SuPerFed's authors' pathological split: client k holds the classes {k // (K/5), 5 + k // (K/5)} (for 10
+    classes), in equal shares (:class:`core.partitioners.FixedPairPartitioner`)."""
+    from core.partitioners import FixedPairPartitioner
+
+    return FixedPairPartitioner(settings.num_partitions, settings.samples_per_client or None, settings.seed)
+
+
 def list_partitioners() -> list[str]:
     """Names accepted by ``partition_dataset``."""
     return sorted(_PARTITIONERS)
@@ -624,11 +635,15 @@ def partition_dataset(
     dirichlet_alpha: float = 0.5,
     classes_per_client: int = 2,
     shards_per_client: int = 2,
+    samples_per_client: int = 0,
+    train_size: int = 0,
 ) -> tuple[np.ndarray, ...]:
     """Read-only index arrays into the train split, one per partition.
 
     A pure function of its arguments, cached per process: all partitions are
     computed in one go, so any number of clients costs one partitioning.
+    ``train-size`` > 0 partitions only that many training samples, a seeded random
+    subset (the FedMA study's 10,000-image MNIST subset); 0 uses all.
     """
     _, num_classes = dataset_info(dataset)
     if partitioner not in _PARTITIONERS:
@@ -648,6 +663,8 @@ def partition_dataset(
             "classes-per-client", classes_per_client, 1, num_classes
         ),
         shards_per_client=_require_int("shards-per-client", shards_per_client, 1),
+        samples_per_client=_require_int("samples-per-client", samples_per_client, 0),
+        train_size=_require_int("train-size", train_size, 0, len(_load_cached(dataset, _resolve_root(data_root)).train_y)),
     )
     return _compute_partitions(dataset, _resolve_root(data_root), partitioner, settings)
 
@@ -710,7 +727,7 @@ def _partition_labels(
 
     # Shuffle rows by the seed: IidPartitioner cuts contiguous blocks, and the
     # label partitioners take each class's samples in row order.
-    order = np.random.default_rng(settings.seed).permutation(len(labels))
+    order = np.random.default_rng(settings.seed).permutation(len(labels))[: settings.train_size or None]
     entry = _PARTITIONERS[partitioner]
     split = entry.build(settings)
     split.dataset = Dataset.from_dict({"label": labels[order], "index": order})

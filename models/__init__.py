@@ -6,7 +6,7 @@ Importing this package registers every network (``mlp``, ``small-mlp``, ``twonn`
 """
 
 from models.registry import build_model, list_models, register_model  # first: model modules import it
-from models import cnn, mlp, psinet, resnet, transformer, vgg  # noqa: F401  (importing registers the networks)
+from models import cnn, mlp, mobilenet, psinet, resnet, transformer, vgg  # noqa: F401  (importing registers the networks)
 from models.pan import PanSettings, PositionEncoding
 from models.permutation import (
     AxisRef,

@@ -63,8 +63,6 @@ class PsiOptions(WidthOptions):
     psi_depth: int = option(2, "hidden layers shared by every group (the first two convs: VGG's low-level layers)",
                             lambda v: v >= 0, "must be an integer >= 0")
 
-PSI_MODELS = ("psi-vgg9", "psi-vgg11")
-"""Models whose state follows the ``groups.{g}.`` convention (what the ``psinet`` strategy needs)."""
 _GROUP_KEY = re.compile(r"(?:^|\.)groups\.(\d+)\.")
 
 

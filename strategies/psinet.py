@@ -39,7 +39,7 @@ from torch import nn
 from core.model_io import federated_state
 from core.rounds import Reply, RunContext, ServerStrategy, reply_problem
 from models.options import ConfigError
-from models.psinet import GroupLayout, PsiNet, held_groups
+from models.psinet import GroupLayout, held_groups
 from strategies.base import LocalUpdate
 from strategies.registry import Algorithm, register_strategy
 
@@ -57,7 +57,7 @@ class PsiNetUpdate(LocalUpdate):
         self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, generator: torch.Generator,
         device: torch.device,
     ) -> dict[str, float]:
-        if not isinstance(model, PsiNet):
+        if not isinstance(getattr(model, "layout", lambda: None)(), GroupLayout):
             raise ValueError(f"strategy 'psinet' needs a Ψ-Net model, got {type(model).__name__}")
         self.held = held_groups(model.class_groups, y)
         self._keys = model.layout().keys_for(self.held)

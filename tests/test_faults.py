@@ -8,7 +8,6 @@ simulation.
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 import random
@@ -34,7 +33,8 @@ from core.config import RunConfig
 from fl_app.config import ConfigError, parse_run_config
 from fl_app.server_app import build_server_app, run_experiment
 from strategies import get_strategy, list_strategies
-from core.rounds import MetricAggregation, Participation
+from core.rounds import MetricAggregation, Reply, RoundRunner, RunContext, ServerStrategy
+from models.protocol import ModelHead
 from fl_app.inprocess import InProcessGrid
 
 TINY = {"dataset": "digits", "model": "small-mlp", "num-server-rounds": 2, "min-available-nodes": 3,
@@ -157,7 +157,8 @@ def test_failed_late_gone_and_malformed_clients_are_dropped_with_their_reasons(t
 def test_a_dropped_reply_never_reaches_the_global_model(tmp_path, strategy):
     """For every strategy: NaN and incomplete replies leave the global model exactly as when those clients fail
     outright or never answer, while the remaining client's updates do change it."""
-    settings = {"strategy": strategy, "model": MODELS.get(strategy, "small-mlp"), "superfed-start": 0.0}
+    settings = {"strategy": strategy, "model": MODELS.get(strategy, "small-mlp"),
+                **({"superfed-start": 0.0} if strategy == "superfed" else {})}
     malformed, _ = run(tmp_path, "malformed", faults={1: "nan", 2: "missing"}, **settings)
     absent, _ = run(tmp_path, "absent", faults={1: "raise", 2: "late"}, **settings)
     reference = final_model(absent)
@@ -167,89 +168,104 @@ def test_a_dropped_reply_never_reaches_the_global_model(tmp_path, strategy):
     assert records[-1]["loss"] != records[0]["loss"]  # partition 0's updates went in
 
 
-def test_a_round_with_fewer_than_min_train_nodes_usable_replies_keeps_the_global_model():
-    strategy = get_strategy("fedavg").build_server(RunConfig(), MetricAggregation(_fold, _fold))
-    strategy.min_train_nodes = 2
-    strategy._reference = ArrayRecord({"w": torch.zeros(2)})
-    seen: list[Participation] = []
-    strategy.participation_fn = lambda _, participation: seen.append(participation)
-    strategy._sampled = [1, 2, 3]
-    good = _reply({"w": torch.ones(2)}, node=1)
-    assert strategy.aggregate_train(1, [good, _error_reply(node=2)]) == (None, None)
-    assert seen[0].sampled == 3 and seen[0].trained == 0
-    assert "fewer than min-train-nodes=2" in seen[0].dropped["node 1"]
-    assert "timeout" in seen[0].dropped["node 3"]
+class ScriptedGrid(InProcessGrid):
+    """Nodes that answer every training message with what ``script`` says for their partition: a metrics
+    dict and arrays (a reply), or None (an error reply); queries and evaluations as a real node does."""
+
+    def __init__(self, script: dict[int, tuple[dict[str, torch.Tensor], dict] | None]) -> None:
+        super().__init__(ClientApp(), len(script))
+        self.script = script
+
+    def deliver(self, message: Message) -> Message:
+        message.metadata.__dict__["_message_id"] = uuid.uuid4().hex
+        partition = int(self.contexts[message.metadata.dst_node_id].node_config["partition-id"])
+        kind = message.metadata.message_type
+        if kind == MessageType.QUERY:
+            return Message(RecordDict({"metrics": MetricRecord({"partition-id": partition,
+                                                                 "num-partitions": len(self.script)})}),
+                           reply_to=message)
+        if kind == MessageType.EVALUATE:
+            return Message(RecordDict({"metrics": MetricRecord({"num-examples": 1})}), reply_to=message)
+        scripted = self.script[partition]
+        if scripted is None:
+            return Message(Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, "boom"), reply_to=message)
+        arrays, metrics = scripted
+        return Message(RecordDict({"arrays": ArrayRecord(arrays), "metrics": MetricRecord(metrics)}),
+                       reply_to=message)
 
 
 def _fold(records, key):
     return MetricRecord({"n": len(records)})
 
 
-def _reply(arrays: dict[str, torch.Tensor], node: int, examples: int = 4, **metrics) -> SimpleNamespace:
-    content = RecordDict({"arrays": ArrayRecord(arrays), "metrics": MetricRecord({"num-examples": examples,
-                                                                                  **metrics})})
-    return SimpleNamespace(content=content, has_error=lambda: False, metadata=SimpleNamespace(reply_to_message_id="", src_node_id=node))
-
-
-def _error_reply(node: int) -> SimpleNamespace:
-    return SimpleNamespace(has_error=lambda: True, error=Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, "boom"),
-                           metadata=SimpleNamespace(reply_to_message_id="", src_node_id=node))
+def scripted_runner(script, name: str = "fedavg", server=None, **values) -> tuple[RoundRunner, list]:
+    """A round runner over :class:`ScriptedGrid` for a model with one array ``w`` of zeros; also returns the
+    list that collects ``(round, what was reported)``."""
+    config = parse_run_config({**TINY, "strategy": name, "min-available-nodes": len(script), **values})
+    context = RunContext(config, ArrayRecord({"w": torch.zeros(2)}), None, ModelHead((), 2))
+    seen: list = []
+    metrics = MetricAggregation(lambda records, key: seen.append(("train", len(records))) or MetricRecord(),
+                                lambda records, key: seen.append(("evaluate", len(records))) or MetricRecord(),
+                                lambda round_, participation: seen.append(("participation", participation)))
+    strategy = (server or get_strategy(name).server)(context)
+    return RoundRunner(strategy, ScriptedGrid(script), metrics), seen
 
 
 def test_a_reply_whose_metric_keys_differ_is_dropped_instead_of_failing_the_round():
-    strategy = get_strategy("fedavg").build_server(RunConfig(), MetricAggregation(_fold, _fold))
-    strategy._reference = ArrayRecord({"w": torch.zeros(2)})
-    replies = [_reply({"w": torch.ones(2)}, 1, loss=1.0), _reply({"w": torch.full((2,), 9.0)}, 2, other=1.0),
-               _reply({"w": torch.full((2,), 3.0)}, 3, loss=2.0)]
-    arrays, metrics = strategy.aggregate_train(1, replies)
-    np.testing.assert_allclose(arrays["w"].numpy(), [2.0, 2.0])  # node 2 (odd keys) left out
-    assert metrics["n"] == 2
+    examples = {"num-examples": 4}
+    runner, seen = scripted_runner({0: ({"w": torch.ones(2)}, {**examples, "loss": 1.0}),
+                                    1: ({"w": torch.full((2,), 9.0)}, {**examples, "other": 1.0}),
+                                    2: ({"w": torch.full((2,), 3.0)}, {**examples, "loss": 2.0}),
+                                    3: None})
+    arrays = runner.train_round(1, ArrayRecord({"w": torch.zeros(2)}))
+    np.testing.assert_allclose(arrays["w"].numpy(), [2.0, 2.0])  # partition 1 (odd keys) and 3 (error) left out
+    participation = next(p for kind, p in seen if kind == "participation")
+    assert (participation.sampled, participation.trained) == (4, 2)
+    assert "metric keys differ" in participation.dropped["1"] and "boom" in participation.dropped["3"]
+    assert ("train", 2) in seen
 
 
 def test_malformed_evaluate_replies_are_left_out_of_the_means():
-    strategy = get_strategy("fedavg").build_server(RunConfig(), MetricAggregation(_fold, _fold))
+    runner, seen = scripted_runner({p: None for p in range(5)})
+    scores = [{"num-examples": 3, "local-accuracy": 0.5}, {"local-accuracy": 0.9},  # no example count
+              {"num-examples": -1, "local-accuracy": 0.9}, None,
+              {"num-examples": 0, "local-accuracy": 0.0}]  # an empty test split is fine
 
-    def evaluate_reply(node: int, **metrics) -> SimpleNamespace:
-        return SimpleNamespace(content=RecordDict({"metrics": MetricRecord(metrics)}), has_error=lambda: False,
-                               metadata=SimpleNamespace(reply_to_message_id="", src_node_id=node))
+    def evaluate(message: Message) -> Message:
+        message.metadata.__dict__["_message_id"] = uuid.uuid4().hex
+        partition = int(runner.grid.contexts[message.metadata.dst_node_id].node_config["partition-id"])
+        if scores[partition] is None:
+            return Message(Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, "boom"), reply_to=message)
+        return Message(RecordDict({"metrics": MetricRecord(scores[partition])}), reply_to=message)
 
-    replies = [evaluate_reply(1, **{"num-examples": 3, "local-accuracy": 0.5}),
-               evaluate_reply(2, **{"local-accuracy": 0.9}),  # no example count
-               evaluate_reply(3, **{"num-examples": -1, "local-accuracy": 0.9}),
-               _error_reply(4),
-               evaluate_reply(5, **{"num-examples": 0, "local-accuracy": 0.0})]  # an empty test split is fine
-    assert strategy.aggregate_evaluate(1, replies)["n"] == 2
-
-
-class _NanAggregate(FedAvg):
-    """A strategy whose aggregation is broken: the round loop must refuse what it returns."""
-
-    def aggregate_train(self, server_round, replies):
-        list(replies)
-        return ArrayRecord({"w": torch.full((2,), math.nan)}), None
+    runner.nodes.connected()  # partitions learnt first, through the scripted queries
+    runner.grid.deliver = evaluate
+    runner.evaluate_round(1, ArrayRecord({"w": torch.zeros(2)}))
+    assert seen == [("evaluate", 2)]
 
 
-def test_the_round_loop_refuses_an_aggregate_that_is_not_finite():
-    strategy = _NanAggregate(min_available_nodes=1, min_train_nodes=1, min_evaluate_nodes=1)
-    app = ClientApp()
+class _NanAggregate(ServerStrategy):
+    """A server side whose aggregation is broken: the round runner must refuse what it returns."""
 
-    @app.train()
-    def train(message: Message, context: Context) -> Message:
-        return Message(RecordDict({"arrays": message.content["arrays"],
-                                   "metrics": MetricRecord({"num-examples": 1})}), reply_to=message)
+    def aggregate(self, server_round, replies, reference):
+        return ArrayRecord({"w": torch.full((2,), math.nan)})
 
-    @app.query()
-    def query(message: Message, context: Context) -> Message:
-        return Message(RecordDict({"metrics": MetricRecord({"partition-id": 0, "num-partitions": 1})}),
-                       reply_to=message)
 
-    @app.evaluate()
-    def evaluate(message: Message, context: Context) -> Message:
-        return Message(RecordDict({"metrics": MetricRecord({"num-examples": 1})}), reply_to=message)
+def test_the_round_runner_refuses_an_aggregate_that_is_not_finite():
+    runner, _ = scripted_runner({0: ({"w": torch.ones(2)}, {"num-examples": 1})}, server=_NanAggregate)
+    final = runner.run(ArrayRecord({"w": torch.ones(2)}))
+    assert torch.equal(torch.from_numpy(final["w"].numpy()), torch.ones(2))
 
-    start = ArrayRecord({"w": torch.ones(2)})
-    result = strategy.start(InProcessGrid(app, 1), start, num_rounds=2)
-    assert torch.equal(torch.from_numpy(result.arrays["w"].numpy()), torch.ones(2))
+
+def test_a_dead_node_never_stalls_later_rounds():
+    """min-available-nodes is waited for (boundedly) before the first round only; afterwards each round
+    samples the nodes that are connected."""
+    runner, seen = scripted_runner({p: ({"w": torch.ones(2)}, {"num-examples": 1}) for p in range(3)})
+    arrays = runner.train_round(1, ArrayRecord({"w": torch.zeros(2)}))
+    del runner.grid.contexts[next(iter(runner.grid.contexts))]  # a node leaves
+    runner.train_round(2, arrays)
+    trained = [p.trained for kind, p in seen if kind == "participation"]
+    assert trained == [3, 2]
 
 
 # --- checkpoints and resume ------------------------------------------------------------------------------
@@ -299,26 +315,24 @@ def test_a_crash_between_a_rounds_metrics_and_its_checkpoint_loses_and_repeats_n
 
 
 def test_client_sampling_ignores_other_draws_from_the_global_random():
-    """Flower samples with Python's global ``random``, which other server code also draws from at times that
-    depend on the clock; each strategy lends it its own stream, so the sampled clients stay reproducible."""
-    grid = InProcessGrid(build_client_app(TINY), 6)
+    """The round runner samples with its own seeded ``random.Random``: other code drawing from the global
+    stream (Flower's threads, Ray) changes nothing, and the draws differ between rounds."""
 
     def sampled(perturb: bool) -> list[list[int]]:
-        config = parse_run_config({**TINY, "fraction-train": 0.5, "seed": 3})
-        strategy = get_strategy("fedavg").build_server(config, MetricAggregation(_fold, _fold))
+        runner, _ = scripted_runner({p: ({"w": torch.ones(2)}, {"num-examples": 1}) for p in range(6)},
+                                    **{"fraction-train": 0.5, "seed": 3})
         rounds = []
-        for round_ in (1, 2, 3):
+        for _ in range(3):
             if perturb:
                 random.random()
-            messages = strategy.configure_train(round_, ArrayRecord({"w": torch.zeros(1)}), ConfigRecord(), grid)
-            rounds.append(sorted(m.metadata.dst_node_id for m in messages))
+            rounds.append(sorted(runner._sample(runner.nodes.trainable(), 0.5)))
         return rounds
 
     random.seed(0)
     first = sampled(perturb=False)
     random.seed(1)
     assert sampled(perturb=True) == first
-    assert len({tuple(nodes) for nodes in first}) > 1  # the draws differ between rounds
+    assert len({tuple(nodes) for nodes in first}) > 1
 
 
 def test_resume_refuses_a_missing_folder_or_checkpoint_and_changed_keys(tmp_path):
@@ -352,60 +366,62 @@ def test_resume_and_timeout_keys_are_checked(key, value, fragment):
         parse_run_config({key: value})
 
 
-def _state_after_rounds(name: str, rounds: int):
-    """A strategy of ``name`` after ``rounds`` aggregations of two fake replies."""
-    strategy = get_strategy(name).build_server(RunConfig(strategy=name), MetricAggregation(_fold, _fold))
-    reference = ArrayRecord({"w": torch.zeros(3)})
-    strategy._reference = reference
-    if name == "fedavgm":
-        strategy.current_arrays = reference
-    if name == "scaffold":
-        strategy.control = ArrayRecord({"w": torch.zeros(3)})  # configure_train sets c to zeros in round 1
+def _server_after_rounds(name: str, rounds: int) -> tuple[ServerStrategy, ArrayRecord]:
+    """The server side of ``name`` after ``rounds`` aggregations of two fake replies, and its global model."""
+    config = parse_run_config({"strategy": name})
+    context = RunContext(config, ArrayRecord({"w": torch.zeros(3)}), None, ModelHead((), 2))
+    server = get_strategy(name).server(context)
+    reference = context.initial_arrays
+    if name == "scaffold":  # plan_train sets c to zeros in round 1
+        server.plan_train(1, reference, ConfigRecord(), lambda: [], SimpleNamespace(trainable=lambda: [1, 2]))
     for round_ in range(1, rounds + 1):
-        replies = [_reply({"w": torch.full((3,), float(round_ + node))}, node) for node in (1, 2)]
+        reference = server.aggregate(round_, _replies(name, float(round_)), reference)
+    return server, reference
+
+
+def _replies(name: str, value: float) -> list[Reply]:
+    replies = []
+    for node in (1, 2):
+        content = RecordDict({"arrays": ArrayRecord({"w": torch.full((3,), value + node)}),
+                              "metrics": MetricRecord({"num-examples": 4})})
         if name == "scaffold":
-            for reply in replies:
-                reply.content["control"] = ArrayRecord({"w": torch.full((3,), 0.5)})
-        arrays, _ = strategy.aggregate_train(round_, replies)
-        strategy._reference = arrays
-    return strategy
+            content["control"] = ArrayRecord({"w": torch.full((3,), 0.5)})
+        replies.append(Reply(node, node - 1, content))
+    return replies
 
 
 @pytest.mark.parametrize("name", ["fedavgm", "scaffold"])
 def test_server_state_survives_a_checkpoint_file(tmp_path, name):
-    strategy = _state_after_rounds(name, 2)
-    state = strategy.state_dict()
-    assert state  # these strategies carry something from round to round
+    server, reference = _server_after_rounds(name, 2)
+    assert server.state_dict()  # these strategies carry something from round to round
     recorder = {"rows": [{"round": 0, "accuracy": 0.1}], "extra-keys": [], "elapsed-s": 1.0}
-    save_checkpoint(tmp_path, capture(2, RunConfig(strategy=name), strategy._reference, strategy, recorder))
-    fresh = get_strategy(name).build_server(RunConfig(strategy=name), MetricAggregation(_fold, _fold))
+    runner = SimpleNamespace(strategy=server, sampling_state=random.Random(0).getstate())
+    save_checkpoint(tmp_path, capture(2, server.context.config, reference, runner, recorder))
+    fresh, _ = _server_after_rounds(name, 0)
     fresh.load_state_dict(load_checkpoint(tmp_path).strategy_state)
-    fresh._reference = strategy._reference
-    replies = [_reply({"w": torch.full((3,), 7.0)}, 1)]
-    if name == "scaffold":
-        replies[0].content["control"] = ArrayRecord({"w": torch.ones(3)})
-    expected, _ = strategy.aggregate_train(3, copy.deepcopy(replies))
-    got, _ = fresh.aggregate_train(3, replies)
+    expected = server.aggregate(3, _replies(name, 7.0), reference)
+    got = fresh.aggregate(3, _replies(name, 7.0), reference)
     np.testing.assert_array_equal(got["w"].numpy(), expected["w"].numpy())
 
 
 def test_a_stateless_strategy_refuses_foreign_state():
-    strategy = get_strategy("fedavg").build_server(RunConfig(), MetricAggregation(_fold, _fold))
-    assert strategy.state_dict() == {}
+    server, _ = _server_after_rounds("fedavg", 0)
+    assert server.state_dict() == {}
     with pytest.raises(ValueError, match="keeps no server state"):
-        strategy.load_state_dict({"control": {}})
+        server.load_state_dict({"control": {}})
 
 
 def test_the_checkpoint_is_replaced_whole(tmp_path):
     config = RunConfig()
-    strategy = get_strategy("fedavg").build_server(config, MetricAggregation(_fold, _fold))
+    runner = SimpleNamespace(strategy=ServerStrategy(RunContext(config, ArrayRecord(), None, ModelHead((), 2))),
+                             sampling_state=random.Random(5).getstate())
     recorder = {"rows": [], "extra-keys": [], "elapsed-s": 0.0}
-    save_checkpoint(tmp_path, capture(1, config, ArrayRecord({"w": torch.zeros(2)}), strategy, recorder))
-    save_checkpoint(tmp_path, capture(2, config, ArrayRecord({"w": torch.ones(2)}), strategy, recorder))
+    save_checkpoint(tmp_path, capture(1, config, ArrayRecord({"w": torch.zeros(2)}), runner, recorder))
+    save_checkpoint(tmp_path, capture(2, config, ArrayRecord({"w": torch.ones(2)}), runner, recorder))
     assert sorted(p.name for p in tmp_path.iterdir()) == [CHECKPOINT]  # no temporary file left behind
     loaded = load_checkpoint(tmp_path)
     assert loaded.round == 2 and torch.equal(torch.from_numpy(loaded.arrays["w"].numpy()), torch.ones(2))
-    assert loaded.sampling_random == strategy.sampling_state
+    assert loaded.sampling_random == runner.sampling_state
     assert checkpoint_module.config_differences(loaded.config, config.replace(num_server_rounds=50)) == {}
 
 

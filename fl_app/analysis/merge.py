@@ -58,9 +58,7 @@ def train_clients(
     """Train one model per partition; returns their state dicts (CPU), example counts and the dataset."""
     dataset = load_dataset(config.dataset, config.data_root or None)
     partitions = partition_dataset(config.dataset, config.data_root or None, config.partitioner, num_clients,
-                                   config.seed, dirichlet_alpha=config.dirichlet_alpha,
-                                   classes_per_client=config.classes_per_client,
-                                   shards_per_client=config.shards_per_client)
+                                   config.seed, **config.partition_options())
     states, counts = [], []
     for client, indices in enumerate(partitions):
         if len(indices) == 0:
