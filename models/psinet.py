@@ -63,6 +63,7 @@ class PsiOptions(WidthOptions):
     psi_depth: int = option(2, "hidden layers shared by every group (the first two convs: VGG's low-level layers)",
                             lambda v: v >= 0, "must be an integer >= 0")
 
+
 _GROUP_KEY = re.compile(r"(?:^|\.)groups\.(\d+)\.")
 
 

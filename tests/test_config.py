@@ -1,22 +1,64 @@
-"""The run-config schema: defaults in one place, and every refusal names the key and what is allowed."""
+"""The run-config schema: composed from the parts that own the keys, defaults written once, every refusal names
+the key and what is allowed, and a model that does not fit the algorithm is refused before anything starts."""
 
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
 import pytest
 
-from fl_app.config import ConfigError, RunConfig, default_run_config, parse_run_config
+from core.config import RunConfig
+from fl_app.config import (ConfigError, check_run, default_run_config, owned_settings, parse_run_config,
+                           pyproject_table, validate_run)
+from models import list_models
+from strategies import list_strategies
+from strategies.fedprox import FedProxSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_pyproject_defaults_equal_schema_defaults():
-    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    assert pyproject["tool"]["flwr"]["app"]["config"] == default_run_config()
+def test_pyproject_run_config_is_generated_from_the_settings_classes():
+    """`python -m fl_app.config --write` regenerates it; run it after changing a setting."""
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert pyproject_table() in pyproject
+    assert tomllib.loads(pyproject)["tool"]["flwr"]["app"]["config"] == default_run_config()
+
+
+def test_import_layers_are_kept():
+    """models <- core <- strategies <- apps, and the apps never import the analysis tools (import-linter)."""
+    result = subprocess.run([str(Path(sys.executable).parent / "lint-imports")], cwd=ROOT, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_empty_config_gives_defaults():
     assert parse_run_config({}) == RunConfig()
+
+
+def test_every_key_of_an_algorithm_lives_in_its_settings():
+    config = parse_run_config({"strategy": "fedprox", "proximal-mu": 0.5})
+    assert config.settings == FedProxSettings(proximal_mu=0.5)
+    assert config.to_run_config()["proximal-mu"] == 0.5
+    assert "proximal-mu" not in parse_run_config({}).to_run_config()
+
+
+def test_shared_keys_have_one_default_and_name_every_owner():
+    owned = owned_settings()
+    assert set(owned["server-lr"].owners) == {"fedavgm", "scaffold"}
+    assert set(owned["match-cost"].owners) == {"matched", "fedma"}
+    assert {"psi-vgg9", "psi-vgg11", "psi-mobilenet"} <= set(owned["psi-groups"].owners)
+
+
+def test_a_key_of_another_algorithm_is_accepted_at_its_default_and_refused_when_set():
+    """`flwr run` passes every key of pyproject.toml along, so only what the user changed can be told apart."""
+    assert parse_run_config({**default_run_config(), "strategy": "fedavg"}).strategy == "fedavg"
+    with pytest.raises(ConfigError, match="'proximal-mu' = 0.1 belongs to strategy 'fedprox', not to the chosen "
+                                          "strategy 'fedavg'"):
+        parse_run_config({"proximal-mu": 0.1})
+    with pytest.raises(ConfigError, match="'psi-groups' = 3 belongs to model .*'psi-vgg9'.*not to the chosen model "
+                                          "'mlp'"):
+        parse_run_config({"psi-groups": 3})
 
 
 def test_values_are_coerced_and_kept():
@@ -27,35 +69,41 @@ def test_values_are_coerced_and_kept():
 
 
 @pytest.mark.parametrize(
-    ("key", "value", "fragment"),
+    ("values", "key", "value", "fragment"),
     [
-        ("strategy", "fedfoo", "fedavg"),
-        ("model", "nope", "mlp"),
-        ("dataset", "imagenet", "fashion-mnist"),
-        ("partitioner", "zipf", "dirichlet"),
-        ("dirichlet-alpha", 0.0, "> 0"),
-        ("dirichlet-alpha", -1.0, "> 0"),
-        ("fraction-train", 0.0, "(0, 1]"),
-        ("fraction-train", 1.5, "(0, 1]"),
-        ("fraction-evaluate", -0.1, "(0, 1]"),
-        ("num-server-rounds", 0, "positive"),
-        ("local-epochs", -1, "positive"),
-        ("batch-size", 0, "positive"),
-        ("classes-per-client", 11, "number of classes"),
-        ("lr", 0.0, "> 0"),
-        ("momentum", 1.0, "< 1"),
-        ("test-fraction", 1.0, "(0, 1)"),
-        ("results-dir", "relative/path", "absolute"),
-        ("data-root", "data", "absolute"),
-        ("device", "tpu", "cuda"),
-        ("seed", -3, ">= 0"),
-        ("num-server-rounds", "ten", "type int"),
-        ("lr", "fast", "type float"),
+        ({}, "strategy", "fedfoo", "fedavg"),
+        ({}, "model", "nope", "mlp"),
+        ({}, "dataset", "imagenet", "registered"),
+        ({}, "partitioner", "zipf", "registered"),
+        ({}, "dirichlet-alpha", 0.0, "> 0"),
+        ({}, "dirichlet-alpha", -1.0, "> 0"),
+        ({}, "fraction-train", 0.0, "(0, 1]"),
+        ({}, "fraction-train", 1.5, "(0, 1]"),
+        ({}, "fraction-evaluate", -0.1, "(0, 1]"),
+        ({}, "num-server-rounds", 0, "positive"),
+        ({}, "local-epochs", -1, "positive"),
+        ({}, "batch-size", 0, "positive"),
+        ({}, "classes-per-client", 11, "number of classes"),
+        ({}, "lr", 0.0, "> 0"),
+        ({}, "lr", -0.05, "> 0"),
+        ({}, "momentum", 1.0, "[0, 1)"),
+        ({}, "test-fraction", 1.0, "(0, 1)"),
+        ({}, "results-dir", "relative/path", "absolute"),
+        ({}, "data-root", "data", "absolute"),
+        ({}, "device", "tpu", "cuda"),
+        ({}, "seed", -3, ">= 0"),
+        ({}, "node-wait-timeout", 0.0, "> 0"),
+        ({}, "num-server-rounds", "ten", "type int"),
+        ({}, "lr", "fast", "type float"),
+        ({"strategy": "fedprox"}, "proximal-mu", -1.0, ">= 0"),
+        ({"strategy": "superfed"}, "superfed-mode", "xx", "mm"),
+        ({"strategy": "matched"}, "match-cost", "cosine", "weight"),
+        ({"model": "vgg9"}, "width-factor", 0.0, "> 0"),
     ],
 )
-def test_bad_values_are_refused_with_key_and_allowed(key, value, fragment):
+def test_bad_values_are_refused_with_key_and_allowed(values, key, value, fragment):
     with pytest.raises(ConfigError) as error:
-        parse_run_config({key: value})
+        parse_run_config({**values, key: value})
     message = str(error.value)
     assert f"'{key}'" in message and repr(value) in message and fragment in message
 
@@ -70,3 +118,33 @@ def test_replace_validates():
     assert config.num_server_rounds == 4
     with pytest.raises(ConfigError, match="num-server-rounds"):
         RunConfig().replace(num_server_rounds=0)
+
+
+def _fits(strategy: str, model: str) -> bool:
+    try:
+        check_run(parse_run_config({"strategy": strategy, "model": model, "dataset": "digits"}))
+    except ConfigError:
+        return False
+    return True
+
+
+def test_models_that_do_not_fit_the_algorithm_are_refused_naming_both():
+    with pytest.raises(ConfigError, match="'model' = 'mlp' is not allowed with strategy 'psinet'"):
+        check_run(parse_run_config({"strategy": "psinet", "model": "mlp"}))
+    with pytest.raises(ConfigError, match="psi-depth must be an int in"):
+        check_run(parse_run_config({"model": "psi-vgg9", "psi-depth": 99, "dataset": "digits"}))
+    with pytest.raises(ConfigError, match="psi-groups"):
+        check_run(parse_run_config({"model": "psi-vgg9", "psi-groups": 11, "dataset": "digits"}))
+
+
+def test_which_pairs_fit_is_decided_by_the_model_itself():
+    """Ψ-Net averaging needs a grouped net; matching needs a permutation description, which every model has."""
+    assert not _fits("psinet", "mlp") and _fits("psinet", "psi-vgg9") and _fits("psinet", "psi-mobilenet")
+    assert all(_fits("matched", model) for model in list_models())
+    assert all(_fits(name, "small-mlp") for name in list_strategies() if name != "psinet")
+
+
+@pytest.mark.parametrize(("key", "path"), [("results-dir", "/proc/alignfl"), ("data-root", "/nonexistent/data")])
+def test_unusable_folders_are_refused_before_anything_starts(key, path):
+    with pytest.raises(ConfigError, match=f"'{key}' = '{path}'"):
+        validate_run(parse_run_config({key: path}))

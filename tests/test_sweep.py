@@ -15,15 +15,18 @@ from omegaconf import open_dict
 
 from fl_app import sweep_report
 from fl_app.config import ConfigError, default_run_config, parse_run_config
-from fl_app.sweep import (GROUP_CHOICES, HYDRA_TO_RUN_CONFIG, JOB_RECORD, SET_PER_JOB, hydra_to_run_config,
-                          job_settings, run_job, validate_sweep)
+from fl_app.sweep import (GROUPS, JOB_RECORD, SET_PER_JOB, hydra_to_run_config, job_settings, register_configs,
+                          run_job, unowned_override, validate_sweep)
+from models import list_models
+from strategies import list_strategies
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
-TINY = ["dataset=digits", "sim.num_supernodes=2", "train.rounds=1"]
+TINY = ["dataset=digits", "sim.num_supernodes=2", "train.num_server_rounds=1"]
 
 
 def composed(overrides=()):
+    register_configs()
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         return compose("config", overrides=list(overrides), return_hydra_config=True)
 
@@ -34,43 +37,32 @@ def sweep(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
 
 
-def test_every_run_config_key_has_exactly_one_hydra_path():
-    mapped = [*HYDRA_TO_RUN_CONFIG.values(), *GROUP_CHOICES.values(), *SET_PER_JOB]
-    assert len(mapped) == len(set(mapped))
-    assert sorted(mapped) == sorted(default_run_config())
-
-
-def test_yaml_defaults_equal_schema_defaults():
-    """Compose the defaults and every strategy and model option file: each value must be the schema's default."""
+def test_hydra_configs_are_generated_with_the_schema_defaults_and_cover_every_key():
+    """Compose the defaults with every strategy and every model: each key has a path, each value is its default."""
     defaults = default_run_config()
-    root = composed()
-    assert {group: root.hydra.runtime.choices[group] for group in GROUP_CHOICES} == {
-        group: defaults[key] for group, key in GROUP_CHOICES.items()}
     seen = {}
-    for group in GROUP_CHOICES:
-        for option in sorted((CONF / group).glob("*.yaml")):
-            cfg = composed([f"{group}={option.stem}"])
-            values = hydra_to_run_config(cfg, cfg.hydra.runtime.choices)
-            for key in GROUP_CHOICES.values():
-                del values[key]
-            seen.update(values)
-    assert set(seen) == set(HYDRA_TO_RUN_CONFIG.values())  # no mapping row without a yaml value
+    for group, names in (("strategy", list_strategies()), ("model", list_models())):
+        for name in names:
+            cfg = composed([f"{group}={name}"])
+            seen.update(hydra_to_run_config(cfg, {**cfg.hydra.runtime.choices, group: name}))
+    seen.update({key: defaults[key] for key in GROUPS})
+    assert sorted([*seen, *SET_PER_JOB]) == sorted(defaults)
     assert seen == {key: defaults[key] for key in seen}
 
 
 def test_hydra_overrides_become_the_validated_run_config(tmp_path):
     cfg = composed(["strategy=fedprox", "strategy.proximal_mu=0.1", "pan.mode=mul", "pan.t=4", "pan.a=0.05",
-                    "data.alpha=0.1", "seed=1", "sim.num_supernodes=7"])
+                    "data.dirichlet_alpha=0.1", "seed=1", "sim.num_supernodes=7"])
     config, sim = job_settings(cfg, cfg.hydra.runtime.choices, tmp_path)
-    assert (config.strategy, config.proximal_mu, config.pan_mode, config.pan_t, config.pan_a) == ("fedprox", 0.1, "mul", 4.0, 0.05)
+    assert (config.strategy, config.settings.proximal_mu, config.pan_mode, config.pan_t, config.pan_a) == ("fedprox", 0.1, "mul", 4.0, 0.05)
     assert (config.dirichlet_alpha, config.seed, config.min_available_nodes) == (0.1, 1, 7)
     assert (config.results_dir, config.run_name) == (str(tmp_path.resolve()), "run")
     assert sim.num_supernodes == 7
     assert sim.backend_config()["client_resources"] == {"num_cpus": 1, "num_gpus": 0.0}
 
 
-@pytest.mark.parametrize(("override", "key", "value"), [("pan.a=-1", "pan-a", -1), ("strategy=nope", "strategy", "nope"),
-                                                        ("model=nope", "model", "nope"), ("data.alpha=0", "dirichlet-alpha", 0.0)])
+@pytest.mark.parametrize(("override", "key", "value"), [("pan.a=-1", "pan-a", -1), ("train.lr=0", "lr", 0),
+                                                        ("data.dirichlet_alpha=0", "dirichlet-alpha", 0.0)])
 def test_a_bad_override_fails_with_the_schema_message(tmp_path, override, key, value):
     with pytest.raises(ConfigError) as schema:
         parse_run_config({key: value})
@@ -89,7 +81,8 @@ def test_keys_outside_the_schema_are_checked_too(tmp_path, override, fragment):
         job_settings(cfg, cfg.hydra.runtime.choices, tmp_path)
 
 
-@pytest.mark.parametrize(("sweep_override", "key", "value"), [("pan.a=0,-1", "pan-a", -1), ("strategy=fedavg,nope", "strategy", "nope")])
+@pytest.mark.parametrize(("sweep_override", "key", "value"), [("pan.a=0,-1", "pan-a", -1),
+                                                              ("data.dirichlet_alpha=0.5,0", "dirichlet-alpha", 0.0)])
 def test_every_job_of_a_sweep_is_validated_before_it_runs(sweep_override, key, value):
     with pytest.raises(ConfigError) as schema:
         parse_run_config({key: value})
@@ -103,6 +96,27 @@ def test_every_job_of_a_sweep_is_validated_before_it_runs(sweep_override, key, v
         with open_dict(cfg):
             cfg.hydra.overrides.task = [*TINY, "pan.a=0,0.1", "strategy=fedavg,fedprox", "seed=0,1"]
         assert validate_sweep(cfg) == 8
+
+
+@pytest.mark.parametrize(("arguments", "fragment"), [
+    (["strategy.proximal_mu=0.1"], "'proximal-mu' belongs to strategy ['fedprox'], not to strategy ['fedavg']"),
+    (["strategy=fedavg,fedprox", "strategy.proximal_mu=0.1"], "not to strategy ['fedavg']"),
+    (["model=vgg9", "model.psi_groups=2"], "not to model ['vgg9']"),
+    (["strategy=fedprox", "strategy.nope=1"], "no strategy has a setting 'nope'"),
+])
+def test_an_override_of_an_unselected_algorithms_key_names_its_owner(arguments, fragment):
+    assert fragment in unowned_override(arguments)
+
+
+def test_overrides_of_the_chosen_algorithm_and_model_pass():
+    assert unowned_override(["strategy=fedprox", "strategy.proximal_mu=0.1", "model=psi-vgg9",
+                             "model.psi_groups=2", "train.lr=0.1"]) is None
+
+
+def test_an_unowned_override_exits_with_the_owner_and_no_traceback(tmp_path):
+    result = sweep(tmp_path, "strategy.proximal_mu=0.1")
+    assert result.returncode == 2
+    assert "set strategy=fedprox" in result.stderr and "Traceback" not in result.stderr
 
 
 def test_invalid_sweep_exits_before_any_job_starts(tmp_path):
@@ -187,7 +201,7 @@ def test_two_by_two_sweep_writes_four_runs_and_a_four_row_table(tmp_path):
     summaries = sorted(tmp_path.glob("*/seed=0/run/summary.json"))
     assert len(summaries) == 4  # one folder per configuration, the seed below it, the run folder inside the job's
     assert {path.parts[-4] for path in summaries} == {
-        f"dataset=digits,pan.a={a},pan.mode=mul,pan.t={t},sim.num_supernodes=2,train.rounds=1"
+        f"dataset=digits,pan.a={a},pan.mode=mul,pan.t={t},sim.num_supernodes=2,train.num_server_rounds=1"
         for a in ("0", "0.1") for t in ("1", "4")}
     with (tmp_path / "summary.csv").open() as stream:
         rows = list(csv.DictReader(stream))
@@ -204,7 +218,7 @@ def test_a_failed_job_is_reported_and_the_sweep_goes_on(tmp_path):
     raw.mkdir(parents=True)
     for name in ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"):
         (raw / name).write_bytes(b"not an idx file")
-    result = sweep(tmp_path / "sweep", "sim.num_supernodes=2", "train.rounds=1", f"data.root={tmp_path / 'data'}",
+    result = sweep(tmp_path / "sweep", "sim.num_supernodes=2", "train.num_server_rounds=1", f"data.root={tmp_path / 'data'}",
                    "dataset=mnist,digits")
     assert result.returncode == 1
     assert "1 of 2 sweep jobs failed" in result.stderr

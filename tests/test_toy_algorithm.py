@@ -1,0 +1,72 @@
+"""Adding an algorithm touches one file: this one. It declares a toy algorithm with one setting, registers it with
+one line, and runs it through the run config `flwr run` passes, a Hydra override and an in-process simulation."""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+from flwr.app import Array, ArrayRecord
+from hydra import compose, initialize_config_dir
+
+from core.rounds import Reply, ServerStrategy, weighted_mean
+from fl_app.config import ConfigError, default_run_config, parse_run_config
+from fl_app.inprocess import run_in_process
+from fl_app.sweep import hydra_to_run_config, register_configs
+from models.options import option, unit_interval
+from strategies import registry
+from strategies.base import LocalUpdate
+from strategies.registry import Algorithm, register_strategy
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+
+
+@dataclass(frozen=True)
+class HalfwaySettings:
+    halfway_step: float = option(0.5, "share of the way from the global model to the clients' mean",
+                                 unit_interval, "must lie in (0, 1]")
+
+
+class Halfway(ServerStrategy):
+    """FedAvg that moves the global model only ``halfway-step`` of the way to the clients' mean."""
+
+    def aggregate(self, server_round: int, replies: list[Reply], reference: ArrayRecord) -> ArrayRecord | None:
+        mean, step = weighted_mean(replies), self.settings.halfway_step
+        return ArrayRecord({key: Array(np.asarray(x.numpy() + step * (mean[key].numpy() - x.numpy())))
+                            for key, x in reference.items()})
+
+
+@pytest.fixture()
+def halfway():
+    """Registered for the test only, so the shipped registry (and pyproject.toml's keys) stay as they are."""
+    register_strategy(Algorithm("halfway", Halfway, LocalUpdate, "FedAvg, half a step", HalfwaySettings))
+    yield
+    del registry._REGISTRY["halfway"]
+
+
+def test_the_flwr_run_config_takes_its_key(halfway):
+    values = {**default_run_config(), "strategy": "halfway", "halfway-step": 0.25}
+    assert parse_run_config(values).settings == HalfwaySettings(0.25)
+    with pytest.raises(ConfigError, match="'halfway-step' = 2.0 is not allowed: must lie in \\(0, 1\\]"):
+        parse_run_config({"strategy": "halfway", "halfway-step": 2.0})
+    with pytest.raises(ConfigError, match="belongs to strategy 'halfway'"):
+        parse_run_config({"strategy": "fedavg", "halfway-step": 0.25})
+
+
+def test_a_hydra_override_sets_it(halfway):
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("config", overrides=["strategy=halfway", "strategy.halfway_step=0.75"],
+                      return_hydra_config=True)
+    values = hydra_to_run_config(cfg, cfg.hydra.runtime.choices)
+    assert parse_run_config(values).settings == HalfwaySettings(0.75)
+
+
+def test_an_in_process_simulation_runs_it(tmp_path, halfway):
+    common = {"dataset": "digits", "model": "small-mlp", "num-server-rounds": 2, "device": "cpu",
+              "results-dir": str(tmp_path)}
+    full = run_in_process({**common, "strategy": "halfway", "halfway-step": 1.0, "run-name": "full"}, 2)
+    fedavg = run_in_process({**common, "strategy": "fedavg", "run-name": "fedavg"}, 2)
+    half = run_in_process({**common, "strategy": "halfway", "halfway-step": 0.5, "run-name": "half"}, 2)
+    assert full["final-accuracy"] == fedavg["final-accuracy"]  # a full step is FedAvg
+    assert half["final-accuracy"] != fedavg["final-accuracy"]
