@@ -38,6 +38,7 @@ from models.options import (
 from models.pan import PAN_MODES, PanSettings
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
+SERVER_WEIGHTINGS = ("examples", "uniform")
 
 
 def _one_of(choices: tuple[str, ...]) -> dict[str, Any]:
@@ -83,8 +84,13 @@ class TrainSection:
     lr: float = option(0.05, "client learning rate", positive, "must be a finite number > 0")
     lr_decay: float = option(1.0, "client lr is lr * lr-decay^(round - 1)", unit_interval,
                              "must lie in (0, 1] (1 is no decay)")
+    lr_warmup_rounds: int = option(0, "rounds of linear lr warm-up: round r trains at lr * min(1, r / this) "
+                                   "(0: none; the PANs authors warm up)", lambda v: v >= 0, "must be an integer >= 0")
     momentum: float = option(0.9, "client SGD momentum", lambda v: 0 <= v < 1, "must lie in [0, 1)")
     weight_decay: float = option(1e-5, "client SGD weight decay", non_negative, "must be a finite number >= 0")
+    server_weighting: str = option("examples", "how the server weighs client models: by their example counts "
+                                   "(FedAvg) or uniformly (the PANs authors' unweighted mean)",
+                                   **_one_of(SERVER_WEIGHTINGS))
     fraction_train: float = option(1.0, "share of the clients sampled for training each round", unit_interval,
                                    "must lie in (0, 1]")
     fraction_evaluate: float = option(1.0, "share of the clients sampled for local evaluation each round",

@@ -86,11 +86,13 @@ class MetricAggregation:
 
 @dataclass(frozen=True)
 class Reply:
-    """A checked training reply: the node and partition it came from, and its content."""
+    """A checked training reply: the node and partition it came from, its content, and the weight the server
+    gives it (its example count, or 1 with ``server-weighting=uniform``)."""
 
     node: int
     partition: int | None
     content: RecordDict
+    weight: float
 
     @property
     def examples(self) -> float:
@@ -179,8 +181,8 @@ def odd_metric_keys(contents: Sequence[RecordDict]) -> list[str | None]:
 
 
 def weighted_mean(replies: Sequence[Reply]) -> ArrayRecord:
-    """FedAvg: the models weighted by example counts (Flower's own arithmetic, in the order given)."""
-    return aggregate_arrayrecords([RecordDict({MODEL_RECORD: r.arrays, METRICS_RECORD: r.content[METRICS_RECORD]})
+    """FedAvg: the models weighted by :attr:`Reply.weight` (Flower's own arithmetic, in the order given)."""
+    return aggregate_arrayrecords([RecordDict({MODEL_RECORD: r.arrays, METRICS_RECORD: MetricRecord({NUM_EXAMPLES: r.weight})})
                                    for r in replies], NUM_EXAMPLES)
 
 
@@ -403,7 +405,7 @@ class RoundRunner:
             else:
                 problem = problem_of(message.content)
             if problem is None:
-                well_formed.append(Reply(node, self.nodes.partitions.get(node), message.content))
+                well_formed.append(Reply(node, self.nodes.partitions.get(node), message.content, self._weight(message)))
             else:
                 dropped[self.nodes.name(node)] = problem
         well_formed.sort(key=lambda reply: self.nodes.position(reply.node))
@@ -414,6 +416,11 @@ class RoundRunner:
             else:
                 dropped[self.nodes.name(reply.node)] = problem
         return kept
+
+    def _weight(self, message: Message) -> float:
+        if self.config.server_weighting == "uniform":
+            return 1.0
+        return message.content[METRICS_RECORD].get(NUM_EXAMPLES, 0)
 
     def train_round(self, server_round: int, arrays: ArrayRecord) -> ArrayRecord:
         """One training round; returns the new global model, or ``arrays`` when nothing was aggregated."""

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from models.options import BiasOptions
 from models.pan import PanSettings, PositionEncoding
 from models.permutation import AxisRef, PermutationSpec, inputs_of, outputs_of
 from models.registry import InputShape, register_model
@@ -133,6 +134,8 @@ class PlainConvNet(ConvStack):
         Applied after every conv (and its norm) and hidden FC, before its ReLU.
     norm : str
         A name from :data:`NORMS`.
+    bias : bool
+        Whether convs and linear layers have biases (the SuPerFed authors' TwoCNN has none).
     """
 
     def __init__(
@@ -144,6 +147,7 @@ class PlainConvNet(ConvStack):
         kernel_size: int,
         pan: PanSettings,
         norm: str = "none",
+        bias: bool = True,
     ) -> None:
         super().__init__()
         if norm not in NORMS:
@@ -152,15 +156,17 @@ class PlainConvNet(ConvStack):
         plan = conv_plan(config)
         widths = [channels] + [w for w, _ in plan]
         self.convs = nn.ModuleList(
-            nn.Conv2d(c_in, c_out, kernel_size, padding=kernel_size // 2) for c_in, c_out in zip(widths, widths[1:])
+            nn.Conv2d(c_in, c_out, kernel_size, padding=kernel_size // 2, bias=bias)
+            for c_in, c_out in zip(widths, widths[1:])
         )
         self.norms = nn.ModuleList(NORMS[norm](w) for w in widths[1:])
         self.conv_pans = nn.ModuleList(PositionEncoding(w, pan) for w in widths[1:])
         self.pool_after, self.spatial = pooling_plan([wants for _, wants in plan], height, width)
         features = [widths[-1] * self.spatial] + list(hidden)
-        self.fcs = nn.ModuleList(nn.Linear(n_in, n_out) for n_in, n_out in zip(features, features[1:]))
+        self.fcs = nn.ModuleList(nn.Linear(n_in, n_out, bias=bias) for n_in, n_out in zip(features, features[1:]))
         self.fc_pans = nn.ModuleList(PositionEncoding(n, pan) for n in hidden)
-        self.classifier = nn.Linear(features[-1], num_classes)
+        self.classifier = nn.Linear(features[-1], num_classes, bias=bias)
+        self.bias = bias
         self._spec = self._build_spec()
 
     def permutation_spec(self) -> PermutationSpec:
@@ -177,13 +183,13 @@ class PlainConvNet(ConvStack):
         consumers = layers[1:] + ["classifier"]
         last_conv = len(self.convs) - 1
         groups = {
-            name: outputs_of(name) + norm + inputs_of(nxt, self.spatial if i == last_conv else 1)
+            name: outputs_of(name, self.bias) + norm + inputs_of(nxt, self.spatial if i == last_conv else 1)
             for i, (name, norm, nxt) in enumerate(zip(layers, norms, consumers))
         }
         return PermutationSpec(groups)
 
 
-@register_model("twocnn")
-def twocnn(input_shape: InputShape, num_classes: int, pan: PanSettings) -> PlainConvNet:
+@register_model("twocnn", options=BiasOptions)
+def twocnn(input_shape: InputShape, num_classes: int, pan: PanSettings, bias: bool) -> PlainConvNet:
     """FedAvg paper's CNN: 5x5 conv 32, pool, 5x5 conv 64, pool, FC 512 (padding 2 so 8x8 works)."""
-    return PlainConvNet(input_shape, num_classes, (32, POOL, 64, POOL), (512,), 5, pan)
+    return PlainConvNet(input_shape, num_classes, (32, POOL, 64, POOL), (512,), 5, pan, bias=bias)

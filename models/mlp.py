@@ -7,11 +7,13 @@ State-dict keys: ``hidden.{i}.weight/bias`` for hidden layer ``i`` and
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from models.options import BiasOptions, option
 from models.pan import PanSettings, PositionEncoding
 from models.permutation import PermutationSpec, inputs_of, outputs_of
 from models.registry import InputShape, register_model
@@ -30,14 +32,18 @@ class MLP(nn.Module):
         Width of each hidden layer, input side first.
     pan : PanSettings
         Position encoding applied after each hidden linear, before its ReLU.
+    bias : bool
+        Whether every linear layer has a bias (the SuPerFed authors' TwoNN has none).
     """
 
-    def __init__(self, input_shape: InputShape, num_classes: int, hidden: tuple[int, ...], pan: PanSettings) -> None:
+    def __init__(self, input_shape: InputShape, num_classes: int, hidden: tuple[int, ...], pan: PanSettings,
+                 bias: bool = True) -> None:
         super().__init__()
         widths = (math.prod(input_shape),) + tuple(hidden)
-        self.hidden = nn.ModuleList(nn.Linear(n_in, n_out) for n_in, n_out in zip(widths, widths[1:]))
+        self.bias = bias
+        self.hidden = nn.ModuleList(nn.Linear(n_in, n_out, bias=bias) for n_in, n_out in zip(widths, widths[1:]))
         self.pans = nn.ModuleList(PositionEncoding(n, pan) for n in hidden)
-        self.classifier = nn.Linear(widths[-1], num_classes)
+        self.classifier = nn.Linear(widths[-1], num_classes, bias=bias)
         self._spec = self._build_spec()
 
     def forward(self, x: Tensor) -> Tensor:
@@ -56,7 +62,7 @@ class MLP(nn.Module):
 
     def _build_spec(self) -> PermutationSpec:
         names = [f"hidden.{i}" for i in range(len(self.hidden))] + ["classifier"]
-        return PermutationSpec({name: outputs_of(name) + inputs_of(nxt) for name, nxt in zip(names, names[1:])})
+        return PermutationSpec({name: outputs_of(name, self.bias) + inputs_of(nxt) for name, nxt in zip(names, names[1:])})
 
 
 @register_model("mlp")
@@ -71,7 +77,14 @@ def small_mlp(input_shape: InputShape, num_classes: int, pan: PanSettings) -> ML
     return MLP(input_shape, num_classes, (20, 100, 120, 84), pan)
 
 
-@register_model("twonn")
-def twonn(input_shape: InputShape, num_classes: int, pan: PanSettings) -> MLP:
-    """FedAvg paper's 2NN: 200-200 hidden units (with biases)."""
-    return MLP(input_shape, num_classes, (200, 200), pan)
+@dataclass(frozen=True)
+class TwoNNOptions(BiasOptions):
+    hidden_layers: int = option(2, "hidden layers of 200 units (2: FedAvg's 2NN; 3: the SuPerFed authors' TwoNN)",
+                                lambda v: v >= 1, "must be an integer >= 1")
+
+
+@register_model("twonn", options=TwoNNOptions)
+def twonn(input_shape: InputShape, num_classes: int, pan: PanSettings, bias: bool, hidden_layers: int) -> MLP:
+    """FedAvg paper's 2NN: 200-200 hidden units; with ``hidden-layers=3 bias=false`` the SuPerFed authors'
+    784-200-200-200-C net."""
+    return MLP(input_shape, num_classes, (200,) * hidden_layers, pan, bias)

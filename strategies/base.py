@@ -45,15 +45,18 @@ class LocalUpdate:
         """Called once per step, after the backward pass and before the optimizer step."""
 
     def learning_rate(self) -> float:
-        """This round's client learning rate, lr · lr-decay^(round − 1) (SuPerFed's per-round decay); the
-        round is the training message's ``server-round``."""
-        if self.config.lr_decay == 1.0:
-            return self.config.lr
+        """This round's client learning rate: lr · lr-decay^(r − 1) (SuPerFed's per-round decay), times
+        min(1, r / lr-warmup-rounds) during a linear warm-up (the PANs authors' code); r is the training
+        message's ``server-round``."""
+        config = self.config
+        if config.lr_decay == 1.0 and config.lr_warmup_rounds == 0:
+            return config.lr
         server_round = self.received["config"].get("server-round") if "config" in self.received else None
         if not isinstance(server_round, int) or server_round < 1:
-            raise ValueError(f"lr-decay={self.config.lr_decay} needs the training message's config to hold "
-                             f"'server-round' (an integer >= 1), got {server_round!r}")
-        return self.config.lr * self.config.lr_decay ** (server_round - 1)
+            raise ValueError(f"lr-decay={config.lr_decay} and lr-warmup-rounds={config.lr_warmup_rounds} need the "
+                             f"training message's config to hold 'server-round' (an integer >= 1), got {server_round!r}")
+        warmup = min(1.0, server_round / config.lr_warmup_rounds) if config.lr_warmup_rounds else 1.0
+        return config.lr * config.lr_decay ** (server_round - 1) * warmup
 
     def optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         """SGD with this round's learning rate (:meth:`learning_rate`), the run's momentum and weight decay."""

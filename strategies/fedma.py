@@ -212,7 +212,7 @@ class FedMA(ServerStrategy):
 
     def aggregate(self, server_round: int, replies: list[Reply], reference: ArrayRecord) -> ArrayRecord | None:
         states = [reply.arrays.to_torch_state_dict() for reply in replies]
-        weights = [reply.examples for reply in replies]
+        weights = [reply.weight for reply in replies]
         plan = completion_plan(self.spec, states[0], self.head)
         started = time.perf_counter()
         if self.stage < len(self.groups):

@@ -94,7 +94,7 @@ class Matched(ServerStrategy):
         matched = matched_average(
             reference.to_torch_state_dict(),
             [reply.arrays.to_torch_state_dict() for reply in replies],
-            [reply.examples for reply in replies],
+            [reply.weight for reply in replies],
             self.spec,
             self.settings.match_cost,
             self.settings.passes,

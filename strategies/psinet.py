@@ -138,7 +138,7 @@ class PsiNetStrategy(ServerStrategy):
         return reply_problem(content, expected, self.extra_reply_arrays)
 
     def aggregate(self, server_round: int, replies: list[Reply], reference: ArrayRecord) -> ArrayRecord | None:
-        return masked_average(reference, [reply.arrays for reply in replies], [reply.examples for reply in replies])
+        return masked_average(reference, [reply.arrays for reply in replies], [reply.weight for reply in replies])
 
 
 register_strategy(Algorithm("psinet", PsiNetStrategy, PsiNetUpdate,

@@ -52,6 +52,7 @@ from strategies.base import LocalUpdate
 from strategies.registry import Algorithm, register_strategy
 
 SUPERFED_MODES = ("mm", "lm")
+LOCAL_INITS = ("seeded", "authors")
 LAMBDA_GRID = tuple(i / 10 for i in range(11))
 LOCAL_MODEL = "superfed-local-model"
 """``context.state`` ArrayRecord: the local model's parameters."""
@@ -68,8 +69,12 @@ class SuPerFedSettings:
     superfed_mu: float = option(0.01, "weight of the proximal term", non_negative, "must be a finite number >= 0")
     superfed_start: float = option(0.5, "share of num-server-rounds before mixing starts", lambda v: 0 <= v <= 1,
                                    "must lie in [0, 1] (the fraction of num-server-rounds before mixing starts)")
-    superfed_val_fraction: float = option(0.1, "share of each client's training data held out to choose lambda",
-                                          lambda v: 0 <= v < 1, "must lie in [0, 1)")
+    superfed_val_fraction: float = option(0.1, "share of each client's training data held out to choose lambda "
+                                          "honestly (0: none, and no honest-* figures)", lambda v: 0 <= v < 1,
+                                          "must lie in [0, 1)")
+    superfed_local_init: str = option("seeded", "how the local model starts: seeded (by run seed and client) or "
+                                      "authors (every weight from a stream seeded by the client id, as the "
+                                      "authors' code)", lambda v: v in LOCAL_INITS, f"choose one of {list(LOCAL_INITS)}")
 
 
 def start_round(config: RunConfig) -> int:
@@ -85,15 +90,19 @@ def layer_groups(model: nn.Module) -> list[list[str]]:
     return list(groups.values())
 
 
-def initial_local_model(model: nn.Module, seed: int, partition_id: int) -> dict[str, torch.Tensor]:
-    """w_l's first parameters: Xavier-normal weights (as the reference), zero biases, unit scales for
-    1-D weights (normalisation layers); a function of (seed, partition id) only."""
-    generator = torch.Generator().manual_seed(int(np.random.SeedSequence([seed, partition_id, 0x10CA1])
-                                                  .generate_state(1, np.uint64)[0] >> 1))
+def initial_local_model(model: nn.Module, seed: int, partition_id: int, init: str = "seeded") -> dict[str, torch.Tensor]:
+    """w_l's first parameters: Xavier-normal weights, zero biases, unit scales for 1-D weights (normalisation
+    layers). ``seeded``: one random stream seeded by (run seed, partition id), so runs with other seeds draw other
+    local models. ``authors``: as the authors' code, every weight drawn from a stream freshly seeded with the
+    client id alone (each layer restarts it), whatever the run's seed."""
+    stream = int(np.random.SeedSequence([seed, partition_id, 0x10CA1]).generate_state(1, np.uint64)[0] >> 1)
+    generator = torch.Generator().manual_seed(stream)
     local = {}
     for name, param in model.named_parameters():
         tensor = torch.empty(param.shape, dtype=param.dtype)
         if param.dim() >= 2:
+            if init == "authors":
+                generator = torch.Generator().manual_seed(partition_id)
             nn.init.xavier_normal_(tensor, generator=generator)
         elif name.endswith("weight"):
             nn.init.ones_(tensor)
@@ -129,7 +138,7 @@ def _load_local(update: LocalUpdate, model: nn.Module, partition_id: int) -> tup
     device = next(model.parameters()).device
     stored = update.context.state.get(LOCAL_MODEL)
     if stored is None:
-        return initial_local_model(model, update.config.seed, partition_id), 0
+        return initial_local_model(model, update.config.seed, partition_id, update.settings.superfed_local_init), 0
     local = {name: tensor.to(device) for name, tensor in stored.to_torch_state_dict().items()}
     expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
     if {name: tuple(t.shape) for name, t in local.items()} != expected:
@@ -228,8 +237,9 @@ class SuPerFedUpdate(LocalUpdate):
             valid.append(classification_scores(point, train_x[val], train_y[val], device))
         accuracy = [s[0] for s in test]
         oracle = _best(accuracy)
-        honest = _best([s[0] for s in valid])
-        chosen = {"oracle": oracle, "honest": honest}
+        chosen = {"oracle": oracle}
+        if len(val):  # with superfed-val-fraction 0 there is no honest choice to report
+            chosen["honest"] = _best([s[0] for s in valid])
         picked = {f"{label}-{metric}": (test[i][column] if i is not None else math.nan)
                   for label, i in chosen.items() for column, metric in enumerate(("accuracy", "ece", "mce"))}
         lambdas = {f"{label}-lambda": (LAMBDA_GRID[i] if i is not None else math.nan) for label, i in chosen.items()}
