@@ -1,13 +1,13 @@
 """Server-side aggregation cost per round of every registered strategy, at K clients.
 
-For each strategy and K, a fresh server strategy is configured for round 1 (``configure_train`` on a
-grid of K nodes that does not answer the partition query), and each of the K training messages gets an
-authentic reply built by the strategy's own client update, as the ClientApp builds it: ``train`` on a
+For each strategy and K, a fresh server side is built from the run context and plans round 1
+(``plan_train`` for K nodes), and each of the K training messages gets an authentic reply built by the
+strategy's own client update, as the ClientApp builds it: ``train`` on a
 few random examples (so SCAFFOLD's control update, FedMA's class counts, Ψ-Net's held groups are
 there), then the model is replaced by a synthetic "trained" client model (the global model with its
 hidden units randomly permuted and Gaussian noise added, so matching has real work) before
-``model_record``. Only ``aggregate_train`` is timed (reply checks included): the median of
-``--repeats`` runs, each on a fresh strategy and fresh replies.
+``model_record``. Only ``aggregate`` is timed (the round runner's reply checks excluded): the median of
+``--repeats`` runs, each on a fresh server side and fresh replies.
 
 Round 1 is what is timed: FedMA's first round matches only the first layer of its schedule, so its
 later rounds cost a different amount. Ψ-Net needs a Ψ-Net model and runs with ``psi-vgg9`` in the
@@ -27,36 +27,18 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord, RecordDict
-from flwr.supercore.task_identity import TaskIdentity
+from flwr.app import ConfigRecord, Context, MetricRecord, RecordDict
 
 from benchutil import append_jsonl, machine, median, read_jsonl, write_report
-from fl_app.config import RunConfig, parse_run_config
-from core.model_io import build_run_model, federated_state, load_arrays, to_arrays
 from core.data import dataset_info
+from core.model_io import build_run_model, federated_state, load_arrays, to_arrays
+from core.rounds import Reply, ServerStrategy
+from fl_app.config import RunConfig, build_context, parse_run_config
 from models import permute_state, random_permutations
 from strategies import get_strategy, list_strategies
-from strategies.base import MetricAggregation
 
 MODEL_FOR = {"mlp": {"psinet": None}, "vgg9": {"psinet": "psi-vgg9"}}
 """Per benchmark model, the strategies that need another model (None: left out)."""
-
-
-class FakeGrid:
-    """K connected nodes that never answer (the partition query gets no reply: nodes sort by id)."""
-
-    def __init__(self, clients: int) -> None:
-        self.nodes = list(range(1, clients + 1))
-
-    def get_node_ids(self) -> list[int]:
-        return self.nodes
-
-    def send_and_receive(self, messages: Any, timeout: float | None = None) -> list[Any]:
-        return []
-
-
-def _fold(records: list[RecordDict], key: str) -> MetricRecord:
-    return MetricRecord({"clients": len(records)})
 
 
 class _Dataset:
@@ -78,41 +60,39 @@ def synthetic_client_states(config: RunConfig, clients: int, seed: int) -> tuple
     return model, states
 
 
-def replies(config: RunConfig, strategy: Any, model: torch.nn.Module, states: list[dict]) -> list[Any]:
+def replies(config: RunConfig, server: ServerStrategy, model: torch.nn.Module, states: list[dict]) -> list[Reply]:
     """Round 1's training messages for K nodes, answered by the strategy's client update."""
     global_arrays = to_arrays(model)
-    messages = list(strategy.configure_train(1, global_arrays, ConfigRecord(config.pan_signature()),
-                                             FakeGrid(len(states))))
+    nodes = list(range(1, len(states) + 1))
+    contents = server.plan_train(1, global_arrays, ConfigRecord({**config.pan_signature(), "server-round": 1}),
+                                 lambda: nodes, SimpleNamespace(trainable=lambda: nodes))
     (channels, height, width), num_classes = dataset_info(config.dataset)
     generator = torch.Generator().manual_seed(0)
     answers = []
-    for index, (message, state) in enumerate(zip(messages, states)):
-        context = Context(run_id=1, node_id=message.metadata.dst_node_id,
-                          node_config={"partition-id": index, "num-partitions": len(states)},
+    for index, ((node, content), state) in enumerate(zip(contents.items(), states)):
+        context = Context(run_id=1, node_id=node, node_config={"partition-id": index, "num-partitions": len(states)},
                           state=RecordDict(), run_config={})
-        load_arrays(model, message.content["arrays"])
+        load_arrays(model, content["arrays"])
         x = torch.randn(8, channels, height, width, generator=generator)
         y = torch.randint(0, num_classes, (8,), generator=generator)
-        update = get_strategy(config.strategy).client_update(config, context, message.content)
+        update = get_strategy(config.strategy).client(config, context, content)
         metrics = update.train(model, x, y, generator, torch.device("cpu"))
         model.load_state_dict(state, strict=False)
-        content = RecordDict({"arrays": update.model_record(model), **update.reply_records(),
-                              "metrics": MetricRecord({**metrics, "num-examples": 100 + index,
-                                                       "partition-id": index})})
-        answers.append(SimpleNamespace(content=content, has_error=lambda: False,
-                                       metadata=SimpleNamespace(reply_to_message_id="", src_node_id=message.metadata.dst_node_id)))
+        reply = RecordDict({"arrays": update.model_record(model), **update.reply_records(),
+                            "metrics": MetricRecord({**metrics, "num-examples": 100 + index, "partition-id": index})})
+        answers.append(Reply(node, index, reply, 100.0 + index))
     return answers
 
 
 def aggregation_seconds(config: RunConfig, clients: int, repeats: int) -> list[float]:
-    """``repeats`` timings of round 1's ``aggregate_train`` on fresh strategies and replies."""
+    """``repeats`` timings of round 1's ``aggregate`` on fresh server sides and replies."""
     seconds = []
     for repeat in range(repeats):
         model, states = synthetic_client_states(config, clients, seed=repeat)
-        strategy = get_strategy(config.strategy).build_server(config, MetricAggregation(_fold, _fold))
-        answers = replies(config, strategy, model, states)
+        server = get_strategy(config.strategy).server(build_context(config, model))
+        answers = replies(config, server, model, states)
         started = time.perf_counter()
-        arrays, _ = strategy.aggregate_train(1, answers)
+        arrays = server.aggregate(1, answers, to_arrays(model))
         seconds.append(time.perf_counter() - started)
         if arrays is None:
             raise RuntimeError(f"strategy {config.strategy} aggregated nothing from {clients} synthetic replies")
@@ -152,8 +132,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.repeats < 1 or min(args.clients) < 2:
         parser.error(f"--repeats must be >= 1 and every --clients >= 2, got {args.repeats} and {args.clients}")
     torch.set_num_threads(1)
-    for name in ("_run_id", "_task_id", "_node_id"):  # Flower stamps messages with the running task's ids
-        setattr(TaskIdentity, name, 1)
     out = (args.out or Path.home() / "alignfl-results" / "benchmarks" /
            f"aggregation-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}").resolve()
     out.mkdir(parents=True, exist_ok=True)

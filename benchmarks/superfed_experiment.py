@@ -44,13 +44,13 @@ LAMBDAS = tuple(i / 10 for i in range(11))
 COMMON: dict[str, Any] = {
     "dataset": "fashion-mnist", "model": "twonn", "lr-decay": 0.999,
     "momentum": 0.9, "weight-decay": 1e-4, "test-fraction": 0.2, "fraction-evaluate": 1.0,
-    "superfed-start": 0.4, "superfed-mu": 0.01,
 }
+SUPERFED: dict[str, Any] = {"strategy": "superfed", "superfed-start": 0.4, "superfed-mu": 0.01}
 PATHOLOGICAL: dict[str, Any] = {"partitioner": "pathological", "classes-per-client": 2}
 METHODS: dict[str, dict[str, Any]] = {  # the order runs go in: the main comparison first
-    "SuPerFed-MM": {"strategy": "superfed", "superfed-mode": "mm", "superfed-nu": 1.0},
+    "SuPerFed-MM": {**SUPERFED, "superfed-mode": "mm", "superfed-nu": 1.0},
     "FedAvg": {"strategy": "fedavg"},
-    "SuPerFed-LM": {"strategy": "superfed", "superfed-mode": "lm", "superfed-nu": 2.0},
+    "SuPerFed-LM": {**SUPERFED, "superfed-mode": "lm", "superfed-nu": 2.0},
     "Ditto": {"strategy": "ditto"},
     "FedPer": {"strategy": "fedper"},
     "FedProx": {"strategy": "fedprox", "proximal-mu": 0.01},

@@ -109,7 +109,8 @@ def overrides(clients: int, classes: int, method: str, seed: int, args: argparse
             "lr": args.lr, "batch-size": args.batch_size, "width-factor": args.width_factor, "init": args.init,
             "data-fraction": args.data_fraction, "fraction-train": fraction, "fraction-evaluate": evaluated,
             "min-available-nodes": clients, "seed": seed, "results-dir": str(args.out), "data-root": args.data_root,
-            "run-name": run_name(clients, classes, method, seed), "psi-depth": args.psi_depth}
+            "run-name": run_name(clients, classes, method, seed),
+            **({"psi-depth": args.psi_depth} if METHODS[method]["model"].startswith("psi-") else {})}
 
 
 def finished(folder: Path, config: dict[str, Any]) -> bool:
