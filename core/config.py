@@ -95,6 +95,8 @@ class TrainSection:
                                    "must lie in (0, 1]")
     fraction_evaluate: float = option(1.0, "share of the clients sampled for local evaluation each round",
                                       unit_interval, "must lie in (0, 1]")
+    evaluate_every: int = option(1, "rounds between the clients' local evaluations (the last round always has one)",
+                                 positive, "must be a positive integer")
     min_available_nodes: int = option(2, "nodes the first round waits for (later rounds use whoever is online)",
                                       positive, "must be a positive integer")
     node_wait_timeout: float = option(300.0, "seconds the first round waits for min-available-nodes before it "

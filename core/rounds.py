@@ -326,6 +326,7 @@ class RoundRunner:
     * Sampling: ``int(fraction · nodes)`` nodes (at least one) drawn with the runner's own seeded
       ``random.Random`` from the nodes in partition order; its state is part of a checkpoint. Training
       samples only the nodes not held out (``holdout-clients``); evaluation samples all.
+    * Clients evaluate the global model every ``evaluate-every`` rounds and in the last one.
     * Nodes: the first round waits up to ``node-wait-timeout`` for ``min-available-nodes``; later rounds use
       whoever is connected, so a node that dies never stalls the run.
     * Replies: an error reply, one that did not come within ``round-timeout``, a malformed one
@@ -371,7 +372,8 @@ class RoundRunner:
             log(INFO, "")
             log(INFO, "[ROUND %s/%s]", server_round, last)
             arrays = self.train_round(server_round, arrays)
-            self.evaluate_round(server_round, arrays)
+            if server_round % self.config.evaluate_every == 0 or server_round == last:
+                self.evaluate_round(server_round, arrays)
             if evaluate_fn is not None:
                 evaluate_fn(server_round, arrays)
             if on_round_end is not None:

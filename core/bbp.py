@@ -1,0 +1,489 @@
+"""FedMA's Bayesian non-parametric matching (BBP-MAP), vectorised, for any model with a permutation spec.
+
+PFNM (Yurochkin et al., ICML 2019) and FedMA (Wang et al., ICLR 2020) treat the
+hidden units of one layer, pooled over K clients, as noisy draws of global
+*atoms* of a Beta-Bernoulli process: each atom is a Gaussian
+``N(mu0, sigma0)`` vector, each client observes some of the atoms once, with
+noise ``N(0, sigma)``. BBP-MAP finds the MAP assignment of every client unit
+to an atom, and opens a new atom when no existing one explains a unit well
+enough, so the global layer can be wider than any client's (up to
+``max_width``). One client at a time is taken out and re-assigned with the
+Hungarian algorithm over an extended cost matrix: a column per existing atom,
+plus a block of "new atom" columns.
+
+Cost (to maximise) of putting client unit ``x_l`` on atom ``i``, with
+``y = x / sigma``, ``N_i = mu0 / sigma0 + sum of y over the atom's members``
+(the client being matched left out), ``P_i = 1 / sigma0 + n_i / sigma``
+(``sigma``, ``sigma0`` are variances, as in the authors' code) and ``K``
+clients::
+
+    existing atom i:  ||y_l + N_i||^2 / (P_i + 1/sigma) - ||N_i||^2 / P_i + log(c_i / (K - c_i)),
+                      c_i = min(n_i, 10)
+    new atom, t-th:   ||y_l + mu0/sigma0||^2 / (1/sigma0 + 1/sigma) - D mu0^2 / sigma0
+                      - 2 log t + 2 log(gamma / K)
+
+The new-atom block has one column per client unit (``t = 1 .. J``); all its
+columns score alike except for ``-2 log t``, so opening ``n`` atoms costs
+``2 log n!``, the Indian-buffet prior on new dishes. The whole matrix is built
+with one matrix product per client (:func:`extended_cost`) and solved with
+:func:`scipy.optimize.linear_sum_assignment`.
+
+What follows the authors' code (IBM/FedMA ``matching/pfnm.py``, main.py's
+``BBP_MAP``): the cost terms above, including the popularity count capped at
+10 and the ``2 log t`` penalties; the defaults sigma = sigma0 = 1, mu0 = 0,
+gamma = 7, a cap of 700 units and 5 sweeps; the initialisation (the widest
+client's units become the atoms, the others are matched in turn, widest
+first); each sweep removing one client at a time, in a random order, deleting
+atoms left without members, and matching it again; new atoms appended in the
+order of the client's units; posterior means as the global units; missing
+inputs (a client's units do not cover every global input) read as zeros; the
+output layer never matched but averaged, per class with class counts; the
+cost computed in float32 for float32 models.
+
+Where this deviates:
+
+* one ``mu0`` for every coordinate (the authors put 0.1 on the bias);
+* the cap is hard: no new atom once the layer has ``max_width`` units, or the
+  widest client's width if that is more (the authors' new-atom block keeps at
+  least one column past their cap of 700, so their layers creep past it);
+* sweeps stop early once a whole sweep leaves the assignment unchanged (the
+  authors always run all of them); atoms are renumbered after every sweep in
+  order of first appearance (client 0's units first, in its order), which
+  renames atoms but changes no assignment;
+* a unit's vector is every entry of its group that is already aligned on its
+  other axes (:func:`aligned_refs`), as the other alignment costs use it:
+  this includes the output layer's columns for the last hidden layer (FedMA
+  leaves them out; PFNM includes them, scaled by class frequencies);
+* ``estimate="weighted"`` is offered beside the posterior mean: the client
+  units of an atom averaged with the clients' weights. The posterior mean
+  shrinks towards ``mu0`` (K identical clients give ``K/(K+1)`` of the model
+  with the defaults); the weighted mean gives back identical clients exactly,
+  and a grown layer computes the weighted average of the clients' functions.
+
+Scale: the cost compares squared norms with ``sigma``. With sigma = 1, units
+of squared norm well below a few units (PyTorch's initialisation gives about
+1/3 per unit) are told apart mostly by the popularity and new-atom terms, so
+even identical units may open new atoms; trained or larger weights match on
+their values.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+from scipy.optimize import linear_sum_assignment
+from torch import Tensor
+
+from models.permutation import AxisRef, PermutationSpec, unit_view
+
+StateDict = Mapping[str, Tensor]
+
+ESTIMATES = ("posterior", "weighted")
+"""How a global unit is computed from its members: the authors' posterior mean, or the weighted mean."""
+POPULARITY_CAP = 10
+"""Member counts above this count as this much in the popularity term (the authors' ``np.minimum(counts, 10)``)."""
+
+
+@dataclass(frozen=True)
+class BBPSettings:
+    """BBP-MAP's hyper-parameters; the defaults are the FedMA authors'.
+
+    Parameters
+    ----------
+    sigma : float
+        Variance of a client unit around its atom (> 0).
+    sigma0 : float
+        Prior variance of an atom around ``mu0`` (> 0).
+    mu0 : float
+        Prior mean of every coordinate of an atom.
+    gamma : float
+        Indian-buffet mass (> 0): larger opens new atoms more readily.
+    max_width : int
+        Most units a matched layer may have; a client wider than that raises it to its own width.
+    iterations : int
+        Most sweeps over all clients after the initial pass (>= 0); stops early once a sweep changes nothing.
+    estimate : str
+        Global unit from its members, one of :data:`ESTIMATES`.
+    """
+
+    sigma: float = 1.0
+    sigma0: float = 1.0
+    mu0: float = 0.0
+    gamma: float = 7.0
+    max_width: int = 700
+    iterations: int = 5
+    estimate: str = "posterior"
+
+    def __post_init__(self) -> None:
+        for name in ("sigma", "sigma0", "gamma"):
+            value = getattr(self, name)
+            if not _is_number(value) or not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+        if not _is_number(self.mu0) or not math.isfinite(self.mu0):
+            raise ValueError(f"mu0 must be a finite number, got {self.mu0!r}")
+        if not _is_int(self.max_width) or self.max_width < 1:
+            raise ValueError(f"max_width must be an integer >= 1, got {self.max_width!r}")
+        if not _is_int(self.iterations) or self.iterations < 0:
+            raise ValueError(f"iterations must be an integer >= 0, got {self.iterations!r}")
+        if self.estimate not in ESTIMATES:
+            raise ValueError(f"estimate must be one of {list(ESTIMATES)}, got {self.estimate!r}")
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class GroupMatch:
+    """One matched group: which atom each client unit went to, and the atoms.
+
+    ``assignments[k][j]`` is the global unit of client ``k``'s unit ``j``;
+    ``units`` is ``L x D``, one global unit vector per row (float64), whose
+    columns are the entries ``refs`` in order, each ``features`` wide.
+    """
+
+    assignments: tuple[Tensor, ...]
+    units: Tensor
+    refs: tuple[AxisRef, ...] = ()
+    features: tuple[int, ...] = ()
+
+    @property
+    def width(self) -> int:
+        return self.units.shape[0]
+
+
+class BBPResult(NamedTuple):
+    """What :func:`bbp_matched_average` returns: the grown global state, each group's width and assignments."""
+
+    state: dict[str, Tensor]
+    widths: dict[str, int]
+    assignments: dict[str, tuple[Tensor, ...]]
+
+
+# --- the cost and one client's assignment -------------------------------------------------
+
+
+def extended_cost(rows: Tensor, natural: Tensor, counts: Tensor, clients: int, settings: BBPSettings,
+                  new_columns: int) -> Tensor:
+    """The ``J x (L + new_columns)`` score of every client unit on every atom, then on new atoms.
+
+    ``rows`` are one client's unit vectors (``J x D``), ``natural`` the atoms'
+    ``mu0/sigma0 + sum of y`` (``L x D``) and ``counts`` their member counts,
+    both without this client; all in one floating dtype, which the score keeps.
+    One matrix product gives every ``<y_l, N_i>``; the rest are row and column
+    norms (module notes give the formula).
+    """
+    obs, prior = 1.0 / settings.sigma, 1.0 / settings.sigma0
+    prior_mean, dims = settings.mu0 * prior, rows.shape[1]
+    row_norms = torch.linalg.vector_norm(rows, dim=1).square() * obs**2
+    atom_norms = torch.linalg.vector_norm(natural, dim=1).square()
+    precision = prior + counts * obs
+    popular = counts.clamp(max=POPULARITY_CAP)
+    existing = ((row_norms[:, None] + (2.0 * obs) * (rows @ natural.T) + atom_norms) / (precision + obs)
+                - atom_norms / precision + torch.log(popular / (clients - popular)))
+    opened = row_norms + (2.0 * prior_mean * obs) * rows.sum(1) if prior_mean else row_norms
+    opened = ((opened + dims * prior_mean**2) / (prior + obs) - dims * prior_mean**2 / prior
+              + 2.0 * math.log(settings.gamma / clients))
+    order = torch.arange(1, new_columns + 1, dtype=rows.dtype)
+    return torch.cat([existing, opened[:, None] - 2.0 * torch.log(order)], dim=1)
+
+
+class _Atoms:
+    """The atoms' sufficient statistics and every client's assignment, updated one client at a time.
+
+    The statistics live in a buffer sized for the widest the layer can get, so
+    opening atoms copies nothing; they are kept in the rows' dtype (float32 for
+    float32 models: the matrix product dominates) and the global units are
+    recomputed in float64 from the members at the end.
+    """
+
+    def __init__(self, rows: Sequence[Tensor], settings: BBPSettings, cap: int) -> None:
+        self.rows = rows
+        self.settings = settings
+        self.cap = cap
+        self.prior_mean = settings.mu0 / settings.sigma0
+        capacity = min(cap, sum(r.shape[0] for r in rows))
+        self._natural = rows[0].new_zeros((capacity, rows[0].shape[1]))
+        self._counts = rows[0].new_zeros(capacity)
+        self.width = 0
+        self.assignments: list[Tensor] = [torch.empty(0, dtype=torch.long) for _ in rows]
+
+    @property
+    def natural(self) -> Tensor:
+        return self._natural[: self.width]
+
+    @property
+    def counts(self) -> Tensor:
+        return self._counts[: self.width]
+
+    def remove(self, client: int) -> None:
+        """Take ``client``'s units out; atoms left without members are deleted and the rest renumbered."""
+        assignment = self.assignments[client]
+        self.natural.index_add_(0, assignment, self.rows[client], alpha=-1.0 / self.settings.sigma)
+        self.counts.index_add_(0, assignment, self.counts.new_full(assignment.shape, -1.0))
+        keep = self.counts > 0.5
+        self.assignments[client] = assignment[:0]
+        if not bool(keep.all()):
+            self._keep(keep, torch.cumsum(keep, 0) - 1)
+
+    def add(self, client: int) -> None:
+        """Assign ``client``'s units by the best extended-cost assignment, opening atoms as it says."""
+        rows, width = self.rows[client], self.width
+        if width == 0:
+            chosen = torch.arange(rows.shape[0])
+        else:
+            new_columns = min(rows.shape[0], self.cap - width)
+            cost = extended_cost(rows, self.natural, self.counts, len(self.rows), self.settings, new_columns)
+            _, columns = linear_sum_assignment(cost.numpy(), maximize=True)
+            chosen = torch.from_numpy(columns).long()
+        opened = chosen >= width
+        chosen[opened] = width + torch.arange(int(opened.sum()))
+        self.width = width + int(opened.sum())
+        self._natural[width: self.width] = self.prior_mean
+        self._counts[width: self.width] = 0.0
+        self.natural.index_add_(0, chosen, rows, alpha=1.0 / self.settings.sigma)
+        self.counts.index_add_(0, chosen, self.counts.new_ones(chosen.shape))
+        self.assignments[client] = chosen
+
+    def renumber(self) -> None:
+        """Number atoms by first appearance (client 0's units first), so two sweeps' assignments compare."""
+        flat = torch.cat(self.assignments)
+        first = torch.full((self.width,), flat.numel(), dtype=torch.long)
+        first.scatter_reduce_(0, flat, torch.arange(flat.numel()), reduce="amin")
+        order = torch.argsort(first)
+        rename = torch.empty(self.width, dtype=torch.long)
+        rename[order] = torch.arange(self.width)
+        self._keep(order, rename)
+
+    def _keep(self, selection: Tensor, rename: Tensor) -> None:
+        """Keep the atoms ``selection`` picks (a mask or an order); ``rename`` maps old atom ids to new ones."""
+        natural, counts = self.natural[selection], self.counts[selection]
+        self.width = natural.shape[0]
+        self.natural.copy_(natural)
+        self.counts.copy_(counts)
+        self.assignments = [rename[a] for a in self.assignments]
+
+    def units(self, weights: Sequence[float]) -> Tensor:
+        """The global unit vectors in float64: posterior means, or the members' weighted means."""
+        posterior = self.settings.estimate == "posterior"
+        sums = torch.full((self.width, self.rows[0].shape[1]), self.prior_mean if posterior else 0.0,
+                          dtype=torch.float64)
+        totals = torch.full((self.width,), 1.0 / self.settings.sigma0 if posterior else 0.0, dtype=torch.float64)
+        for rows, assignment, weight in zip(self.rows, self.assignments, weights):
+            scale = 1.0 / self.settings.sigma if posterior else float(weight)
+            sums.index_add_(0, assignment, rows.double(), alpha=scale)
+            totals.index_add_(0, assignment, totals.new_full(assignment.shape, scale))
+        return sums / totals[:, None]
+
+
+def match_units(rows: Sequence[Tensor], weights: Sequence[float], settings: BBPSettings,
+                generator: torch.Generator | int = 0) -> GroupMatch:
+    """BBP-MAP over the unit vectors of K clients (``rows[k]``: ``J_k x D``).
+
+    At most ``max(settings.max_width, widest J_k)`` atoms. Widest client first,
+    the others matched in turn, then up to ``settings.iterations`` sweeps over
+    the clients in random order (drawn from ``generator``) until a sweep
+    changes nothing.
+    """
+    _check_weights(len(rows), weights)
+    if any(r.dim() != 2 for r in rows) or len({r.shape[1] for r in rows}) != 1:
+        raise ValueError(f"client unit vectors must be J x D matrices with one D, got {[tuple(r.shape) for r in rows]}")
+    cap = max(settings.max_width, max(r.shape[0] for r in rows))
+    atoms = _Atoms([r if r.dtype == torch.float64 else r.float() for r in rows], settings, cap)
+    for client in sorted(range(len(rows)), key=lambda k: -rows[k].shape[0]):
+        atoms.add(client)
+    atoms.renumber()
+    rng = _as_generator(generator)
+    for _ in range(settings.iterations if len(rows) > 1 else 0):
+        before = list(atoms.assignments)
+        for client in torch.randperm(len(rows), generator=rng).tolist():
+            atoms.remove(client)
+            atoms.add(client)
+        atoms.renumber()
+        if all(torch.equal(old, new) for old, new in zip(before, atoms.assignments)):
+            break
+    return GroupMatch(tuple(atoms.assignments), atoms.units(weights))
+
+
+# --- groups of a permutation spec -----------------------------------------------------------
+
+
+def aligned_refs(spec: PermutationSpec, group: str, solved: Collection[str]) -> list[AxisRef]:
+    """The entries of ``group`` whose other permuted axes all belong to ``solved`` groups (already global)."""
+    axes = spec.axes_by_key()
+    return [ref for ref in spec.groups[group]
+            if all(name in solved for name, other in axes[ref.key] if other.axis != ref.axis)]
+
+
+def output_keys(spec: PermutationSpec, state: StateDict) -> set[str]:
+    """Floating entries with an axis 0 no group permutes (the classifier): never matched, averaged."""
+    touched = {ref.key for refs in spec.groups.values() for ref in refs if ref.axis == 0}
+    return {key for key, tensor in state.items()
+            if key not in touched and tensor.is_floating_point() and tensor.dim() >= 1}
+
+
+def match_group(states: Sequence[StateDict], weights: Sequence[float], spec: PermutationSpec, group: str,
+                solved: Collection[str], settings: BBPSettings, generator: torch.Generator | int = 0) -> GroupMatch:
+    """BBP-MAP of one group across K client states whose ``solved`` groups are already in global indexing.
+
+    A unit's vector concatenates its row of :func:`~models.permutation.unit_view`
+    for every entry of :func:`aligned_refs`: incoming weights (their inputs
+    already scattered onto the previous groups' global units), bias,
+    normalisation entries, and weights into a layer that is never permuted.
+    """
+    if group not in spec.groups or set(solved) - set(spec.groups):
+        raise ValueError(f"group {group!r} and solved groups {sorted(solved)} must be among {list(spec.groups)}")
+    refs = aligned_refs(spec, group, solved)
+    if not refs:
+        raise ValueError(f"group {group!r} has no entry aligned on its other axes; solve {sorted(solved)} first")
+    views = [[unit_view(state[ref.key], ref) for ref in refs] for state in states]
+    match = match_units([torch.cat(parts, dim=1) for parts in views], weights, settings, generator)
+    return GroupMatch(match.assignments, match.units, tuple(refs), tuple(view.shape[1] for view in views[0]))
+
+
+def units_to_entries(match: GroupMatch, spec: PermutationSpec, state: StateDict) -> dict[str, Tensor]:
+    """The global entries ``match``'s units define, at the group's global width, typed like ``state``'s.
+
+    Output entries (:func:`output_keys`) are left out: they are averaged, not matched.
+    """
+    outputs = output_keys(spec, state)
+    entries: dict[str, Tensor] = {}
+    for ref, columns in zip(match.refs, torch.split(match.units, list(match.features), dim=1)):
+        if ref.key in outputs:
+            continue
+        template = state[ref.key]
+        shape = template.shape[:ref.axis] + (match.width * ref.block,) + template.shape[ref.axis + 1:]
+        layout = (match.width,) + template.shape[:ref.axis] + (ref.block,) + template.shape[ref.axis + 1:]
+        entries[ref.key] = columns.reshape(layout).movedim(0, ref.axis).reshape(shape).to(template.dtype)
+    return entries
+
+
+def scatter_units(tensor: Tensor, ref: AxisRef, assignment: Tensor, width: int) -> Tensor:
+    """``tensor`` with the units of ``ref`` moved to their global positions among ``width`` (zeros elsewhere)."""
+    before, after = tensor.shape[:ref.axis], tensor.shape[ref.axis + 1:]
+    split = tensor.reshape(before + (tensor.shape[ref.axis] // ref.block, ref.block) + after)
+    grown = split.new_zeros(before + (width, ref.block) + after)
+    grown.index_copy_(ref.axis, assignment.to(tensor.device), split)
+    return grown.reshape(before + (width * ref.block,) + after)
+
+
+def scatter_group(state: StateDict, spec: PermutationSpec, group: str, assignment: Tensor,
+                  width: int) -> dict[str, Tensor]:
+    """A client's state with every axis of ``group`` moved onto the global units (PFNM's weight patching).
+
+    Entries of the group that ``state`` lacks are skipped, so a caller can drop the ones it is done with.
+    """
+    scattered = dict(state)
+    for ref in spec.groups[group]:
+        if ref.key in scattered:
+            scattered[ref.key] = scatter_units(scattered[ref.key], ref, assignment, width)
+    return scattered
+
+
+# --- the whole model --------------------------------------------------------------------------
+
+
+def bbp_matched_average(states: Sequence[StateDict], weights: Sequence[float], spec: PermutationSpec,
+                        settings: BBPSettings | None = None, generator: torch.Generator | int = 0,
+                        class_counts: Tensor | Sequence[Sequence[float]] | None = None) -> BBPResult:
+    """Match every group of ``spec`` by BBP-MAP, in spec order, and build the grown global state.
+
+    After a group is matched, its global entries come from the atoms and every
+    client's axes of the group are scattered onto the global units, so the next
+    group's inputs are in global indexing (zeros where a client has no unit).
+    Output entries (:func:`output_keys`) and entries no group touches are
+    averaged over the scattered clients with ``weights``; with
+    ``class_counts`` (``K x C``) the output entries with ``C`` rows are
+    averaged row by row with each class's counts, as FedMA does (a class no
+    client holds falls back to ``weights``). Integer entries come from the
+    first client.
+    """
+    settings = settings or BBPSettings()
+    _check_states(states, weights, spec)
+    share = torch.tensor([float(w) for w in weights], dtype=torch.float64)
+    share = share / share.sum()
+    mixes = {} if class_counts is None else _output_mixes(spec, states[0], share, class_counts)
+    rng = _as_generator(generator)
+    clients = [dict(state) for state in states]
+    merged: dict[str, Tensor] = {}
+    widths: dict[str, int] = {}
+    assignments: dict[str, tuple[Tensor, ...]] = {}
+    for group in spec.groups:
+        match = match_group(clients, weights, spec, group, widths, settings, rng)
+        merged.update(units_to_entries(match, spec, clients[0]))
+        clients = [scatter_group({key: value for key, value in client.items() if key not in merged}, spec, group,
+                                 assignment, match.width) for client, assignment in zip(clients, match.assignments)]
+        widths[group], assignments[group] = match.width, match.assignments
+    merged.update(_averaged(clients, share, mixes))
+    return BBPResult({key: merged[key] for key in states[0]}, widths, assignments)
+
+
+def _output_mixes(spec: PermutationSpec, state: StateDict, share: Tensor,
+                  class_counts: Tensor | Sequence[Sequence[float]]) -> dict[str, Tensor]:
+    """``K x C`` averaging weights for each output entry with one row per class: each class's share of the
+    clients' counts (the clients' ``share`` for a class nobody holds)."""
+    counts = torch.as_tensor(class_counts, dtype=torch.float64)
+    if counts.dim() != 2 or counts.shape[0] != share.numel() or not bool(torch.isfinite(counts).all()) \
+            or bool((counts < 0).any()):
+        raise ValueError(f"class_counts must be a K x C matrix of finite counts >= 0 with K = {share.numel()}, "
+                         f"got shape {tuple(counts.shape)}")
+    outputs = output_keys(spec, state)
+    keys = [key for key in outputs if state[key].shape[0] == counts.shape[1]]
+    if not keys:
+        raise ValueError(f"class_counts has {counts.shape[1]} classes, but no output entry "
+                         f"({sorted(outputs)}) has that many rows")
+    totals = counts.sum(0)
+    mix = torch.where(totals > 0, counts / totals.clamp(min=1e-300), share[:, None])
+    return dict.fromkeys(keys, mix)
+
+
+def _averaged(clients: Sequence[StateDict], share: Tensor, mixes: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """Every entry of the clients averaged with ``share`` (or its row-wise weights in ``mixes``); integer
+    entries are taken from the first client."""
+    averaged: dict[str, Tensor] = {}
+    for key, first in clients[0].items():
+        if not first.is_floating_point():
+            averaged[key] = first.clone()
+            continue
+        stacked = torch.stack([client[key].double() for client in clients])
+        mix = mixes.get(key, share)
+        averaged[key] = (mix.reshape(mix.shape + (1,) * (stacked.dim() - mix.dim())) * stacked).sum(0).to(first.dtype)
+    return averaged
+
+
+def _check_weights(clients: int, weights: Sequence[float]) -> None:
+    if clients < 1 or len(weights) != clients:
+        raise ValueError(f"need one weight per client and at least one client, got {clients} clients and "
+                         f"{len(weights)} weights")
+    if any(not (math.isfinite(float(w)) and float(w) > 0) for w in weights):
+        raise ValueError(f"weights must be finite and > 0, got {list(weights)}")
+
+
+def _check_states(states: Sequence[StateDict], weights: Sequence[float], spec: PermutationSpec) -> None:
+    """Raise ValueError unless all states have the first one's keys and shapes and fit ``spec``."""
+    _check_weights(len(states), weights)
+    first = states[0]
+    for index, state in enumerate(states):
+        if set(state) != set(first):
+            raise ValueError(f"client {index}'s state has other keys than client 0's: "
+                             f"{sorted(set(state) ^ set(first))[:5]}")
+        odd = [key for key, tensor in first.items() if state[key].shape != tensor.shape]
+        if odd:
+            raise ValueError(f"client {index}'s entries {odd[:5]} have other shapes than client 0's")
+    spec.group_sizes(first)
+
+
+def _as_generator(generator: torch.Generator | int) -> torch.Generator:
+    if isinstance(generator, torch.Generator):
+        return generator
+    if not _is_int(generator):
+        raise ValueError(f"generator must be a torch.Generator or an integer seed, got {generator!r}")
+    return torch.Generator().manual_seed(generator)
