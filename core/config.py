@@ -54,8 +54,8 @@ def _absolute_or_empty(what: str) -> dict[str, Any]:
 class RunSection:
     """What runs, on what, where its results go."""
 
-    strategy: str = option("fedavg", "the federated algorithm (see 'Algorithms')")
-    model: str = option("mlp", "the network (see 'Models')")
+    strategy: str = option("fedavg", "the federated algorithm (listed below the tables)")
+    model: str = option("mlp", "the network (listed below the tables)")
     dataset: str = option("fashion-mnist", "the data set", lambda v: v in list_datasets(),
                           "choose a registered data set")
     seed: int = option(0, "seeds data splits, initialisation, sampling and every client's batches",

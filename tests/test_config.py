@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from core.config import RunConfig
-from fl_app.config import (ConfigError, check_run, default_run_config, owned_settings, parse_run_config,
-                           pyproject_table, validate_run)
+from fl_app.config import (ConfigError, check_run, default_run_config, keys_markdown, owned_settings,
+                           parse_run_config, pyproject_table, validate_run)
 from models import list_models
 from strategies import list_strategies
 from strategies.fedprox import FedProxSettings
@@ -23,6 +23,10 @@ def test_pyproject_run_config_is_generated_from_the_settings_classes():
     pyproject = (ROOT / "pyproject.toml").read_text()
     assert pyproject_table() in pyproject
     assert tomllib.loads(pyproject)["tool"]["flwr"]["app"]["config"] == default_run_config()
+
+
+def test_readme_key_tables_are_generated_from_the_settings_classes():
+    assert keys_markdown() in (ROOT / "README.md").read_text()
 
 
 def test_import_layers_are_kept():
