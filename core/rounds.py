@@ -95,10 +95,6 @@ class Reply:
     weight: float
 
     @property
-    def examples(self) -> float:
-        return float(self.content[METRICS_RECORD][NUM_EXAMPLES])
-
-    @property
     def arrays(self) -> ArrayRecord:
         return self.content[MODEL_RECORD]
 
