@@ -395,7 +395,28 @@ def matched_average(
     iterations: int = 1,
     generator: torch.Generator | None = None,
 ) -> dict[str, Tensor]:
-    """Align every state onto ``reference``, then average them weighted by ``weights``.
+    """Align every state onto ``reference``, then average them weighted by ``weights`` (:func:`align_and_average`)."""
+    return align_and_average(reference, states, weights, spec, cost, iterations, generator)[0]
+
+
+def moved_share(permutations: Sequence[Mapping[str, Tensor]]) -> dict[str, float]:
+    """Per group, the share of units a matching moved (``perm[i] != i``), averaged over the clients."""
+    groups = permutations[0].keys() if permutations else ()
+    return {group: float(sum((p[group] != torch.arange(len(p[group]))).double().mean() for p in permutations)
+                         / len(permutations)) for group in groups}
+
+
+def align_and_average(
+    reference: StateDict,
+    states: Sequence[StateDict],
+    weights: Sequence[float],
+    spec: PermutationSpec,
+    cost: str = "weight",
+    iterations: int = 1,
+    generator: torch.Generator | None = None,
+) -> tuple[dict[str, Tensor], list[dict[str, Tensor]]]:
+    """Align every state onto ``reference``, then average them weighted by ``weights``; also returns each
+    state's permutations (of the last pass).
 
     With ``iterations > 1`` the states are aligned again onto the matched mean
     of the previous iteration, which moves the target from the reference to
@@ -410,8 +431,10 @@ def matched_average(
         check_compatible(reference, state, spec)
     generator = generator or torch.Generator().manual_seed(0)
     target: StateDict = reference
+    permutations: list[dict[str, Tensor]] = []
     for _ in range(iterations):
         shared = Target(target, spec)  # one set of reference rows for every state
-        target = weighted_average([permute_state(spec, state, match(shared, state, generator)) for state in states],
+        permutations = [dict(match(shared, state, generator)) for state in states]
+        target = weighted_average([permute_state(spec, state, perms) for state, perms in zip(states, permutations)],
                                   weights)
-    return dict(target)
+    return dict(target), permutations

@@ -7,13 +7,14 @@ PAN encodings are non-persistent buffers and integer counters such as BatchNorm'
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import torch
 from flwr.app import ArrayRecord
 from torch import nn
 
-from models import build_model
+from models import PermutationSpec, build_model
 from models.init import INITS
 
 if TYPE_CHECKING:
@@ -55,6 +56,35 @@ def arrays_mismatch(expected: dict[str, torch.Tensor], arrays: ArrayRecord) -> s
         if tuple(arrays[key].shape) != tuple(tensor.shape):
             return f"'{key}' has shape {tuple(arrays[key].shape)}, expected {tuple(tensor.shape)}"
     return None
+
+
+_SIZE_ATTRIBUTES = {"weight": (("out_features", 0), ("in_features", 1), ("out_channels", 0), ("in_channels", 1),
+                               ("num_features", 0))}
+
+
+def resize_to(model: nn.Module, state: Mapping[str, torch.Tensor], spec: PermutationSpec) -> None:
+    """Give the model's entries the shapes of ``state`` where they differ only along axes of the permutation
+    description: a model whose hidden layers grew (FedMA's matching opens new global units) is rebuilt at
+    the received widths. Values are left for :func:`load_arrays`; any other difference is refused."""
+    grown_axes = {(ref.key, ref.axis) for refs in spec.groups.values() for ref in refs}
+    current = model.state_dict()
+    for key, tensor in state.items():
+        if key not in current or tuple(current[key].shape) == tuple(tensor.shape):
+            continue
+        axes = [axis for axis, (a, b) in enumerate(zip(current[key].shape, tensor.shape)) if a != b]
+        if current[key].dim() != tensor.dim() or any((key, axis) not in grown_axes for axis in axes):
+            raise ValueError(f"'{key}' has shape {tuple(tensor.shape)}, the model {tuple(current[key].shape)}: only "
+                             "the widths of permutation groups may change")
+        module_name, _, name = key.rpartition(".")
+        module = model.get_submodule(module_name)
+        fresh = torch.zeros(tensor.shape, dtype=current[key].dtype, device=current[key].device)
+        if name in module._parameters:
+            module._parameters[name] = nn.Parameter(fresh)
+        else:
+            module._buffers[name] = fresh
+        for attribute, axis in _SIZE_ATTRIBUTES.get(name, ()):
+            if hasattr(module, attribute) and axis < fresh.dim():
+                setattr(module, attribute, fresh.shape[axis] * (getattr(module, "groups", 1) if axis == 1 else 1))
 
 
 def load_arrays(model: nn.Module, arrays: ArrayRecord) -> None:

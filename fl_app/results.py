@@ -225,10 +225,37 @@ def plot_accuracy(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def plot_alignment(rows: list[dict[str, Any]], path: Path, title: str) -> None:
+    """Per permutation group, the share of units each round's matching moved and the global width."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    matched = [r for r in rows if r.get("units-moved")]
+    fig, (moved, width) = plt.subplots(1, 2, figsize=(10, 4))
+    for group in matched[0]["units-moved"]:
+        points = [(r["round"], r["units-moved"][group]) for r in matched if group in r["units-moved"]]
+        moved.plot(*zip(*points), marker="o", label=group)
+        sized = [(r["round"], r["global-width"][group]) for r in matched if group in r.get("global-width", {})]
+        if sized:
+            width.plot(*zip(*sized), marker="o", label=group)
+    moved.set(xlabel="round", ylabel="share of units moved", title=title)
+    width.set(xlabel="round", ylabel="global width (units)", title="global width per layer")
+    for ax in (moved, width):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def finish_run(folder: Path, recorder: RoundRecorder, final_arrays: ArrayRecord, title: str) -> dict[str, Any]:
-    """Write summary.json, the plot and the final global model; return the summary."""
+    """Write summary.json, the plots and the final global model; return the summary."""
     summary = {**recorder.summary(), "run-folder": str(folder)}
     write_json(folder / "summary.json", summary)
     plot_accuracy(recorder.rows, folder / "accuracy.png", title)
+    if any(row.get("units-moved") for row in recorder.rows):
+        plot_alignment(recorder.rows, folder / "alignment.png", title)
     torch.save(final_arrays.to_torch_state_dict(), folder / "model.pt")
     return summary

@@ -96,9 +96,12 @@ class PositionEncoding(nn.Module):
         self.register_buffer("encoding", encoding, persistent=False)
 
     def forward(self, h: Tensor) -> Tensor:
-        """Return ``h + e`` or ``h * (1 + e)`` broadcast over axis 1, or ``h`` when inactive."""
+        """Return ``h + e`` or ``h * (1 + e)`` broadcast over axis 1, or ``h`` when inactive. A layer that has
+        grown (FedMA's matching can widen it) gets the encoding of its new width."""
         if not self.settings.active:
             return h
+        if self.encoding.numel() != h.shape[1]:
+            self.encoding = position_encoding(h.shape[1], self.settings.period, self.settings.amplitude).to(h.device)
         e = self.encoding.view((1, -1) + (1,) * (h.dim() - 2)).to(h.dtype)
         if self.settings.mode == "add":
             return h + e

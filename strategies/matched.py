@@ -36,12 +36,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from logging import INFO
+from typing import Any
 
 import torch
 from flwr.app import ArrayRecord
 from flwr.common.logger import log
 
-from core.alignment import list_costs, matched_average
+from core.alignment import align_and_average, list_costs, moved_share
 from core.rounds import Reply, RunContext, ServerStrategy
 from models import PermutationSpec
 from models.options import ConfigError, option
@@ -88,10 +89,16 @@ class Matched(ServerStrategy):
     def __init__(self, context: RunContext) -> None:
         super().__init__(context)
         self.spec = permutation_spec(context, "matched")
+        self.moved: dict[str, float] = {}
+
+    def round_metrics(self) -> dict[str, Any]:
+        """The share of units the matching moved per group (mean over clients) and the global width per group."""
+        sizes = self.spec.group_sizes(self.context.initial_arrays.to_torch_state_dict())
+        return {"units-moved": self.moved, "global-width": sizes}
 
     def aggregate(self, server_round: int, replies: list[Reply], reference: ArrayRecord) -> ArrayRecord | None:
         started = time.perf_counter()
-        matched = matched_average(
+        matched, permutations = align_and_average(
             reference.to_torch_state_dict(),
             [reply.arrays.to_torch_state_dict() for reply in replies],
             [reply.weight for reply in replies],
@@ -100,8 +107,10 @@ class Matched(ServerStrategy):
             self.settings.passes,
             torch.Generator().manual_seed(self.context.config.seed * 10_007 + server_round),
         )
-        log(INFO, "round %d: matched %d client models (%s cost, %d pass(es)) in %.2f s", server_round,
-            len(replies), self.settings.match_cost, self.settings.passes, time.perf_counter() - started)
+        self.moved = moved_share(permutations)
+        log(INFO, "round %d: matched %d client models (%s cost, %d pass(es)) in %.2f s; %.1f %% of units moved",
+            server_round, len(replies), self.settings.match_cost, self.settings.passes, time.perf_counter() - started,
+            100 * sum(self.moved.values()) / max(len(self.moved), 1))
         return ArrayRecord(matched)
 
 
