@@ -27,7 +27,7 @@ from typing import Any
 
 from core.config import RunConfig, common_settings, results_root
 from core.data import dataset_info
-from core.model_io import build_model_for, federated_state, to_arrays
+from core.model_io import build_model_for, to_arrays
 from core.rounds import RunContext, ServerStrategy
 from models import list_models
 from models.options import ConfigError, Setting, build_settings, coerce, refuse, settings_fields
@@ -127,10 +127,10 @@ def check_run(config: RunConfig) -> ServerStrategy:
     input_shape, num_classes = dataset_info(config.dataset)
     try:
         model = build_model_for(config, input_shape, num_classes)
+        context = build_context(config, model)
     except ValueError as error:
         raise ConfigError(f"model {config.model!r} with {config.dataset!r}: {error}") from None
-    federated_state(model)
-    return get_strategy(config.strategy).server(build_context(config, model))
+    return get_strategy(config.strategy).server(context)
 
 
 def path_problem(path: Path, writable: bool) -> str | None:

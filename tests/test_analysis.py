@@ -191,14 +191,16 @@ def test_divergence_leaves_inputs_alone_and_takes_numpy():
 
 
 def test_divergence_refuses_mismatched_inputs():
+    """weight_divergence lives in core/ (the server logs it every round), so it raises ValueError; the command
+    line turns that into its own error (test_cli_weight_divergence_refuses_models_of_other_networks)."""
     a = {"w": torch.zeros(2)}
-    with pytest.raises(AnalysisError, match="missing keys"):
+    with pytest.raises(ValueError, match=r"state 1 differs from state 0: missing keys \['w'\], extra keys \['v'\]"):
         weight_divergence([a, {"v": torch.zeros(2)}])
-    with pytest.raises(AnalysisError, match="shape"):
+    with pytest.raises(ValueError, match=r"'w' has shape \(3,\), state 0 has \(2,\)"):
         weight_divergence([a, {"w": torch.zeros(3)}])
-    with pytest.raises(AnalysisError, match="one per model"):
+    with pytest.raises(ValueError, match="one per model"):
         weight_divergence([a, a], weights=[1.0])
-    with pytest.raises(AnalysisError, match="not all zero"):
+    with pytest.raises(ValueError, match="not all zero"):
         weight_divergence([a, a], weights=[0.0, 0.0])
 
 
@@ -416,6 +418,14 @@ def test_cli_weight_divergence(runs, tmp_path, capsys):
     states = [torch.load(run / "model.pt") for run in runs]
     assert result["per_key"] == pytest.approx(weight_divergence(states, [1, 3]))
     assert list(result["per_layer"]) == ["hidden.0", "hidden.1", "hidden.2", "hidden.3", "classifier"]
+
+
+def test_cli_weight_divergence_refuses_models_of_other_networks(runs, tmp_path, capsys):
+    other = _run_folder(tmp_path / "run-twonn", model="twonn")
+    out = tmp_path / "div"
+    assert main(["weight-divergence", str(runs[0]), str(other), "--out", str(out)]) == 2
+    assert "state 1 differs from state 0: missing keys" in capsys.readouterr().err
+    assert not out.exists()
 
 
 def test_cli_matching_ratio(runs, tmp_path, capsys):

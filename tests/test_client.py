@@ -7,9 +7,10 @@ import torch
 from flwr.app import ConfigRecord
 
 from fl_app.client_app import check_pan_agreement, client_data, node_partition
-from fl_app.config import RunConfig
+from core.config import RunConfig
 from core.data import load_dataset
 from core.model_io import build_run_model, load_arrays, to_arrays
+from fl_app.config import parse_run_config
 
 
 def test_node_partition_is_read_and_checked():
@@ -28,7 +29,7 @@ def test_client_with_other_pan_settings_is_refused():
 
 
 def test_pan_encodings_never_travel_and_survive_loading():
-    config = RunConfig(dataset="digits", model="vgg9", pan_mode="mul", pan_t=4.0, pan_a=0.5)
+    config = parse_run_config({"dataset": "digits", "model": "vgg9", "pan-mode": "mul", "pan-t": 4.0, "pan-a": 0.5})
     dataset = load_dataset("digits")
     model = build_run_model(config, dataset)
     encodings = {name: buf.clone() for name, buf in model.named_buffers() if name.endswith("encoding")}

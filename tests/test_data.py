@@ -161,7 +161,7 @@ def test_registries_list_names() -> None:
     assert data.list_datasets() == [
         "cifar10", "cifar100", "digits", "fashion-mnist", "majority-tokens", "mnist", "svhn"
     ]
-    assert data.list_partitioners() == ["dirichlet", "iid", "pathological", "shard"]
+    assert data.list_partitioners() == ["dirichlet", "fixed-pairs", "iid", "pathological", "shard"]
     assert data.DEFAULT_DATASET in data.list_datasets()
 
 

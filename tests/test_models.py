@@ -83,7 +83,7 @@ def _output_after(name, shape, num_classes, pan, state) -> torch.Tensor:
 
 def test_registry_lists_every_network():
     assert ALL_MODELS == sorted(["mlp", "small-mlp", "twonn", "twocnn", "vgg9", "vgg9-bn", "vgg9-gn", "vgg11",
-                                 "resnet20", "transformer-1", "psi-vgg9", "psi-vgg11"])
+                                 "resnet20", "transformer-1", "psi-vgg9", "psi-vgg11", "mobilenet", "psi-mobilenet"])
 
 
 def test_unknown_model_name_lists_allowed_names():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -12,17 +13,26 @@ import torch
 from flwr.app import ArrayRecord, MetricRecord, RecordDict
 from torch import nn
 
-from fl_app.config import ConfigError, RunConfig, parse_run_config
+from core.config import RunConfig
 from core.model_io import build_run_model, federated_state
+from core.rounds import Reply, RunContext
+from fl_app.config import ConfigError, check_run, parse_run_config
+from fl_app.inprocess import run_in_process
 from models import PanSettings, build_model
-from models.psinet import GroupedNorm, PsiNet, contiguous_class_groups, group_layout, held_groups
-from models.registry import model_options
+from models.options import WidthOptions
+from models.protocol import ModelHead
+from models.psinet import GroupedNorm, PsiNet, PsiOptions, contiguous_class_groups, group_layout, held_groups
+from models.registry import model_options, option_names
 from strategies import get_strategy
-from strategies.base import MetricAggregation
-from strategies.psinet import HELD_KEY, HELD_RECORD, PsiNetUpdate, masked_average
+from strategies.psinet import HELD_KEY, HELD_RECORD, PsiNetStrategy, PsiNetUpdate, masked_average
 
 DIGITS = (1, 8, 8)
 PAN_ON = PanSettings(mode="mul", period=1.0, amplitude=0.5)
+
+
+def _psinet_config(**keys: Any) -> RunConfig:
+    """A ``psinet`` run of ``psi-vgg9`` on digits with run-config ``keys``."""
+    return parse_run_config({"strategy": "psinet", "model": "psi-vgg9", "dataset": "digits", **keys})
 
 
 def _batch(label: int, size: int = 4, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,24 +107,28 @@ def test_bad_options_name_the_key():
         build_model("psi-vgg9", DIGITS, 4, psi_groups=5)
     with pytest.raises(ValueError, match=r"takes no option\(s\) \['psi_groups'\]"):
         build_model("vgg9", DIGITS, 10, psi_groups=2)
-    assert model_options("psi-vgg11") == ("psi_groups", "psi_depth", "width_factor")
-    assert model_options("vgg9") == ("width_factor",)
+    assert model_options("psi-vgg11") is PsiOptions and model_options("vgg9") is WidthOptions
+    assert set(option_names("psi-vgg11")) == {"psi_groups", "psi_depth", "width_factor"}
+    assert option_names("vgg9") == ("width_factor",)
 
 
 def test_run_config_reaches_the_builder():
     config = parse_run_config({"model": "psi-vgg11", "dataset": "digits", "psi-groups": 5, "psi-depth": 3})
     model = build_run_model(config, SimpleNamespace(input_shape=DIGITS, num_classes=10))
     assert (model.num_groups, model.depth, model.class_groups[:3]) == (5, 3, (0, 0, 1))
-    with pytest.raises(ConfigError, match="'psi-groups' = 11"):
-        parse_run_config({"dataset": "digits", "psi-groups": 11})
-    with pytest.raises(ConfigError, match="'psi-depth' = -1"):
-        parse_run_config({"psi-depth": -1})
+    # more groups than digits' 10 classes: refused before the run starts, once the model is built
+    with pytest.raises(ConfigError, match=r"model 'psi-vgg9' with 'digits': psi-groups must lie in .*got 11"):
+        check_run(parse_run_config({"model": "psi-vgg9", "dataset": "digits", "psi-groups": 11}))
+    with pytest.raises(ConfigError, match="'psi-depth' = -1 is not allowed"):
+        parse_run_config({"model": "psi-vgg9", "psi-depth": -1})
 
 
 def test_run_config_defaults_are_the_builder_defaults():
-    from models.psinet import DEFAULT_DEPTH, DEFAULT_GROUPS
-
-    assert (RunConfig().psi_groups, RunConfig().psi_depth) == (DEFAULT_GROUPS, DEFAULT_DEPTH)
+    config = parse_run_config({"model": "psi-vgg9", "dataset": "digits"})
+    assert config.model_options == PsiOptions()
+    from_run = build_run_model(config, SimpleNamespace(input_shape=DIGITS, num_classes=10))
+    built = build_model("psi-vgg9", DIGITS, 10)
+    assert (from_run.num_groups, from_run.depth) == (built.num_groups, built.depth) == (10, PsiOptions().psi_depth)
 
 
 def test_held_groups_follow_the_labels():
@@ -154,7 +168,7 @@ def test_trimmed_loss_gives_zero_gradient_outside_the_held_groups():
     """A client holding classes 0 and 1 (group 0 of three) trains on class 0: groups 1 and 2 get nothing."""
     torch.manual_seed(0)
     model = build_model("psi-vgg9", DIGITS, 10, psi_groups=3, psi_depth=2)
-    update = PsiNetUpdate(RunConfig(local_epochs=1, batch_size=4), context=None)
+    update = PsiNetUpdate(_psinet_config(**{"local-epochs": 1, "batch-size": 4}), context=None)
     x, y = _batch(0, size=8)
     update.train(model, x, torch.tensor([0, 1] * 4), torch.Generator().manual_seed(0), torch.device("cpu"))
     model.zero_grad(set_to_none=True)
@@ -176,7 +190,7 @@ def test_client_trains_and_sends_only_shared_and_held_groups():
     before = {k: v.clone() for k, v in federated_state(model).items()}
     x = torch.randn((12, *DIGITS), generator=torch.Generator().manual_seed(1))
     y = torch.tensor([0, 5] * 6)  # holds groups 0 and 2
-    update = PsiNetUpdate(RunConfig(local_epochs=2, batch_size=4, weight_decay=0.1), context=None)
+    update = PsiNetUpdate(_psinet_config(**{"local-epochs": 2, "batch-size": 4, "weight-decay": 0.1}), context=None)
     metrics = update.train(model, x, y, torch.Generator().manual_seed(0), torch.device("cpu"))
     assert metrics["groups-held"] == 2.0
 
@@ -193,11 +207,11 @@ def test_client_trains_and_sends_only_shared_and_held_groups():
 
 
 def test_psinet_needs_a_psinet_model():
-    update = PsiNetUpdate(RunConfig(), context=None)
+    update = PsiNetUpdate(_psinet_config(), context=None)
     with pytest.raises(ValueError, match="needs a Ψ-Net model"):
         update.train(build_model("vgg9", DIGITS, 3), *_batch(0), torch.Generator(), torch.device("cpu"))
-    with pytest.raises(ConfigError, match="strategy 'psinet'"):
-        get_strategy("psinet").build_server(RunConfig(model="vgg9"), MetricAggregation(None, None))
+    with pytest.raises(ConfigError, match="'model' = 'vgg9' is not allowed with strategy 'psinet'"):
+        check_run(_psinet_config(model="vgg9"))
 
 
 # --- server aggregation ---------------------------------------------------------------
@@ -209,7 +223,7 @@ GLOBAL = {SHARED: np.full((2, 2), -1.0, np.float32),
 
 
 def _reply(held: list[int], value: float, examples: int, node: int = 1, *, arrays: dict | None = None,
-           declared: list[int] | None = None):
+           declared: list[int] | None = None) -> Reply:
     """A reply carrying shared and held-group arrays all equal to ``value`` (or ``arrays`` as given)."""
     if arrays is None:
         keys = [SHARED] + [key.format(g) for g in held for key in GROUPED]
@@ -220,22 +234,25 @@ def _reply(held: list[int], value: float, examples: int, node: int = 1, *, array
         HELD_RECORD: ArrayRecord({HELD_KEY: torch.tensor(declared, dtype=torch.int64)}),
         "metrics": MetricRecord({"num-examples": examples}),
     })
-    return SimpleNamespace(content=content, has_error=lambda: False, metadata=SimpleNamespace(reply_to_message_id="", src_node_id=node))
+    return Reply(node, node, content, examples)
 
 
-def _strategy():
-    def fold(records, key):
-        return MetricRecord({"n": len(records)})
+def _reference() -> ArrayRecord:
+    return ArrayRecord({k: torch.from_numpy(v) for k, v in GLOBAL.items()})
 
-    strategy = get_strategy("psinet").build_server(RunConfig(model="psi-vgg9"), MetricAggregation(fold, fold))
-    strategy._reference = ArrayRecord({k: torch.from_numpy(v) for k, v in GLOBAL.items()})
-    return strategy
+
+def _strategy() -> PsiNetStrategy:
+    """The server side for a model whose federated state is :data:`GLOBAL` (three groups)."""
+    head = ModelHead(tuple(GROUPED[1].format(g) for g in range(3)), 3)
+    context = RunContext(_psinet_config(), _reference(), None, head, group_layout(GLOBAL))
+    return get_strategy("psinet").server(context)
 
 
 def test_shared_over_all_groups_over_holders_absent_group_keeps_its_value():
     replies = [_reply([0], 1.0, 1, node=1), _reply([0, 1], 2.0, 3, node=2), _reply([1], 4.0, 2, node=3)]
-    arrays, metrics = _strategy().aggregate_train(1, replies)
-    assert metrics["n"] == 3
+    strategy = _strategy()
+    assert all(strategy.reply_problem(reply.content, _reference()) is None for reply in replies)
+    arrays = strategy.aggregate(1, replies, _reference())
     np.testing.assert_allclose(arrays[SHARED].numpy(), np.full((2, 2), (1 + 6 + 8) / 6), rtol=1e-6)
     for key in GROUPED:
         np.testing.assert_allclose(arrays[key.format(0)].numpy(), np.full(3, (1 + 6) / 4), rtol=1e-6)
@@ -271,37 +288,28 @@ def _good_arrays(held):
     ],
     ids=["undeclared-group", "extra-group-key", "wrong-shape", "missing-shared", "bad-id", "no-groups"],
 )
-def test_malformed_reply_is_refused_and_the_global_model_unchanged(reply, fragment):
-    strategy = _strategy()
-    problem = strategy.reply_problem(reply.content)
+def test_malformed_reply_is_refused(reply, fragment):
+    """The round runner drops a reply the server side refuses: it never reaches ``aggregate``, and a round
+    left without replies keeps the global model (see test_strategies)."""
+    problem = _strategy().reply_problem(reply.content, _reference())
     assert problem is not None and fragment in problem
-    assert strategy.aggregate_train(1, [reply]) == (None, None)
-    good = _reply([0], 2.0, 1, node=2)
-    arrays, _ = strategy.aggregate_train(1, [reply, good])
-    np.testing.assert_allclose(arrays[SHARED].numpy(), np.full((2, 2), 2.0))  # the bad reply is left out
+    assert _strategy().reply_problem(_reply([0], 2.0, 1, node=2).content, _reference()) is None
 
 
 def test_reply_without_the_groups_record_is_refused():
-    reply = _reply([0], 1.0, 1)
-    reply.content = RecordDict({k: v for k, v in reply.content.items() if k != HELD_RECORD})
-    assert "missing ArrayRecord 'psi-groups'" in _strategy().reply_problem(reply.content)
+    content = RecordDict({k: v for k, v in _reply([0], 1.0, 1).content.items() if k != HELD_RECORD})
+    assert "missing ArrayRecord 'psi-groups'" in _strategy().reply_problem(content, _reference())
 
 
-# --- in-process simulation ------------------------------------------------------------
+# --- the real apps in one process ----------------------------------------------------
 
 
-@pytest.mark.slow
-def test_psinet_simulation_on_digits_pathological(tmp_path: Path):
-    from flwr.simulation import run_simulation
-
-    from fl_app.client_app import build_client_app
-    from fl_app.server_app import build_server_app
-
+@pytest.mark.slow  # a convolutional net: ~15 s on two loaded cores
+def test_psinet_on_digits_pathological(tmp_path: Path):
     config = {"dataset": "digits", "model": "psi-vgg9", "strategy": "psinet", "partitioner": "pathological",
-              "classes-per-client": 4, "psi-groups": 5, "num-server-rounds": 2, "min-available-nodes": 3,
-              "pan-mode": "mul", "pan-a": 0.2, "results-dir": str(tmp_path)}
-    run_simulation(server_app=build_server_app(config), client_app=build_client_app(config), num_supernodes=3,
-                   backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}})
+              "classes-per-client": 4, "psi-groups": 5, "num-server-rounds": 2, "pan-mode": "mul", "pan-a": 0.2,
+              "results-dir": str(tmp_path), "device": "cpu"}
+    run_in_process(config, num_nodes=3)
     (folder,) = tmp_path.iterdir()
     rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
     assert [row["round"] for row in rows] == [0, 1, 2]

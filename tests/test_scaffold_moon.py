@@ -1,29 +1,37 @@
 """SCAFFOLD's control variates and MOON's contrastive loss: client math, server aggregation, state across rounds."""
 
+from __future__ import annotations
+
 import json
 import math
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
-from flwr.simulation import run_simulation
 from flwr.supercore.task_identity import TaskIdentity
 from torch import nn
 
-from fl_app.client_app import build_client_app
-from fl_app.config import RunConfig
+from core.config import RunConfig
 from core.model_io import to_arrays
-from fl_app.server_app import build_server_app
+from core.rounds import NodeDirectory, Reply, RunContext, reply_problem
+from fl_app.config import parse_run_config
+from fl_app.inprocess import run_in_process
 from models import build_model
+from models.protocol import ModelHead
 from strategies import get_strategy
-from strategies.base import MetricAggregation, reply_problem
 from strategies.moon import STATE_KEY as MOON_STATE, MoonUpdate, contrastive_loss
-from strategies.scaffold import CONTROL, STATE_KEY as SCAFFOLD_STATE, ScaffoldUpdate, momentum_step_sum
+from strategies.scaffold import CONTROL, STATE_KEY as SCAFFOLD_STATE, Scaffold, ScaffoldUpdate, momentum_step_sum
 
 CPU = torch.device("cpu")
+
+
+def _config(**fields: Any) -> RunConfig:
+    """A run config from field names (``moon_mu`` is the run-config key ``moon-mu``)."""
+    return parse_run_config({name.replace("_", "-"): value for name, value in fields.items()})
 
 
 def _context(**state) -> SimpleNamespace:
@@ -59,7 +67,7 @@ def test_scaffold_client_corrects_gradients_and_updates_its_control_variate():
     c = {"weight": torch.full((2, 3), 0.3), "bias": torch.tensor([-0.2, 0.1])}
     c_i = {"weight": torch.linspace(-0.5, 0.5, 6).reshape(2, 3), "bias": torch.tensor([0.4, 0.0])}
     lr, steps = 0.1, 3
-    config = RunConfig(lr=lr, momentum=0.0, weight_decay=0.0, local_epochs=steps, batch_size=len(y))
+    config = _config(strategy="scaffold", lr=lr, momentum=0.0, weight_decay=0.0, local_epochs=steps, batch_size=len(y))
     context = _context(**{SCAFFOLD_STATE: _record(c_i)})
     update = ScaffoldUpdate(config, context, RecordDict({"arrays": _record(start), CONTROL: _record(c)}))
 
@@ -102,7 +110,7 @@ def test_scaffold_with_momentum_recovers_a_constant_gradient():
     gradient = {"weight": torch.outer(torch.tensor([1.0, -2.0]), x.sum(0)), "bias": torch.tensor([1.0, -2.0]) * len(y)}
     c = {"weight": torch.full((2, 3), 0.5), "bias": torch.tensor([0.1, -0.1])}
     c_i = {"weight": torch.full((2, 3), -0.25), "bias": torch.tensor([0.3, 0.2])}
-    config = RunConfig(lr=0.01, momentum=0.9, weight_decay=0.0, local_epochs=4, batch_size=len(y))
+    config = _config(strategy="scaffold", lr=0.01, momentum=0.9, weight_decay=0.0, local_epochs=4, batch_size=len(y))
     context = _context(**{SCAFFOLD_STATE: _record(c_i)})
     update = LinearObjective(config, context, RecordDict({CONTROL: _record(c)}))
     update.train(model, x, y, torch.Generator().manual_seed(0), CPU)
@@ -112,7 +120,7 @@ def test_scaffold_with_momentum_recovers_a_constant_gradient():
 
 
 def test_scaffold_first_round_starts_from_zero_and_keeps_buffers_at_zero():
-    config = RunConfig(dataset="digits", model="resnet20", lr=0.05, local_epochs=1, batch_size=8)
+    config = _config(strategy="scaffold", dataset="digits", model="resnet20", lr=0.05, local_epochs=1, batch_size=8)
     model = build_model("resnet20", (1, 8, 8), 10)
     zeros = ArrayRecord({k: torch.zeros_like(v) for k, v in to_arrays(model).to_torch_state_dict().items()})
     context = _context()
@@ -126,7 +134,8 @@ def test_scaffold_first_round_starts_from_zero_and_keeps_buffers_at_zero():
 
 
 def test_scaffold_client_refuses_a_message_without_control():
-    update = ScaffoldUpdate(RunConfig(), _context(), RecordDict({"config": ConfigRecord({"server-round": 1})}))
+    received = RecordDict({"config": ConfigRecord({"server-round": 1})})
+    update = ScaffoldUpdate(_config(strategy="scaffold"), _context(), received)
     with pytest.raises(ValueError, match="no 'control' record.*strategy=scaffold"):
         update.begin(_tiny_model())
 
@@ -140,19 +149,16 @@ def _arrays(values: dict[str, np.ndarray]) -> ArrayRecord:
     return ArrayRecord({k: torch.from_numpy(np.asarray(v, dtype=np.float32)) for k, v in values.items()})
 
 
-def _reply(model: dict, control: dict | None, examples: int, node: int):
+def _reply(model: dict, control: dict | None, examples: int, node: int) -> Reply:
     records = {"arrays": _arrays(model), "metrics": MetricRecord({"num-examples": examples})}
     if control is not None:
         records[CONTROL] = _arrays(control)
-    return SimpleNamespace(content=RecordDict(records), has_error=lambda: False,
-                           metadata=SimpleNamespace(reply_to_message_id="", src_node_id=node))
+    return Reply(node, node, RecordDict(records), examples)
 
 
-def _scaffold_server(**config):
-    def fold(records, key):
-        return MetricRecord({"n": len(records)})
-
-    return get_strategy("scaffold").build_server(RunConfig(**config), MetricAggregation(fold, fold))
+def _scaffold_server(**config: Any) -> Scaffold:
+    run = _config(strategy="scaffold", **config)
+    return get_strategy("scaffold").server(RunContext(run, _arrays(GLOBAL), None, ModelHead((), 2)))
 
 
 class _Grid:
@@ -169,27 +175,33 @@ def test_scaffold_server_sends_zero_control_with_the_model(monkeypatch):
     for name in ("_run_id", "_task_id", "_node_id"):  # Flower stamps messages with the running task's ids
         monkeypatch.setattr(TaskIdentity, name, 1)
     strategy = _scaffold_server(min_available_nodes=4)
-    messages = list(strategy.configure_train(1, _arrays(GLOBAL), ConfigRecord(), _Grid()))
-    assert len(messages) == 4 and strategy.num_nodes == 4
-    for message in messages:
-        control = message.content[CONTROL]
+    nodes = NodeDirectory(_Grid(), holdout_clients=0)
+    contents = strategy.plan_train(1, _arrays(GLOBAL), ConfigRecord(), nodes.trainable, nodes)
+    assert sorted(contents) == [11, 12, 13, 14] and strategy.num_nodes == 4
+    for content in contents.values():
+        assert set(content.array_records) == {"arrays", CONTROL}
+        control = content[CONTROL]
         assert set(control) == set(GLOBAL)
         assert all(not control[k].numpy().any() and control[k].shape == GLOBAL[k].shape for k in GLOBAL)
 
 
 def test_scaffold_server_moves_c_by_the_mean_update_over_all_nodes_and_applies_server_lr():
     strategy = _scaffold_server(server_lr=0.5)
-    strategy._reference = _arrays(GLOBAL)
+    reference = _arrays(GLOBAL)
     strategy.control = _arrays({"w": np.full((2, 3), 1.0), "b": np.zeros(2)})
     strategy.num_nodes = 4
-    replies = [
+    usable = [
         _reply({"w": np.full((2, 3), 2.0), "b": np.ones(2)}, {"w": np.full((2, 3), 4.0), "b": np.ones(2)}, 1, 1),
         _reply({"w": np.full((2, 3), 6.0), "b": np.ones(2)}, {"w": np.full((2, 3), 8.0), "b": np.ones(2)}, 3, 2),
-        _reply({"w": np.full((2, 3), 99.0), "b": np.ones(2)}, None, 5, 3),  # no control update: dropped
-        _reply({"w": np.full((2, 3), 99.0), "b": np.ones(2)}, {"w": np.full((2, 3), np.nan), "b": np.ones(2)}, 5, 4),
     ]
-    model, metrics = strategy.aggregate_train(1, replies)
-    assert metrics["n"] == 2
+    no_control = _reply({"w": np.full((2, 3), 99.0), "b": np.ones(2)}, None, 5, 3)
+    nan_control = _reply({"w": np.full((2, 3), 99.0), "b": np.ones(2)},
+                         {"w": np.full((2, 3), np.nan), "b": np.ones(2)}, 5, 4)
+    assert all(strategy.reply_problem(reply.content, reference) is None for reply in usable)
+    # the round runner drops these two: they never reach aggregate
+    assert "got ['arrays']" in strategy.reply_problem(no_control.content, reference)
+    assert "'control' holds NaN" in strategy.reply_problem(nan_control.content, reference)
+    model = strategy.aggregate(1, usable, reference)
     # ȳ = (1·2 + 3·6)/4 = 5; x + 0.5·(ȳ − x) = 2.5 (the control records are not averaged into the model)
     np.testing.assert_allclose(model["w"].numpy(), np.full((2, 3), 2.5))
     np.testing.assert_allclose(model["b"].numpy(), np.ones(2))
@@ -204,10 +216,8 @@ def test_replies_name_their_array_records():
     assert reply_problem(with_control, reference, (CONTROL,)) is None
     assert "expected ArrayRecords ['arrays']" in reply_problem(with_control, reference)  # FedAvg expects the model only
     assert "got ['arrays']" in reply_problem(_reply(GLOBAL, None, 2, 1).content, reference, (CONTROL,))
-    strategy = _scaffold_server()
-    strategy._reference = reference
     wrong_shape = _reply(GLOBAL, {"w": np.zeros((3, 2)), "b": np.ones(2)}, 2, 1).content
-    assert "'control' has shape (3, 2)" in strategy.reply_problem(wrong_shape)
+    assert "'control' has shape (3, 2)" in _scaffold_server().reply_problem(wrong_shape, reference)
 
 
 # --- MOON -------------------------------------------------------------------------------------
@@ -234,7 +244,7 @@ def test_moon_update_adds_mu_times_the_contrastive_term_once_a_previous_model_ex
     torch.manual_seed(0)
     model, previous = build_model("small-mlp", (1, 8, 8), 10), build_model("small-mlp", (1, 8, 8), 10)
     x, y = torch.randn(4, 1, 8, 8), torch.randint(0, 10, (4,))
-    config = RunConfig(moon_mu=2.0, moon_tau=0.5)
+    config = _config(strategy="moon", moon_mu=2.0, moon_tau=0.5)
     cross_entropy = nn.functional.cross_entropy(model(x), y)
 
     first = MoonUpdate(config, _context())
@@ -254,7 +264,7 @@ def test_moon_update_adds_mu_times_the_contrastive_term_once_a_previous_model_ex
 def test_moon_keeps_the_trained_model_for_the_next_round():
     model = build_model("small-mlp", (1, 8, 8), 10)
     context = _context()
-    metrics = MoonUpdate(RunConfig(batch_size=4), context).train(
+    metrics = MoonUpdate(_config(strategy="moon", batch_size=4), context).train(
         model, torch.randn(8, 1, 8, 8), torch.randint(0, 10, (8,)), torch.Generator().manual_seed(0), CPU)
     assert metrics["has-previous-model"] == 0.0 and metrics["contrastive-loss"] == 0.0
     stored = context.state[MOON_STATE].to_torch_state_dict()
@@ -262,16 +272,15 @@ def test_moon_keeps_the_trained_model_for_the_next_round():
         assert torch.equal(stored[key], value)
 
 
-# --- two rounds in one simulation (slow: Ray starts, ~80 s each on two cores) ----------------
+# --- two rounds of the real apps in one process (a few seconds each) ---------------------------
 # PANs are on here (pan-mode="mul", pan-a=0.1) so that these runs also show that both algorithms run with PAN
 # models; with PANs off the client and server code is the same, and the tests above use plain models.
 
 
-def _simulate(results: Path, strategy: str) -> list[dict]:
+def _two_rounds(results: Path, strategy: str) -> list[dict]:
     config = {"dataset": "digits", "num-server-rounds": 2, "partitioner": "iid", "strategy": strategy,
-              "pan-mode": "mul", "pan-a": 0.1, "results-dir": str(results), "min-available-nodes": 3}
-    run_simulation(server_app=build_server_app(config), client_app=build_client_app(config), num_supernodes=3,
-                   backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}})
+              "pan-mode": "mul", "pan-a": 0.1, "results-dir": str(results), "device": "cpu"}
+    run_in_process(config, num_nodes=3)
     (folder,) = results.iterdir()
     rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rows] == [0, 1, 2] and rows[2]["clients-trained"] == 3
@@ -279,16 +288,14 @@ def _simulate(results: Path, strategy: str) -> list[dict]:
     return rows
 
 
-@pytest.mark.slow
 def test_scaffold_control_variates_survive_between_rounds(tmp_path):
-    rows = _simulate(tmp_path, "scaffold")
+    rows = _two_rounds(tmp_path, "scaffold")
     assert rows[1]["control-norm-start"] == 0.0  # nothing stored before round 1
     assert rows[2]["control-norm-start"] > 0.0  # round 2 starts from the c_i each client wrote in round 1
     assert rows[2]["control-norm-start"] == pytest.approx(rows[1]["control-norm-end"])
 
 
-@pytest.mark.slow
 def test_moon_previous_model_survives_between_rounds(tmp_path):
-    rows = _simulate(tmp_path, "moon")
+    rows = _two_rounds(tmp_path, "moon")
     assert rows[1]["has-previous-model"] == 0.0 and rows[1]["contrastive-loss"] == 0.0
     assert rows[2]["has-previous-model"] == 1.0 and rows[2]["contrastive-loss"] > 0.0

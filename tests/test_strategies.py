@@ -1,24 +1,31 @@
-"""The strategy registry, FedProx's client objective, and the server's reply checks."""
+"""The strategy registry, FedProx's client objective, the server's reply checks and FedAvg(M)'s aggregation."""
 
-from types import SimpleNamespace
+from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
-from flwr.app import ArrayRecord, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
 from torch import nn
 
-from fl_app.config import RunConfig
+from core.rounds import MetricAggregation, Participation, Reply, RoundRunner, RunContext, ServerStrategy, reply_problem
+from fl_app.config import parse_run_config
+from fl_app.inprocess import InProcessGrid
+from models.protocol import ModelHead
 from strategies import get_strategy, list_strategies
-from strategies.base import LocalUpdate, MetricAggregation, reply_problem
-from strategies.fedprox import FedProxUpdate
-from strategies.registry import StrategyEntry, register_strategy
+from strategies.base import LocalUpdate
+from strategies.fedavgm import FedAvgM
+from strategies.fedprox import FedProxSettings, FedProxUpdate
+from strategies.registry import Algorithm, register_strategy
 
 
 def test_registry_lists_the_core_algorithms():
     assert {"fedavg", "fedprox", "fedavgm"} <= set(list_strategies())
-    assert get_strategy("fedprox").client_update is FedProxUpdate
-    assert get_strategy("fedavg").client_update is LocalUpdate
+    assert get_strategy("fedprox").client is FedProxUpdate
+    assert get_strategy("fedprox").settings is FedProxSettings
+    assert get_strategy("fedavg").client is LocalUpdate
+    assert get_strategy("fedavg").server is ServerStrategy and get_strategy("fedavgm").server is FedAvgM
 
 
 def test_unknown_strategy_lists_allowed():
@@ -28,14 +35,14 @@ def test_unknown_strategy_lists_allowed():
 
 def test_a_name_registers_once():
     with pytest.raises(ValueError, match="already registered"):
-        register_strategy(StrategyEntry("fedavg", get_strategy("fedavg").build_server, LocalUpdate, ""))
+        register_strategy(Algorithm("fedavg", ServerStrategy, LocalUpdate, ""))
 
 
 def test_fedprox_adds_half_mu_squared_distance_to_the_global_model():
     torch.manual_seed(0)
     model = nn.Linear(4, 3)
     x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
-    update = FedProxUpdate(RunConfig(proximal_mu=0.5), context=None)
+    update = FedProxUpdate(parse_run_config({"strategy": "fedprox", "proximal-mu": 0.5}), context=None)
     update.begin(model)
     plain = nn.functional.cross_entropy(model(x), y)
     assert torch.allclose(update.loss(model, x, y), plain)  # at the global model the term is zero
@@ -45,13 +52,19 @@ def test_fedprox_adds_half_mu_squared_distance_to_the_global_model():
     assert torch.allclose(update.loss(model, x, y), expected)
 
 
-def _reply(arrays: dict[str, np.ndarray], examples, node: int = 1, **metrics):
-    content = RecordDict({"arrays": ArrayRecord({k: torch.from_numpy(v) for k, v in arrays.items()}),
-                          "metrics": MetricRecord({"num-examples": examples, **metrics})})
-    return SimpleNamespace(content=content, has_error=lambda: False, metadata=SimpleNamespace(reply_to_message_id="", src_node_id=node))
-
-
 GLOBAL = {"w": np.zeros((2, 3), dtype=np.float32), "b": np.zeros(2, dtype=np.float32)}
+
+
+def _arrays(values: dict[str, np.ndarray]) -> ArrayRecord:
+    return ArrayRecord({k: torch.from_numpy(np.asarray(v, dtype=np.float32)) for k, v in values.items()})
+
+
+def _content(arrays: dict[str, np.ndarray], examples: float, **metrics: float) -> RecordDict:
+    return RecordDict({"arrays": _arrays(arrays), "metrics": MetricRecord({"num-examples": examples, **metrics})})
+
+
+def _filled(value: float) -> dict[str, np.ndarray]:
+    return {k: np.full_like(v, value) for k, v in GLOBAL.items()}
 
 
 @pytest.mark.parametrize(
@@ -66,55 +79,112 @@ GLOBAL = {"w": np.zeros((2, 3), dtype=np.float32), "b": np.zeros(2, dtype=np.flo
     ],
 )
 def test_malformed_replies_are_described(arrays, examples, fragment):
-    problem = reply_problem(_reply(arrays, examples).content, ArrayRecord({k: torch.from_numpy(v) for k, v in GLOBAL.items()}))
+    problem = reply_problem(_content(arrays, examples), _arrays(GLOBAL))
     assert problem is not None and fragment in problem
 
 
 def test_well_formed_reply_has_no_problem():
-    reference = ArrayRecord({k: torch.from_numpy(v) for k, v in GLOBAL.items()})
-    assert reply_problem(_reply(GLOBAL, 3).content, reference) is None
+    assert reply_problem(_content(GLOBAL, 3), _arrays(GLOBAL)) is None
 
 
-def _aggregate(strategy_name: str, replies, **config):
-    def fold(records, key):
-        return MetricRecord({"n": len(records)})
+# --- one training round of the round runner over scripted nodes -------------------------------------------
 
-    strategy = get_strategy(strategy_name).build_server(RunConfig(**config), MetricAggregation(fold, fold))
-    strategy._reference = ArrayRecord({k: torch.from_numpy(v) for k, v in GLOBAL.items()})
-    return strategy.aggregate_train(1, replies)
+
+def _scripted_app(contents: list[RecordDict]) -> ClientApp:
+    """Nodes that tell their partition and answer every training message with ``contents[partition]``."""
+    app = ClientApp()
+
+    @app.train()
+    def train(message: Message, context: Context) -> Message:
+        return Message(contents[int(context.node_config["partition-id"])], reply_to=message)
+
+    @app.query()
+    def identify(message: Message, context: Context) -> Message:
+        return Message(RecordDict({"metrics": MetricRecord(dict(context.node_config))}), reply_to=message)
+
+    return app
+
+
+class _Recording(ServerStrategy):
+    """FedAvg that notes which of its hooks the round runner calls."""
+
+    def __init__(self, context: RunContext) -> None:
+        super().__init__(context)
+        self.calls: list[str] = []
+
+    def aggregate(self, server_round: int, replies: list[Reply], reference: ArrayRecord) -> ArrayRecord | None:
+        self.calls.append("aggregate")
+        return super().aggregate(server_round, replies, reference)
+
+    def on_empty_round(self, server_round: int) -> None:
+        self.calls.append("empty")
+
+
+def _train_round(contents: list[RecordDict]) -> tuple[ArrayRecord, ArrayRecord, _Recording, list]:
+    """One training round of FedAvg over nodes answering ``contents``; returns the global model before and after
+    it, the server side and what the runner reported (``("train", records)`` and ``("participation", ...)``)."""
+    config = parse_run_config({"min-available-nodes": len(contents)})
+    reference = _arrays(GLOBAL)
+    server = _Recording(RunContext(config, reference, None, ModelHead((), 2)))
+    seen: list = []
+    metrics = MetricAggregation(lambda records, key: seen.append(("train", records)) or MetricRecord(),
+                                lambda records, key: MetricRecord(),
+                                lambda round_, participation: seen.append(("participation", participation)))
+    runner = RoundRunner(server, InProcessGrid(_scripted_app(contents), len(contents)), metrics)
+    return reference, runner.train_round(1, reference), server, seen
+
+
+def _participation(seen: list) -> Participation:
+    (participation,) = [value for kind, value in seen if kind == "participation"]
+    return participation
 
 
 def test_fedavg_weights_by_examples_and_drops_malformed_replies():
-    good_a = _reply({"w": np.ones((2, 3), np.float32), "b": np.ones(2, np.float32)}, 1)
-    good_b = _reply({"w": np.full((2, 3), 4, np.float32), "b": np.full(2, 4, np.float32)}, 3)
-    broken = _reply({"w": np.full((2, 3), 100, np.float32)}, 10, node=7)
-    arrays, metrics = _aggregate("fedavg", [good_a, broken, good_b])
+    good_a, good_b = _content(_filled(1.0), 1), _content(_filled(4.0), 3)
+    broken = _content({"w": np.full((2, 3), 100, np.float32)}, 10)
+    _, arrays, server, seen = _train_round([good_a, broken, good_b])
     np.testing.assert_allclose(arrays["w"].numpy(), np.full((2, 3), 3.25))  # (1·1 + 3·4) / 4
-    assert metrics["n"] == 2
+    participation = _participation(seen)
+    assert (participation.sampled, participation.trained) == (3, 2)
+    assert list(participation.dropped) == ["1"] and "missing ['b']" in participation.dropped["1"]
+    (train_records,) = [records for kind, records in seen if kind == "train"]
+    assert len(train_records) == 2  # the metrics are folded over the usable replies only
+    assert server.calls == ["aggregate"]
 
 
 def test_no_usable_reply_keeps_the_global_model():
-    broken = _reply({"w": GLOBAL["w"]}, 4)
-    assert _aggregate("fedavg", [broken]) == (None, None)
+    reference, arrays, server, seen = _train_round([_content({"w": GLOBAL["w"]}, 4)])
+    assert arrays is reference
+    assert server.calls == ["empty"]  # the server side hears of the empty round instead of aggregating
+    assert _participation(seen).trained == 0 and not [kind for kind, _ in seen if kind == "train"]
+
+
+# --- FedAvgM ---------------------------------------------------------------------------------------------
+
+
+def _fedavgm(momentum: float) -> FedAvgM:
+    config = parse_run_config({"strategy": "fedavgm", "server-momentum": momentum, "server-lr": 1.0})
+    return get_strategy("fedavgm").server(RunContext(config, _arrays(GLOBAL), None, ModelHead((), 2)))
+
+
+def _replies(*models: tuple[float, int]) -> list[Reply]:
+    """One reply per ``(value, examples)``: every array filled with ``value``."""
+    return [Reply(node, node, _content(_filled(value), examples), examples)
+            for node, (value, examples) in enumerate(models)]
 
 
 def test_fedavgm_with_unit_lr_and_no_momentum_equals_fedavg():
-    replies = [_reply({"w": np.ones((2, 3), np.float32), "b": np.ones(2, np.float32)}, 2),
-               _reply({"w": np.zeros((2, 3), np.float32), "b": np.zeros(2, np.float32)}, 2)]
-    strategy = get_strategy("fedavgm").build_server(
-        RunConfig(server_momentum=0.0, server_lr=1.0), MetricAggregation(lambda r, k: MetricRecord(), lambda r, k: MetricRecord()))
-    strategy._reference = strategy.current_arrays = ArrayRecord({k: torch.from_numpy(v) for k, v in GLOBAL.items()})
-    arrays, _ = strategy.aggregate_train(1, replies)
+    replies = _replies((1.0, 2), (0.0, 2))
+    arrays = _fedavgm(0.0).aggregate(1, replies, _arrays(GLOBAL))
     np.testing.assert_allclose(arrays["w"].numpy(), np.full((2, 3), 0.5))
+    fedavg = ServerStrategy(RunContext(parse_run_config(), _arrays(GLOBAL), None, ModelHead((), 2)))
+    np.testing.assert_array_equal(arrays["w"].numpy(), fedavg.aggregate(1, replies, _arrays(GLOBAL))["w"].numpy())
 
 
 def test_fedavgm_momentum_accumulates_the_pseudo_gradient():
-    strategy = get_strategy("fedavgm").build_server(
-        RunConfig(server_momentum=0.5, server_lr=1.0), MetricAggregation(lambda r, k: MetricRecord(), lambda r, k: MetricRecord()))
-    strategy._reference = strategy.current_arrays = ArrayRecord({k: torch.from_numpy(v) for k, v in GLOBAL.items()})
-    step = {"w": np.ones((2, 3), np.float32), "b": np.ones(2, np.float32)}
-    first, _ = strategy.aggregate_train(1, [_reply(step, 1)])  # global 0 → 1: pseudo-gradient −1
+    strategy = _fedavgm(0.5)
+    first = strategy.aggregate(1, _replies((1.0, 1)), _arrays(GLOBAL))  # global 0 → 1: pseudo-gradient −1
     np.testing.assert_allclose(first["w"].numpy(), np.ones((2, 3)))
-    second, _ = strategy.aggregate_train(2, [_reply({"w": np.full((2, 3), 2, np.float32), "b": np.full(2, 2, np.float32)}, 1)])
+    second = strategy.aggregate(2, _replies((2.0, 1)), first)
     # pseudo-gradient −1 again, momentum buffer 0.5·(−1) + (−1) = −1.5 → global 1 + 1.5
     np.testing.assert_allclose(second["w"].numpy(), np.full((2, 3), 2.5))

@@ -1,19 +1,25 @@
 """SuPerFed: reduction to FedAvg, the loss terms, joint updates, local-model persistence, personalised
 evaluation with calibration, and label noise."""
 
+from __future__ import annotations
+
 import json
 import math
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
-from flwr.app import ConfigRecord, MetricRecord, RecordDict
+from flwr.app import ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from torch import nn
 
 from core.calibration import calibration_errors
-from fl_app.client_app import client_data
-from fl_app.config import ConfigError, RunConfig, parse_run_config
+from core.config import RunConfig
 from core.label_noise import noisy_labels
+from core.rounds import MetricAggregation, RoundRunner
+from fl_app.client_app import build_client_app, client_data
+from fl_app.config import ConfigError, build_context, parse_run_config
+from fl_app.inprocess import InProcessGrid, run_in_process
 from fl_app.results import RoundRecorder
 from models import build_model
 from strategies import get_strategy
@@ -29,6 +35,16 @@ from strategies.superfed import (
 
 SETTINGS = dict(strategy="superfed", dataset="digits", model="small-mlp", num_server_rounds=4, local_epochs=2,
                 batch_size=16, lr=0.05, momentum=0.9, weight_decay=1e-4)
+
+
+def config_of(**fields: Any) -> RunConfig:
+    """A checked run config from field names (``superfed_mu`` is the run-config key ``superfed-mu``)."""
+    return parse_run_config({name.replace("_", "-"): value for name, value in fields.items()})
+
+
+def superfed_config(**fields: Any) -> RunConfig:
+    """:data:`SETTINGS` with ``fields`` changed."""
+    return config_of(**{**SETTINGS, **fields})
 
 
 def make_context(partition_id: int = 0) -> SimpleNamespace:
@@ -64,15 +80,15 @@ def assert_same_state(a: nn.Module, b: nn.Module) -> None:
 
 
 def test_registered_and_start_round_is_floor_of_fraction_times_rounds():
-    assert get_strategy("superfed").client_update is SuPerFedUpdate
-    assert start_round(RunConfig(superfed_start=0.5, num_server_rounds=5)) == 2
-    assert start_round(RunConfig(superfed_start=0.0, num_server_rounds=5)) == 0
+    assert get_strategy("superfed").client is SuPerFedUpdate
+    assert start_round(superfed_config(superfed_start=0.5, num_server_rounds=5)) == 2
+    assert start_round(superfed_config(superfed_start=0.0, num_server_rounds=5)) == 0
 
 
 @pytest.mark.parametrize("mode", ["mm", "lm"])
 def test_before_the_start_round_it_is_exactly_fedavg(mode):
-    config = RunConfig(**SETTINGS, superfed_mode=mode, superfed_nu=0.0, superfed_mu=0.0, superfed_start=0.5,
-                       superfed_val_fraction=0.0)
+    config = superfed_config(superfed_mode=mode, superfed_nu=0.0, superfed_mu=0.0, superfed_start=0.5,
+                             superfed_val_fraction=0.0)
     x, y = data()
     reference, personal = fresh_model(), fresh_model()
     run(LocalUpdate(config, make_context()), reference, x, y)
@@ -83,8 +99,8 @@ def test_before_the_start_round_it_is_exactly_fedavg(mode):
 
 
 def test_mixing_with_lambda_fixed_to_zero_is_exactly_fedavg_and_still_moves_the_local_model():
-    config = RunConfig(**SETTINGS, superfed_mode="lm", superfed_nu=0.0, superfed_mu=0.0, superfed_start=0.5,
-                       superfed_val_fraction=0.0)
+    config = superfed_config(superfed_mode="lm", superfed_nu=0.0, superfed_mu=0.0, superfed_start=0.5,
+                             superfed_val_fraction=0.0)
     x, y = data()
     reference, personal = fresh_model(), fresh_model()
     run(LocalUpdate(config, make_context()), reference, x, y)
@@ -123,7 +139,7 @@ class Tiny(nn.Module):
 def test_loss_terms_match_a_hand_computation_on_a_tiny_model():
     torch.manual_seed(0)
     model = Tiny()
-    config = RunConfig(superfed_mode="lm", superfed_nu=2.0, superfed_mu=0.3, superfed_start=0.0)
+    config = config_of(strategy="superfed", superfed_mode="lm", superfed_nu=2.0, superfed_mu=0.3, superfed_start=0.0)
     update = SuPerFedUpdate(config, make_context(), received(1))
     update.begin(model)
     assert layer_groups(model) == [["first.weight", "first.bias"], ["second.weight", "second.bias"]]
@@ -154,7 +170,8 @@ def test_loss_terms_match_a_hand_computation_on_a_tiny_model():
 def test_one_backward_pass_reaches_both_endpoints_and_one_step_moves_both():
     torch.manual_seed(0)
     model = Tiny()
-    update = SuPerFedUpdate(RunConfig(superfed_start=0.0, superfed_nu=1.0), make_context(), received(1))
+    config = config_of(strategy="superfed", superfed_start=0.0, superfed_nu=1.0)
+    update = SuPerFedUpdate(config, make_context(), received(1))
     update.begin(model)
     optimizer = update.optimizer(model)
     before_f = [p.detach().clone() for p in model.parameters()]
@@ -169,7 +186,8 @@ def test_one_backward_pass_reaches_both_endpoints_and_one_step_moves_both():
 
 @pytest.mark.parametrize("mode", ["mm", "lm"])
 def test_lambda_is_drawn_afresh_per_mini_batch_one_per_model_or_per_layer(mode):
-    update = SuPerFedUpdate(RunConfig(superfed_mode=mode, superfed_start=0.0), make_context(), received(1))
+    config = config_of(strategy="superfed", superfed_mode=mode, superfed_start=0.0)
+    update = SuPerFedUpdate(config, make_context(), received(1))
     update.begin(Tiny())
     first, second = update.draw_lambdas(), update.draw_lambdas()
     assert len(first) == 2 and all(0.0 <= v < 1.0 for v in first + second)
@@ -178,7 +196,7 @@ def test_lambda_is_drawn_afresh_per_mini_batch_one_per_model_or_per_layer(mode):
 
 
 def test_local_model_persists_across_rounds_in_context_state_and_is_never_sent():
-    config = RunConfig(**SETTINGS, superfed_start=0.0)
+    config = superfed_config(superfed_start=0.0)
     context, x, y = make_context(), *data()
     model = fresh_model()
     first_update = SuPerFedUpdate(config, context, received(1))
@@ -207,7 +225,7 @@ def test_calibration_errors_match_a_hand_computed_case():
 
 
 def test_personalised_evaluation_scores_the_lambda_grid_with_oracle_and_honest_choices():
-    config = RunConfig(**SETTINGS, superfed_start=0.0, superfed_val_fraction=0.25)
+    config = superfed_config(superfed_start=0.0, superfed_val_fraction=0.25)
     context, (x, y), (tx, ty) = make_context(), data(), data(40, seed=2)
     model = fresh_model()
     update = SuPerFedUpdate(config, context, received(1))
@@ -287,37 +305,37 @@ def test_config_refuses_bad_holdout_and_lr_decay_values():
     assert parse_run_config({"holdout-clients": 1, "min-available-nodes": 2}).holdout_clients == 1
 
 
-class _QueryGrid:
-    """Nodes 11..16 holding partitions 0..5 of 6, answering the server's partition query."""
+class _RecordingGrid(InProcessGrid):
+    """Six in-process nodes holding partitions 0..5 of 6: they answer the server's partition query and note
+    every other message they get, by its type and their partition, without answering it."""
 
-    def get_node_ids(self):
-        return [16, 11, 15, 12, 14, 13]
+    def __init__(self) -> None:
+        super().__init__(build_client_app(), num_nodes=6)
+        self.received: list[tuple[str, int]] = []
 
-    def send_and_receive(self, messages, timeout=None):
-        return [SimpleNamespace(has_error=lambda: False, metadata=SimpleNamespace(reply_to_message_id="", src_node_id=m.metadata.dst_node_id),
-                                content={"metrics": {"partition-id": m.metadata.dst_node_id - 11,
-                                                     "num-partitions": 6}})
-                for m in messages]
+    def deliver(self, message: Message) -> Message | None:
+        if message.metadata.message_type == MessageType.QUERY:
+            return super().deliver(message)
+        partition = int(self.contexts[message.metadata.dst_node_id].node_config["partition-id"])
+        self.received.append((message.metadata.message_type, partition))
+        return None
 
 
 @pytest.mark.parametrize("strategy", ["fedavg", "superfed", "scaffold"])
-def test_held_out_partitions_are_never_sampled_for_training_but_are_evaluated(monkeypatch, strategy):
-    from flwr.supercore.task_identity import TaskIdentity
-
-    from core.model_io import to_arrays
-    from strategies.base import MetricAggregation
-
-    for name in ("_run_id", "_task_id", "_node_id"):  # Flower stamps messages with the running task's ids
-        monkeypatch.setattr(TaskIdentity, name, 1)
+def test_held_out_partitions_are_never_sampled_for_training_but_are_evaluated(strategy):
     fold = lambda records, key: MetricRecord()  # noqa: E731
-    config = RunConfig(strategy=strategy, dataset="digits", model="small-mlp", holdout_clients=2,
+    config = config_of(strategy=strategy, dataset="digits", model="small-mlp", holdout_clients=2,
                        min_available_nodes=6)
-    server = get_strategy(strategy).build_server(config, MetricAggregation(fold, fold))
-    arrays = to_arrays(fresh_model())
-    trained = [m.metadata.dst_node_id for m in server.configure_train(1, arrays, ConfigRecord(), _QueryGrid())]
-    evaluated = [m.metadata.dst_node_id for m in server.configure_evaluate(1, arrays, ConfigRecord(), _QueryGrid())]
-    assert sorted(trained) == [11, 12, 13, 14]  # partitions 4 and 5 of 6 are the new clients
-    assert sorted(evaluated) == [11, 12, 13, 14, 15, 16]
+    server = get_strategy(strategy).server(build_context(config, fresh_model()))
+    grid = _RecordingGrid()
+    runner = RoundRunner(server, grid, MetricAggregation(fold, fold))
+    arrays = server.context.initial_arrays
+    assert runner.train_round(1, arrays) is arrays  # nobody answers: the global model stays
+    runner.evaluate_round(1, arrays)
+    trained = sorted(partition for kind, partition in grid.received if kind == MessageType.TRAIN)
+    evaluated = sorted(partition for kind, partition in grid.received if kind == MessageType.EVALUATE)
+    assert trained == [0, 1, 2, 3]  # partitions 4 and 5 of 6 are the new clients
+    assert evaluated == [0, 1, 2, 3, 4, 5]
 
 
 def test_recorder_scores_new_clients_apart_from_the_trained_ones(tmp_path):
@@ -341,7 +359,7 @@ def test_recorder_scores_new_clients_apart_from_the_trained_ones(tmp_path):
 
 
 def test_learning_rate_decays_per_round_and_needs_the_round():
-    config = RunConfig(**SETTINGS, lr_decay=0.5)
+    config = superfed_config(lr_decay=0.5)
     assert LocalUpdate(config, make_context(), received(3)).learning_rate() == pytest.approx(0.05 * 0.25)
     assert LocalUpdate(config.replace(lr_decay=1.0), make_context()).learning_rate() == 0.05
     with pytest.raises(ValueError, match="server-round"):
@@ -351,8 +369,8 @@ def test_learning_rate_decays_per_round_and_needs_the_round():
 def test_a_decayed_round_trains_exactly_like_the_decayed_learning_rate():
     x, y = data()
     decayed, plain = fresh_model(), fresh_model()
-    run(LocalUpdate(RunConfig(**SETTINGS, lr_decay=0.9), make_context(), received(4)), decayed, x, y)
-    run(LocalUpdate(RunConfig(**{**SETTINGS, "lr": 0.05 * 0.9**3}), make_context(), received(4)), plain, x, y)
+    run(LocalUpdate(superfed_config(lr_decay=0.9), make_context(), received(4)), decayed, x, y)
+    run(LocalUpdate(superfed_config(lr=0.05 * 0.9**3), make_context(), received(4)), plain, x, y)
     assert_same_state(decayed, plain)
 
 
@@ -360,7 +378,7 @@ def test_every_optimizer_override_uses_the_decayed_learning_rate():
     from strategies.ditto import _PersonalStep
     from strategies.psinet import PsiNetUpdate
 
-    config = RunConfig(**SETTINGS, lr_decay=0.5, superfed_start=0.0)
+    config = superfed_config(lr_decay=0.5, superfed_start=0.0)
     expected = 0.05 * 0.5**2
     superfed = SuPerFedUpdate(config, make_context(), received(3))
     model = fresh_model()
@@ -372,21 +390,18 @@ def test_every_optimizer_override_uses_the_decayed_learning_rate():
         assert optimizer.param_groups[0]["lr"] == pytest.approx(expected)
 
 
-# --- in-process simulation ----------------------------------------------------------------------------------
+# --- the real apps in one process ---------------------------------------------------------------------------
 
 
-@pytest.mark.slow
-def test_simulation_keeps_each_local_model_across_rounds_and_reports_personalised_accuracy(tmp_path):
-    from flwr.simulation import run_simulation
-
-    from fl_app.client_app import build_client_app
-    from fl_app.server_app import build_server_app
+def test_two_rounds_keep_each_local_model_across_rounds_and_report_personalised_accuracy(tmp_path):
+    from core.data import load_dataset
+    from core.model_io import build_run_model
+    from core.training import evaluate
 
     config = {"strategy": "superfed", "dataset": "digits", "model": "small-mlp", "num-server-rounds": 2,
-              "superfed-start": 0.0, "results-dir": str(tmp_path), "min-available-nodes": 2,
-              "partitioner": "iid", "holdout-clients": 1, "lr-decay": 0.9}
-    run_simulation(server_app=build_server_app(config), client_app=build_client_app(config), num_supernodes=2,
-                   backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}})
+              "superfed-start": 0.0, "results-dir": str(tmp_path), "partitioner": "iid", "holdout-clients": 1,
+              "lr-decay": 0.9, "device": "cpu"}
+    run_in_process(config, num_nodes=2)
     (folder,) = tmp_path.iterdir()
     rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
     first, second = rows[1], rows[2]
@@ -401,11 +416,7 @@ def test_simulation_keeps_each_local_model_across_rounds_and_reports_personalise
     # partition 1 of 2 is a new client: never trained (above), scored with the global model every round
     assert all(row["new-clients-evaluated"] == 1 and row["clients-evaluated"] == 1 for row in rows[1:])
     assert summary["final-new-client-accuracy"] == rows[-1]["new-client-accuracy"]
-    from core.data import load_dataset
-    from core.model_io import build_run_model
-    from core.training import evaluate
-
-    run_config = parse_run_config(config)
+    run_config = parse_run_config({**config, "min-available-nodes": 2})
     final = build_run_model(run_config, load_dataset("digits"))
     final.load_state_dict(torch.load(folder / "model.pt"))
     new_client = client_data(run_config, 1, 2)
@@ -419,7 +430,7 @@ def test_simulation_keeps_each_local_model_across_rounds_and_reports_personalise
 def test_fedper_keeps_its_head_and_sends_only_the_body_trained():
     from strategies.fedper import PERSONAL_HEAD, FedPerUpdate
 
-    config = RunConfig(**{**SETTINGS, "strategy": "fedper"})
+    config = superfed_config(strategy="fedper")
     context, (x, y), (tx, ty) = make_context(), data(), data(40, seed=2)
     model = fresh_model()
     received_state = {k: v.clone() for k, v in model.state_dict().items()}
@@ -441,7 +452,7 @@ def test_fedper_keeps_its_head_and_sends_only_the_body_trained():
 def test_ditto_sends_fedavgs_update_and_keeps_a_personal_model_pulled_to_the_global_one():
     from strategies.ditto import PERSONAL_MODEL, DittoUpdate, _PersonalStep
 
-    config = RunConfig(**{**SETTINGS, "strategy": "ditto"}, ditto_lambda=0.5)
+    config = superfed_config(strategy="ditto", ditto_lambda=0.5)
     context, (x, y) = make_context(), data()
     reference, model = fresh_model(), fresh_model()
     anchor = [p.detach().clone() for p in model.parameters()]
@@ -474,7 +485,7 @@ def test_batchnorm_statistics_are_re_estimated_for_mixed_points_but_not_for_the_
     assert torch.allclose(model[2].running_var, batch_vars.mean(dim=0), atol=1e-5)
     assert model[2].momentum == 0.1  # restored
 
-    config = RunConfig(superfed_start=0.0, superfed_val_fraction=0.25)
+    config = config_of(strategy="superfed", superfed_start=0.0, superfed_val_fraction=0.25)
     model[2].reset_running_stats()  # the received global buffers: mean 0, var 1
     scores = SuPerFedUpdate(config, make_context(), received(1)).evaluate(model, x, y, *data(40, 2),
                                                                           torch.device("cpu"))

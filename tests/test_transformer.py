@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from torch import nn
@@ -11,6 +13,7 @@ from core.data import load_dataset
 from models import PanSettings, PermutationSpec, invert_permutations, permute_state, random_permutations
 from models.transformer import Transformer1, sinusoid_table
 from core.alignment import find_permutations, list_costs
+from fl_app.inprocess import run_in_process
 
 SHAPE = (1, tokens.LENGTH, tokens.VOCABULARY)
 
@@ -107,19 +110,11 @@ def test_majority_tokens_are_one_hot_with_a_unique_most_frequent_token():
     assert torch.bincount(dataset.train_y).min() > 0.8 * tokens.TRAIN_SIZE / tokens.VOCABULARY
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # ~15 s on two loaded cores
 def test_matched_transformer_on_majority_tokens_learns(tmp_path):
-    import json
-
-    from flwr.simulation import run_simulation
-
-    from fl_app.client_app import build_client_app
-    from fl_app.server_app import build_server_app
-
     config = {"strategy": "matched", "model": "transformer-1", "dataset": "majority-tokens", "match-cost": "l1",
-              "num-server-rounds": 2, "min-available-nodes": 3, "results-dir": str(tmp_path)}
-    run_simulation(server_app=build_server_app(config), client_app=build_client_app(config), num_supernodes=3,
-                   backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}})
+              "num-server-rounds": 2, "results-dir": str(tmp_path), "device": "cpu"}
+    run_in_process(config, num_nodes=3)
     (folder,) = tmp_path.iterdir()
     rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["accuracy"] > 0.3  # chance is 0.1

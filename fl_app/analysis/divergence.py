@@ -54,7 +54,10 @@ def run(args: argparse.Namespace, out: Path) -> list[Path]:
     except ValueError as error:
         raise AnalysisError(str(error)) from None
     paths = [check_model_path(path, require_config=False)[0] for path in args.models]
-    per_key = weight_divergence([read_state(path) for path in paths], args.weights)
+    try:
+        per_key = weight_divergence([read_state(path) for path in paths], args.weights)
+    except ValueError as error:  # models of different networks
+        raise AnalysisError(str(error)) from None
     per_layer = divergence_by_layer(per_key)
     for layer, value in per_layer.items():
         print(f"{layer:<32} {value:.6e}")
