@@ -9,7 +9,6 @@ from __future__ import annotations
 import gzip
 import pickle
 import struct
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -421,21 +420,17 @@ def test_partitions_are_cached_on_disk_and_recomputed_when_unreadable(
 
 
 @needs_debian_fashion_mnist
-def test_dirichlet_small_alpha_many_clients_is_quick() -> None:
-    data.load_dataset("fashion-mnist")  # time the partitioning, not the loading
-    start = time.perf_counter()
+def test_dirichlet_small_alpha_many_clients_is_feasible() -> None:
+    """Its speed is measured by benchmarks/partition_speed.py."""
     parts = data.partition_dataset("fashion-mnist", None, "dirichlet", 100, 0, dirichlet_alpha=0.1)
-    assert time.perf_counter() - start < 30
     assert len(parts) == 100 and min(map(len, parts)) >= data.DIRICHLET_MIN_PARTITION_SIZE
     assert len(assert_disjoint_within(parts, 60000)) == 60000
 
 
-def test_infeasible_dirichlet_fails_fast_naming_keys() -> None:
-    # ~14 digits per client at alpha=0.1: some client is nearly always empty.
-    start = time.perf_counter()
+def test_infeasible_dirichlet_fails_naming_keys() -> None:
+    # ~14 digits per client at alpha=0.1: some client is nearly always empty (how fast: benchmarks/partition_speed.py).
     with pytest.raises(ValueError, match="num-partitions=100, dirichlet-alpha=0.1"):
         data.partition_dataset("digits", None, "dirichlet", 100, 0, dirichlet_alpha=0.1)
-    assert time.perf_counter() - start < 10
 
 
 def test_infeasible_pathological_names_keys() -> None:
