@@ -386,7 +386,7 @@ def _replies(name: str, value: float) -> list[Reply]:
                               "metrics": MetricRecord({"num-examples": 4})})
         if name == "scaffold":
             content["control"] = ArrayRecord({"w": torch.full((3,), 0.5)})
-        replies.append(Reply(node, node - 1, content))
+        replies.append(Reply(node, node - 1, content, 4.0))
     return replies
 
 
