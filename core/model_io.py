@@ -88,7 +88,10 @@ def resize_to(model: nn.Module, state: Mapping[str, torch.Tensor], spec: Permuta
 
 
 def load_arrays(model: nn.Module, arrays: ArrayRecord) -> None:
-    """Load received arrays into ``model``, refusing a record that does not fit it."""
+    """Load received arrays into ``model``, refusing a record that does not fit it; a model with a permutation
+    description first takes the widths of the arrays (a global model that FedMA's matching grew)."""
+    if hasattr(model, "permutation_spec"):
+        resize_to(model, arrays.to_torch_state_dict(), model.permutation_spec())
     expected = federated_state(model)
     problem = arrays_mismatch(expected, arrays)
     if problem is not None:

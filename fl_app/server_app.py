@@ -12,11 +12,12 @@ from typing import Any
 from flwr.app import ArrayRecord, Context
 from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
+from torch import nn
 
 from core.config import RunConfig
 from core.data import check_dataset_available, load_dataset
 from core.model_io import build_run_model, load_arrays
-from core.rounds import MetricAggregation, RoundRunner, arrays_problem
+from core.rounds import MetricAggregation, RoundRunner
 from core.training import evaluate, seed_everything, select_device
 from fl_app.checkpoint import Checkpoint, capture, resume_checkpoint, save_checkpoint
 from fl_app.config import ConfigError, build_context, parse_run_config
@@ -29,14 +30,16 @@ def _run_folder(config: RunConfig, checkpoint: Checkpoint | None) -> Path:
     return Path(config.resume_from) if checkpoint is not None else make_run_folder(config)
 
 
-def _initial_arrays(model_arrays: ArrayRecord, checkpoint: Checkpoint | None) -> ArrayRecord:
-    """The model the first round starts from: the new model, or the checkpoint's global model if it fits."""
+def _initial_arrays(model: nn.Module, model_arrays: ArrayRecord, checkpoint: Checkpoint | None) -> ArrayRecord:
+    """The model the first round starts from: the new model, or the checkpoint's global model if it fits (at
+    the widths it grew to, for FedMA's matching)."""
     if checkpoint is None:
         return model_arrays
-    problem = arrays_problem(checkpoint.arrays, model_arrays, "checkpoint")
-    if problem is not None:
+    try:
+        load_arrays(model, checkpoint.arrays)
+    except ValueError as error:
         raise ConfigError(f"run-config key 'resume-from': the checkpoint's global model does not fit this run's "
-                          f"model: {problem}")
+                          f"model: {error}") from None
     return checkpoint.arrays
 
 
@@ -52,7 +55,7 @@ def run_experiment(grid: Grid, config: RunConfig) -> dict[str, Any]:
     model = build_run_model(config, dataset).to(device)
     context = build_context(config, model)
     strategy = get_strategy(config.strategy).server(context)
-    initial_arrays = _initial_arrays(context.initial_arrays, checkpoint)
+    initial_arrays = _initial_arrays(model, context.initial_arrays, checkpoint)
 
     folder = _run_folder(config, checkpoint)
     write_json(folder / "config.json", config.to_run_config())

@@ -1,4 +1,4 @@
-"""FedMA's layer-wise schedule (Wang et al., 2020) with Hungarian matching instead of BBP-MAP.
+"""FedMA (Wang et al., ICLR 2020): layer-wise matching by BBP-MAP, so the global model can grow, then freeze and retrain.
 
 One FedMA *cycle* takes ``G + 1`` communication rounds for a model with ``G``
 permutation groups (each server round of the run is one communication, so
@@ -20,22 +20,35 @@ rounds"):
 
 An entry is *completed* at the stage of the last group it touches (a hidden
 layer's weight is complete once both its input and output groups are matched).
-Matching group ``s`` solves one assignment per client with the run's
-``match-cost`` score (:mod:`core.alignment`) on the entries whose other
-axes are already aligned (incoming weights, bias, normalisation entries),
-against the global model the cycle started from (``match-reference=global``) or,
-for ``match-iterations`` passes, against the running matched mean
-(``iterative``). The model returned after a mid-cycle stage (and evaluated by
-the server) holds the matched entries and the plain average of the aligned
-rest.
+Matching group ``s`` (``fedma-matching``):
+
+* ``bbp`` (the default, FedMA's): BBP-MAP over the clients' units of the group
+  (:mod:`core.bbp`; ``bbp-sigma``, ``bbp-sigma0``, ``bbp-mu0``, ``bbp-gamma``,
+  ``bbp-max-width``, ``bbp-iterations``, defaults as the authors'). A client
+  unit joins a global unit or opens a new one, so the matched layer may be
+  wider than the clients'. Each client's model comes back with the group's
+  global entries and its own other entries of the group (the next layer's
+  inputs) moved onto the global units, zeros for the units it lacks (PFNM's
+  patching), so the whole cycle continues at the grown width; the global
+  model carries its widths in its arrays' shapes, and every model that loads
+  it (clients, the server's evaluation, a resumed run) takes them
+  (:func:`core.model_io.resize_to`).
+* ``weight`` or ``l1``: one assignment per client with that score
+  (:mod:`core.alignment`) onto the global model the cycle started from
+  (``match-reference=global``) or, for ``match-iterations`` passes, onto the
+  running matched mean (``iterative``); the width never changes.
+
+Matching reads the entries whose other axes are already aligned (incoming
+weights, bias, normalisation entries). The model returned after a mid-cycle
+stage (and evaluated by the server) holds the matched entries and the
+weighted average of the aligned rest. Each round logs the share of units the
+stage's matching moved and the global width per group (``units-moved``,
+``global-width`` in ``metrics.jsonl``, plotted in ``alignment.png``).
 
 Where this differs from IBM/FedMA:
 
-* **No Bayesian non-parametric matching and no growth.** FedMA solves BBP-MAP
-  (a Beta-Bernoulli process posterior, σ = σ0 = 1, γ = 7) that may open new
-  global neurons, so its global model can grow wider than the clients'. Here
-  every client is matched one-to-one onto a reference of the same width, so
-  the global model keeps the architecture.
+* BBP-MAP's own deviations are listed in :mod:`core.bbp` (a hard width cap,
+  early stop of the sweeps, one ``mu0`` for every coordinate).
 * **Any permutation spec.** The stages follow the model's permutation groups,
   so residual networks and the transformer run too (FedMA supports plain conv/FC
   stacks only). A shared group is frozen as a whole: e.g. ResNet's ``stream.0``
@@ -50,6 +63,7 @@ Where this differs from IBM/FedMA:
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -61,14 +75,15 @@ from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 from flwr.common.logger import log
 from torch import Tensor, nn
 
-from core.alignment import get_cost, solve_group, weighted_average
+from core.alignment import get_cost, list_costs, moved_share, solve_group, weighted_average
+from core.bbp import BBPSettings, match_group, scatter_group, units_to_entries
 from core.model_io import federated_state
 from core.rounds import CONFIG_RECORD, MODEL_RECORD, NodeDirectory, Reply, RunContext, ServerStrategy
 from models import PermutationSpec, permute_state
-from models.options import option
+from models.options import option, positive
 from models.protocol import head_of
 from strategies.base import LocalUpdate
-from strategies.matched import MatchSettings, permutation_spec
+from strategies.matched import ReferenceSettings, permutation_spec
 from strategies.registry import Algorithm, register_strategy
 
 STAGE = "fedma-stage"
@@ -76,10 +91,32 @@ CLASS_COUNTS = "class-counts"
 """The extra reply record: ``{"counts": int64 tensor of length num_classes}``."""
 
 
+FEDMA_MATCHINGS = ("bbp", *list_costs())
+
+
 @dataclass(frozen=True)
-class FedMASettings(MatchSettings):
+class FedMASettings(ReferenceSettings):
+    fedma_matching: str = option("bbp", "bbp: FedMA's Bayesian non-parametric matching (the global layer may grow); "
+                                 "weight or l1: one-to-one matching onto the reference (match-reference)",
+                                 lambda v: v in FEDMA_MATCHINGS, f"choose one of {list(FEDMA_MATCHINGS)}")
     retrain_epochs: int = option(1, "local epochs after each layer is matched", lambda v: v >= 1,
                                  "must be an integer >= 1")
+    bbp_sigma: float = option(1.0, "BBP-MAP: variance of a client unit around its global unit", positive,
+                              "must be a finite number > 0")
+    bbp_sigma0: float = option(1.0, "BBP-MAP: prior variance of a global unit around bbp-mu0", positive,
+                               "must be a finite number > 0")
+    bbp_mu0: float = option(0.0, "BBP-MAP: prior mean of every coordinate of a global unit", math.isfinite,
+                            "must be a finite number")
+    bbp_gamma: float = option(7.0, "BBP-MAP: Indian-buffet mass (larger opens new global units more readily)",
+                              positive, "must be a finite number > 0")
+    bbp_max_width: int = option(700, "BBP-MAP: most units a matched layer may grow to (or its widest client's)",
+                                lambda v: v >= 1, "must be an integer >= 1")
+    bbp_iterations: int = option(5, "BBP-MAP: most sweeps over the clients after the first pass", lambda v: v >= 0,
+                                 "must be an integer >= 0")
+
+    def bbp(self) -> BBPSettings:
+        return BBPSettings(self.bbp_sigma, self.bbp_sigma0, self.bbp_mu0, self.bbp_gamma, self.bbp_max_width,
+                           self.bbp_iterations)
 
 
 def completion_plan(spec: PermutationSpec, keys: Iterable[str], head: Collection[str]) -> list[frozenset[str]]:
@@ -140,17 +177,25 @@ class FedMA(ServerStrategy):
         self.spec = permutation_spec(context, "fedma")
         self.head = frozenset(context.head.keys)
         self.num_classes = context.head.num_classes
-        self.score = get_cost(self.settings.match_cost).score
+        self.bbp = self.settings.fedma_matching == "bbp"
+        self.changes_shapes = self.bbp  # BBP-MAP may open new global units: the round runner allows new widths
+        self.score = None if self.bbp else get_cost(self.settings.fedma_matching).score
         self.groups = list(self.spec.groups)
+        self.moved: dict[str, float] = {}
         self.stage = 0
         self.cycle_start: dict[str, Tensor] = {}
         self.client_models: dict[int, dict[str, Tensor]] = {}  # node id → its aligned model, this cycle
         self.client_partitions: dict[int, int | None] = {}  # node id → its partition, this cycle
+        self.widths = self.spec.group_sizes(context.initial_arrays.to_torch_state_dict())
         self._restored_models: dict[int, dict[str, Tensor]] = {}  # partition id → model, from a checkpoint
 
     def describe(self) -> str:
-        return (f"FedMA: {len(self.groups)} groups + output layer per cycle, cost '{self.settings.match_cost}', "
-                f"{self.settings.passes} pass(es)")
+        matching = "BBP-MAP" if self.bbp else f"one-to-one '{self.settings.fedma_matching}', {self.settings.passes} pass(es)"
+        return f"FedMA: {len(self.groups)} groups + output layer per cycle, {matching}"
+
+    def round_metrics(self) -> dict[str, Any]:
+        """The share of units the stage's matching moved (mean over clients) and the global width per group."""
+        return {"units-moved": self.moved, "global-width": self.widths}
 
     def plan_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                    sample: Callable[[], list[int]], nodes: NodeDirectory) -> dict[int, RecordDict]:
@@ -215,29 +260,55 @@ class FedMA(ServerStrategy):
         weights = [reply.weight for reply in replies]
         plan = completion_plan(self.spec, states[0], self.head)
         started = time.perf_counter()
+        self.moved = {}
         if self.stage < len(self.groups):
-            merged = self._match_stage(replies, states, weights, plan[self.stage])
+            match = self._bbp_stage if self.bbp else self._match_stage
+            merged = match(server_round, replies, states, weights, plan[self.stage])
             self.stage += 1
         else:
             counts = torch.stack([torch.from_numpy(r.content[CLASS_COUNTS]["counts"].numpy()) for r in replies])
             merged = {**states[0], **per_class_average(states, counts, weights, plan[-1])}
             self.stage, self.client_models = 0, {}
-        log(INFO, "round %d: FedMA stage %s done for %d clients in %.2f s", server_round,
-            self.groups[self.stage - 1] if self.stage else "output layer", len(replies), time.perf_counter() - started)
+        self.widths = self.spec.group_sizes(merged)
+        log(INFO, "round %d: FedMA stage %s done for %d clients in %.2f s; global widths %s", server_round,
+            self.groups[self.stage - 1] if self.stage else "output layer", len(replies), time.perf_counter() - started,
+            self.widths)
         return ArrayRecord(merged)
 
-    def _match_stage(self, replies: list[Reply], states: list[dict[str, Tensor]], weights: list[float],
-                     completed: frozenset[str]) -> dict[str, Tensor]:
+    def _bbp_stage(self, server_round: int, replies: list[Reply], states: list[dict[str, Tensor]],
+                   weights: list[float], completed: frozenset[str]) -> dict[str, Tensor]:
+        """BBP-MAP of the current group (its layer may grow); each client's model gets the group's global
+        entries and its own other entries of the group moved onto the global units (zeros for units it lacks),
+        so the next stage's inputs are in global indexing; returns the global model."""
+        group = self.groups[self.stage]
+        generator = torch.Generator().manual_seed(self.context.config.seed * 10_007 + server_round)
+        match = match_group(states, weights, self.spec, group, self.groups[: self.stage], self.settings.bbp(),
+                            generator)
+        entries = units_to_entries(match, self.spec, states[0])
+        clients = [{**scatter_group({k: v for k, v in state.items() if k not in entries}, self.spec, group,
+                                    assignment, match.width), **entries}
+                   for state, assignment in zip(states, match.assignments)]
+        target = {**weighted_average(clients, weights), **entries}
+        self.moved = {group: float(sum((a != torch.arange(len(a))).double().mean() for a in match.assignments)
+                                   / len(match.assignments))}
+        self.client_models = {reply.node: {**client, **{key: target[key] for key in completed}}
+                              for reply, client in zip(replies, clients)}
+        self.client_partitions = {reply.node: reply.partition for reply in replies}
+        return target
+
+    def _match_stage(self, server_round: int, replies: list[Reply], states: list[dict[str, Tensor]],
+                     weights: list[float], completed: frozenset[str]) -> dict[str, Tensor]:
         """Match the current group, keep each client's aligned model for the next stage, return the global."""
         group = self.groups[self.stage]
         sizes = self.spec.group_sizes(self.cycle_start)
         solved = {name: torch.arange(sizes[name]) for name in self.groups[: self.stage]}  # already in global order
         target: Mapping[str, Tensor] = self.cycle_start
         for _ in range(self.settings.passes):
-            aligned = [permute_state(self.spec, state, {group: solve_group(target, state, self.spec, group, solved,
-                                                                           self.score)})
-                       for state in states]
+            permutations = [{group: solve_group(target, state, self.spec, group, solved, self.score)}
+                            for state in states]
+            aligned = [permute_state(self.spec, state, perms) for state, perms in zip(states, permutations)]
             target = weighted_average(aligned, weights)
+        self.moved = moved_share(permutations)
         self.client_models = {reply.node: {**state, **{key: target[key] for key in completed}}
                               for reply, state in zip(replies, aligned)}
         self.client_partitions = {reply.node: reply.partition for reply in replies}

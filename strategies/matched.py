@@ -53,12 +53,9 @@ MATCH_REFERENCES = ("global", "iterative")
 
 
 @dataclass(frozen=True)
-class MatchSettings:
-    """How client units are matched (shared by ``matched`` and ``fedma``)."""
+class ReferenceSettings:
+    """What client units are matched to (shared by ``matched`` and ``fedma``'s one-to-one matching)."""
 
-    match_cost: str = option("weight", "how the cost of pairing two units is measured (weight: Git Re-Basin "
-                             "weight matching; l1: Simple-FedMA)", lambda v: v in list_costs(),
-                             f"choose one of {list_costs()}")
     match_reference: str = option("global", "what clients' units are matched to (global: the round's global "
                                   "model; iterative: the running matched mean)", lambda v: v in MATCH_REFERENCES,
                                   f"choose one of {list(MATCH_REFERENCES)}")
@@ -68,6 +65,13 @@ class MatchSettings:
     @property
     def passes(self) -> int:
         return self.match_iterations if self.match_reference == "iterative" else 1
+
+
+@dataclass(frozen=True)
+class MatchSettings(ReferenceSettings):
+    match_cost: str = option("weight", "how the cost of pairing two units is measured (weight: Git Re-Basin "
+                             "weight matching; l1: Simple-FedMA)", lambda v: v in list_costs(),
+                             f"choose one of {list_costs()}")
 
 
 def permutation_spec(context: RunContext, strategy: str) -> PermutationSpec:

@@ -85,7 +85,7 @@ def test_a_cycle_matches_a_permuted_client_back_layer_by_layer(cost, reference):
     spec, state = model.permutation_spec(), federated_state(model)
     permuted = permute_state(spec, state, random_permutations(spec, state, torch.Generator().manual_seed(1)))
     counts = {1: torch.arange(NUM_CLASSES), 2: torch.arange(NUM_CLASSES).flip(0)}
-    strategy = _strategy(model, **{"match-cost": cost, "match-reference": reference})
+    strategy = _strategy(model, **{"fedma-matching": cost, "match-reference": reference})
 
     arrays = strategy.aggregate(1, [_reply(state, 1, counts[1]), _reply(permuted, 2, counts[2])], _record(state))
     assert strategy.stage == 1
@@ -96,6 +96,45 @@ def test_a_cycle_matches_a_permuted_client_back_layer_by_layer(cost, reference):
     assert strategy.stage == 0 and not strategy.client_models
     final = arrays.to_torch_state_dict()
     assert all(torch.allclose(final[k], state[k], rtol=1e-5, atol=1e-6) for k in state)
+
+
+def test_bbp_matches_a_permuted_client_onto_the_same_units_without_growth():
+    """Units far apart (weights scaled up, so BBP-MAP's cost tells them apart): the permuted copy's units are
+    assigned to the original's, the layer keeps its width, and the next layer's inputs follow."""
+    model = _model()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(20.0)
+    spec, state = model.permutation_spec(), federated_state(model)
+    perms = random_permutations(spec, state, torch.Generator().manual_seed(1))
+    permuted = permute_state(spec, state, perms)
+    counts = torch.ones(NUM_CLASSES, dtype=torch.long)
+    strategy = _strategy(model)
+    arrays = strategy.aggregate(1, [_reply(state, 1, counts), _reply(permuted, 2, counts)], _record(state))
+    group = next(iter(spec.groups))
+    assert strategy.widths == spec.group_sizes(state)  # nothing new opened
+    assert strategy.moved[group] == pytest.approx(0.5 * (perms[group] != torch.arange(len(perms[group]))).double().mean())
+    aligned = strategy.client_models[2]  # the permuted client, moved back onto the global units
+    expected = strategy.client_models[1]["hidden.1.weight"].index_select(0, perms["hidden.1"])  # rows: not matched yet
+    torch.testing.assert_close(aligned["hidden.1.weight"], expected)
+    assert set(arrays.keys()) == set(state)
+
+
+def test_a_bbp_stage_may_grow_the_layer_and_the_next_layers_inputs():
+    """Two unrelated clients: new global units open, the next layer takes inputs for all of them."""
+    first, second = _model(seed=0), _model(seed=1)
+    with torch.no_grad():
+        for p in (*first.parameters(), *second.parameters()):
+            p.mul_(20.0)
+    counts = torch.ones(NUM_CLASSES, dtype=torch.long)
+    strategy = _strategy(first)
+    a, b = federated_state(first), federated_state(second)
+    arrays = strategy.aggregate(1, [_reply(a, 1, counts), _reply(b, 2, counts)], _record(a))
+    grown = arrays.to_torch_state_dict()
+    width = grown["hidden.0.weight"].shape[0]
+    assert a["hidden.0.weight"].shape[0] < width <= 2 * a["hidden.0.weight"].shape[0]
+    assert grown["hidden.1.weight"].shape[1] == width == strategy.widths["hidden.0"]
+    assert all(m["hidden.1.weight"].shape[1] == width for m in strategy.client_models.values())
 
 
 def test_a_stage_without_usable_replies_restarts_the_cycle():
