@@ -119,7 +119,7 @@ def pan_measurement(config: "RunConfig", init: str) -> dict[str, Any]:
     from core.alignment import find_permutations, matched_average, weighted_average
 
     device = torch.device("cpu")
-    states, counts, dataset = train_clients(config, PAN_CLIENTS, init == "same", device)
+    states, counts, dataset, _ = train_clients(config, PAN_CLIENTS, init == "same", device)
     model = build_run_model(config, dataset)
     spec = model.permutation_spec()
 

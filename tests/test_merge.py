@@ -19,7 +19,7 @@ def test_a_model_merged_with_its_permuted_copy_scores_like_the_model():
     model = build_model("small-mlp", (1, 8, 8), 10)
     spec, state = model.permutation_spec(), model.state_dict()
     permuted = permute_state(spec, state, random_permutations(spec, state, torch.Generator().manual_seed(1)))
-    clients, merged = merge_accuracies(model, [state, permuted], [1.0, 2.0], digits.test_x, digits.test_y,
+    clients, merged, _ = merge_accuracies(model, [state, permuted], [1.0, 2.0], digits.test_x, digits.test_y,
                                        ["weight", "l1"], 1, torch.device("cpu"))
     assert clients[0] == clients[1]
     assert set(merged) == {"average", "matched-weight", "matched-l1", "ensemble"}
@@ -49,3 +49,15 @@ def test_bad_options_stop_before_training_with_a_named_error(argv, fragment, tmp
     assert main(["merge", *argv, "--out", str(tmp_path / "out")]) == 2
     assert fragment in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_the_bbp_merge_reports_its_accuracy_and_global_widths(tmp_path, capsys):
+    code = main(["merge", "--clients", "3", "--epochs", "1", "--costs", "bbp", "weight", "--init", "different",
+                 "--out", str(tmp_path)])
+    assert code == 0
+    payload = json.loads((tmp_path / "merge.json").read_text())
+    assert {"matched-bbp", "matched-weight", "average", "ensemble"} <= set(payload["merged-accuracy"])
+    widths = payload["bbp-global-width"]
+    assert set(widths) == {"hidden.0", "hidden.1", "hidden.2", "hidden.3"}
+    assert all(widths[g] >= w for g, w in zip(widths, (20, 100, 120, 84)))  # clients' small-mlp widths
+    assert "global width per layer of matched-bbp" in capsys.readouterr().out

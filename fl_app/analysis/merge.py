@@ -13,6 +13,11 @@ accuracy of
   :mod:`core.alignment`), then averaged the same way; with
   ``--match-iterations N`` the models are aligned again onto the matched mean,
   ``N`` passes in all;
+* ``matched-bbp``: FedMA's BBP-MAP matching of every layer in turn
+  (:mod:`core.bbp`, the authors' defaults), which may open new global units:
+  the merged model can be wider than the clients' (its width per layer is
+  reported); the output layer is averaged per class with the clients' class
+  counts, as FedMA does;
 * ``ensemble``: the mean of the clients' softmax outputs (K forward passes, an
   upper reference rather than a single model).
 
@@ -29,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from flwr.app import ArrayRecord
 from torch import Tensor, nn
 
 from fl_app.analysis.common import (
@@ -43,23 +49,27 @@ from fl_app.analysis.common import (
 )
 from fl_app.config import ConfigError, RunConfig, parse_run_config
 from core.data import ImageDataset, list_datasets, load_dataset, partition_dataset
-from core.model_io import build_run_model
+from core.model_io import build_run_model, load_arrays
 from core.training import evaluate, iterate_batches, round_generator, select_device
 from models import Permutable, list_models
 from core.alignment import list_costs, matched_average, weighted_average
+from core.bbp import bbp_matched_average
 from strategies.base import LocalUpdate
 
 INITS = ("same", "different")
+BBP = "bbp"
+MERGE_COSTS = (*list_costs(), BBP)
 
 
 def train_clients(
     config: RunConfig, num_clients: int, same_init: bool, device: torch.device
-) -> tuple[list[dict[str, Tensor]], list[int], ImageDataset]:
-    """Train one model per partition; returns their state dicts (CPU), example counts and the dataset."""
+) -> tuple[list[dict[str, Tensor]], list[int], ImageDataset, Tensor]:
+    """Train one model per partition; returns their state dicts (CPU), example counts, the dataset and the
+    clients' class counts (K x C)."""
     dataset = load_dataset(config.dataset, config.data_root or None)
     partitions = partition_dataset(config.dataset, config.data_root or None, config.partitioner, num_clients,
                                    config.seed, **config.partition_options())
-    states, counts = [], []
+    states, counts, classes = [], [], []
     for client, indices in enumerate(partitions):
         if len(indices) == 0:
             raise AnalysisError(f"client {client} of {num_clients} got no training examples; use fewer clients "
@@ -71,7 +81,8 @@ def train_clients(
                                                 round_generator(config.seed, 1, client), device)
         states.append({key: value.detach().cpu().clone() for key, value in model.state_dict().items()})
         counts.append(len(rows))
-    return states, counts, dataset
+        classes.append(torch.bincount(dataset.train_y[rows], minlength=dataset.num_classes))
+    return states, counts, dataset, torch.stack(classes)
 
 
 @torch.no_grad()
@@ -89,23 +100,31 @@ def ensemble_accuracy(model: nn.Module, states: Sequence[Mapping[str, Tensor]], 
 
 def merge_accuracies(
     model: nn.Module, states: Sequence[Mapping[str, Tensor]], weights: Sequence[float], x: Tensor, y: Tensor,
-    costs: Sequence[str], iterations: int, device: torch.device,
-) -> tuple[list[float], dict[str, float]]:
-    """Test accuracy of each state and of every merge (``average``, ``matched-<cost>``, ``ensemble``)."""
+    costs: Sequence[str], iterations: int, device: torch.device, class_counts: Tensor | None = None,
+) -> tuple[list[float], dict[str, float], dict[str, int]]:
+    """Test accuracy of each state and of every merge (``average``, ``matched-<cost>``, ``ensemble``), and the
+    global width per layer of the BBP-MAP merge (empty without ``bbp`` among ``costs``)."""
     if not isinstance(model, Permutable):
         raise AnalysisError(f"{type(model).__name__} has no permutation_spec(); matching needs one")
     spec = model.permutation_spec()
 
     def accuracy(state: Mapping[str, Tensor]) -> float:
-        model.load_state_dict(state)
+        load_arrays(model, ArrayRecord({k: v for k, v in state.items() if v.is_floating_point()}))
         return evaluate(model, x, y, device)[1]
 
     clients = [accuracy(state) for state in states]
     merged = {"average": accuracy(weighted_average(states, weights))}
+    widths: dict[str, int] = {}
     for cost in costs:
-        merged[f"matched-{cost}"] = accuracy(matched_average(states[0], states, weights, spec, cost, iterations))
+        if cost == BBP:
+            result = bbp_matched_average(states, weights, spec, class_counts=class_counts)
+            merged[f"matched-{cost}"], widths = accuracy(result.state), result.widths
+        else:
+            merged[f"matched-{cost}"] = accuracy(matched_average(states[0], states, weights, spec, cost, iterations))
+    width = spec.group_sizes(states[0])
+    load_arrays(model, ArrayRecord({k: v for k, v in states[0].items() if v.is_floating_point()}))
     merged["ensemble"] = ensemble_accuracy(model, states, x, y, device)
-    return clients, merged
+    return clients, merged, widths or width
 
 
 # --- command line -------------------------------------------------------------------
@@ -125,8 +144,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="how the training split is divided (default: dirichlet)")
     parser.add_argument("--dirichlet-alpha", type=float, default=0.5, help="Dirichlet concentration (default: 0.5)")
     parser.add_argument("--classes-per-client", type=int, default=2, help="for --partitioner pathological (default: 2)")
-    parser.add_argument("--costs", nargs="+", default=list_costs(),
-                        help=f"alignment costs to compare (default: {list_costs()})")
+    parser.add_argument("--costs", nargs="+", default=list(MERGE_COSTS),
+                        help=f"matchings to compare (default: {list(MERGE_COSTS)}; bbp is FedMA's BBP-MAP)")
     parser.add_argument("--match-iterations", type=int, default=1,
                         help="alignment passes: onto client 0, then onto the matched mean (default: 1)")
     parser.add_argument("--pan-mode", default="off", help="PAN mode of every model (default: off)")
@@ -156,26 +175,29 @@ def run(args: argparse.Namespace, out: Path) -> list[Path]:
     check_choice("--init", args.init, INITS)
     check_positive_int("--match-iterations", args.match_iterations)
     for cost in args.costs:
-        check_choice("--costs", cost, list_costs())
+        check_choice("--costs", cost, MERGE_COSTS)
     pan_settings(args.pan_mode, args.pan_t, args.pan_a)
     config = _run_config(args)
 
     device = select_device(config.device)
-    states, counts, dataset = train_clients(config, args.clients, args.init == "same", device)
+    states, counts, dataset, classes = train_clients(config, args.clients, args.init == "same", device)
     model = build_run_model(config, dataset).to(device)
-    clients, merged = merge_accuracies(model, states, counts, dataset.test_x, dataset.test_y, args.costs,
-                                       args.match_iterations, device)
+    clients, merged, widths = merge_accuracies(model, states, counts, dataset.test_x, dataset.test_y, args.costs,
+                                               args.match_iterations, device, classes)
 
     print(f"{'model':<18} {'examples':>8} {'accuracy':>9}")
     for index, (count, acc) in enumerate(zip(counts, clients)):
         print(f"{f'client {index}':<18} {count:>8} {acc:>9.4f}")
     for name, acc in merged.items():
         print(f"{name:<18} {sum(counts):>8} {acc:>9.4f}")
+    if BBP in args.costs:
+        print(f"global width per layer of matched-bbp: {widths} (clients: {model.permutation_spec().group_sizes(states[0])})")
     payload: dict[str, Any] = {
         "tool": "merge", "model": args.model, "dataset": args.dataset, "clients": args.clients, "init": args.init,
         "epochs": args.epochs, "partitioner": args.partitioner, "dirichlet-alpha": args.dirichlet_alpha,
         "match-iterations": args.match_iterations, "pan": config.pan_signature(), "seed": args.seed,
         "reference": "client 0", "examples": counts, "client-accuracy": clients, "merged-accuracy": merged,
+        "bbp-global-width": widths if BBP in args.costs else None,
     }
     json_path = write_json(out / "merge.json", payload)
 
