@@ -53,7 +53,7 @@ from core.model_io import build_run_model, load_arrays
 from core.training import evaluate, iterate_batches, round_generator, select_device
 from models import Permutable, list_models
 from core.alignment import list_costs, matched_average, weighted_average
-from core.bbp import bbp_matched_average
+from core.bbp import BBPSettings, bbp_matched_average
 from strategies.base import LocalUpdate
 
 INITS = ("same", "different")
@@ -101,6 +101,7 @@ def ensemble_accuracy(model: nn.Module, states: Sequence[Mapping[str, Tensor]], 
 def merge_accuracies(
     model: nn.Module, states: Sequence[Mapping[str, Tensor]], weights: Sequence[float], x: Tensor, y: Tensor,
     costs: Sequence[str], iterations: int, device: torch.device, class_counts: Tensor | None = None,
+    bbp: BBPSettings | None = None,
 ) -> tuple[list[float], dict[str, float], dict[str, int]]:
     """Test accuracy of each state and of every merge (``average``, ``matched-<cost>``, ``ensemble``), and the
     global width per layer of the BBP-MAP merge (empty without ``bbp`` among ``costs``)."""
@@ -117,7 +118,7 @@ def merge_accuracies(
     widths: dict[str, int] = {}
     for cost in costs:
         if cost == BBP:
-            result = bbp_matched_average(states, weights, spec, class_counts=class_counts)
+            result = bbp_matched_average(states, weights, spec, bbp, class_counts=class_counts)
             merged[f"matched-{cost}"], widths = accuracy(result.state), result.widths
         else:
             merged[f"matched-{cost}"] = accuracy(matched_average(states[0], states, weights, spec, cost, iterations))
@@ -148,6 +149,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"matchings to compare (default: {list(MERGE_COSTS)}; bbp is FedMA's BBP-MAP)")
     parser.add_argument("--match-iterations", type=int, default=1,
                         help="alignment passes: onto client 0, then onto the matched mean (default: 1)")
+    defaults = BBPSettings()
+    parser.add_argument("--bbp-sigma", type=float, default=defaults.sigma,
+                        help=f"BBP-MAP: variance of a client unit around its global unit (default: {defaults.sigma})")
+    parser.add_argument("--bbp-sigma0", type=float, default=defaults.sigma0,
+                        help=f"BBP-MAP: prior variance of a global unit (default: {defaults.sigma0})")
+    parser.add_argument("--bbp-gamma", type=float, default=defaults.gamma,
+                        help=f"BBP-MAP: Indian-buffet mass (default: {defaults.gamma})")
     parser.add_argument("--pan-mode", default="off", help="PAN mode of every model (default: off)")
     parser.add_argument("--pan-t", type=float, default=1.0, help="PAN period T (default: 1)")
     parser.add_argument("--pan-a", type=float, default=0.0, help="PAN amplitude A (default: 0)")
@@ -178,12 +186,16 @@ def run(args: argparse.Namespace, out: Path) -> list[Path]:
         check_choice("--costs", cost, MERGE_COSTS)
     pan_settings(args.pan_mode, args.pan_t, args.pan_a)
     config = _run_config(args)
+    try:
+        bbp = BBPSettings(sigma=args.bbp_sigma, sigma0=args.bbp_sigma0, gamma=args.bbp_gamma)
+    except ValueError as error:
+        raise AnalysisError(f"--bbp-*: {error}") from None
 
     device = select_device(config.device)
     states, counts, dataset, classes = train_clients(config, args.clients, args.init == "same", device)
     model = build_run_model(config, dataset).to(device)
     clients, merged, widths = merge_accuracies(model, states, counts, dataset.test_x, dataset.test_y, args.costs,
-                                               args.match_iterations, device, classes)
+                                               args.match_iterations, device, classes, bbp)
 
     print(f"{'model':<18} {'examples':>8} {'accuracy':>9}")
     for index, (count, acc) in enumerate(zip(counts, clients)):
@@ -198,6 +210,7 @@ def run(args: argparse.Namespace, out: Path) -> list[Path]:
         "match-iterations": args.match_iterations, "pan": config.pan_signature(), "seed": args.seed,
         "reference": "client 0", "examples": counts, "client-accuracy": clients, "merged-accuracy": merged,
         "bbp-global-width": widths if BBP in args.costs else None,
+        "bbp": {"sigma": bbp.sigma, "sigma0": bbp.sigma0, "gamma": bbp.gamma},
     }
     json_path = write_json(out / "merge.json", payload)
 
