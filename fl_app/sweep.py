@@ -45,6 +45,7 @@ from core.config import SECTIONS, hydra_leaf, key_of_path
 from core.data import DatasetMissingError, check_dataset_available
 from fl_app.client_app import build_client_app
 from fl_app.config import ConfigError, RunConfig, owned_settings, parse_run_config, results_root, validate_run
+from fl_app.inprocess import run_in_process
 from fl_app.results import write_json
 from fl_app.server_app import build_server_app
 from models import list_models
@@ -74,6 +75,9 @@ def _none_or(check: Any) -> Any:
 class SimSettings:
     """How one job's simulation uses the machine (``sim.*``; not run-config keys)."""
 
+    backend: str = option("ray", "ray: Flower's simulation engine, clients in parallel on Ray; inprocess: the same "
+                          "apps in the job's process, one client at a time (no start-up cost)",
+                          lambda v: v in ("ray", "inprocess"), "choose one of ['inprocess', 'ray']")
     num_supernodes: int = option(10, "clients; the job also sets run-config min-available-nodes to this",
                                  lambda v: isinstance(v, int) and v > 0, "must be a positive integer")
     client_cpus: float = option(1.0, "Ray CPUs per client: at most ray_cpus / client_cpus clients train at once",
@@ -100,8 +104,8 @@ class SimSettings:
         settings = cls(**sim)
         for name, spec in cls.__dataclass_fields__.items():
             value = getattr(settings, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float, type(None))) \
-                    or not spec.metadata["check"](value):
+            if isinstance(value, bool) or not isinstance(value, (int, float, str, type(None))) \
+                    or isinstance(value, str) != (name == "backend") or not spec.metadata["check"](value):
                 raise ConfigError(f"'sim.{name}' = {value!r} is not allowed: {spec.metadata['allowed']}")
         if settings.ray_cpus is not None and settings.client_cpus > settings.ray_cpus:
             raise ConfigError(f"sim.client_cpus = {settings.client_cpus} is not allowed: must be at most "
@@ -229,10 +233,15 @@ class ValidateSweep(Callback):
 
 
 def simulate(config: RunConfig, sim: SimSettings) -> None:
-    """Run one in-process simulation; everything reaches the apps through their factories."""
+    """Run one simulation; everything reaches the apps through their factories. ``sim.backend=inprocess``
+    calls the same ServerApp and ClientApp in this process, one client after the other: no Ray to start and
+    data loaded once for every job of the sweep, the same metrics."""
     if sim.torch_threads is not None:
         torch.set_num_threads(sim.torch_threads)
     values = config.to_run_config()
+    if sim.backend == "inprocess":
+        run_in_process(values, sim.num_supernodes)
+        return
     run_simulation(server_app=build_server_app(values), client_app=build_client_app(values),
                    num_supernodes=sim.num_supernodes, backend_config=sim.backend_config())
 

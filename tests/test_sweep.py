@@ -228,3 +228,23 @@ def test_a_failed_job_is_reported_and_the_sweep_goes_on(tmp_path):
     assert (rows["digits"]["seeds"], rows["digits"]["failed"]) == ("1", "0")  # the job after the failure ran
     (record,) = (tmp_path / "sweep").glob("*dataset=mnist*/seed=0/job.json")
     assert json.loads(record.read_text())["status"] == "failed"
+
+
+@pytest.mark.slow
+def test_an_in_process_job_gives_the_metrics_of_a_ray_job(tmp_path):
+    """sim.backend=inprocess skips Ray's start-up; the rounds it runs are the ones Ray's engine runs."""
+    rows = {}
+    for backend in ("ray", "inprocess"):
+        cfg = composed([*TINY, "train.num_server_rounds=2", "train.fraction_train=0.5", "sim.num_supernodes=4",
+                        f"sim.backend={backend}", "sim.ray_cpus=2"])
+        record = run_job(cfg, cfg.hydra.runtime.choices, tmp_path / backend)
+        assert record["status"] == "completed", record["error"]
+        lines = (Path(record["run-folder"]) / "metrics.jsonl").read_text().splitlines()
+        rows[backend] = [{k: v for k, v in json.loads(line).items() if k != "elapsed-s"} for line in lines]
+    assert rows["inprocess"] == rows["ray"]
+
+
+def test_sim_settings_are_checked():
+    cfg = composed(["sim.backend=threads"])
+    with pytest.raises(ConfigError, match="'sim.backend' = 'threads'"):
+        job_settings(cfg, cfg.hydra.runtime.choices, Path("/tmp"))
