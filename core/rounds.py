@@ -310,6 +310,8 @@ def wait_for_nodes(grid: Grid, count: int, timeout: float) -> int:
     if connected < count:
         log(WARNING, "[alignfl] %d of min-available-nodes=%d nodes connected after %.0f s (node-wait-timeout); "
             "starting with them", connected, count, timeout)
+    elif last_log:
+        log(INFO, "[alignfl] %d nodes connected; starting", connected)
     return connected
 
 

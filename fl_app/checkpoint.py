@@ -10,8 +10,8 @@ checkpoint whole.
 
 ``resume-from=<run folder>`` loads it. State the clients keep in ``context.state``
 (SCAFFOLD's c_i, MOON's previous model, SuPerFed's, FedPer's and Ditto's personal
-models) lives on the nodes, not here: after a resume the nodes of the new run start
-it empty, as in any new run, unless they are the same SuperNode processes.
+models) lives on the nodes, not here: each node snapshots it after every round in its
+own state folder and restores it when the run is resumed (:mod:`fl_app.node_state`).
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ from core.config import RunConfig
 from core.rounds import MODEL_RECORD, NEW_CLIENT, NUM_EXAMPLES, is_holdout
 from core.training import round_generator, select_device
 from fl_app.config import parse_run_config
+from fl_app.node_state import begin_message, end_train
 from strategies import get_strategy
 
 
@@ -75,9 +76,7 @@ def client_data(config: RunConfig, partition_id: int, num_partitions: int) -> Cl
     root = config.data_root or None
     dataset = load_dataset(config.dataset, root)
     partitions = partition_dataset(config.dataset, root, config.partitioner, num_partitions, config.seed,
-                                   dirichlet_alpha=config.dirichlet_alpha,
-                                   classes_per_client=config.classes_per_client,
-                                   shards_per_client=config.shards_per_client)
+                                   **config.partition_options())
     train_idx, test_idx = client_split(partitions[partition_id], config.test_fraction, config.seed, partition_id,
                                        config.data_fraction)
     if len(train_idx) == 0:
@@ -102,10 +101,12 @@ def _model(config: RunConfig) -> tuple[nn.Module, torch.device]:
 def _receive(
     message: Message, context: Context, overrides: Mapping[str, Any]
 ) -> tuple[RunConfig, int, ClientData, nn.Module, torch.device]:
-    """Parse the config, locate the partition and load the received global model."""
+    """Parse the config, locate the partition, set up the client's state (restored in a resumed run) and load
+    the received global model."""
     config = client_config(context, overrides)
     check_pan_agreement(config, message.content["config"])
     partition_id, num_partitions = node_partition(context)
+    begin_message(context, config, partition_id, int(message.content["config"]["server-round"]))
     model, device = _model(config)
     load_arrays(model, message.content["arrays"])
     return config, partition_id, client_data(config, partition_id, num_partitions), model, device
@@ -132,6 +133,7 @@ def build_client_app(overrides: Mapping[str, Any] | None = None) -> ClientApp:
             **update.reply_records(),
             "metrics": MetricRecord({**metrics, NUM_EXAMPLES: len(data.train_y), "partition-id": partition_id}),
         })
+        end_train(context, config, partition_id, server_round)
         return Message(content=reply, reply_to=message)
 
     @app.evaluate()

@@ -11,7 +11,13 @@ the services on free loopback ports (with ``--tls``: TLS everywhere and
 SuperNode authentication, keys from ``scripts/make_certs.sh``), waits until every
 SuperNode is online, submits the run with ``flwr run``, streams its log, reads
 its final status, and stops every process it started by process id, also on
-Ctrl-C or failure. Its exit code is the run's outcome.
+Ctrl-C, SIGTERM, SIGHUP or failure. Its exit code is the run's outcome.
+
+While the run goes on it watches the services: one that exits is reported at once
+(name, exit code, log file). A SuperNode and its executor go down together (one
+without the other cannot answer), and the run goes on with the other nodes. When
+the SuperLink exits the run cannot go on: everything is stopped, and the command
+that continues the run from its checkpoint (``resume-from``) is printed.
 
     python -m fl_app.deploy --num-supernodes 3 --run-config 'dataset="digits" num-server-rounds=2'
 
@@ -23,15 +29,17 @@ A SuperNode that dies is noticed through its heartbeats: Flower 1.41's SuperNode
 sends one every 30 s and the SuperLink marks it offline after two missed
 (``HEARTBEAT_DEFAULT_INTERVAL`` × ``HEARTBEAT_PATIENCE``, not configurable), and
 then answers the messages sent to it with an error reply, so a round that
-sampled a dead node goes on without it at most about a minute later.
+sampled a dead node goes on without it at most about a minute later; later rounds
+sample only the nodes online (round 1 waits for ``min-available-nodes``, at most
+``node-wait-timeout`` seconds).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import shutil
-import signal
 import ssl
 import subprocess
 import sys
@@ -44,19 +52,29 @@ from pathlib import Path
 
 from flwr.supercore.error import ApiErrorCode
 
-from fl_app.config import RunConfig
+from fl_app.config import ConfigError, RunConfig, default_run_config, path_problem
 from core.data import DatasetMissingError
 from fl_app.launch import (
     PROJECT_ROOT,
+    ProcessTree,
+    Stopped,
+    checkpointed_round,
+    exit_description,
     flower_environment,
     flwr_cli,
     free_port,
     healthy,
+    log_tail,
     parse_overrides,
     prepare_config,
+    process_table,
     report_outcome,
-    stop_process_groups,
+    run_folder,
+    start_process,
+    stop_processes,
+    stop_signals,
     submit_and_follow,
+    to_toml_pairs,
 )
 
 CONNECTION = "alignfl-deployment"
@@ -244,14 +262,46 @@ def online_supernodes(env: dict[str, str]) -> int:
         return 0
 
 
+def partner_of(service: str) -> str | None:
+    """The other half of a node: ``supernode-<i>`` and ``superexec-clientapp-<i>``."""
+    for one, other in (("supernode-", "superexec-clientapp-"), ("superexec-clientapp-", "supernode-")):
+        if service.startswith(one):
+            return other + service.removeprefix(one)
+    return None
+
+
+def resume_command(config: RunConfig, num_supernodes: int, tls: bool) -> str:
+    """The ``deploy.sh`` command that continues ``config``'s run from its checkpoint on a new deployment of
+    the same shape (with TLS, on keys made afresh): the run's keys that differ from their defaults, and
+    ``resume-from`` its folder."""
+    defaults = default_run_config()
+    values = {key: value for key, value in config.to_run_config().items()
+              if key not in ("run-name", "resume-from") and value != defaults.get(key)}
+    values["resume-from"] = str(run_folder(config))
+    command = [str(PROJECT_ROOT / "scripts" / "deploy.sh"), "--num-supernodes", str(num_supernodes)]
+    return shlex.join([*command, *(["--tls"] if tls else []), "--run-config", to_toml_pairs(values)])
+
+
+def resume_advice(config: RunConfig, num_supernodes: int, tls: bool) -> str:
+    """How to continue a run that stopped early, from its last checkpoint."""
+    done = checkpointed_round(config)
+    if done is None:
+        return "the run checkpointed no round, so it must start again"
+    return (f"rounds up to {done} are checkpointed in {run_folder(config)}; continue the run with:\n  "
+            f"{resume_command(config, num_supernodes, tls)}")
+
+
 @dataclass
 class Deployment:
-    """The loopback deployment's processes, started in the compose file's order; each leads its own process
-    group (its executor's app processes are in it), so stopping one stops what it started."""
+    """The loopback deployment's processes, started in the compose file's order, each with every process it
+    starts (its executor's app processes), so stopping one stops what it started."""
 
     topology: Topology
     work: Path
-    services: dict[str, subprocess.Popen] = field(default_factory=dict)
+    services: dict[str, ProcessTree] = field(default_factory=dict)
+    exited: dict[str, str] = field(default_factory=dict)
+    """Service → how it ended (``signal SIGKILL``, ``code 1``, ``stopped with supernode-2``), for every service
+    that ended while a run went on."""
 
     @property
     def ca(self) -> str | None:
@@ -265,27 +315,27 @@ class Deployment:
     def cli_environment(self) -> dict[str, str]:
         return self.environment("cli")
 
-    def start_service(self, name: str, command: list[str]) -> subprocess.Popen:
-        logs = self.work / "logs"
-        logs.mkdir(parents=True, exist_ok=True)
-        with (logs / f"{name}.log").open("wb") as log_file:
-            process = subprocess.Popen(command, env=self.environment(name), cwd=self.work, stdin=subprocess.DEVNULL,
-                                       stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
-        self.services[name] = process
-        return process
+    def log_file(self, name: str) -> Path:
+        return self.work / "logs" / f"{name}.log"
+
+    def start_service(self, name: str, command: list[str]) -> ProcessTree:
+        self.log_file(name).parent.mkdir(parents=True, exist_ok=True)
+        with self.log_file(name).open("wb") as log_file:
+            tree = start_process(command, self.environment(name), self.work, stdout=log_file,
+                                 stderr=subprocess.STDOUT)
+        self.services[name] = tree
+        return tree
 
     def log_tail(self, name: str, lines: int = 15) -> str:
-        path = self.work / "logs" / f"{name}.log"
-        text = path.read_text(errors="replace").splitlines() if path.exists() else []
-        return "\n".join(text[-lines:])
+        return log_tail(self.log_file(name), lines)
 
     def running_and(self, condition: Callable[[], bool]) -> Callable[[], bool]:
         """``condition`` for :func:`wait_until`, but first an error with the log of a service that died."""
         def check() -> bool:
-            for name, process in self.services.items():
-                if process.poll() is not None:
-                    raise RuntimeError(f"{name} exited with code {process.returncode}; the end of its log "
-                                       f"({self.work / 'logs' / f'{name}.log'}):\n{self.log_tail(name)}")
+            for name, tree in self.services.items():
+                if tree.process.poll() is not None:
+                    raise RuntimeError(f"{name} exited with {exit_description(tree.process.returncode)}; the end "
+                                       f"of its log ({self.log_file(name)}):\n{self.log_tail(name)}")
             return condition()
         return check
 
@@ -309,12 +359,42 @@ class Deployment:
         wait_until(everyone, timeout_s, f"{topology.num_supernodes} SuperNodes to be online", interval_s=2.0)
 
     def run(self, config: RunConfig) -> tuple[str, str]:
-        """Submit one experiment, stream its log, return its final ``(status, details)``."""
-        return submit_and_follow(config, self.cli_environment, [CONNECTION])
+        """Submit one experiment, stream its log while watching the services (:meth:`watch`), return its final
+        ``(status, details)``: ``aborted`` when the SuperLink exited."""
+        return submit_and_follow(config, self.cli_environment, [CONNECTION], lambda: self.watch(config))
+
+    def watch(self, config: RunConfig) -> str | None:
+        """Report each service that exited since the last call; stop the other half of a node that lost one;
+        when the SuperLink is gone, the reason the run cannot go on, with the command that resumes it."""
+        table = process_table()
+        for name, tree in self.services.items():
+            tree.refresh(table)
+            if name not in self.exited and tree.process.poll() is not None:
+                self.exited[name] = exit_description(tree.process.returncode)
+                print(f"[alignfl] {name} exited with {self.exited[name]}; its log: {self.log_file(name)}",
+                      file=sys.stderr, flush=True)
+                self.stop_partner(name)
+        if "superlink" not in self.exited:
+            return None
+        advice = resume_advice(config, self.topology.num_supernodes, self.topology.certificates is not None)
+        reason = f"the SuperLink exited with {self.exited['superlink']}; {advice}"
+        print(f"[alignfl] {reason}", file=sys.stderr, flush=True)
+        return reason
+
+    def stop_partner(self, name: str) -> None:
+        """A SuperNode without its executor never answers, and an executor without its SuperNode has nothing to
+        run: stop the other half too, so the SuperLink drops the node and the run goes on without it."""
+        partner = partner_of(name)
+        if partner is None or partner not in self.services or partner in self.exited:
+            return
+        print(f"[alignfl] stopping {partner} too; the run goes on with the other SuperNodes (the SuperLink drops "
+              "this one within about a minute)", file=sys.stderr, flush=True)
+        stop_processes([self.services[partner]], grace_s=10.0)
+        self.exited[partner] = f"stopped with {name}"
 
     def stop(self) -> None:
-        """Stop every process this deployment started (by process id), the last started first."""
-        stop_process_groups(list(reversed(self.services.values())), grace_s=30.0)
+        """Stop every process this deployment started (by process id), all at once."""
+        stop_processes(list(self.services.values()), grace_s=30.0)
 
 
 @contextmanager
@@ -334,8 +414,12 @@ def make_certificates(folder: Path, num_supernodes: int) -> Path:
     return folder
 
 
-def _raise_system_exit(signum: int, _frame: object) -> None:
-    raise SystemExit(128 + signum)  # unwinds through ``deployment``'s cleanup like Ctrl-C does
+def check_folder(option: str, folder: Path) -> None:
+    """Refuse a folder the deployment must write to but cannot, naming the option."""
+    problem = path_problem(folder, writable=True)
+    if problem is not None:
+        raise ConfigError(f"{option} {str(folder)!r} is not allowed: it must be a folder this user can write to "
+                          f"({problem})")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -354,24 +438,44 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work-dir", type=Path,
                         help="where the services' logs, Flower homes and state go (default: a new temporary folder)")
     args = parser.parse_args(argv)
+    config = None
     try:
-        if args.num_supernodes < 1:
-            raise ValueError(f"--num-supernodes must be at least 1, got {args.num_supernodes}")
-        if args.certs is not None and not args.tls:
-            raise ValueError("--certs is only used with --tls")
-        overrides = parse_overrides(args.run_config)
-        if args.rounds is not None:
-            overrides["num-server-rounds"] = args.rounds
-        config = prepare_config(overrides, args.num_supernodes)
-    except (ValueError, DatasetMissingError) as error:  # ConfigError is a ValueError
-        print(f"[alignfl] refused before starting: {error}", file=sys.stderr)
-        return 2
+        with stop_signals():
+            try:
+                config = prepare(args)
+            except (ValueError, DatasetMissingError) as error:  # ConfigError is a ValueError
+                print(f"[alignfl] refused before starting: {error}", file=sys.stderr)
+                return 2
+            return deploy_and_run(config, args)
+    except Stopped as stop:
+        advice = f"; {resume_advice(config, args.num_supernodes, args.tls)}" if config is not None else ""
+        print(f"[alignfl] stopped by {stop}: every process of the deployment has been stopped{advice}",
+              file=sys.stderr)
+        return stop.exit_code
+
+
+def prepare(args: argparse.Namespace) -> RunConfig:
+    """Check the options and the run config before anything starts."""
+    if args.num_supernodes < 1:
+        raise ValueError(f"--num-supernodes must be at least 1, got {args.num_supernodes}")
+    if args.certs is not None and not args.tls:
+        raise ValueError("--certs is only used with --tls")
+    for option, folder in (("--work-dir", args.work_dir), ("--certs", args.certs)):
+        if folder is not None:
+            check_folder(option, folder.resolve())
+    overrides = parse_overrides(args.run_config)
+    if args.rounds is not None:
+        overrides["num-server-rounds"] = args.rounds
+    return prepare_config(overrides, args.num_supernodes)
+
+
+def deploy_and_run(config: RunConfig, args: argparse.Namespace) -> int:
+    """Start the deployment, run the experiment on it, stop everything; the exit code."""
     work = (args.work_dir or Path(tempfile.mkdtemp(prefix="alignfl-deploy-"))).resolve()
     work.mkdir(parents=True, exist_ok=True)
     certs = None
     if args.tls:
         certs = make_certificates((args.certs or work / "certs").resolve(), args.num_supernodes)
-    signal.signal(signal.SIGTERM, _raise_system_exit)
     print(f"[alignfl] deployment on 127.0.0.1: {args.num_supernodes} SuperNodes, "
           f"{'TLS + SuperNode authentication' if args.tls else 'plaintext'}; logs in {work / 'logs'}", flush=True)
     try:
@@ -380,10 +484,12 @@ def main(argv: list[str] | None = None) -> int:
     except (RuntimeError, TimeoutError) as error:
         print(f"[alignfl] deployment FAILED: {error}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("[alignfl] interrupted; every process of the deployment was stopped", file=sys.stderr)
-        return 130
-    return report_outcome(config, status, details)
+    code = report_outcome(config, status, details)
+    if running.exited and status != "aborted":
+        print("[alignfl] services that exited during the run: "
+              + ", ".join(f"{name} ({how})" for name, how in running.exited.items())
+              + f"; their logs are in {work / 'logs'}", file=sys.stderr)
+    return code
 
 
 def register_main(argv: list[str]) -> int:

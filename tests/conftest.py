@@ -11,3 +11,10 @@ def _single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def _private_client_state(monkeypatch, tmp_path_factory):
+    """In-process nodes keep their client-state snapshots in a folder of the test's own, never in ~/.cache."""
+    root = tmp_path_factory.mktemp("client-state")
+    monkeypatch.setattr("fl_app.node_state.default_state_root", lambda: root)

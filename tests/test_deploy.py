@@ -1,12 +1,15 @@
-"""The deployment: docker-compose.yml and compose.tls.yml against fl_app/deploy.py's commands (fast), and the
-same topology as real processes on loopback (slow: FedAvg and SCAFFOLD across 3 SuperNodes, a SuperNode
-killed mid-run, TLS with SuperNode authentication)."""
+"""The deployment: docker-compose.yml and compose.tls.yml against fl_app/deploy.py's commands, early refusals
+and the service watch (fast), and the same topology as real processes on loopback (slow: FedAvg and SCAFFOLD
+across 3 SuperNodes, a SuperNode killed mid-run with every default, the SuperLink killed mid-run and the run
+resumed with the printed command, TLS with SuperNode authentication)."""
 
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
+import time
 import tomllib
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -16,23 +19,28 @@ from pathlib import Path
 import flwr
 import httpx
 import pytest
+import torch
 import yaml
 from cryptography import x509
 from cryptography.hazmat.primitives.serialization import load_ssh_private_key, load_ssh_public_key
 
 from fl_app import deploy
+from fl_app.checkpoint import CHECKPOINT, config_differences
+from fl_app.config import parse_run_config
 from fl_app.deploy import (
     Deployment,
     clientapp_executor_command,
     compose_topology,
     loopback_topology,
     make_certificates,
+    partner_of,
     register_command,
+    resume_command,
     serverapp_executor_command,
     superlink_command,
     supernode_command,
 )
-from fl_app.launch import PROJECT_ROOT, free_port, prepare_config, report_outcome
+from fl_app.launch import PROJECT_ROOT, free_port, parse_overrides, prepare_config, report_outcome
 
 COMPOSE = PROJECT_ROOT / "docker-compose.yml"
 COMPOSE_TLS = PROJECT_ROOT / "compose.tls.yml"
@@ -137,6 +145,70 @@ def test_deploy_refuses_bad_input_before_starting_anything(argv, message, capsys
     assert not (tmp_path / "work").exists()
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--work-dir", "/proc/alignfl"], "--work-dir '/proc/alignfl' is not allowed"),
+    (["--tls", "--certs", "/proc/alignfl-certs"], "--certs '/proc/alignfl-certs' is not allowed"),
+    (["--run-config", 'dataset="digits" results-dir="/proc/alignfl"'], "'results-dir' = '/proc/alignfl'"),
+    (["--run-config", 'dataset="digits" data-root="/proc/alignfl"'], "'data-root' = '/proc/alignfl'"),
+])
+def test_deploy_refuses_unwritable_folders_naming_them(argv, message, capsys, monkeypatch):
+    monkeypatch.setattr(deploy, "deployment", None)  # starting one would fail loudly
+    assert deploy.main(["--num-supernodes", "2", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_resume_command_continues_the_same_run(tmp_path):
+    config = prepare_config({"dataset": "digits", "strategy": "scaffold", "lr": 0.1, "run-name": "r",
+                             "results-dir": str(tmp_path), "num-server-rounds": 6}, 3)
+    command = shlex.split(resume_command(config, 3, tls=True))
+    assert command[:5] == [str(PROJECT_ROOT / "scripts" / "deploy.sh"), "--num-supernodes", "3", "--tls",
+                           "--run-config"]
+    overrides = parse_overrides(command[5])
+    assert overrides["resume-from"] == str(tmp_path / "r") and "run-name" not in overrides
+    resumed = parse_run_config(overrides)  # prepare_config would also want the checkpoint
+    assert config_differences(config.to_run_config(), resumed) == {}
+    assert resumed.num_server_rounds == 6 and resumed.resume_from == str(tmp_path / "r")
+
+
+def test_a_node_goes_down_whole(tmp_path):
+    assert partner_of("supernode-2") == "superexec-clientapp-2"
+    assert partner_of("superexec-clientapp-10") == "supernode-10"
+    assert partner_of("superlink") is None and partner_of("superexec-serverapp") is None
+
+
+def test_the_watch_reports_exits_stops_a_nodes_other_half_and_gives_up_without_the_superlink(
+        tmp_path, capsys, monkeypatch):
+    """Stand-in services (sleep): the watch names the service, its exit and its log at its next call."""
+    running = Deployment(loopback_topology(2, tmp_path), tmp_path)
+    names = ["superlink", "superexec-serverapp", "supernode-0", "superexec-clientapp-0", "supernode-1",
+             "superexec-clientapp-1"]
+    for name in names:
+        running.start_service(name, ["sleep", "300"])
+    config = prepare_config({"dataset": "digits", "results-dir": str(tmp_path), "run-name": "r"}, 2)
+    monkeypatch.setattr(deploy, "checkpointed_round", lambda _: 1)
+    try:
+        assert running.watch(config) is None and running.exited == {}
+        running.services["supernode-1"].process.send_signal(signal.SIGKILL)
+        running.services["supernode-1"].process.wait()
+        assert running.watch(config) is None
+        err = capsys.readouterr().err
+        assert f"supernode-1 exited with signal SIGKILL; its log: {tmp_path / 'logs' / 'supernode-1.log'}" in err
+        assert "stopping superexec-clientapp-1 too" in err
+        assert set(running.exited) == {"supernode-1", "superexec-clientapp-1"}
+        assert running.services["superexec-clientapp-1"].process.poll() is not None
+        running.services["superlink"].process.terminate()
+        running.services["superlink"].process.wait()
+        reason = running.watch(config)
+        assert reason is not None and "the SuperLink exited with signal SIGTERM" in reason
+        assert resume_command(config, 2, tls=False) in reason and "rounds up to 1 are checkpointed" in reason
+        assert f"superlink exited with signal SIGTERM; its log: {tmp_path / 'logs' / 'superlink.log'}" in (
+            capsys.readouterr().err)
+    finally:
+        running.stop()
+    assert all(tree.process.poll() is not None for tree in running.services.values())
+
+
 def test_register_refuses_missing_key_files(tmp_path, capsys):
     assert deploy.main(["register", "--superlink", "127.0.0.1:1", "--root-certificates", str(tmp_path / "ca.crt"),
                         str(tmp_path / "auth.pub")]) == 2
@@ -169,7 +241,16 @@ def run_to_end(running: Deployment, config) -> tuple[str, str]:
 
 
 @pytest.fixture(scope="module")
-def plain(tmp_path_factory) -> Iterator[Deployment]:
+def home(tmp_path_factory) -> Iterator[Path]:
+    """A home folder of their own for the services: their clients keep state under ~/.cache/alignfl."""
+    folder = tmp_path_factory.mktemp("home")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HOME", str(folder))
+        yield folder
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory, home) -> Iterator[Deployment]:
     """One plaintext deployment of 3 SuperNodes shared by the tests below; the node-killing test goes last."""
     work = tmp_path_factory.mktemp("deploy")
     with deploy.deployment(loopback_topology(3, work), work) as running:
@@ -178,7 +259,7 @@ def plain(tmp_path_factory) -> Iterator[Deployment]:
 
 @pytest.mark.slow
 def test_loopback_runs_exactly_the_compose_services(plain):
-    assert {name: process.args for name, process in plain.services.items()} == expected_commands(plain.topology)
+    assert {name: tree.process.args for name, tree in plain.services.items()} == expected_commands(plain.topology)
     assert list(plain.services)[:2] == ["superlink", "superexec-serverapp"]
 
 
@@ -198,44 +279,73 @@ def test_strategy_completes_two_rounds_on_three_supernodes(plain, strategy, tmp_
     assert f"results in {folder}" in capsys.readouterr().out
 
 
+def without_clock(records: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if k != "elapsed-s"} for r in records]
+
+
 @pytest.mark.slow
-def test_run_finishes_without_a_supernode_killed_after_round_one(plain, tmp_path):
-    """SIGKILL, as a crash: the SuperLink notices the missing heartbeats (within about a minute), answers
-    the dead node's messages with errors, and the round goes on with the two others."""
-    config = run_config(tmp_path, "killed", 3, **{"min-available-nodes": 2})
+def test_the_superlink_killed_mid_run_is_reported_and_the_printed_command_resumes_the_run_exactly(
+        plain, home, tmp_path, capsys):
+    """SCAFFOLD, 2 rounds: the SuperLink of a second deployment is killed after round 1's checkpoint; the run
+    is given up at once, with the command that resumes it, which then runs on a third deployment with new
+    SuperNode processes (c_i restored from their disk) and ends where the uninterrupted run ends."""
+    settings = {"strategy": "scaffold", "num-server-rounds": 2}
+    straight = run_config(tmp_path, "straight", 3, **settings)
+    assert run_to_end(plain, straight)[0] == "finished:completed"
+    config = run_config(tmp_path, "killed-link", 3, **settings)
+    folder = tmp_path / "killed-link"
+    with deploy.deployment(loopback_topology(3, tmp_path / "work"), tmp_path / "work") as running:
+        with ThreadPoolExecutor(1) as pool:
+            future = pool.submit(running.run, config)
+            deploy.wait_until(lambda: future.done() or (folder / CHECKPOINT).exists(), RUN_TIMEOUT_S,
+                              "round 1's checkpoint", interval_s=0.25)
+            assert not future.done(), future.result()
+            running.services["superlink"].process.send_signal(signal.SIGKILL)
+            killed = time.monotonic()
+            status, reason = future.result(timeout=RUN_TIMEOUT_S)
+            given_up_after = time.monotonic() - killed
+    assert status == "aborted" and given_up_after < 10.0, (status, given_up_after)
+    assert f"superlink exited with signal SIGKILL; its log: {tmp_path / 'work' / 'logs' / 'superlink.log'}" in (
+        capsys.readouterr().err)
+    command = reason.split("continue the run with:\n  ")[1]
+    assert command == resume_command(config, 3, tls=False)
+    assert deploy.main([*shlex.split(command)[1:], "--work-dir", str(tmp_path / "again")]) == 0
+    assert [r["round"] for r in rows(folder)] == [0, 1, 2]
+    assert without_clock(rows(folder)) == without_clock(rows(tmp_path / "straight"))
+    model, expected = torch.load(folder / "model.pt"), torch.load(tmp_path / "straight" / "model.pt")
+    assert all(torch.equal(model[k], expected[k]) for k in expected)
+
+
+@pytest.mark.slow
+def test_run_finishes_with_the_defaults_when_a_supernode_is_killed_in_round_two(plain, tmp_path, capsys):
+    """SIGKILL to one flower-supernode, as a crash, with every default (min-available-nodes = all 3 nodes): the
+    watch reports it within 10 s and stops its executor; the SuperLink notices the missing heartbeats (within
+    about a minute) and answers the dead node's messages with errors; round 2 goes on with the two others and
+    round 3 samples only the nodes online."""
+    config = run_config(tmp_path, "killed", 3, **{"num-server-rounds": 3})
+    assert config.min_available_nodes == 3
     folder = tmp_path / "killed"
     with ThreadPoolExecutor(1) as pool:
         future = pool.submit(plain.run, config)
         deploy.wait_until(lambda: future.done() or len(rows(folder)) >= 2, RUN_TIMEOUT_S, "round 1's metrics",
                           interval_s=0.25)
         assert not future.done(), future.result()
-        for name in ("supernode-2", "superexec-clientapp-2"):  # the node and its app processes
-            os.killpg(plain.services[name].pid, signal.SIGKILL)
-            plain.services[name].wait()
+        plain.services["supernode-2"].process.send_signal(signal.SIGKILL)
+        deploy.wait_until(lambda: "superexec-clientapp-2" in plain.exited, 10.0, "the watch to see supernode-2 exit",
+                          interval_s=0.1)
         status, details = future.result(timeout=RUN_TIMEOUT_S)
     assert status == "finished:completed", details
+    err = capsys.readouterr().err
+    assert f"supernode-2 exited with signal SIGKILL; its log: {plain.log_file('supernode-2')}" in err
     metrics = rows(folder)
-    assert [row["round"] for row in metrics] == [0, 1, 2]
+    assert [row["round"] for row in metrics] == [0, 1, 2, 3]
     assert metrics[1]["clients-trained"] == 3 and metrics[1]["clients-evaluated"] == 3
-    assert metrics[2]["clients-trained"] == 2 and metrics[2]["clients-evaluated"] == 2
+    assert metrics[2]["clients-trained"] == 2
     # the dead node, if still sampled, is counted once and named by its partition
     assert metrics[2]["clients-sampled"] == 2 + metrics[2]["clients-dropped"] <= 3
     assert set(metrics[2]["clients-dropped-reasons"]) <= {"2"}
+    assert metrics[3]["clients-sampled"] == metrics[3]["clients-trained"] == metrics[3]["clients-evaluated"] == 2
     assert (folder / "summary.json").exists()
-
-
-def process_group_pids(leaders: list[int]) -> set[int]:
-    """Every live process in these process groups (services and the app processes they started)."""
-    pids = set()
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                pgid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[2])
-            except (OSError, IndexError, ValueError):
-                continue
-            if pgid in leaders:
-                pids.add(int(entry.name))
-    return pids
 
 
 def listening_ports(pids: set[int]) -> set[int]:
@@ -265,7 +375,7 @@ def test_tls_with_supernode_authentication(tmp_path):
     certs = make_certificates(tmp_path / "certs", 3)  # node 2's key exists but is not registered
     topology = loopback_topology(2, tmp_path / "work", certs)
     with deploy.deployment(topology, tmp_path / "work") as running:
-        ports = listening_ports(process_group_pids([process.pid for process in running.services.values()]))
+        ports = listening_ports({pid for tree in running.services.values() for pid in tree.refresh()})
         assert ports == {topology.superlink_port, *topology.runtime_ports}
         for port in ports:
             with pytest.raises(httpx.HTTPError):
@@ -276,7 +386,7 @@ def test_tls_with_supernode_authentication(tmp_path):
         refused = running.start_service("supernode-2-unregistered", supernode_command(stranger, 2))
         config = run_config(tmp_path / "results", "tls", 2, **{"num-server-rounds": 1})
         status, details = run_to_end(running, config)
-        assert refused.wait(timeout=RUN_TIMEOUT_S) != 0
+        assert refused.process.wait(timeout=RUN_TIMEOUT_S) != 0
         assert "Failed to activate SuperNode" in running.log_tail("supernode-2-unregistered", 40)
         assert deploy.online_supernodes(running.cli_environment) == 2
     assert status == "finished:completed", details

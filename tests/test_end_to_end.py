@@ -17,6 +17,13 @@ pytestmark = pytest.mark.slow
 BACKEND = {"client_resources": {"num_cpus": 1, "num_gpus": 0.0}}
 
 
+@pytest.fixture(autouse=True)
+def _own_home(tmp_path_factory, monkeypatch):
+    """Clients keep their state under ~/.cache/alignfl (fl_app.node_state): these runs keep it in a folder of
+    the test's own, which the Flower processes the launcher starts inherit."""
+    monkeypatch.setenv("HOME", str(tmp_path_factory.mktemp("home")))
+
+
 def simulate(results_dir: Path, num_supernodes: int = 3, **overrides) -> Path:
     """Run one in-process simulation on digits; return its run folder."""
     config = {"dataset": "digits", "num-server-rounds": 2, "results-dir": str(results_dir),
@@ -66,11 +73,10 @@ def test_launcher_runs_flwr_and_reports_success(tmp_path, capsys):
 
 
 def test_launcher_exits_nonzero_when_the_run_fails(tmp_path):
-    # Valid keys, so the launcher's pre-checks pass, but the psinet strategy refuses a non-Ψ-Net
-    # model when the ServerApp builds it: the run fails after submission, where `flwr run` would exit 0.
+    # Valid keys, so the launcher's pre-checks pass, but an absurd learning rate makes every client's update
+    # NaN: each is dropped, and the ServerApp fails the run, after submission, where `flwr run` would exit 0.
     code = launch.main(["--num-supernodes", "2", "--run-config",
-                        f'dataset="digits" strategy="psinet" model="mlp" num-server-rounds=1 '
-                        f'results-dir="{tmp_path}" run-name="bad"'])
+                        f'dataset="digits" lr=1e30 num-server-rounds=1 results-dir="{tmp_path}" run-name="bad"'])
     assert code == 1
 
 

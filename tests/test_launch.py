@@ -1,4 +1,12 @@
-"""The launcher's parsing of `--run-config` strings (the parts that need no SuperLink)."""
+"""The launcher: parsing of `--run-config` strings, refusals before anything starts, and stopping every process
+it started (a tree of stand-in processes; slow: a real SuperLink and each stop signal, and SIGTERM mid-run)."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -56,3 +64,166 @@ def test_launcher_refuses_gpus_without_cuda_before_starting(monkeypatch, capsys)
     monkeypatch.setattr(launch, "local_superlink", None)  # starting one would fail loudly
     assert launch.main(["--num-gpus", "0.25", "--run-config", 'dataset="digits"']) == 2
     assert "--num-gpus=0.25" in capsys.readouterr().err
+
+
+# --- early refusals ---
+
+
+@pytest.mark.parametrize("key, value", [("results-dir", "/proc/alignfl"), ("data-root", "/proc/alignfl")])
+def test_an_unusable_folder_is_refused_before_starting_naming_its_key(key, value, monkeypatch, capsys):
+    monkeypatch.setattr(launch, "local_superlink", None)  # starting one would fail loudly
+    assert launch.main(["--num-supernodes", "2", "--run-config", f'dataset="digits" {key}="{value}"']) == 2
+    err = capsys.readouterr().err
+    assert f"'{key}' = '{value}'" in err and "Traceback" not in err
+
+
+# --- stopping what was started ---
+
+
+def gone(pid: int) -> bool:
+    """No such process, or only its exit status is left (a zombie its parent has not collected)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return True
+    return state == "Z"
+
+
+ORPHAN_MAKER = """
+import subprocess, sys, time
+child = subprocess.Popen(["sleep", "300"], start_new_session=True)
+print(child.pid, flush=True)
+time.sleep(300)
+"""
+
+
+def test_stopping_a_tree_stops_a_child_in_its_own_session_even_after_its_parent_died():
+    """Flower's SuperExec runs in a session of its own and Ray's daemons outlive their parent: a tree is
+    stopped whole however it is laid out by then."""
+    tree = launch.start_process([sys.executable, "-c", ORPHAN_MAKER], dict(os.environ), Path.cwd(),
+                                stdout=subprocess.PIPE, text=True)
+    child = int(tree.process.stdout.readline())
+    assert set(tree.refresh()) == {tree.process.pid, child}
+    tree.process.send_signal(signal.SIGKILL)  # the parent dies; its child lives on, reparented
+    tree.process.wait()
+    assert not gone(child)
+    launch.stop_processes([tree], grace_s=5.0)
+    assert gone(child)
+
+
+def test_a_stop_signal_raises_once_and_waits_while_processes_are_being_stopped():
+    with launch.stop_signals():
+        with pytest.raises(launch.Stopped) as stopped:
+            os.kill(os.getpid(), signal.SIGHUP)
+            time.sleep(5)
+        assert stopped.value.exit_code == 128 + signal.SIGHUP
+    with launch.stop_signals():
+        with pytest.raises(launch.Stopped, match="SIGTERM"):
+            with launch._SIGNALS.held():
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.2)  # the handler runs here and only records the signal
+                cleaned_up = True
+        assert cleaned_up
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def processes_with_environment(name: str, value: str) -> set[int]:
+    """Processes whose environment holds ``name=value`` (every process the launcher starts carries its
+    private FLWR_HOME)."""
+    needle = f"{name}={value}".encode()
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and not gone(int(entry.name)):
+            try:
+                if needle in (entry / "environ").read_bytes().split(b"\0"):
+                    found.add(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP], ids=lambda s: s.name)
+def test_the_launcher_stops_its_superlink_and_everything_it_started_on_a_stop_signal(signum, monkeypatch,
+                                                                                    capsys, tmp_path):
+    """A real SuperLink (it starts a SuperExec in a session of its own); the signal comes while the run is
+    followed, and the launcher returns 128 + its number with nobody left behind and no traceback."""
+    seen: dict[str, set[int]] = {}
+
+    def signalled_while_following(config, env, run_args, watch):
+        watch()
+        seen["home"] = env["FLWR_HOME"]
+        deadline = time.monotonic() + 30
+        while len(processes_with_environment("FLWR_HOME", env["FLWR_HOME"])) < 2 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        seen["started"] = processes_with_environment("FLWR_HOME", env["FLWR_HOME"])
+        os.kill(os.getpid(), signum)
+        time.sleep(60)
+        raise AssertionError("the stop signal did not stop the launcher")
+
+    monkeypatch.setattr(launch, "submit_and_follow", signalled_while_following)
+    code = launch.main(["--num-supernodes", "2", "--run-config", f'dataset="digits" results-dir="{tmp_path}"'])
+    assert code == 128 + signum
+    assert len(seen["started"]) >= 2  # the SuperLink and its SuperExec
+    assert processes_with_environment("FLWR_HOME", seen["home"]) == set()
+    err = capsys.readouterr().err
+    assert f"stopped by {signal.Signals(signum).name}" in err and "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_sigterm_mid_run_stops_every_process_the_launcher_started(tmp_path):
+    """SIGTERM while Ray trains: the SuperLink, its SuperExec, flwr-simulation and Ray's processes (each
+    carries the launcher's private FLWR_HOME in its environment) are all gone when the launcher exits, with
+    128 + 15, no traceback, and the way to resume the run."""
+    with (tmp_path / "out.log").open("w") as out:
+        launcher = subprocess.Popen(
+            [sys.executable, "-m", "fl_app.launch", "--num-supernodes", "2", "--run-config",
+             f'dataset="digits" model="small-mlp" num-server-rounds=50 results-dir="{tmp_path}" run-name="r"'],
+            cwd=launch.PROJECT_ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, "HOME": str(tmp_path / "home")})  # where its clients keep their state
+    try:
+        deadline = time.monotonic() + 300
+        while launcher.poll() is None and len(metric_lines(tmp_path / "r")) < 3 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert launcher.poll() is None, (tmp_path / "out.log").read_text()
+        home = next(flwr_home(pid) for pid in descendants(launcher.pid) if flwr_home(pid))
+        started = processes_with_environment("FLWR_HOME", home)
+        assert len(started) >= 5  # SuperLink, SuperExec, flwr-simulation, Ray's daemons and actors
+        launcher.send_signal(signal.SIGTERM)
+        assert launcher.wait(timeout=120) == 128 + signal.SIGTERM
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
+    assert processes_with_environment("FLWR_HOME", home) == set()
+    output = (tmp_path / "out.log").read_text()
+    assert "stopped by SIGTERM" in output and "Traceback" not in output
+    assert f'resume-from="{tmp_path / "r"}"' in output
+
+
+def metric_lines(folder: Path) -> list[str]:
+    path = folder / "metrics.jsonl"
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def descendants(pid: int) -> list[int]:
+    """A process's children, theirs, and so on (while they are in its tree)."""
+    found, frontier = [], [pid]
+    while frontier:
+        parent = frontier.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*"):
+            try:
+                children = [int(child) for child in (task / "children").read_text().split()]
+            except OSError:
+                continue
+            found += children
+            frontier += children
+    return found
+
+
+def flwr_home(pid: int) -> str | None:
+    try:
+        variables = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    return next((v.decode().split("=", 1)[1] for v in variables if v.startswith(b"FLWR_HOME=")), None)
