@@ -264,7 +264,7 @@ def test_loopback_runs_exactly_the_compose_services(plain):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["fedavg", "scaffold"])
+@pytest.mark.parametrize("strategy", ["fedavg", pytest.param("scaffold", marks=pytest.mark.long)])
 def test_strategy_completes_two_rounds_on_three_supernodes(plain, strategy, tmp_path, capsys):
     config = run_config(tmp_path, strategy, 3, strategy=strategy)
     status, details = run_to_end(plain, config)
@@ -284,6 +284,7 @@ def without_clock(records: list[dict]) -> list[dict]:
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_the_superlink_killed_mid_run_is_reported_and_the_printed_command_resumes_the_run_exactly(
         plain, home, tmp_path, capsys):
     """SCAFFOLD, 2 rounds: the SuperLink of a second deployment is killed after round 1's checkpoint; the run

@@ -439,6 +439,7 @@ def simulate(tmp_path: Path, name: str, client_app: ClientApp | None = None, num
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_simulation_resumed_after_round_2_equals_the_straight_run(tmp_path):
     settings = {"num-server-rounds": 4, "fraction-train": 0.5}
     straight = simulate(tmp_path, "straight", **settings)

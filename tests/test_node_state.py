@@ -157,6 +157,7 @@ def test_an_unwritable_state_dir_only_costs_the_resume(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_a_resumed_simulation_equals_the_uninterrupted_one_for_scaffold(tmp_path, monkeypatch):
     """Flower's simulation (Ray actors, the default state root under their home): new nodes per run."""
     monkeypatch.setenv("HOME", str(tmp_path / "home"))  # the actors inherit it

@@ -196,12 +196,13 @@ def test_report_command_prints_the_table_and_refuses_an_empty_folder(tmp_path, c
 
 @pytest.mark.slow
 def test_two_by_two_sweep_writes_four_runs_and_a_four_row_table(tmp_path):
-    result = sweep(tmp_path, *TINY, "pan.mode=mul", "pan.t=1,4", "pan.a=0,0.1")
+    result = sweep(tmp_path, *TINY, "sim.backend=inprocess", "pan.mode=mul", "pan.t=1,4", "pan.a=0,0.1")
     assert result.returncode == 0, result.stderr[-3000:]
     summaries = sorted(tmp_path.glob("*/seed=0/run/summary.json"))
     assert len(summaries) == 4  # one folder per configuration, the seed below it, the run folder inside the job's
     assert {path.parts[-4] for path in summaries} == {
-        f"dataset=digits,pan.a={a},pan.mode=mul,pan.t={t},sim.num_supernodes=2,train.num_server_rounds=1"
+        f"dataset=digits,pan.a={a},pan.mode=mul,pan.t={t},sim.backend=inprocess,sim.num_supernodes=2,"
+        "train.num_server_rounds=1"
         for a in ("0", "0.1") for t in ("1", "4")}
     with (tmp_path / "summary.csv").open() as stream:
         rows = list(csv.DictReader(stream))
@@ -218,7 +219,8 @@ def test_a_failed_job_is_reported_and_the_sweep_goes_on(tmp_path):
     raw.mkdir(parents=True)
     for name in ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"):
         (raw / name).write_bytes(b"not an idx file")
-    result = sweep(tmp_path / "sweep", "sim.num_supernodes=2", "train.num_server_rounds=1", f"data.root={tmp_path / 'data'}",
+    result = sweep(tmp_path / "sweep", "sim.backend=inprocess", "sim.num_supernodes=2", "train.num_server_rounds=1",
+                   f"data.root={tmp_path / 'data'}",
                    "dataset=mnist,digits")
     assert result.returncode == 1
     assert "1 of 2 sweep jobs failed" in result.stderr
