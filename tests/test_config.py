@@ -50,7 +50,7 @@ def test_every_key_of_an_algorithm_lives_in_its_settings():
 def test_shared_keys_have_one_default_and_name_every_owner():
     owned = owned_settings()
     assert set(owned["server-lr"].owners) == {"fedavgm", "scaffold"}
-    assert set(owned["match-cost"].owners) == {"matched", "fedma"}
+    assert set(owned["match-reference"].owners) == {"matched", "fedma"}
     assert {"psi-vgg9", "psi-vgg11", "psi-mobilenet"} <= set(owned["psi-groups"].owners)
 
 
