@@ -11,6 +11,7 @@ from torch import nn
 from models import PanSettings, PermutationSpec, PositionEncoding, build_model, permute_state, random_permutations
 from models.mobilenet import GroupedDepthwise, PsiMobileNet, stride_plan
 from models.psinet import GroupedConv2d, GroupedNorm, group_layout
+from model_checks import randomise
 
 SHAPES = [(1, 28, 28), (3, 32, 32)]
 NARROW = {"width_factor": 0.25}  # widths 8 ... 256: fast on a 2-core CPU
@@ -32,24 +33,6 @@ def _build(name: str, shape: tuple[int, int, int], num_classes: int, pan: PanSet
            **options: Any) -> nn.Module:
     torch.manual_seed(1)
     return build_model(name, shape, num_classes, pan, **NARROW, **options)
-
-
-def _randomise(model: nn.Module) -> nn.Module:
-    """Eval mode, He weights, random biases and norm entries, so a mis-permuted entry shows in the output
-    (default norms are the same for every channel and would hide it)."""
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, (nn.Linear, nn.Conv2d)):
-                nn.init.kaiming_normal_(module.weight, nonlinearity="relu")
-                if module.bias is not None:
-                    module.bias.normal_(0.0, 0.1)
-            if isinstance(module, (nn.BatchNorm2d, nn.GroupNorm)):
-                module.weight.uniform_(0.5, 1.5)
-                module.bias.normal_(0.0, 0.2)
-            if isinstance(module, nn.BatchNorm2d):
-                module.running_mean.normal_(0.0, 0.2)
-                module.running_var.uniform_(0.5, 2.0)
-    return model.eval()
 
 
 def _output(model: nn.Module, state: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
@@ -133,7 +116,7 @@ def test_layout_splits_every_federated_key_once():
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize(("name", "options"), VARIANTS, ids=VARIANT_IDS)
 def test_random_permutation_preserves_function(name, options, shape):
-    model = _randomise(_build(name, shape, 6, **options))
+    model = randomise(_build(name, shape, 6, **options))
     spec, state = model.permutation_spec(), model.state_dict()
     permuted = permute_state(spec, state, random_permutations(spec, state, torch.Generator().manual_seed(2)))
     assert any(not torch.equal(permuted[k], state[k]) for k in state)
@@ -157,7 +140,7 @@ def test_depthwise_channels_belong_to_the_group_that_feeds_them():
 
 def test_permuting_a_group_without_its_depthwise_conv_changes_the_function():
     """The tie is needed: moving a pointwise conv's outputs but not the next depthwise conv breaks the net."""
-    model = _randomise(_build("mobilenet", (1, 28, 28), 6))
+    model = randomise(_build("mobilenet", (1, 28, 28), 6))
     state, refs = model.state_dict(), model.permutation_spec().groups["blocks.3.pw"]
     untied = PermutationSpec({"g": tuple(r for r in refs if not r.key.startswith("blocks.4.dw."))})
     perm = torch.roll(torch.arange(untied.group_sizes(state)["g"]), 1)
@@ -185,7 +168,7 @@ def test_psi_permutations_stay_inside_groups():
                          ids=VARIANT_IDS[:2])
 def test_pans_sit_on_every_hidden_conv_and_change_the_output(name, options, first_widths):
     shape = (1, 28, 28)
-    plain = _randomise(_build(name, shape, 6, **options))
+    plain = randomise(_build(name, shape, 6, **options))
     pan_model = _build(name, shape, 6, PAN_ON, **options).eval()
     pans = [m for m in pan_model.modules() if isinstance(m, PositionEncoding)]
     assert len(pans) == 1 + 2 * 13  # stem, and both convs of every block

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import models.registry as registry
+from model_checks import randomise
 from models import (
     AxisRef,
     PanSettings,
@@ -36,29 +37,9 @@ def _inputs(shape: tuple[int, int, int], batch: int = 2, seed: int = 0) -> torch
 
 
 def _randomised_model(name: str, shape: tuple[int, int, int], num_classes: int, pan: PanSettings | None = None):
-    """A model in eval mode whose outputs depend strongly on every weight and statistic.
-
-    Default BN/GN values (weight 1, bias 0, mean 0, var 1) are the same for every
-    channel, so a mis-permuted norm would go unnoticed; and PyTorch's default
-    init shrinks the signal through deep plain nets (VGG-11's outputs barely
-    depend on its first layer), which would hide errors there. So weights get
-    variance-preserving (He) init, and biases and BN parameters random values.
-    """
+    """A model with every entry distinct (:func:`model_checks.randomise`)."""
     torch.manual_seed(1)
-    model = build_model(name, shape, num_classes, pan)
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, (nn.Linear, nn.Conv2d)):
-                nn.init.kaiming_normal_(module.weight, nonlinearity="relu")
-                if module.bias is not None:
-                    module.bias.normal_(0.0, 0.1)
-            if isinstance(module, (nn.BatchNorm2d, nn.GroupNorm)):
-                module.weight.uniform_(0.5, 1.5)
-                module.bias.normal_(0.0, 0.2)
-            if isinstance(module, nn.BatchNorm2d):
-                module.running_mean.normal_(0.0, 0.2)
-                module.running_var.uniform_(0.5, 2.0)
-    return model.eval()
+    return randomise(build_model(name, shape, num_classes, pan))
 
 
 def _forward(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
