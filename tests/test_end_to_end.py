@@ -38,6 +38,7 @@ def rows(folder: Path) -> list[dict]:
     return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.long
 def test_fedavg_on_digits_learns_and_writes_the_run_folder(tmp_path):
     folder = simulate(tmp_path / "results")
     assert {"config.json", "metrics.jsonl", "summary.json", "accuracy.png", "model.pt"} <= {p.name for p in folder.iterdir()}

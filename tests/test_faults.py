@@ -450,6 +450,7 @@ def test_simulation_resumed_after_round_2_equals_the_straight_run(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_simulation_drops_a_client_that_raises_and_finishes(tmp_path):
     settings = {**TINY, "min-available-nodes": 3}
     inner = build_client_app(settings)
