@@ -1,0 +1,147 @@
+"""Experiment presets (conf/experiment/*.yaml): each composes, every job of its table validates, a preset whose
+data are not on disk refuses before any job starts, and (slow) every -cpu preset runs one round."""
+
+import csv
+from contextlib import contextmanager
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from hydra import compose, initialize_config_dir
+
+from core.data import DatasetMissingError
+from fl_app import sweep
+from fl_app.config import parse_run_config
+from fl_app.sweep import hydra_to_run_config, job_settings, register_configs, sweep_job_overrides, validate_sweep
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "conf"
+EXPERIMENTS = CONF / "experiment"
+PRESETS = sorted(path.stem for path in EXPERIMENTS.glob("*.yaml"))
+CPU_PRESETS = [name for name in PRESETS if name.endswith("-cpu")]
+PAPER_PRESETS = [name for name in PRESETS if not name.endswith("-cpu")]
+# Data sets a preset reads that this machine may lack (Fashion-MNIST comes from Debian's package).
+NOT_SHIPPED = {"mnist", "cifar10"}
+
+
+@contextmanager
+def composed(overrides):
+    """The composed config, with Hydra initialised (validate_sweep composes every job through it)."""
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        yield compose("config", overrides=list(overrides), return_hydra_config=True)
+
+
+def _no_network(monkeypatch):
+    """torchvision downloads through urllib: a proxy that refuses makes a missing data set fail at once."""
+    for name in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY"):
+        monkeypatch.setenv(name, "http://127.0.0.1:9")
+
+
+def test_presets_come_in_pairs_with_a_cpu_variant():
+    assert PAPER_PRESETS, "no presets in conf/experiment"
+    assert sorted(f"{name}-cpu" for name in PAPER_PRESETS) == CPU_PRESETS
+
+
+def _one_seed(jobs):
+    """The jobs of seed 0: the other seeds' jobs differ from them only in the seed (checked by the caller)."""
+    return [job for job in jobs if "seed=0" in job]
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_every_job_of_a_preset_composes_and_validates(name, tmp_path, monkeypatch):
+    """The preset runs as a multirun of its whole table, 3 seeds, and ValidateSweep's check (the schema, the model
+    built, the algorithm's server side) passes for every configuration. The data check is the next test's."""
+    checked = []
+    monkeypatch.setattr(sweep, "check_dataset_available", lambda dataset, root: checked.append(dataset))
+    with composed([f"+experiment={name}", f"hydra.sweep.dir={tmp_path}"]) as cfg:
+        assert str(cfg.hydra.mode) == "RunMode.MULTIRUN", "a preset runs its whole table without -m"
+        jobs = sweep_job_overrides(cfg)
+        seeds = [next(o for o in job if o.startswith("seed=")) for job in jobs]
+        assert sorted(set(seeds)) == ["seed=0", "seed=1", "seed=2"] and len(jobs) == 3 * seeds.count("seed=0")
+        monkeypatch.setattr(sweep, "sweep_job_overrides", lambda config: _one_seed(jobs))
+        assert validate_sweep(cfg) == len(jobs) // 3
+    assert checked, "the sweep checks its data sets"
+    first, _ = job_settings(cfg, cfg.hydra.runtime.choices, tmp_path)  # the preset's own defaults: one job too
+    assert first.device == "auto"
+    if name.endswith("-cpu"):
+        assert first.dataset == "fashion-mnist", "a -cpu preset runs on the data this machine has"
+
+
+def test_a_preset_file_says_which_paper_table_it_follows():
+    for name in PRESETS:
+        text = (EXPERIMENTS / f"{name}.yaml").read_text()
+        assert text.startswith("# @package _global_\n"), name
+        assert "python -m fl_app.sweep +experiment=" + name in text, f"{name}: its command is in its header"
+        assert "seed 00" in text or name.endswith("-cpu"), f"{name}: names its seed paper"
+        yaml.safe_load(text)
+
+
+@pytest.mark.parametrize("name", PAPER_PRESETS)
+def test_a_preset_whose_data_are_missing_refuses_before_any_job(name, tmp_path, monkeypatch):
+    """With an empty data root, ValidateSweep's check raises the data set's own message (how to get it, in
+    torchvision's layout) for a preset that reads MNIST or CIFAR-10, and passes for one on Fashion-MNIST."""
+    _no_network(monkeypatch)
+    needs = set()
+    real_check = sweep.check_dataset_available
+
+    def check(dataset, root):
+        needs.add(dataset)
+        real_check(dataset, root)
+
+    monkeypatch.setattr(sweep, "check_dataset_available", check)
+    # The schema alone per job (the previous test builds the models); every configuration of seed 0.
+    monkeypatch.setattr(sweep, "job_settings", lambda cfg, choices, folder: (parse_run_config(
+        {**hydra_to_run_config(cfg, choices), "results-dir": str(folder)}), None))
+    with composed([f"+experiment={name}", f"hydra.sweep.dir={tmp_path / 'sweep'}", f"data.root={tmp_path}"]) as cfg:
+        jobs = _one_seed(sweep_job_overrides(cfg))
+        monkeypatch.setattr(sweep, "sweep_job_overrides", lambda config: jobs)
+        try:
+            validate_sweep(cfg)
+            error = None
+        except DatasetMissingError as raised:
+            error = raised
+    if needs & NOT_SHIPPED:
+        assert error is not None and "torchvision's layout" in str(error), error
+        assert f"dataset '{min(needs & NOT_SHIPPED, key=str)}' not found" in str(error)
+    else:
+        assert error is None and needs == {"fashion-mnist"}
+    assert not list((tmp_path / "sweep").glob("**/.hydra")), "no job started"
+
+
+def _sweep(tmp_path: Path, *overrides: str, extra_env=None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0", **(extra_env or {})}
+    return subprocess.run([sys.executable, "-m", "fl_app.sweep", *overrides, f"hydra.sweep.dir={tmp_path}"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+
+
+def test_the_cifar10_preset_exits_with_the_data_message_before_any_job(tmp_path):
+    """The command line itself: `python -m fl_app.sweep +experiment=pans-table1` with an empty data root."""
+    empty = tmp_path / "data"
+    empty.mkdir()
+    proxy = "http://127.0.0.1:9"
+    result = _sweep(tmp_path / "sweep", "+experiment=pans-table1", f"data.root={empty}",
+                    extra_env={"http_proxy": proxy, "https_proxy": proxy, "HTTP_PROXY": proxy, "HTTPS_PROXY": proxy})
+    assert result.returncode != 0
+    assert "invalid sweep, no job was started: dataset 'cifar10' not found" in result.stderr
+    assert "torchvision's layout" in result.stderr
+    assert not list((tmp_path / "sweep").glob("**/.hydra")), "no job started"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", CPU_PRESETS)
+def test_a_cpu_preset_runs_one_round_of_every_configuration(name, tmp_path):
+    """Every configuration of the table, seed 0, one round, in-process jobs (no Ray start per job), torch at 1
+    thread."""
+    result = _sweep(tmp_path, f"+experiment={name}", "seed=0", "train.num_server_rounds=1", "sim.backend=inprocess",
+                    "sim.torch_threads=1")
+    assert result.returncode == 0, result.stderr[-3000:]
+    with (tmp_path / "summary.csv").open() as stream:
+        rows = list(csv.DictReader(stream))
+    with composed([f"+experiment={name}", "seed=0"]) as cfg:
+        configurations = len(sweep_job_overrides(cfg))
+    assert len(rows) == configurations
+    assert all(row["seeds"] == "1" and row["failed"] == "0" for row in rows), rows
