@@ -183,17 +183,18 @@ build_secret_args() {  # this machine's CA bundle (the local CAs update-ca-certi
   [ -s "$CA_BUNDLE" ] && echo "--secret id=ca_bundle,src=$CA_BUNDLE"
 }
 
-# pip's index settings of this host that can work inside a build (http/https; file:// ones are host paths)
+# pip's index settings of this host that can work inside a build (http/https; file:// ones are host paths),
+# one argument a line: read them with mapfile (an extra-index-url may list several URLs)
 pip_index_args() {
   local key value url extra=()
   while IFS='=' read -r key value; do
     value=${value#\'}; value=${value%\'}
     case "$key" in
-      *.index-url) case "$value" in http://*|https://*) echo "--build-arg PIP_INDEX_URL=$value";; esac;;
+      *.index-url) case "$value" in http://*|https://*) printf '%s\n' --build-arg "PIP_INDEX_URL=$value";; esac;;
       *.extra-index-url) for url in $value; do case "$url" in http://*|https://*) extra+=("$url");; esac; done;;
     esac
   done < <(python3 -m pip config list 2>/dev/null)
-  [ ${#extra[@]} = 0 ] || echo "--build-arg PIP_EXTRA_INDEX_URL=${extra[*]}"
+  [ ${#extra[@]} = 0 ] || printf '%s\n' --build-arg "PIP_EXTRA_INDEX_URL=${extra[*]}"
 }
 
 step_base_image() {
@@ -224,9 +225,10 @@ step_base_image() {
       >>"$LOGS/debootstrap.log" 2>&1 || { NOTE="docker import of the rootfs failed"; return 1; }
     rm -rf "$rootfs"
   fi
+  local pip_args; mapfile -t pip_args < <(pip_index_args)
   # shellcheck disable=SC2046
   nice -n "$NICE" timeout --foreground "$BUILD_TIMEOUT_S" docker buildx build --progress plain --network host \
-    $(build_secret_args) $(pip_index_args) --build-arg "ROOTFS_IMAGE=$ROOTFS_IMAGE" \
+    $(build_secret_args) "${pip_args[@]}" --build-arg "ROOTFS_IMAGE=$ROOTFS_IMAGE" \
     -f docker/base.Dockerfile -t "$STANDIN_IMAGE" docker >"$LOGS/build-base.log" 2>&1 \
     || { tail_of "$LOGS/build-base.log" 40; NOTE="building docker/base.Dockerfile failed (log: $LOGS/build-base.log)"; return 1; }
   FLWR_IMAGE=$STANDIN_IMAGE
@@ -245,10 +247,12 @@ step_image() {
   fi
   local secret; secret=$(build_secret_args)
   [ -n "$secret" ] && fact "builds trust $CA_BUNDLE (build secret ca_bundle; local CAs: $(ls /usr/local/share/ca-certificates 2>/dev/null | tr '\n' ' '))"
+  local pip_args; mapfile -t pip_args < <(pip_index_args)
+  [ ${#pip_args[@]} = 0 ] || fact "pip indexes of this host passed to the builds: ${pip_args[*]}"
   log "docker buildx build -t $IMAGE (FLWR_IMAGE=$FLWR_IMAGE; log: $LOGS/build-image.log)"
-  # shellcheck disable=SC2046
+  # shellcheck disable=SC2086
   nice -n "$NICE" timeout --foreground "$BUILD_TIMEOUT_S" docker buildx build --progress plain --network host $secret \
-    $(pip_index_args) --build-arg "FLWR_IMAGE=$FLWR_IMAGE" --build-arg "TORCH_INDEX=$torch_index" \
+    "${pip_args[@]}" --build-arg "FLWR_IMAGE=$FLWR_IMAGE" --build-arg "TORCH_INDEX=$torch_index" \
     -t "$IMAGE" . >"$LOGS/build-image.log" 2>&1 \
     || { tail_of "$LOGS/build-image.log" 40; NOTE="image build failed (log: $LOGS/build-image.log)"; return 1; }
   IMAGE_SIZE=$(human "$(docker image inspect -f '{{.Size}}' "$IMAGE")")
