@@ -112,6 +112,7 @@ def test_stopping_a_tree_stops_a_child_in_its_own_session_even_after_its_parent_
 
 
 def test_a_stop_signal_raises_once_and_waits_while_processes_are_being_stopped():
+    before = signal.getsignal(signal.SIGTERM)  # an earlier test's Ray may have installed its own
     with launch.stop_signals():
         with pytest.raises(launch.Stopped) as stopped:
             os.kill(os.getpid(), signal.SIGHUP)
@@ -124,7 +125,7 @@ def test_a_stop_signal_raises_once_and_waits_while_processes_are_being_stopped()
                 time.sleep(0.2)  # the handler runs here and only records the signal
                 cleaned_up = True
         assert cleaned_up
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    assert signal.getsignal(signal.SIGTERM) is before
 
 
 def processes_with_environment(name: str, value: str) -> set[int]:
