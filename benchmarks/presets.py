@@ -131,13 +131,15 @@ def main(argv: list[str] | None = None) -> int:
     report = commands.add_parser("table", help="a finished preset sweep as a Markdown table")
     report.add_argument("sweep_dir", type=Path)
     report.add_argument("--metrics", nargs="+", help=f"summary.json keys (default: those of {list(METRICS)} it has)")
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)  # Hydra overrides may come after --out
+    if extra and args.command != "run":
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
 
     if args.command == "table":
         print(table(args.sweep_dir, args.metrics), end="")
         return 0
     if args.command == "run":
-        record = run_sweep(args.name, args.out / args.name, args.overrides)
+        record = run_sweep(args.name, args.out / args.name, [*args.overrides, *extra])
         print(json.dumps(record, indent=2))
         if (args.out / args.name / "summary.md").is_file():
             print(table(args.out / args.name), end="")

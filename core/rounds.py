@@ -288,8 +288,11 @@ class NodeDirectory:
         unknown = [node for node in nodes if node not in self.partitions]
         if not unknown:
             return
+        started = time.monotonic()
         queries = [Message(RecordDict(), dst_node_id=node, message_type=MessageType.QUERY) for node in unknown]
-        for reply in self.grid.send_and_receive(queries, timeout=PARTITION_QUERY_TIMEOUT):
+        replies = list(self.grid.send_and_receive(queries, timeout=PARTITION_QUERY_TIMEOUT))
+        log(INFO, "[alignfl] asked %d nodes for their partition in %.1f s", len(unknown), time.monotonic() - started)
+        for reply in replies:
             metrics = {} if reply.has_error() else reply.content.get(METRICS_RECORD, {})
             if "partition-id" in metrics:
                 node, partition = reply.metadata.src_node_id, int(metrics["partition-id"])
