@@ -48,14 +48,14 @@ def time_part(code: str) -> float:
 
 
 def deploy_rounds(nodes: int, rounds: int, run_config: str, work: Path) -> list[float]:
-    """Per-round wall seconds of one deployed run (round 1 includes the wait for nodes)."""
+    """Wall seconds of rounds 1..``rounds`` of one deployed run (round 1 includes asking nodes their partition)."""
     results = work / "results"
     overrides = f'dataset="digits" results-dir="{results}" run-name="bench" {run_config}'.strip()
     subprocess.run([PYTHON, "-m", "fl_app.deploy", "--num-supernodes", str(nodes), "--rounds", str(rounds),
                     "--run-config", overrides, "--work-dir", str(work / "deploy")], cwd=ROOT, check=True)
     rows = [json.loads(line) for line in (results / "bench" / "metrics.jsonl").read_text().splitlines()]
-    ends = [float(row["elapsed-s"]) for row in rows if "elapsed-s" in row]
-    return [later - earlier for earlier, later in zip([0.0, *ends], ends)]
+    ends = {int(row["round"]): float(row["elapsed-s"]) for row in rows}  # round 0: the initial model's evaluation
+    return [ends[r] - ends[r - 1] for r in range(1, rounds + 1)]
 
 
 def report(rows: list[dict[str, Any]]) -> str:

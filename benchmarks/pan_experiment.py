@@ -9,6 +9,14 @@ accuracy over the last 5 rounds) and a plot.
     python benchmarks/pan_experiment.py --part alpha --seeds 0 1 2
     python benchmarks/pan_experiment.py --part algorithms --seeds 0 1 2
     python benchmarks/pan_experiment.py --report --seeds 0 1 2
+
+``--part authors`` (issue 17): FedAvg with PANs off / mul T=1 A=0.1 / add T=1 A=0.15 in the PANs authors' own
+training setting (their code: batch 64, SGD lr 0.05 momentum 0.9 weight decay 1e-5, a 10-round linear lr
+warm-up, the server's unweighted mean of the client models) on the MLP, Dirichlet 0.1, 10 clients all taking
+part, E = 2, 30 rounds; each final model then gets the shuffle test (P_sf = 1: every hidden layer fully
+permuted), which PANs should make costly:
+
+    python benchmarks/pan_experiment.py --part authors --seeds 0 1 2 --rounds 30 --train-size 12000
 """
 
 from __future__ import annotations
@@ -30,6 +38,10 @@ PAN_SETTINGS: dict[str, dict[str, Any]] = {
 }
 ALPHAS = (0.1, 1.0, 10.0)
 ALGORITHMS = ("fedavg", "fedprox", "fedavgm", "scaffold", "moon")
+AUTHORS: dict[str, Any] = {"local-epochs": 2, "batch-size": 64, "lr": 0.05, "momentum": 0.9, "weight-decay": 1e-5,
+                           "lr-warmup-rounds": 10, "server-weighting": "uniform"}
+"""The PANs authors' training setting (their code; ALGORITHMS.md section 1)."""
+SHUFFLE_P_SF = (0.5, 1.0)
 ALGORITHM_SETTINGS: dict[str, dict[str, Any]] = {"scaffold": {"momentum": 0.0}}
 """Per-algorithm overrides of the shared scale. SCAFFOLD runs plain SGD, as in its paper: with the shared
 momentum 0.9 at lr 0.05 it diverged here (seed 0, α = 0.1: final accuracy 10 % with PANs off, 29 % on)."""
@@ -41,6 +53,9 @@ def planned_runs(part: str, seeds: list[int]) -> list[dict[str, Any]]:
     Seeds are the outer loop and PAN settings the inner one, so a stopped run still
     leaves complete off/on comparisons for the seeds it finished.
     """
+    if part == "authors":
+        return [{"strategy": "fedavg", "dirichlet-alpha": 0.1, "seed": seed, **PAN_SETTINGS[pan], **AUTHORS,
+                 "_pan": pan, "_part": part} for seed in seeds for pan in PAN_SETTINGS]
     if part == "alpha":
         grid = [("fedavg", pan, alpha) for alpha in ALPHAS for pan in PAN_SETTINGS]
     else:
@@ -52,7 +67,22 @@ def planned_runs(part: str, seeds: list[int]) -> list[dict[str, Any]]:
 
 def run_name(run: dict[str, Any]) -> str:
     pan = run["_pan"].replace(" ", "_").replace("=", "")
-    return f"{run['strategy']}__{pan}__alpha{run['dirichlet-alpha']}__seed{run['seed']}"
+    prefix = "authors__" if run.get("_part") == "authors" else ""
+    return f"{prefix}{run['strategy']}__{pan}__alpha{run['dirichlet-alpha']}__seed{run['seed']}"
+
+
+def shuffle_final_model(folder: Path) -> None:
+    """The shuffle test of a run's final model (``shuffle.json`` beside it): error on Gaussian inputs and the
+    test-accuracy change when every hidden layer is permuted with disorder P_sf (3 draws each)."""
+    from fl_app.analysis.common import load_run_model
+    from fl_app.analysis.shuffle import gaussian_inputs, shuffle_test
+
+    loaded = load_run_model(folder)
+    data = loaded.dataset
+    inputs = gaussian_inputs(data.input_shape, 64, 0)
+    outcomes = {str(p): shuffle_test(loaded.model, p, inputs, repeats=3, seed=0, test_data=(data.test_x, data.test_y))
+                for p in SHUFFLE_P_SF}
+    (folder / "shuffle.json").write_text(json.dumps({p: vars(o) for p, o in outcomes.items()}, indent=2) + "\n")
 
 
 def simulate(run: dict[str, Any], scale: dict[str, Any], out: Path, name: str | None = None) -> None:
@@ -87,6 +117,8 @@ def report(out: Path, seeds: list[int]) -> str:
     setting's final accuracy minus PANs off, paired by seed (same split, same initial model)."""
     groups: dict[tuple[str, str, float], list[dict[str, Any]]] = {}
     for summary_path in sorted(out.glob("*/summary.json")):
+        if summary_path.parent.name.startswith("authors__"):
+            continue  # authors_report's
         config = json.loads((summary_path.parent / "config.json").read_text())
         if config["seed"] not in seeds:
             continue
@@ -104,6 +136,31 @@ def report(out: Path, seeds: list[int]) -> str:
                      f"{mean_std([r['final-accuracy'] for r in runs])} | "
                      f"{mean_std([r['last-5-best-accuracy'] for r in runs])} | {gap} |")
     _plot(groups, out / "pan_experiment.png")
+    return "\n".join(lines)
+
+
+def authors_report(out: Path, seeds: list[int]) -> str:
+    """The ``authors`` part: final accuracy per PAN setting and the shuffle test of the final models."""
+    rows: dict[str, list[dict[str, Any]]] = {pan: [] for pan in PAN_SETTINGS}
+    for pan in PAN_SETTINGS:
+        for seed in seeds:
+            folder = out / run_name({"strategy": "fedavg", "_pan": pan, "_part": "authors", "dirichlet-alpha": 0.1,
+                                     "seed": seed})
+            if (folder / "shuffle.json").exists():
+                rows[pan].append({**json.loads((folder / "summary.json").read_text()),
+                                  "shuffle": json.loads((folder / "shuffle.json").read_text())})
+    header = " | ".join(f"P_sf={p:g}: error (Eq. 8) | P_sf={p:g}: accuracy change (points)" for p in SHUFFLE_P_SF)
+    lines = [f"| PANs | seeds | final accuracy (%) | {header} |", "|---|---|---|" + "---|---|" * len(SHUFFLE_P_SF)]
+    for pan, runs in rows.items():
+        if not runs:
+            continue
+        cells = []
+        for p in SHUFFLE_P_SF:
+            errors = [r["shuffle"][str(p)]["error"] for r in runs]
+            changes = [r["shuffle"][str(p)]["accuracy_change"] for r in runs]
+            cells += [f"{statistics.mean(errors):.3g} ± {statistics.stdev(errors) if len(errors) > 1 else 0:.2g}",
+                      mean_std(changes)]
+        lines.append(f"| {pan} | {len(runs)} | {mean_std([r['final-accuracy'] for r in runs])} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -130,26 +187,35 @@ def _plot(groups: dict[tuple[str, str, float], list[dict[str, Any]]], path: Path
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--part", choices=("alpha", "algorithms"))
+    parser.add_argument("--part", choices=("alpha", "algorithms", "authors"))
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--clients", type=int, default=10)
     parser.add_argument("--fraction", type=float, default=1.0, help="fraction of clients per round")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--train-size", type=int, default=0, help="training images used (0: all)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--report", action="store_true", help="aggregate the finished runs and exit")
     args = parser.parse_args()
     out = args.out.resolve()
     if args.report:
         print(report(out, args.seeds))
+        print(authors_report(out, args.seeds))
         return
     if args.part is None:
         parser.error("--part is required unless --report is given")
     scale = {"clients": args.clients, "fraction": args.fraction, "rounds": args.rounds}
     for run in planned_runs(args.part, args.seeds):
-        if (out / run_name(run) / "summary.json").exists():
+        if args.train_size:
+            run = {**run, "train-size": args.train_size}
+        folder = out / run_name(run)
+        trained = (folder / "summary.json").exists()
+        if trained and (args.part != "authors" or (folder / "shuffle.json").exists()):
             continue
         started = time.time()
-        simulate(run, scale, out)
+        if not trained:
+            simulate(run, scale, out)
+        if args.part == "authors":
+            shuffle_final_model(folder)
         print(f"[pan-experiment] {run_name(run)} done in {time.time() - started:.0f} s", flush=True)
 
 

@@ -4,7 +4,8 @@ Two settings of FedAvg · MLP · Fashion-MNIST · Dirichlet 0.3 through the prod
 simulation (the ServerApp and ClientApp that ``flwr run`` runs):
 
 * ``1000``: 1,000 clients, 2 % of them train per round (``fraction-train`` 0.02) and 2 % evaluate;
-* ``100``: 100 clients, all of them train and evaluate every round.
+* ``100``: 100 clients, all of them train and evaluate every round;
+* ``10000``: 10,000 clients (IID, 6 training images each), 1 % of them train and 1 % evaluate per round, 20 rounds.
 
 For each: the time to partition the training split among the clients (flwr-datasets; every Ray
 worker pays it once), each round's time (``elapsed-s`` differences), and the memory of this process
@@ -43,22 +44,24 @@ class Setting:
     clients: int
     fraction: float  # of clients that train, and that evaluate, per round
     rounds: int
+    partitioner: str = "dirichlet"  # at 10,000 clients (6 images each) Dirichlet 0.3 leaves clients empty: iid
 
 
-SETTINGS = {"1000": Setting(1000, 0.02, 10), "100": Setting(100, 1.0, 3)}
+SETTINGS = {"1000": Setting(1000, 0.02, 10), "100": Setting(100, 1.0, 3), "10000": Setting(10000, 0.01, 20, "iid")}
 
 
-def partition_seconds(dataset: str, clients: int) -> float:
+def partition_seconds(dataset: str, setting: Setting) -> float:
     """Seconds to compute every client's partition once, as each Ray worker does (its own seed, so that
     the simulation's workers find nothing cached in this process: they are other processes anyway)."""
     started = time.perf_counter()
-    partition_dataset(dataset, None, "dirichlet", clients, 1000 + clients, dirichlet_alpha=0.3)
+    partition_dataset(dataset, None, setting.partitioner, setting.clients, 1000 + setting.clients, dirichlet_alpha=0.3)
     return time.perf_counter() - started
 
 
 def run_setting(name: str, setting: Setting, ray_cpus: int, dataset: str) -> dict[str, Any]:
     """One simulation with the memory sampler running; its round times and memory figures."""
     config = parse_run_config({**EXPERIMENT, "dataset": dataset, "num-server-rounds": setting.rounds,
+                               "partitioner": setting.partitioner,
                                "fraction-train": setting.fraction, "fraction-evaluate": setting.fraction})
     with tempfile.TemporaryDirectory(prefix="alignfl-scale-") as tmp:
         results = Path(tmp)
@@ -110,7 +113,7 @@ def report(rows: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--setting", choices=sorted(SETTINGS), action="append",
-                        help="run only these settings (repeatable; default: both)")
+                        help="run only these settings (repeatable; default: all)")
     parser.add_argument("--rounds", type=int, default=None, help="override each setting's rounds")
     parser.add_argument("--dataset", default="fashion-mnist", help="fashion-mnist (the benchmark) or digits (a smoke test)")
     parser.add_argument("--ray-cpus", type=int, default=2, help="CPUs Ray may use (default 2, this machine's cores)")
@@ -129,13 +132,13 @@ def main(argv: list[str] | None = None) -> int:
     rows_path = out / "rows.jsonl"
     print(f"[scale] {machine()}; results in {out}", flush=True)
     done = {row["setting"] for row in read_jsonl(rows_path)}
-    for name in args.setting or ["1000", "100"]:
+    for name in args.setting or ["1000", "100", "10000"]:
         if name in done:
             continue
         setting = SETTINGS[name]
         if args.rounds is not None:
-            setting = Setting(setting.clients, setting.fraction, args.rounds)
-        partition_s = partition_seconds(args.dataset, setting.clients)
+            setting = Setting(setting.clients, setting.fraction, args.rounds, setting.partitioner)
+        partition_s = partition_seconds(args.dataset, setting)
         row = {**run_setting(name, setting, args.ray_cpus, args.dataset), "partition-s": partition_s,
                "load-after": list(os.getloadavg())}
         append_jsonl(rows_path, row)

@@ -16,7 +16,15 @@ prints the Markdown tables and writes the plot of accuracy along λ.
     python benchmarks/superfed_experiment.py --part noise --seeds 0
     python benchmarks/superfed_experiment.py --report --seeds 0 1 2
 
-Deviations from the paper (besides R, E, B and lr, scaled to a shared 2-core machine): the split is flwr-datasets'
+``--part authors`` (issue 17): the authors' own setting, scaled only in R: their fixed-pairs split (client k holds
+classes {k//10, 5 + k//10} for K = 50), their bias-free TwoNN 784-200-200-200-10, K = 50 with 5 per round, E = 10,
+B = 10, lr 0.01 decayed by 0.999 per round, mu = 0.01, the local model initialised as their code does, no held-out
+clients; R = 50 instead of 500. SuPerFed-MM, SuPerFed-LM and FedAvg:
+
+    python benchmarks/superfed_experiment.py --part authors --seeds 0 1 2 --rounds 50 --local-epochs 10 \
+        --batch-size 10 --holdout 0
+
+Deviations of ``pathological`` and ``noise`` from the paper (besides R, E, B and lr, scaled to a shared 2-core machine): the split is flwr-datasets'
 PathologicalPartitioner (client k holds class k mod 10 and a random second one),
 not the authors' fixed pairs; TwoNN has biases; the partitions of the held-out
 clients are carved from the same training set, so K + H partitions share it.
@@ -47,6 +55,10 @@ COMMON: dict[str, Any] = {
 }
 SUPERFED: dict[str, Any] = {"strategy": "superfed", "superfed-start": 0.4, "superfed-mu": 0.01}
 PATHOLOGICAL: dict[str, Any] = {"partitioner": "pathological", "classes-per-client": 2}
+AUTHORS: dict[str, Any] = {"partitioner": "fixed-pairs", "samples-per-client": 0, "hidden-layers": 3, "bias": False}
+"""The SuPerFed authors' split and network (their code; ALGORITHMS.md section 4); SuPerFed also starts its local
+models as their code does (``superfed-local-init``)."""
+AUTHORS_METHODS = ("SuPerFed-MM", "SuPerFed-LM", "FedAvg")
 METHODS: dict[str, dict[str, Any]] = {  # the order runs go in: the main comparison first
     "SuPerFed-MM": {**SUPERFED, "superfed-mode": "mm", "superfed-nu": 1.0},
     "FedAvg": {"strategy": "fedavg"},
@@ -66,6 +78,10 @@ NOISE_METHODS = ("FedAvg", "SuPerFed-MM")
 
 def planned_runs(part: str, seeds: list[int], noise: list[str]) -> list[dict[str, Any]]:
     """Run-config overrides of one part; ``_method``, ``_noise`` and ``_part`` label a run (not sent)."""
+    if part == "authors":
+        local_init = {"superfed": {"superfed-local-init": "authors"}}
+        return [{**COMMON, **AUTHORS, **METHODS[m], **local_init.get(METHODS[m]["strategy"], {}), "seed": seed,
+                 "_method": m, "_noise": "none", "_part": part} for seed in seeds for m in AUTHORS_METHODS]
     if part == "pathological":
         return [{**COMMON, **PATHOLOGICAL, **METHODS[m], "seed": seed, "_method": m, "_noise": "none", "_part": part}
                 for seed in seeds for m in METHODS]
@@ -196,12 +212,17 @@ def report(out: Path, seeds: list[int], figure: Path) -> str:
                   if key[0] in NOISE_METHODS})
     if pathological:
         plot_lambda(pathological, figure)
-    return "\n\n".join([pathological_table(pathological), lambda_table(pathological), noise_table(noise)])
+    tables = [pathological_table(pathological), lambda_table(pathological), noise_table(noise)]
+    authors = _finished(out, "authors", seeds)
+    if authors:
+        plot_lambda(authors, figure.with_name(f"{figure.stem}_authors{figure.suffix}"))
+        tables += ["Authors' setting (--part authors):", pathological_table(authors), lambda_table(authors)]
+    return "\n\n".join(tables)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--part", choices=("pathological", "noise"))
+    parser.add_argument("--part", choices=("pathological", "noise", "authors"))
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--clients", type=int, default=50, help="K, the clients that train")
     parser.add_argument("--holdout", type=int, default=5, help="new clients: never train, scored each round")

@@ -50,7 +50,6 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
-from scipy.optimize import linear_sum_assignment
 from torch import Tensor
 
 from models.permutation import AxisRef, PermutationSpec, permute_state
@@ -182,6 +181,8 @@ def best_assignment(score: Tensor, current: Tensor) -> Tensor:
     reference's position ``i``; the result follows the spec's convention (new
     unit ``i`` is old unit ``perm[i]``).
     """
+    from scipy.optimize import linear_sum_assignment  # here: scipy.optimize's import costs a ClientApp 0.4 s
+
     matrix = score.detach().double().cpu().numpy()
     rows, cols = linear_sum_assignment(matrix, maximize=True)
     kept = matrix[rows, current.cpu().numpy()].sum()

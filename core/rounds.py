@@ -39,8 +39,13 @@ MODEL_RECORD = "arrays"
 """The record that carries the model, in both directions (Flower's default ``arrayrecord_key``)."""
 METRICS_RECORD = "metrics"
 """The record that carries a reply's metrics."""
+REPLY_POLL_S = 0.2
+"""Seconds between the server's requests for the replies still missing (see :func:`send_and_receive`)."""
 CONFIG_RECORD = "config"
 PARTITION_QUERY_TIMEOUT = 120.0
+PARTITION_QUERY_S_PER_NODE = 0.05
+"""The wait for nodes to say their partition: the fixed part plus this per node asked (Flower's Ray backend answers
+about 12-22 ms per node on 2 cores: 10,000 nodes took more than the fixed 120 s alone)."""
 
 
 @dataclass(frozen=True)
@@ -290,8 +295,10 @@ class NodeDirectory:
             return
         started = time.monotonic()
         queries = [Message(RecordDict(), dst_node_id=node, message_type=MessageType.QUERY) for node in unknown]
-        replies = list(self.grid.send_and_receive(queries, timeout=PARTITION_QUERY_TIMEOUT))
-        log(INFO, "[alignfl] asked %d nodes for their partition in %.1f s", len(unknown), time.monotonic() - started)
+        timeout = PARTITION_QUERY_TIMEOUT + PARTITION_QUERY_S_PER_NODE * len(unknown)
+        replies = send_and_receive(self.grid, queries, timeout)
+        log(INFO, "[alignfl] asked %d nodes for their partition in %.1f s; %d answered", len(unknown),
+            time.monotonic() - started, len(replies))
         for reply in replies:
             metrics = {} if reply.has_error() else reply.content.get(METRICS_RECORD, {})
             if "partition-id" in metrics:
@@ -299,6 +306,24 @@ class NodeDirectory:
                 self.partitions[node] = partition
                 if is_holdout(partition, int(metrics["num-partitions"]), self.holdout_clients):
                     self.holdouts.add(node)
+
+
+def send_and_receive(grid: Grid, messages: list[Message], timeout: float | None) -> list[Message]:
+    """Flower's ``Grid.send_and_receive``, asking for replies every :data:`REPLY_POLL_S` seconds: Flower's
+    deployed grid asks every 3 s, which leaves a round idle for 1.5 s on average each time it waits for replies.
+    Grids that are not Flower's (tests' fakes) are asked to do it themselves."""
+    if not isinstance(grid, Grid):
+        return list(grid.send_and_receive(messages, timeout=timeout))
+    pending = set(grid.push_messages(messages))
+    deadline = math.inf if timeout is None else time.monotonic() + timeout
+    replies: list[Message] = []
+    while True:
+        arrived = list(grid.pull_messages(pending))
+        replies += arrived
+        pending -= {reply.metadata.reply_to_message_id for reply in arrived}
+        if not pending or time.monotonic() >= deadline:
+            return replies
+        time.sleep(REPLY_POLL_S)
 
 
 def wait_for_nodes(grid: Grid, count: int, timeout: float) -> int:
@@ -393,7 +418,7 @@ class RoundRunner:
         messages = [Message(content, dst_node_id=node, message_type=message_type) for node, content in contents.items()]
         if not messages:
             return [], {}
-        replies = list(self.grid.send_and_receive(messages, timeout=self.config.round_timeout))
+        replies = send_and_receive(self.grid, messages, self.config.round_timeout)
         return replies, {m.metadata.message_id: m.metadata.dst_node_id for m in messages if m.metadata.message_id}
 
     def _checked(self, replies: list[Message], destinations: dict[str, int],

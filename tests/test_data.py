@@ -10,6 +10,7 @@ import gzip
 import pickle
 import struct
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -45,6 +46,16 @@ def private_partition_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     folder = tmp_path / "partitions"
     monkeypatch.setattr(data, "PARTITION_CACHE_DIR", str(folder))
     return folder
+
+
+@pytest.fixture(autouse=True)
+def private_tensor_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """Every test gets its own empty tensor cache, and datasets load afresh in the test."""
+    folder = tmp_path / "tensors"
+    monkeypatch.setattr(data, "TENSOR_CACHE_DIR", str(folder))
+    data._load_cached.cache_clear()
+    yield folder
+    data._load_cached.cache_clear()  # later tests must not get this test's memory-mapped files
 
 
 @pytest.fixture
@@ -417,6 +428,33 @@ def test_partitions_are_cached_on_disk_and_recomputed_when_unreadable(
     recomputed = data.partition_dataset("digits", None, "pathological", 7, seed=5, classes_per_client=3)
     assert all(np.array_equal(a, b) for a, b in zip(recomputed, first))
     assert not list(private_partition_cache.glob("*.tmp.npz"))
+
+
+def test_a_loaded_dataset_is_read_back_from_the_tensor_cache_until_its_sources_change(
+    private_tensor_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another process (here: the in-process cache cleared) reads the tensors instead of loading again; a new
+    fingerprint (another scikit-learn) or an unreadable file loads from the source."""
+    first = data.load_dataset("digits")
+    (stored,) = private_tensor_cache.glob("digits-*.pt")
+    entry = data._DATASETS["digits"]
+    data._load_cached.cache_clear()
+    monkeypatch.setitem(data._DATASETS, "digits", replace(entry, load=lambda root: pytest.fail("loaded again")))
+    again = data.load_dataset("digits")
+    assert all(torch.equal(getattr(again, key), getattr(first, key)) for key in ("train_x", "train_y", "test_x", "test_y"))
+    assert (again.name, again.num_classes) == ("digits", 10)
+
+    loads = []
+    monkeypatch.setitem(data._DATASETS, "digits", replace(entry, load=lambda root: loads.append(root) or first,
+                                                           fingerprint=lambda root: "scikit-learn 99"))
+    data._load_cached.cache_clear()
+    data.load_dataset("digits")
+    assert loads == [None] and len(list(private_tensor_cache.glob("digits-*.pt"))) == 2
+    stored.write_bytes(b"not a tensor file")
+    monkeypatch.setitem(data._DATASETS, "digits", replace(entry, load=lambda root: loads.append(root) or first))
+    data._load_cached.cache_clear()
+    assert torch.equal(data.load_dataset("digits").train_x, first.train_x)
+    assert loads == [None, None] and not list(private_tensor_cache.glob("*.tmp"))
 
 
 @needs_debian_fashion_mnist

@@ -21,6 +21,7 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, MessageType, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
+from flwr.serverapp import Grid
 from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode
 from flwr.simulation import run_simulation
 from flwr.supercore.task_identity import TaskIdentity
@@ -33,6 +34,7 @@ from core.config import RunConfig
 from fl_app.config import ConfigError, parse_run_config
 from fl_app.server_app import build_server_app, run_experiment
 from strategies import get_strategy, list_strategies
+from core import rounds
 from core.rounds import MetricAggregation, Reply, RoundRunner, RunContext, ServerStrategy
 from models.protocol import ModelHead
 from fl_app.inprocess import InProcessGrid
@@ -477,3 +479,39 @@ def test_simulation_drops_a_client_that_raises_and_finishes(tmp_path):
         assert (row["clients-sampled"], row["clients-trained"], row["clients-dropped"]) == (3, 2, 1)
         assert "injected client failure" in row["clients-dropped-reasons"]["1"]
     assert json.loads((folder / "summary.json").read_text())["clients-per-round"] == [2, 2]
+
+
+class SlowGrid(Grid):
+    """A Flower Grid whose reply to the k-th message arrives at the k-th pull (and never, past ``replies``)."""
+
+    def __init__(self, replies: int) -> None:
+        self.replies, self.pulls, self.pushed = replies, 0, []
+
+    def push_messages(self, messages):
+        for message in messages:
+            message.metadata.__dict__["_message_id"] = uuid.uuid4().hex
+            self.pushed.append(message)
+        return [message.metadata.message_id for message in self.pushed]
+
+    def pull_messages(self, message_ids):
+        self.pulls += 1
+        due = self.pushed[self.pulls - 1] if self.pulls <= min(self.replies, len(self.pushed)) else None
+        return [Message(RecordDict(), reply_to=due)] if due is not None and due.metadata.message_id in message_ids else []
+
+    def send_and_receive(self, messages, *, timeout=None):
+        raise AssertionError("the round runner polls itself")
+
+    get_node_ids = set_run = run = create_message = None
+
+
+def test_replies_are_polled_until_all_came_or_the_timeout(monkeypatch):
+    monkeypatch.setattr(rounds, "REPLY_POLL_S", 0.0)
+    messages = [Message(RecordDict(), dst_node_id=node, message_type=MessageType.TRAIN) for node in (1, 2, 3)]
+    grid = SlowGrid(replies=3)
+    replies = rounds.send_and_receive(grid, messages, timeout=10.0)
+    assert [reply.metadata.reply_to_message_id for reply in replies] == [m.metadata.message_id for m in messages]
+    assert grid.pulls == 3
+    late = SlowGrid(replies=1)
+    assert len(rounds.send_and_receive(late, [Message(RecordDict(), dst_node_id=n, message_type=MessageType.TRAIN)
+                                              for n in (1, 2)], timeout=0.05)) == 1
+    assert late.pulls > 1
