@@ -16,7 +16,7 @@ warm-up, the server's unweighted mean of the client models) on the MLP, Dirichle
 part, E = 2, 30 rounds; each final model then gets the shuffle test (P_sf = 1: every hidden layer fully
 permuted), which PANs should make costly:
 
-    python benchmarks/pan_experiment.py --part authors --seeds 0 1 2 --rounds 30 --train-size 12000
+    python benchmarks/pan_experiment.py --part authors --seeds 0 1 2 --rounds 30 --train-size 3000
 """
 
 from __future__ import annotations

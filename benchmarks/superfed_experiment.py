@@ -22,9 +22,10 @@ B = 10, lr 0.01 decayed by 0.999 per round, mu = 0.01, the local model initialis
 clients; R = 50 instead of 500. SuPerFed-MM, SuPerFed-LM and FedAvg:
 
     python benchmarks/superfed_experiment.py --part authors --seeds 0 1 2 --rounds 50 --local-epochs 10 \
-        --batch-size 10 --holdout 0
+        --batch-size 10 --holdout 0 --evaluate-every 10
 
-Deviations of ``pathological`` and ``noise`` from the paper (besides R, E, B and lr, scaled to a shared 2-core machine): the split is flwr-datasets'
+Deviations of ``pathological`` and ``noise`` from the paper (besides R, E, B and lr, scaled to a shared 2-core
+machine): the split is flwr-datasets'
 PathologicalPartitioner (client k holds class k mod 10 and a random second one),
 not the authors' fixed pairs; TwoNN has biases; the partitions of the held-out
 clients are carved from the same training set, so K + H partitions share it.
@@ -231,6 +232,8 @@ def main() -> None:
     parser.add_argument("--local-epochs", type=int, default=5, help="E (the paper: 10)")
     parser.add_argument("--batch-size", type=int, default=50, help="B (the paper: 10)")
     parser.add_argument("--lr", type=float, default=0.01, help="client lr (the paper: 0.01 at B = 10)")
+    parser.add_argument("--evaluate-every", type=int, default=1,
+                        help="clients evaluate every this many rounds and in the last (the tables read the last)")
     parser.add_argument("--noise", nargs="+", choices=list(NOISE), default=["pair 0.4", "symmetric 0.6"])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--figure", type=Path, default=HERE / "figures" / "superfed_lambda.png")
@@ -245,7 +248,7 @@ def main() -> None:
     scale = {"clients": args.clients + args.holdout, "fraction": args.fraction, "rounds": args.rounds}
     for run in planned_runs(args.part, args.seeds, args.noise):
         run = {**run, "local-epochs": args.local_epochs, "batch-size": args.batch_size, "lr": args.lr,
-               "holdout-clients": args.holdout}
+               "holdout-clients": args.holdout, "evaluate-every": args.evaluate_every}
         if (out / run_name(run) / "summary.json").exists():
             continue
         started = time.time()
