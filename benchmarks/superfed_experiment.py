@@ -232,6 +232,7 @@ def main() -> None:
     parser.add_argument("--local-epochs", type=int, default=5, help="E (the paper: 10)")
     parser.add_argument("--batch-size", type=int, default=50, help="B (the paper: 10)")
     parser.add_argument("--lr", type=float, default=0.01, help="client lr (the paper: 0.01 at B = 10)")
+    parser.add_argument("--methods", nargs="+", choices=list(METHODS), help="only these methods (default: the part's)")
     parser.add_argument("--evaluate-every", type=int, default=1,
                         help="clients evaluate every this many rounds and in the last (the tables read the last)")
     parser.add_argument("--noise", nargs="+", choices=list(NOISE), default=["pair 0.4", "symmetric 0.6"])
@@ -247,6 +248,8 @@ def main() -> None:
         parser.error("--part is required unless --report is given")
     scale = {"clients": args.clients + args.holdout, "fraction": args.fraction, "rounds": args.rounds}
     for run in planned_runs(args.part, args.seeds, args.noise):
+        if args.methods and run["_method"] not in args.methods:
+            continue
         run = {**run, "local-epochs": args.local_epochs, "batch-size": args.batch_size, "lr": args.lr,
                "holdout-clients": args.holdout, "evaluate-every": args.evaluate_every}
         if (out / run_name(run) / "summary.json").exists():
