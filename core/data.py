@@ -232,21 +232,25 @@ def _read_tensor_cache(path: Path, name: str, num_classes: int) -> ImageDataset 
 
 
 def _write_tensor_cache(path: Path, dataset: ImageDataset) -> None:
-    """Store the tensors atomically (a concurrent reader sees the whole file or none); best effort."""
     tensors = {key: getattr(dataset, key) for key in ("train_x", "train_y", "test_x", "test_y")}
+    _store_atomically(path, path.with_suffix(f".{os.getpid()}.tmp"), lambda partial: torch.save(tensors, partial))
+
+
+def _store_atomically(path: Path, partial: Path, save: Callable[[Path], None]) -> None:
+    """``save`` to ``partial``, then rename it to ``path``: a concurrent reader sees the whole file or none. Best
+    effort: a read-only home only costs recomputing what the file would have held."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(f".{os.getpid()}.tmp")
-        torch.save(tensors, partial)
+        save(partial)
         os.replace(partial, path)
     except OSError:
-        pass  # a read-only home only costs loading from the source
+        pass
 
 
 def _files_fingerprint(paths: Sequence[Path]) -> str | None:
     """Paths, sizes and modification times of the files a loader reads; None if one is absent."""
     try:
-        return repr([(str(path), path.stat().st_size, path.stat().st_mtime_ns) for path in paths])
+        return repr([(str(path), stat.st_size, stat.st_mtime_ns) for path in paths for stat in [path.stat()]])
     except OSError:
         return None
 
@@ -784,14 +788,8 @@ def _read_partition_cache(path: Path, num_partitions: int) -> tuple[np.ndarray, 
 
 
 def _write_partition_cache(path: Path, parts: tuple[np.ndarray, ...]) -> None:
-    """Store the partitions atomically (a concurrent reader sees the whole file or none); best effort."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(f".{os.getpid()}.tmp.npz")
-        np.savez(partial, **{f"p{i}": part for i, part in enumerate(parts)})
-        os.replace(partial, path)
-    except OSError:
-        pass  # a read-only home only costs the recomputation
+    _store_atomically(path, path.with_suffix(f".{os.getpid()}.tmp.npz"),
+                      lambda partial: np.savez(partial, **{f"p{i}": part for i, part in enumerate(parts)}))
 
 
 def _partition_labels(
