@@ -17,10 +17,11 @@ from torch import nn
 from core.config import RunConfig
 from core.data import check_dataset_available, load_dataset
 from core.model_io import build_run_model, load_arrays
-from core.rounds import MetricAggregation, RoundRunner
+from core.rounds import MetricAggregation, PartitionTable, RoundRunner
 from core.training import evaluate, seed_everything, select_device
 from fl_app.checkpoint import Checkpoint, capture, resume_checkpoint, save_checkpoint
 from fl_app.config import ConfigError, build_context, parse_run_config
+from fl_app.flower_runtime import prepare_simulation
 from fl_app.results import RoundRecorder, finish_run, make_run_folder, write_json
 from strategies import get_strategy
 
@@ -43,9 +44,10 @@ def _initial_arrays(model: nn.Module, model_arrays: ArrayRecord, checkpoint: Che
     return checkpoint.arrays
 
 
-def run_experiment(grid: Grid, config: RunConfig) -> dict[str, Any]:
+def run_experiment(grid: Grid, config: RunConfig, partition_table: PartitionTable | None = None) -> dict[str, Any]:
     """Train rounds up to ``num-server-rounds`` (after the checkpoint's round when resuming), checkpoint
-    every round and write the run folder; returns the summary."""
+    every round and write the run folder; returns the summary. ``partition_table``: where the runtime knows
+    which node holds which partition (see :class:`core.rounds.NodeDirectory`)."""
     root = config.data_root or None
     check_dataset_available(config.dataset, root)
     checkpoint = resume_checkpoint(config) if config.resume_from else None
@@ -68,7 +70,8 @@ def run_experiment(grid: Grid, config: RunConfig) -> dict[str, Any]:
 
     recorder = RoundRecorder(folder, evaluate_global, log_divergence=config.log_divergence)
     runner = RoundRunner(strategy, grid, MetricAggregation(recorder.aggregate_train, recorder.aggregate_evaluate,
-                                                           recorder.record_participation, recorder.record_round))
+                                                           recorder.record_participation, recorder.record_round),
+                         partition_table)
     if checkpoint is not None:
         recorder.restore(checkpoint.recorder_state)
         strategy.load_state_dict(checkpoint.strategy_state)
@@ -95,7 +98,8 @@ def build_server_app(overrides: Mapping[str, Any] | None = None) -> ServerApp:
 
     @app.main()
     def main(grid: Grid, context: Context) -> None:
-        run_experiment(grid, parse_run_config({**context.run_config, **overrides}))
+        config = parse_run_config({**context.run_config, **overrides})
+        run_experiment(grid, config, prepare_simulation(grid))
 
     return app
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -12,7 +13,7 @@ from torch import nn
 from core.calibration import classification_scores
 from core.config import RunConfig
 from core.model_io import to_arrays
-from core.training import iterate_batches
+from core.training import PlainSGD, iterate_batches
 
 
 class LocalUpdate:
@@ -58,10 +59,14 @@ class LocalUpdate:
         warmup = min(1.0, server_round / config.lr_warmup_rounds) if config.lr_warmup_rounds else 1.0
         return config.lr * config.lr_decay ** (server_round - 1) * warmup
 
-    def optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
-        """SGD with this round's learning rate (:meth:`learning_rate`), the run's momentum and weight decay."""
-        return torch.optim.SGD(model.parameters(), lr=self.learning_rate(), momentum=self.config.momentum,
-                               weight_decay=self.config.weight_decay)
+    def sgd(self, params: Iterable[torch.Tensor]) -> PlainSGD:
+        """SGD over ``params`` with this round's learning rate (:meth:`learning_rate`), the run's momentum and
+        weight decay."""
+        return PlainSGD(params, self.learning_rate(), self.config.momentum, self.config.weight_decay)
+
+    def optimizer(self, model: nn.Module) -> PlainSGD:
+        """What trains: SGD over the model's parameters (algorithms that train others override it)."""
+        return self.sgd(model.parameters())
 
     def train(
         self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, generator: torch.Generator,
@@ -75,7 +80,7 @@ class LocalUpdate:
         for _ in range(self.config.local_epochs):
             for xb, yb in iterate_batches(x, y, self.config.batch_size, generator):
                 xb, yb = xb.to(device, non_blocking=True), yb.to(device, non_blocking=True)
-                optimizer.zero_grad(set_to_none=True)
+                optimizer.zero_grad()
                 loss = self.loss(model, xb, yb)
                 loss.backward()
                 self.after_backward(model)

@@ -37,6 +37,7 @@ from flwr.app import Array, ArrayRecord, RecordDict
 from torch import nn
 
 from core.model_io import federated_state
+from core.training import PlainSGD
 from core.rounds import Reply, RunContext, ServerStrategy, reply_problem
 from models.options import ConfigError
 from models.psinet import GroupLayout, held_groups
@@ -72,12 +73,10 @@ class PsiNetUpdate(LocalUpdate):
         """Cross-entropy over the held groups' logits: what the trimmed model itself would compute."""
         return nn.functional.cross_entropy(model(x).index_select(1, self._classes), self._remap[y])
 
-    def optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+    def optimizer(self, model: nn.Module) -> PlainSGD:
         """SGD over the shared and held parameters only."""
         keep = set(self._keys)
-        params = [p for name, p in model.named_parameters() if name in keep]
-        return torch.optim.SGD(params, lr=self.learning_rate(), momentum=self.config.momentum,
-                               weight_decay=self.config.weight_decay)
+        return self.sgd(p for name, p in model.named_parameters() if name in keep)
 
     def model_record(self, model: nn.Module) -> ArrayRecord:
         state = federated_state(model)

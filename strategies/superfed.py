@@ -46,7 +46,7 @@ from torch.func import functional_call
 from core.calibration import classification_scores
 from core.config import RunConfig
 from core.rounds import ServerStrategy
-from core.training import iterate_batches
+from core.training import PlainSGD, iterate_batches
 from models.options import non_negative, option
 from strategies.base import LocalUpdate
 from strategies.registry import Algorithm, register_strategy
@@ -178,11 +178,9 @@ class SuPerFedUpdate(LocalUpdate):
         draws = torch.rand(count, generator=self.lambda_generator, dtype=torch.float64).tolist()
         return draws * len(self.groups) if count == 1 else draws
 
-    def optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+    def optimizer(self, model: nn.Module) -> PlainSGD:
         """One SGD over both endpoints (w_l only once mixing has started), this round's lr, momentum, decay."""
-        params = list(model.parameters()) + (list(self.local.values()) if self.mixing else [])
-        return torch.optim.SGD(params, lr=self.learning_rate(), momentum=self.config.momentum,
-                               weight_decay=self.config.weight_decay)
+        return self.sgd(list(model.parameters()) + (list(self.local.values()) if self.mixing else []))
 
     def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         federated = dict(model.named_parameters())

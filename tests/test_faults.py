@@ -12,6 +12,7 @@ import json
 import math
 import random
 import uuid
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -268,6 +269,46 @@ def test_a_dead_node_never_stalls_later_rounds():
     runner.train_round(2, arrays)
     trained = [p.trained for kind, p in seen if kind == "participation"]
     assert trained == [3, 2]
+
+
+class CountingGrid(FaultyGrid):
+    """In-process nodes that count the messages they get, by type."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.received: Counter[str] = Counter()
+
+    def deliver(self, message: Message) -> Message | None:
+        self.received[message.metadata.message_type] += 1
+        return super().deliver(message)
+
+
+def run_with_table(tmp_path: Path, name: str, shift: int | None) -> tuple[list[dict], CountingGrid]:
+    """Six nodes, half of them sampled per round; the runtime's partition table is right (``shift`` 0), shifted
+    by ``shift`` partitions (wrong), or absent (None)."""
+    values = {**TINY, "min-available-nodes": 6, "fraction-train": 0.5, "fraction-evaluate": 0.5,
+              "results-dir": str(tmp_path), "run-name": name}
+    grid = CountingGrid(build_client_app(values), 6)
+    table = {node: (int(context.node_config["partition-id"]) + (shift or 0)) % 6
+             for node, context in grid.contexts.items()}
+    run_experiment(grid, parse_run_config(values), None if shift is None else lambda: table)
+    return without_clock(rows(tmp_path / name)), grid
+
+
+def test_a_runtime_partition_table_asks_one_node_and_runs_as_asking_every_node(tmp_path):
+    asked_all, everyone = run_with_table(tmp_path, "asked", shift=None)
+    from_table, one = run_with_table(tmp_path, "table", shift=0)
+    assert everyone.received[MessageType.QUERY] == 6 and one.received[MessageType.QUERY] == 1
+    assert from_table == asked_all  # the same partitions sampled, folded and named in every round
+
+
+def test_a_partition_table_a_node_contradicts_is_dropped(tmp_path, caplog):
+    asked_all, _ = run_with_table(tmp_path, "asked", shift=None)
+    with caplog.at_level("WARNING"):
+        shifted, grid = run_with_table(tmp_path, "shifted", shift=2)
+    assert "asking every node instead" in caplog.text
+    assert grid.received[MessageType.QUERY] == 6  # the witness, then the five others
+    assert shifted == asked_all
 
 
 # --- checkpoints and resume ------------------------------------------------------------------------------

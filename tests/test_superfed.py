@@ -387,7 +387,7 @@ def test_every_optimizer_override_uses_the_decayed_learning_rate():
     psinet._keys = [name for name, _ in model.named_parameters()]
     for optimizer in (superfed.optimizer(model), psinet.optimizer(model),
                       _PersonalStep(config, [], received(3)).optimizer(model)):
-        assert optimizer.param_groups[0]["lr"] == pytest.approx(expected)
+        assert optimizer.lr == pytest.approx(expected)
 
 
 # --- the real apps in one process ---------------------------------------------------------------------------

@@ -1,0 +1,64 @@
+"""One sweep of Flower's simulation loop over its in-memory state: Flower's message lookup against alignfl's index.
+
+Flower's simulation hands messages to its workers from a loop that asks the state, for every node in turn, for
+that node's next message (``InMemoryLinkState.get_message_ins(node, limit=1)``), every 0.1 s. This times that
+sweep alone, in this process, with ``--messages`` QUERY messages stored for the first nodes (as the round runner's
+partition query stores one per node, and a round one per sampled node):
+
+* ``delivering``: the first sweep after the messages were stored (each is found and marked delivered);
+* ``in flight``: the next sweep, the messages delivered but not yet answered (what every sweep costs until the
+  replies come back and the server pulls them).
+
+    .venv/bin/python benchmarks/linkstate_sweep.py --nodes 1000 10000 --messages 20 1000
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+from flwr.app import Message, MessageType, RecordDict
+from flwr.server.superlink.linkstate import InMemoryLinkState
+
+from fl_app import flower_runtime
+from fl_app.inprocess import set_task_identity
+
+
+def sweep_seconds(nodes: int, messages: int) -> tuple[float, float]:
+    """Seconds of the delivering sweep and of the in-flight sweep over ``nodes`` nodes."""
+    grid, state, node_ids = flower_runtime.simulation_state(nodes)
+    list(grid.push_messages([Message(RecordDict(), dst_node_id=node, message_type=MessageType.QUERY)
+                             for node in node_ids[:messages]]))
+    seconds = []
+    for _ in range(2):
+        started = time.perf_counter()
+        delivered = sum(len(state.get_message_ins(node_id=node, limit=1)) for node in node_ids)
+        seconds.append(time.perf_counter() - started)
+        assert delivered == (messages if len(seconds) == 1 else 0), "the sweep must deliver each message once"
+    return seconds[0], seconds[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nodes", type=int, nargs="+", default=[1000, 10000])
+    parser.add_argument("--messages", type=int, nargs="+", default=[20, 1000])
+    args = parser.parse_args()
+    set_task_identity()
+    flower_lookup = (InMemoryLinkState.store_message_ins, InMemoryLinkState.get_message_ins)
+    print("| nodes | messages stored | lookup | delivering sweep (s) | in-flight sweep (s) | load (1 min) |\n"
+          "|---|---|---|---|---|---|")
+    for nodes in args.nodes:
+        for messages in (m for m in args.messages if m <= nodes):
+            for lookup in ("flower", "indexed"):
+                if lookup == "indexed":
+                    flower_runtime.index_message_lookup()
+                else:
+                    InMemoryLinkState.store_message_ins, InMemoryLinkState.get_message_ins = flower_lookup
+                delivering, in_flight = sweep_seconds(nodes, messages)
+                print(f"| {nodes} | {messages} | {lookup} | {delivering:.3f} | {in_flight:.3f} | "
+                      f"{os.getloadavg()[0]:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
