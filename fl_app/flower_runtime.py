@@ -38,15 +38,15 @@ from flwr.supercore.constant import FLWR_IN_MEMORY_DB_NAME, NOOP_FEDERATION_ID
 from flwr.supercore.date import now
 from flwr.supercore.object_store import ObjectStoreFactory
 from flwr.supercore.run import Run
-from flwr.superlink.federation import NoOpFederationManager
 from flwr.serverapp import Grid
+from flwr.superlink.federation import NoOpFederationManager
 from flwr.superlink.grid import InMemoryGrid
 
 from core.rounds import PartitionTable
 
 CHECKED_FLOWER = frozenset({"1.41.0", "1.42.0"})
-"""Flower releases whose ``InMemoryLinkState.store_message_ins`` / ``get_message_ins`` this module was checked
-against (the same code in both)."""
+"""Flower releases this module was checked against: their in-memory state, its grid and the simulation's node
+registration (``in_memory_linkstate.py``, ``inmemory_grid.py``, ``vce_api.py``) are the same code in both."""
 
 _INDEX = "_alignfl_message_ids_by_node"
 _flower_store: Callable[..., str | None] = InMemoryLinkState.store_message_ins
