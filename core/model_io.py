@@ -90,10 +90,11 @@ def resize_to(model: nn.Module, state: Mapping[str, torch.Tensor], spec: Permuta
 def load_arrays(model: nn.Module, arrays: ArrayRecord) -> None:
     """Load received arrays into ``model``, refusing a record that does not fit it; a model with a permutation
     description first takes the widths of the arrays (a global model that FedMA's matching grew)."""
+    state = arrays.to_torch_state_dict()  # deserialised once: every message and server evaluation pays it
     if hasattr(model, "permutation_spec"):
-        resize_to(model, arrays.to_torch_state_dict(), model.permutation_spec())
+        resize_to(model, state, model.permutation_spec())
     expected = federated_state(model)
     problem = arrays_mismatch(expected, arrays)
     if problem is not None:
         raise ValueError(f"received arrays do not fit model {type(model).__name__}: {problem}")
-    model.load_state_dict(arrays.to_torch_state_dict(), strict=False)
+    model.load_state_dict(state, strict=False)
