@@ -4,6 +4,7 @@ the rounds with server-side evaluation, checkpointing every round (and resuming 
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from logging import INFO
 from pathlib import Path
@@ -21,7 +22,6 @@ from core.rounds import MetricAggregation, PartitionTable, RoundRunner
 from core.training import evaluate, seed_everything, select_device
 from fl_app.checkpoint import Checkpoint, capture, resume_checkpoint, save_checkpoint
 from fl_app.config import ConfigError, build_context, parse_run_config
-from fl_app.flower_runtime import prepare_simulation
 from fl_app.results import RoundRecorder, finish_run, make_run_folder, write_json
 from strategies import get_strategy
 
@@ -91,6 +91,17 @@ def run_experiment(grid: Grid, config: RunConfig, partition_table: PartitionTabl
     return summary
 
 
+def _simulation_partition_table(grid: Grid) -> PartitionTable | None:
+    """Flower's simulation runtime prepared (:func:`fl_app.flower_runtime.prepare_simulation`) when ``grid`` is its
+    in-memory grid. That module loads Flower's SuperLink state (about 1 s of imports), which a deployed ServerApp
+    never needs, so it is imported only where the grid's own module is loaded already."""
+    if "flwr.superlink.grid.inmemory_grid" not in sys.modules:
+        return None
+    from fl_app.flower_runtime import prepare_simulation
+
+    return prepare_simulation(grid)
+
+
 def build_server_app(overrides: Mapping[str, Any] | None = None) -> ServerApp:
     """A ServerApp whose run config is ``context.run_config`` updated with ``overrides``."""
     overrides = dict(overrides or {})
@@ -99,7 +110,7 @@ def build_server_app(overrides: Mapping[str, Any] | None = None) -> ServerApp:
     @app.main()
     def main(grid: Grid, context: Context) -> None:
         config = parse_run_config({**context.run_config, **overrides})
-        run_experiment(grid, config, prepare_simulation(grid))
+        run_experiment(grid, config, _simulation_partition_table(grid))
 
     return app
 

@@ -111,6 +111,14 @@ def test_only_a_simulation_grid_gets_a_partition_table() -> None:
     assert table is not None and table() == {node: partition for partition, node in enumerate(nodes)}
 
 
+def test_a_server_app_loads_flowers_simulation_state_only_in_a_simulation() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, fl_app.server_app; print('flwr.server.superlink.linkstate' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
+
+
 @pytest.mark.slow
 def test_the_partition_table_agrees_with_what_each_simulated_node_says() -> None:
     """Flower's simulation through Ray: the table read from its state gives every node the partition that the
