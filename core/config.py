@@ -1,7 +1,7 @@
 """The settings every run has, whatever its algorithm and model, and the composed :class:`RunConfig`.
 
 The common settings come in sections (:data:`SECTIONS`): the run itself, training,
-data and PANs. Each is a settings class of :mod:`models.options`, so its defaults,
+data and PANs. Each is a settings class of :mod:`plugins.options`, so its defaults,
 help and checks are written once, here; the algorithm's settings and the model's
 options are declared by the algorithm's module and the model's module the same way.
 :class:`RunConfig` holds the common settings as fields and the chosen algorithm's
@@ -24,7 +24,7 @@ from typing import Any
 from core.data import dataset_info, list_datasets, list_partitioners
 from core.label_noise import LABEL_NOISE_KINDS
 from models.init import INITS
-from models.options import (
+from plugins.options import (
     NoOptions,
     Setting,
     check_settings,

@@ -27,7 +27,7 @@ from flwr.app import ArrayRecord
 
 from core.config import RunConfig
 from core.rounds import RoundRunner
-from models.options import ConfigError
+from plugins.options import ConfigError
 
 CHECKPOINT = "checkpoint.pt"
 FORMAT = 1

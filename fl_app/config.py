@@ -30,7 +30,7 @@ from core.data import dataset_info
 from core.model_io import build_model_for, to_arrays
 from core.rounds import RunContext, ServerStrategy
 from models import list_models
-from models.options import ConfigError, Setting, build_settings, coerce, refuse, settings_fields
+from plugins.options import ConfigError, Setting, build_settings, coerce, refuse, settings_fields
 from models.protocol import head_of
 from models.registry import model_options
 from strategies import get_strategy, list_strategies

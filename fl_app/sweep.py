@@ -49,7 +49,7 @@ from fl_app.inprocess import run_in_process
 from fl_app.results import write_json
 from fl_app.server_app import build_server_app
 from models import list_models
-from models.options import non_negative, option, positive, settings_fields
+from plugins.options import non_negative, option, positive, settings_fields
 from models.registry import model_options
 from strategies import get_strategy, list_strategies
 

@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from models.options import BiasOptions, option
+from models.options import BiasOptions
+from plugins.options import option
 from models.pan import PanSettings, PositionEncoding
 from models.permutation import PermutationSpec, inputs_of, outputs_of
 from models.registry import InputShape, register_model

@@ -46,7 +46,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from models.cnn import ConvStack, conv_plan, pooling_plan, scale_widths
-from models.options import WidthOptions, option
+from models.options import WidthOptions
+from plugins.options import option
 from models.pan import PanSettings, PositionEncoding
 from models.permutation import AxisRef, PermutationSpec, batchnorm_of, inputs_of, outputs_of
 from models.registry import InputShape, register_model

@@ -9,7 +9,7 @@ from typing import Any
 
 from torch import nn
 
-from models.options import NoOptions, check_settings
+from plugins.options import NoOptions, check_settings
 from models.pan import PanSettings
 
 InputShape = tuple[int, int, int]
@@ -22,7 +22,7 @@ _OPTIONS: dict[str, type] = {}
 def register_model(name: str, options: type = NoOptions) -> Callable[[ModelBuilder], ModelBuilder]:
     """Decorator registering ``builder(input_shape, num_classes, pan, **options) -> nn.Module`` under ``name``.
 
-    ``options`` is the model's settings class (:mod:`models.options`): its fields are the keyword
+    ``options`` is the model's settings class (:mod:`plugins.options`): its fields are the keyword
     arguments the builder takes beyond the three common ones, their defaults and checks, and
     (hyphenated) the run-config keys that set them.
     """
@@ -38,7 +38,7 @@ def register_model(name: str, options: type = NoOptions) -> Callable[[ModelBuild
 
 
 def model_options(name: str) -> type:
-    """The settings class of the model ``name`` (:class:`models.options.NoOptions` for most models)."""
+    """The settings class of the model ``name`` (:class:`plugins.options.NoOptions` for most models)."""
     if name not in _MODELS:
         raise ValueError(f"unknown model {name!r}; allowed: {list_models()}")
     return _OPTIONS[name]

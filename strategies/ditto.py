@@ -20,7 +20,7 @@ from torch import nn
 from core.config import RunConfig
 from core.model_io import federated_state
 from core.rounds import ServerStrategy
-from models.options import non_negative, option
+from plugins.options import non_negative, option
 from strategies.base import LocalUpdate
 from strategies.personal import personal_scores
 from strategies.registry import Algorithm, register_strategy

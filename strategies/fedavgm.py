@@ -11,7 +11,7 @@ import torch
 from flwr.app import Array, ArrayRecord
 
 from core.rounds import Reply, RunContext, ServerStrategy, weighted_mean
-from models.options import non_negative, option
+from plugins.options import non_negative, option
 from strategies.base import LocalUpdate
 from strategies.registry import Algorithm, register_strategy
 

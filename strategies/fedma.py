@@ -80,7 +80,7 @@ from core.bbp import BBPSettings, match_group, scatter_group, units_to_entries
 from core.model_io import federated_state
 from core.rounds import CONFIG_RECORD, MODEL_RECORD, NodeDirectory, Reply, RunContext, ServerStrategy
 from models import PermutationSpec, permute_state
-from models.options import option, positive
+from plugins.options import option, positive
 from models.protocol import head_of
 from strategies.base import LocalUpdate
 from strategies.matched import ReferenceSettings, permutation_spec

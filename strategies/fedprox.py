@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from core.rounds import ServerStrategy
-from models.options import non_negative, option
+from plugins.options import non_negative, option
 from strategies.base import LocalUpdate
 from strategies.registry import Algorithm, register_strategy
 

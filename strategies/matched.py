@@ -45,7 +45,7 @@ from flwr.common.logger import log
 from core.alignment import align_and_average, list_costs, moved_share
 from core.rounds import Reply, RunContext, ServerStrategy
 from models import PermutationSpec
-from models.options import ConfigError, option
+from plugins.options import ConfigError, option
 from strategies.base import LocalUpdate
 from strategies.registry import Algorithm, register_strategy
 

@@ -38,7 +38,7 @@ from torch import nn
 
 from core.model_io import load_arrays, to_arrays
 from core.rounds import ServerStrategy
-from models.options import non_negative, option, positive
+from plugins.options import non_negative, option, positive
 from strategies.base import LocalUpdate
 from strategies.registry import Algorithm, register_strategy
 

@@ -39,7 +39,7 @@ from torch import nn
 from core.model_io import federated_state
 from core.training import PlainSGD
 from core.rounds import Reply, RunContext, ServerStrategy, reply_problem
-from models.options import ConfigError
+from plugins.options import ConfigError
 from models.psinet import GroupLayout, held_groups
 from strategies.base import LocalUpdate
 from strategies.registry import Algorithm, register_strategy

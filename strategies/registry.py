@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from core.rounds import RunContext, ServerStrategy
-from models.options import NoOptions
+from plugins.options import NoOptions
 from strategies.base import LocalUpdate
 
 
@@ -19,7 +19,7 @@ from strategies.base import LocalUpdate
 class Algorithm:
     """One algorithm.
 
-    ``settings`` is its settings class (:mod:`models.options`; keys of no other algorithm may share a name
+    ``settings`` is its settings class (:mod:`plugins.options`; keys of no other algorithm may share a name
     with a different default); ``server`` builds its server side from the run context and raises
     ``ConfigError`` for a model it cannot work with; ``client`` is its local update."""
 

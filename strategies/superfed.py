@@ -47,7 +47,7 @@ from core.calibration import classification_scores
 from core.config import RunConfig
 from core.rounds import ServerStrategy
 from core.training import PlainSGD, iterate_batches
-from models.options import non_negative, option
+from plugins.options import non_negative, option
 from strategies.base import LocalUpdate
 from strategies.registry import Algorithm, register_strategy
 

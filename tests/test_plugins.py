@@ -88,7 +88,19 @@ def test_behaviour_equals_the_runs_recorded_before_the_restructuring(tmp_path, s
         settings["fedma-matching"] = "weight"  # FedMA's matching then (BBP-MAP, the default now, is new)
     run_in_process({**TINY, **settings, "results-dir": str(tmp_path), "run-name": "run"}, 4)
     rows, expected = _rows(tmp_path / "run"), recorded[strategy]["rows"]
-    assert [{key: row.get(key) for key in before} for row, before in zip(rows, expected)] == expected
+    assert [{key: row.get(key) for key in before} for row, before in zip(rows, expected)] == _float_noise(expected)
     assert len(rows) == len(expected)  # new keys (e.g. matched's units-moved) may be added, none may change
     model = torch.load(tmp_path / "run" / "model.pt")
-    assert {k: float(v.double().sum()) for k, v in model.items()} == recorded[strategy]["model-sums"]
+    assert {k: float(v.double().sum()) for k, v in model.items()} == _float_noise(recorded[strategy]["model-sums"])
+
+
+def _float_noise(recorded):
+    """The recording with every float compared to 1e-5 relative: the same code gives results that differ in the
+    7th digit on CPUs whose float kernels differ (AVX-512 or not); counts, keys and structure stay exact."""
+    if isinstance(recorded, float):
+        return pytest.approx(recorded, rel=1e-5, abs=1e-9)
+    if isinstance(recorded, dict):
+        return {key: _float_noise(value) for key, value in recorded.items()}
+    if isinstance(recorded, list):
+        return [_float_noise(value) for value in recorded]
+    return recorded

@@ -13,7 +13,7 @@ from core.rounds import Reply, ServerStrategy, weighted_mean
 from fl_app.config import ConfigError, default_run_config, parse_run_config
 from fl_app.inprocess import run_in_process
 from fl_app.sweep import hydra_to_run_config, register_configs
-from models.options import option, unit_interval
+from plugins.options import option, unit_interval
 from strategies import registry
 from strategies.base import LocalUpdate
 from strategies.registry import Algorithm, register_strategy

@@ -1,0 +1,1 @@
+"""The bottom layer: how every part declares its settings and registers itself."""

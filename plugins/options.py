@@ -1,0 +1,115 @@
+"""Typed settings with defaults, help and checks: how every layer (models, core, strategies, apps) declares options.
+
+It sits below every layer because every layer uses it. A settings class is a frozen
+dataclass whose fields are made with :func:`option`. Its run-config keys are the
+field names with ``_`` written as ``-`` (``psi_depth`` is ``psi-depth``). The
+defaults written in the settings classes are the only ones:
+``pyproject.toml``'s run config and the Hydra configs are derived from them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Iterator
+from typing import Any, get_type_hints
+
+
+class ConfigError(ValueError):
+    """A setting is wrong; the message names the key, the value and what is allowed."""
+
+
+def option(default: Any, help: str, check: Callable[[Any], bool] | None = None, allowed: str = "") -> Any:
+    """A settings field: its default, one line of help, and the check its value must pass (``allowed`` says
+    what passes, for the error message)."""
+    return dataclasses.field(default=default, metadata={"help": help, "check": check, "allowed": allowed})
+
+
+def positive(value: float) -> bool:
+    return math.isfinite(value) and value > 0
+
+
+def non_negative(value: float) -> bool:
+    return math.isfinite(value) and value >= 0
+
+
+def unit_interval(value: float) -> bool:
+    """In (0, 1]."""
+    return 0.0 < value <= 1.0
+
+
+def key_of(settings: type, name: str) -> str:
+    """The run-config key of field ``name`` of a settings class."""
+    return name.replace("_", "-")
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """One field of a settings class, as the schema, the generated configs and the README table see it."""
+
+    key: str
+    name: str
+    kind: type
+    default: Any
+    help: str
+
+
+_KINDS = {"int": int, "float": float, "str": str, "bool": bool}
+
+
+def settings_fields(settings: type) -> list[Setting]:
+    """The fields of a settings class made with :func:`option`, in declaration order."""
+    hints = get_type_hints(settings)
+    return [Setting(key_of(settings, f.name), f.name, _KINDS[getattr(hints[f.name], "__name__", str(hints[f.name]))],
+                    f.default, f.metadata["help"])
+            for f in dataclasses.fields(settings) if "help" in f.metadata]
+
+
+def coerce(key: str, value: Any, kind: type) -> Any:
+    """A TOML/Hydra scalar as the field's type; lossy or wrong-typed values are refused."""
+    if kind is bool and isinstance(value, bool):
+        return value
+    if kind is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if kind is int and isinstance(value, float) and value.is_integer():
+        return int(value)
+    if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if kind is str and isinstance(value, str):
+        return value
+    raise ConfigError(f"run-config key '{key}' = {value!r}: expected a value of type {kind.__name__}")
+
+
+def refuse(key: str, value: Any, allowed: str) -> ConfigError:
+    """The error every check raises: key, value, what is allowed."""
+    return ConfigError(f"run-config key '{key}' = {value!r} is not allowed: {allowed}")
+
+
+def field_problems(settings: Any) -> Iterator[ConfigError]:
+    """Each field whose value fails its own check."""
+    for f in dataclasses.fields(settings):
+        check = f.metadata.get("check")
+        value = getattr(settings, f.name)
+        if check is not None and not check(value):
+            yield refuse(key_of(type(settings), f.name), value, f.metadata["allowed"])
+
+
+def check_settings(settings: Any) -> None:
+    """Raise the first field check that fails, then the class's own cross-field ``check()`` if it has one."""
+    for problem in field_problems(settings):
+        raise problem
+    if hasattr(settings, "check"):
+        settings.check()
+
+
+def build_settings(settings: type, values: dict[str, Any]) -> Any:
+    """A checked instance of ``settings`` from run-config ``values`` (keys of other classes are ignored)."""
+    kwargs = {s.name: coerce(s.key, values[s.key], s.kind) for s in settings_fields(settings) if s.key in values}
+    instance = settings(**kwargs)
+    check_settings(instance)
+    return instance
+
+
+@dataclasses.dataclass(frozen=True)
+class NoOptions:
+    """A model or algorithm with no settings of its own."""
