@@ -86,6 +86,14 @@ COMPOSE_CERTS = "/app/certs"
 COMPOSE_NUM_SUPERNODES = 3
 MAKE_CERTS = PROJECT_ROOT / "scripts" / "make_certs.sh"
 STARTUP_TIMEOUT_S = 240.0
+EXECUTORS = {
+    "warm": ["python", "-m", "fl_app.warm_superexec"],
+    "flower": ["flower-superexec"],
+}
+"""How each SuperNode's executor starts its ClientApp processes → the executor's command: ``warm`` forks
+each from a process that has imported Flower, torch and the app's dependencies once (fl_app/warm_superexec.py);
+``flower`` is Flower's own, a fresh ``flwr-clientapp`` process per message."""
+DEFAULT_EXECUTOR = "warm"
 
 
 @dataclass(frozen=True)
@@ -135,31 +143,38 @@ class Topology:
     database: str
     certificates: Certificates | None = None
     """None: plaintext and no SuperNode authentication."""
+    executor: str = DEFAULT_EXECUTOR
+    """How the SuperNodes' executors start ClientApp processes (a key of :data:`EXECUTORS`)."""
 
     def __post_init__(self) -> None:
+        if self.executor not in EXECUTORS:
+            raise ValueError(f"executor {self.executor!r} is not one of {', '.join(EXECUTORS)}")
         if self.num_supernodes < 1:
             raise ValueError(f"num_supernodes must be at least 1, got {self.num_supernodes}")
         if len(self.runtime_ports) < self.num_supernodes:
             raise ValueError(f"{len(self.runtime_ports)} runtime ports for {self.num_supernodes} SuperNodes")
 
 
-def compose_topology(tls: bool = False, num_supernodes: int = COMPOSE_NUM_SUPERNODES) -> Topology:
+def compose_topology(tls: bool = False, num_supernodes: int = COMPOSE_NUM_SUPERNODES,
+                     executor: str = DEFAULT_EXECUTOR) -> Topology:
     """The values docker-compose.yml (and, with ``tls``, compose.tls.yml) uses."""
     return Topology(
         num_supernodes=num_supernodes, superlink_host="0.0.0.0", superlink_port=COMPOSE_SUPERLINK_PORT,
         superlink_address=f"superlink:{COMPOSE_SUPERLINK_PORT}",
         runtime_ports=tuple(COMPOSE_RUNTIME_PORT + node for node in range(num_supernodes)),
-        database="/app/state/superlink.db", certificates=Certificates(COMPOSE_CERTS) if tls else None)
+        database="/app/state/superlink.db", certificates=Certificates(COMPOSE_CERTS) if tls else None,
+        executor=executor)
 
 
-def loopback_topology(num_supernodes: int, work: Path, certificates: Path | None = None) -> Topology:
+def loopback_topology(num_supernodes: int, work: Path, certificates: Path | None = None,
+                      executor: str = DEFAULT_EXECUTOR) -> Topology:
     """Free ports on 127.0.0.1 and files under ``work``."""
     port = free_port()
     return Topology(
         num_supernodes=num_supernodes, superlink_host="127.0.0.1", superlink_port=port,
         superlink_address=f"127.0.0.1:{port}", runtime_ports=tuple(free_port() for _ in range(num_supernodes)),
         database=str(work / "superlink.db"),
-        certificates=Certificates(str(certificates)) if certificates is not None else None)
+        certificates=Certificates(str(certificates)) if certificates is not None else None, executor=executor)
 
 
 def _client_security(topology: Topology) -> list[str]:
@@ -199,8 +214,8 @@ def supernode_command(topology: Topology, node: int) -> list[str]:
 
 
 def clientapp_executor_command(topology: Topology, node: int) -> list[str]:
-    """The SuperExec beside SuperNode ``node`` that starts its ``flwr-clientapp`` processes."""
-    return ["flower-superexec", "--runtime-api-address", f"127.0.0.1:{topology.runtime_ports[node]}",
+    """The SuperExec beside SuperNode ``node`` that starts its ClientApp processes (as ``topology.executor``)."""
+    return [*EXECUTORS[topology.executor], "--runtime-api-address", f"127.0.0.1:{topology.runtime_ports[node]}",
             *_client_security(topology)]
 
 
@@ -270,7 +285,7 @@ def partner_of(service: str) -> str | None:
     return None
 
 
-def resume_command(config: RunConfig, num_supernodes: int, tls: bool) -> str:
+def resume_command(config: RunConfig, num_supernodes: int, tls: bool, executor: str = DEFAULT_EXECUTOR) -> str:
     """The ``deploy.sh`` command that continues ``config``'s run from its checkpoint on a new deployment of
     the same shape (with TLS, on keys made afresh): the run's keys that differ from their defaults, and
     ``resume-from`` its folder."""
@@ -279,16 +294,17 @@ def resume_command(config: RunConfig, num_supernodes: int, tls: bool) -> str:
               if key not in ("run-name", "resume-from") and value != defaults.get(key)}
     values["resume-from"] = str(run_folder(config))
     command = [str(PROJECT_ROOT / "scripts" / "deploy.sh"), "--num-supernodes", str(num_supernodes)]
-    return shlex.join([*command, *(["--tls"] if tls else []), "--run-config", to_toml_pairs(values)])
+    options = [*(["--tls"] if tls else []), *(["--executor", executor] if executor != DEFAULT_EXECUTOR else [])]
+    return shlex.join([*command, *options, "--run-config", to_toml_pairs(values)])
 
 
-def resume_advice(config: RunConfig, num_supernodes: int, tls: bool) -> str:
+def resume_advice(config: RunConfig, num_supernodes: int, tls: bool, executor: str = DEFAULT_EXECUTOR) -> str:
     """How to continue a run that stopped early, from its last checkpoint."""
     done = checkpointed_round(config)
     if done is None:
         return "the run checkpointed no round, so it must start again"
     return (f"rounds up to {done} are checkpointed in {run_folder(config)}; continue the run with:\n  "
-            f"{resume_command(config, num_supernodes, tls)}")
+            f"{resume_command(config, num_supernodes, tls, executor)}")
 
 
 @dataclass
@@ -376,7 +392,8 @@ class Deployment:
                 self.stop_partner(name)
         if "superlink" not in self.exited:
             return None
-        advice = resume_advice(config, self.topology.num_supernodes, self.topology.certificates is not None)
+        advice = resume_advice(config, self.topology.num_supernodes, self.topology.certificates is not None,
+                               self.topology.executor)
         reason = f"the SuperLink exited with {self.exited['superlink']}; {advice}"
         print(f"[alignfl] {reason}", file=sys.stderr, flush=True)
         return reason
@@ -435,6 +452,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="TLS on every API and SuperNode authentication (keys registered before nodes start)")
     parser.add_argument("--certs", type=Path,
                         help="make_certs.sh's output folder for --tls (default: made afresh in the work folder)")
+    parser.add_argument("--executor", choices=list(EXECUTORS), default=DEFAULT_EXECUTOR,
+                        help="how each SuperNode starts its ClientApp processes: warm (forked from a process that "
+                             "imported Flower, torch and the app's dependencies once) or flower (Flower's own: a "
+                             f"fresh flwr-clientapp process per message); default {DEFAULT_EXECUTOR}")
     parser.add_argument("--work-dir", type=Path,
                         help="where the services' logs, Flower homes and state go (default: a new temporary folder)")
     args = parser.parse_args(argv)
@@ -448,7 +469,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
             return deploy_and_run(config, args)
     except Stopped as stop:
-        advice = f"; {resume_advice(config, args.num_supernodes, args.tls)}" if config is not None else ""
+        advice = f"; {resume_advice(config, args.num_supernodes, args.tls, args.executor)}" if config else ""
         print(f"[alignfl] stopped by {stop}: every process of the deployment has been stopped{advice}",
               file=sys.stderr)
         return stop.exit_code
@@ -477,9 +498,10 @@ def deploy_and_run(config: RunConfig, args: argparse.Namespace) -> int:
     if args.tls:
         certs = make_certificates((args.certs or work / "certs").resolve(), args.num_supernodes)
     print(f"[alignfl] deployment on 127.0.0.1: {args.num_supernodes} SuperNodes, "
-          f"{'TLS + SuperNode authentication' if args.tls else 'plaintext'}; logs in {work / 'logs'}", flush=True)
+          f"{'TLS + SuperNode authentication' if args.tls else 'plaintext'}, {args.executor} ClientApp executor; "
+          f"logs in {work / 'logs'}", flush=True)
     try:
-        with deployment(loopback_topology(args.num_supernodes, work, certs), work) as running:
+        with deployment(loopback_topology(args.num_supernodes, work, certs, args.executor), work) as running:
             status, details = running.run(config)
     except (RuntimeError, TimeoutError) as error:
         print(f"[alignfl] deployment FAILED: {error}", file=sys.stderr)
