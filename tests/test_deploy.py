@@ -171,6 +171,22 @@ def test_resume_command_continues_the_same_run(tmp_path):
     assert resumed.num_server_rounds == 6 and resumed.resume_from == str(tmp_path / "r")
 
 
+def test_the_executor_is_warm_unless_flowers_own_is_asked_for_and_a_resumed_run_keeps_it(tmp_path, capsys):
+    topology = loopback_topology(2, tmp_path)
+    assert clientapp_executor_command(topology, 1)[:4] == ["python", "-m", "fl_app.warm_superexec",
+                                                           "--runtime-api-address"]
+    own = replace(topology, executor="flower")
+    assert clientapp_executor_command(own, 1)[:2] == ["flower-superexec", "--runtime-api-address"]
+    assert clientapp_executor_command(own, 1)[1:] == clientapp_executor_command(topology, 1)[3:]
+    config = prepare_config({"dataset": "digits", "results-dir": str(tmp_path), "run-name": "r"}, 2)
+    assert "--executor" not in resume_command(config, 2, tls=False)
+    assert shlex.split(resume_command(config, 2, tls=False, executor="flower"))[3:5] == ["--executor", "flower"]
+    with pytest.raises(SystemExit) as refused:
+        deploy.main(["--executor", "fast", "--work-dir", str(tmp_path / "work")])
+    assert refused.value.code == 2 and "--executor: invalid choice: 'fast'" in capsys.readouterr().err
+    assert not (tmp_path / "work").exists()
+
+
 def test_a_node_goes_down_whole(tmp_path):
     assert partner_of("supernode-2") == "superexec-clientapp-2"
     assert partner_of("superexec-clientapp-10") == "supernode-10"
@@ -315,6 +331,24 @@ def test_the_superlink_killed_mid_run_is_reported_and_the_printed_command_resume
     assert without_clock(rows(folder)) == without_clock(rows(tmp_path / "straight"))
     model, expected = torch.load(folder / "model.pt"), torch.load(tmp_path / "straight" / "model.pt")
     assert all(torch.equal(model[k], expected[k]) for k in expected)
+
+
+@pytest.mark.slow
+def test_warm_clientapp_processes_give_the_results_of_flowers_own_bit_for_bit(plain, tmp_path):
+    """The same seeded run on the shared deployment (the warm executor, the default) and on one whose SuperNodes
+    start a fresh flwr-clientapp per message (Flower's executor): every metric and the final model are equal."""
+    assert plain.topology.executor == "warm"
+    assert run_to_end(plain, run_config(tmp_path, "warm", 3))[0] == "finished:completed"
+    assert "ClientApp process pid" in plain.log_tail("superexec-clientapp-0", 200)  # forked by the warm parent
+    work = tmp_path / "flower"
+    with deploy.deployment(loopback_topology(3, work, executor="flower"), work) as running:
+        assert running.services["superexec-clientapp-0"].process.args[0] == "flower-superexec"
+        assert run_to_end(running, run_config(tmp_path, "own", 3))[0] == "finished:completed"
+    warm, own = rows(tmp_path / "warm"), rows(tmp_path / "own")
+    assert [row["round"] for row in warm] == [0, 1, 2] and warm[-1]["clients-trained"] == 3
+    assert without_clock(warm) == without_clock(own)
+    model, expected = torch.load(tmp_path / "warm" / "model.pt"), torch.load(tmp_path / "own" / "model.pt")
+    assert model.keys() == expected.keys() and all(torch.equal(model[k], expected[k]) for k in expected)
 
 
 @pytest.mark.slow
