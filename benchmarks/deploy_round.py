@@ -1,14 +1,20 @@
-"""How long a round of the loopback deployment takes, and where it goes (issue 18 item 4).
+"""A round of the loopback deployment with Flower's executor and with the warm one, side by side (issue 24).
 
-Runs ``python -m fl_app.deploy`` (SuperLink, N SuperNodes and their SuperExecs on 127.0.0.1) for a few rounds
-of a tiny model and reads each round's wall time off the run's ``metrics.jsonl`` (``elapsed-s`` is written when a
-round ends). Beside it, the parts of a message's cost that a round pays per message, each measured in fresh
-processes as a ClientApp process would: starting Python and importing Flower's ``flwr-clientapp`` entry point,
-importing the project's ClientApp, and loading the data and partitions. The SuperNode's poll for messages
-(Flower sleeps 3 s when it found none) is not ours to change: it is reported as the expected wait, 1.5 s per
-message.
+Two measurements, each taken for both executors in turn so that both see the same load:
 
-    python benchmarks/deploy_round.py --rounds 6 --repeats 3
+* **Start-up per message**: the CPU-seconds a ClientApp process spends before the ClientApp's first line:
+  what ``flwr-clientapp`` imports (its entry point and Flower's ClientApp runner) and what loading the app
+  imports (``fl_app.client_app``). Flower's executor pays them in a fresh interpreter (measured as a child of
+  this process); the warm executor's child, forked from its warm parent, pays the child's set-up and the app's
+  own packages, which it imports afresh from the FAB (measured by the parent's ``wait4``).
+* **Rounds**: ``python -m fl_app.deploy --executor E`` (SuperLink, N SuperNodes and their SuperExecs on
+  127.0.0.1, the digits MLP) for a few rounds, each round's wall time from ``metrics.jsonl``; the runs
+  alternate between the executors. Beside them, the CPU-seconds and wall seconds of every message's ClientApp
+  process of the warm runs (from the executor's log), and the SuperNode's poll, which neither executor changes:
+  a SuperNode that finds no message sleeps 3 s, and it finds none right after replying, so each wave of
+  messages (a round has two: train, then evaluate) waits about 3 s for it.
+
+    python benchmarks/deploy_round.py --rounds 4 --repeats 2
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import resource
 import subprocess
 import sys
 import tempfile
@@ -23,72 +31,143 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchutil import append_jsonl, machine, median, write_report
+from benchutil import append_jsonl, machine, median, read_jsonl, round_seconds, write_report
 
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = str(ROOT / ".venv" / "bin" / "python") if (ROOT / ".venv" / "bin" / "python").exists() else sys.executable
-POLL_WAIT_S = 1.5
-"""Expected wait of a message for the SuperNode's next poll: Flower sleeps 3 s after finding no message."""
-
-PARTS = {
-    "python + flwr clientapp entry point": "import flwr.supernode.cli",
-    "+ the project's ClientApp (imports)": "import flwr.supernode.cli, fl_app.client_app",
-    "+ data and partitions": (
-        "import flwr.supernode.cli, fl_app.client_app as c; from fl_app.config import parse_run_config;"
-        " cfg = parse_run_config({'dataset': 'digits', 'data-root': ''}); c.client_data(cfg, 0, 3)"
-    ),
-}
+EXECUTORS = ("flower", "warm")
+POLL_S = 3.0
+"""The SuperNode's sleep when it finds no message (``flwr/supernode/start_client_internal.py``)."""
+STARTUP = ("import flwr.supernode.cli.flwr_clientapp, flwr.supernode.runtime.run_clientapp, fl_app.client_app")
+"""What a ClientApp process imports before the ClientApp's first line: ``flwr-clientapp``'s entry point, Flower's
+ClientApp runner, and the app (``load_app``)."""
+ENDED = re.compile(r"ClientApp process pid \d+ ended with code 0 after ([\d.]+) s, ([\d.]+) CPU-s")
 
 
-def time_part(code: str) -> float:
-    """Wall seconds of a fresh interpreter running ``code`` (what one ClientApp process pays for it)."""
-    start = time.perf_counter()
-    subprocess.run([PYTHON, "-c", code], cwd=ROOT, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    return time.perf_counter() - start
+def clientapp_startup(_spec: dict[str, Any]) -> None:
+    """The warm child's part: what a fresh process would import (the app's own packages are not imported yet:
+    the warm parent forgot them)."""
+    exec(STARTUP)  # pylint: disable=exec-used
 
 
-def deploy_rounds(nodes: int, rounds: int, run_config: str, work: Path) -> list[float]:
-    """Wall seconds of rounds 1..``rounds`` of one deployed run (round 1 includes asking nodes their partition)."""
+def environment() -> dict[str, str]:
+    """The project and this folder importable (the warm parent imports :func:`clientapp_startup` from here)."""
+    path = os.pathsep.join([str(ROOT), str(ROOT / "benchmarks"), os.environ.get("PYTHONPATH", "")])
+    return {**os.environ, "PYTHONPATH": path.rstrip(os.pathsep), "FLWR_TELEMETRY_ENABLED": "0"}
+
+
+def children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def flower_startup_cpu_s() -> float:
+    """A fresh interpreter doing what a ``flwr-clientapp`` process does before the app's first line."""
+    before = children_cpu_s()
+    subprocess.run([PYTHON, "-c", STARTUP], cwd=ROOT, check=True, env=environment())
+    return children_cpu_s() - before
+
+
+def warm_startup_cpu_s(samples: int) -> tuple[list[float], float]:
+    """``samples`` children of one warm parent doing the same; their CPU-seconds, and the parent's own
+    (paid once per SuperNode)."""
+    os.environ.update(environment())
+    from fl_app.warm_executor import WarmExecutor
+    from flwr.supercore.constant import TaskType
+    from flwr.supercore.superexec.executor import ExecutionSpec
+
+    before = children_cpu_s()
+    executor = WarmExecutor(["--target", "deploy_round:clientapp_startup"])
+    try:
+        for task in range(1, samples + 1):
+            executor.launch(ExecutionSpec(
+                task_type=TaskType.CLIENT_APP, runtime_api_address="127.0.0.1:9", token="benchmark", insecure=True,
+                root_certificates_path=None, runtime_dependency_install=False, parent_pid=os.getpid(),
+                suppress_output=False, task_id=task))
+            if not executor.wait_idle(600.0):
+                raise RuntimeError("the warm parent's child did not end")
+        if set(executor.outcomes.values()) != {"code 0"}:
+            raise RuntimeError(f"warm children failed: {executor.outcomes}")
+        cpu = [executor.cpu_s[task] for task in range(1, samples + 1)]
+    finally:
+        executor.close()
+    return cpu, children_cpu_s() - before - sum(cpu)
+
+
+def deploy_rounds(executor: str, nodes: int, rounds: int, work: Path) -> tuple[list[float], list[tuple[float, float]]]:
+    """Wall seconds of rounds 1..``rounds`` of one deployed run, and (wall s, CPU-s) of every ClientApp process
+    the warm executor logged."""
     results = work / "results"
-    overrides = f'dataset="digits" results-dir="{results}" run-name="bench" {run_config}'.strip()
-    subprocess.run([PYTHON, "-m", "fl_app.deploy", "--num-supernodes", str(nodes), "--rounds", str(rounds),
-                    "--run-config", overrides, "--work-dir", str(work / "deploy")], cwd=ROOT, check=True)
-    rows = [json.loads(line) for line in (results / "bench" / "metrics.jsonl").read_text().splitlines()]
-    ends = {int(row["round"]): float(row["elapsed-s"]) for row in rows}  # round 0: the initial model's evaluation
-    return [ends[r] - ends[r - 1] for r in range(1, rounds + 1)]
+    overrides = f'dataset="digits" results-dir="{results}" run-name="bench"'
+    subprocess.run([PYTHON, "-m", "fl_app.deploy", "--executor", executor, "--num-supernodes", str(nodes),
+                    "--rounds", str(rounds), "--run-config", overrides, "--work-dir", str(work / "deploy")],
+                   cwd=ROOT, check=True, env=environment(), stdout=subprocess.DEVNULL)
+    rows = read_jsonl(results / "bench" / "metrics.jsonl")
+    messages = [(float(wall), float(cpu)) for log in (work / "deploy" / "logs").glob("superexec-clientapp-*.log")
+                for wall, cpu in ENDED.findall(log.read_text(errors="replace"))]
+    return round_seconds(rows), messages
+
+
+def measure(args: argparse.Namespace, rows_path: Path) -> None:
+    for sample in range(args.samples):
+        append_jsonl(rows_path, {"kind": "startup", "executor": "flower", "cpu-s": [flower_startup_cpu_s()],
+                                 "machine": machine()})
+        if sample == 0:  # one warm parent serves every sample, as one serves every message of a node
+            cpu, parent = warm_startup_cpu_s(args.samples)
+            append_jsonl(rows_path, {"kind": "startup", "executor": "warm", "cpu-s": cpu, "parent-cpu-s": parent,
+                                     "machine": machine()})
+    for repeat in range(args.repeats):
+        for executor in EXECUTORS if repeat % 2 == 0 else EXECUTORS[::-1]:
+            load_before = os.getloadavg()[0]
+            with tempfile.TemporaryDirectory(prefix="alignfl-deploy-round-") as work:
+                rounds, messages = deploy_rounds(executor, args.nodes, args.rounds, Path(work))
+            append_jsonl(rows_path, {"kind": "rounds", "executor": executor, "repeat": repeat, "seconds": rounds,
+                                     "messages": messages, "load-before": round(load_before, 2),
+                                     "machine": machine()})
 
 
 def report(rows: list[dict[str, Any]]) -> str:
-    lines = ["| kind | what | median s | samples | load (1 min) |", "|---|---|---|---|---|"]
-    for row in rows:
-        lines.append(f"| {row['kind']} | {row['what']} | {median(row['seconds']):.2f} | "
-                     f"{', '.join(f'{s:.2f}' for s in row['seconds'])} | {row['machine']['load-average-1-5-15'][0]} |")
-    lines.append(f"| poll | SuperNode's expected wait per message (Flower sleeps 3 s when idle) | {POLL_WAIT_S:.2f} | "
-                 "- | - |")
+    def load(selected: list[dict[str, Any]]) -> str:
+        values = [row["machine"]["load-average-1-5-15"][0] for row in selected]
+        return f"{min(values):.1f}–{max(values):.1f}" if values else "-"
+
+    lines = ["| executor | start-up per message, CPU-s (median) | round 1, s | rounds 2+, s (median) | "
+             "ClientApp process per message: wall s, CPU-s (median) | load (1 min) |", "|---|---|---|---|---|---|"]
+    medians: dict[str, tuple[float, float]] = {}
+    for executor in EXECUTORS:
+        startup = [row for row in rows if row["kind"] == "startup" and row["executor"] == executor]
+        runs = [row for row in rows if row["kind"] == "rounds" and row["executor"] == executor]
+        cpu = median([value for row in startup for value in row["cpu-s"]])
+        later = median([value for row in runs for value in row["seconds"][1:]])
+        messages = [message for row in runs for message in row["messages"]]
+        per_message = (f"{median([wall for wall, _ in messages]):.2f}, {median([c for _, c in messages]):.2f} "
+                       f"({len(messages)})" if messages else "-")
+        medians[executor] = (cpu, later)
+        first = ", ".join(f"{row['seconds'][0]:.1f}" for row in runs)
+        lines.append(f"| {executor} | {cpu:.2f} | {first} | {later:.2f} | {per_message} | "
+                     f"{load(startup + runs)} |")
+    if all(executor in medians for executor in EXECUTORS):
+        (flower_cpu, flower_round), (warm_cpu, warm_round) = medians["flower"], medians["warm"]
+        lines.append(f"| flower / warm | {flower_cpu / warm_cpu:.1f}× | | {flower_round / warm_round:.1f}× | | |")
+    parents = [row["parent-cpu-s"] for row in rows if row["kind"] == "startup" and row["executor"] == "warm"]
+    if parents:
+        lines.append(f"\nThe warm parent's own start-up (once per SuperNode): {median(parents):.2f} CPU-s. The "
+                     f"SuperNode's poll: {POLL_S:.0f} s per wave of messages, two waves per round.")
     return "\n".join(lines)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nodes", type=int, default=3)
-    parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--run-config", default="", help="extra 'key=value ...' overrides")
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=2, help="deployed runs per executor")
+    parser.add_argument("--samples", type=int, default=5, help="start-up samples per executor")
     parser.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "alignfl-deploy-round")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     rows_path = args.out / "rows.jsonl"
     rows_path.unlink(missing_ok=True)
-    for what, code in PARTS.items():
-        seconds = [time_part(code) for _ in range(args.repeats)]
-        append_jsonl(rows_path, {"kind": "per message", "what": what, "seconds": seconds, "machine": machine()})
-    for repeat in range(args.repeats):
-        with tempfile.TemporaryDirectory(prefix="alignfl-deploy-round-") as work:
-            per_round = deploy_rounds(args.nodes, args.rounds, args.run_config, Path(work))
-        append_jsonl(rows_path, {"kind": "round 1" , "what": f"run {repeat}: {args.nodes} nodes, round 1",
-                                 "seconds": per_round[:1], "machine": machine()})
-        append_jsonl(rows_path, {"kind": "rounds 2+", "what": f"run {repeat}: {args.nodes} nodes, rounds 2-{args.rounds}",
-                                 "seconds": per_round[1:], "machine": machine()})
+    measure(args, rows_path)
     return write_report(args.out, rows_path, report)
 
 

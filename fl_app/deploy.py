@@ -2,8 +2,10 @@
 
 The compose file runs one SuperLink, N SuperNodes and Flower's ``process``
 isolation: a ``flower-superexec`` beside the SuperLink starts each run's
-``flwr-serverapp``, and one beside every SuperNode starts its ``flwr-clientapp``
-processes. This module holds the command line of every one of those services
+``flwr-serverapp``, and one beside every SuperNode starts its ClientApp processes
+(``--executor warm``, the default: each forked from a warm parent, see
+fl_app/warm_superexec.py; ``flower``: Flower's own, a fresh ``flwr-clientapp`` per
+message). This module holds the command line of every one of those services
 (:func:`superlink_command` and its siblings); the compose files spell out the
 same argv for the container addresses and paths (:func:`compose_topology`), and
 ``tests/test_deploy.py`` checks they agree. ``python -m fl_app.deploy`` starts

@@ -102,6 +102,8 @@ class WarmExecutor:
         """Tasks sent to the parent that it has not forked yet."""
         self.outcomes: dict[int, str] = {}
         """Task id → how its child ended (``code 0``, ``signal SIGKILL``, ``refused: ...``)."""
+        self.cpu_s: dict[int, float] = {}
+        """Task id → CPU-seconds its child used (user + system, from ``wait4``)."""
         self.children: dict[int, int] = {}
         """Task id → its child's pid, while it runs."""
         self.given_up = False
@@ -193,6 +195,7 @@ class WarmExecutor:
         elif kind == "ended":
             self.children.pop(task, None)
             self.outcomes[task] = event["how"]
+            self.cpu_s[task] = event["cpu_s"]
             level = INFO if event["how"] == "code 0" else WARNING
             log(level, "[alignfl] task %d: ClientApp process pid %d ended with %s after %.2f s, %.2f CPU-s",
                 task, event["pid"], event["how"], event["seconds"], event["cpu_s"])

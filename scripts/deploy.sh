@@ -6,6 +6,8 @@
 # Exits non-zero if the run failed.
 #   ./scripts/deploy.sh --num-supernodes 3 --rounds 5 --run-config 'strategy="scaffold"'
 #   ./scripts/deploy.sh --tls            # TLS everywhere + SuperNode authentication (keys from make_certs.sh)
+#   ./scripts/deploy.sh --executor flower  # Flower's own executor: a fresh flwr-clientapp process per message
+#                                          # (default: warm, each forked from a process that imported them once)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
