@@ -6,7 +6,8 @@ Two measurements, each taken for both executors in turn so that both see the sam
   what ``flwr-clientapp`` imports (its entry point and Flower's ClientApp runner) and what loading the app
   imports (``fl_app.client_app``). Flower's executor pays them in a fresh interpreter (measured as a child of
   this process); the warm executor's child, forked from its warm parent, pays the child's set-up and the app's
-  own packages, which it imports afresh from the FAB (measured by the parent's ``wait4``).
+  own packages, which it imports afresh from the FAB (it calls the runner its parent imported; measured by the
+  parent's ``wait4``).
 * **Rounds**: ``python -m fl_app.deploy --executor E`` (SuperLink, N SuperNodes and their SuperExecs on
   127.0.0.1, the digits MLP) for a few rounds, each round's wall time from ``metrics.jsonl``; the runs
   alternate between the executors. Beside them, the CPU-seconds and wall seconds of every message's ClientApp
@@ -38,16 +39,18 @@ PYTHON = str(ROOT / ".venv" / "bin" / "python") if (ROOT / ".venv" / "bin" / "py
 EXECUTORS = ("flower", "warm")
 POLL_S = 3.0
 """The SuperNode's sleep when it finds no message (``flwr/supernode/start_client_internal.py``)."""
-STARTUP = ("import flwr.supernode.cli.flwr_clientapp, flwr.supernode.runtime.run_clientapp, fl_app.client_app")
-"""What a ClientApp process imports before the ClientApp's first line: ``flwr-clientapp``'s entry point, Flower's
-ClientApp runner, and the app (``load_app``)."""
+STARTUP = {
+    "flower": "import flwr.supernode.cli.flwr_clientapp, flwr.supernode.runtime.run_clientapp, fl_app.client_app",
+    "warm": "import flwr.supernode.runtime.run_clientapp, fl_app.client_app",
+}
+"""What a ClientApp process imports before the ClientApp's first line. ``flwr-clientapp``: its entry point, Flower's
+ClientApp runner and the app (``load_app``); a warm child: the runner (its parent's) and the app."""
 ENDED = re.compile(r"ClientApp process pid \d+ ended with code 0 after ([\d.]+) s, ([\d.]+) CPU-s")
 
 
 def clientapp_startup(_spec: dict[str, Any]) -> None:
-    """The warm child's part: what a fresh process would import (the app's own packages are not imported yet:
-    the warm parent forgot them)."""
-    exec(STARTUP)  # pylint: disable=exec-used
+    """The warm child's part (the app's own packages are not imported yet: the warm parent forgot them)."""
+    exec(STARTUP["warm"])  # pylint: disable=exec-used
 
 
 def environment() -> dict[str, str]:
@@ -64,7 +67,7 @@ def children_cpu_s() -> float:
 def flower_startup_cpu_s() -> float:
     """A fresh interpreter doing what a ``flwr-clientapp`` process does before the app's first line."""
     before = children_cpu_s()
-    subprocess.run([PYTHON, "-c", STARTUP], cwd=ROOT, check=True, env=environment())
+    subprocess.run([PYTHON, "-c", STARTUP["flower"]], cwd=ROOT, check=True, env=environment())
     return children_cpu_s() - before
 
 

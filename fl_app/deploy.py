@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import shutil
 import ssl
@@ -47,7 +48,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -360,6 +361,13 @@ class Deployment:
     def start(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
         """SuperLink, its executor, (with TLS: key registration,) SuperNodes and their executors; returns once
         every SuperNode is online, so the first round samples all of them."""
+        self.start_superlink_side(timeout_s)
+        self.start_supernodes(range(self.topology.num_supernodes))
+        self.wait_for_supernodes(self.topology.num_supernodes, timeout_s)
+
+    def start_superlink_side(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+        """SuperLink and its executor, (with TLS:) every SuperNode's key registered; the ``flwr`` CLI's
+        connection written. Returns once the SuperLink answers."""
         topology = self.topology
         write_connection(self.work / "homes" / "cli", topology.superlink_address, self.ca)
         self.start_service("superlink", superlink_command(topology))
@@ -370,11 +378,17 @@ class Deployment:
         if topology.certificates is not None:
             register_supernodes([topology.certificates.auth_public_key(node) for node in range(topology.num_supernodes)],
                                 self.cli_environment)
-        for node in range(topology.num_supernodes):
-            self.start_service(f"supernode-{node}", supernode_command(topology, node))
-            self.start_service(f"superexec-clientapp-{node}", clientapp_executor_command(topology, node))
-        everyone = self.running_and(lambda: online_supernodes(self.cli_environment) >= topology.num_supernodes)
-        wait_until(everyone, timeout_s, f"{topology.num_supernodes} SuperNodes to be online", interval_s=2.0)
+
+    def start_supernodes(self, nodes: Iterable[int]) -> None:
+        """These SuperNodes and their executors, against ``topology.superlink_address``."""
+        for node in nodes:
+            self.start_service(f"supernode-{node}", supernode_command(self.topology, node))
+            self.start_service(f"superexec-clientapp-{node}", clientapp_executor_command(self.topology, node))
+
+    def wait_for_supernodes(self, count: int, timeout_s: float) -> None:
+        """Until the SuperLink sees ``count`` SuperNodes online (an error naming a service that died first)."""
+        everyone = self.running_and(lambda: online_supernodes(self.cli_environment) >= count)
+        wait_until(everyone, timeout_s, f"{count} SuperNodes to be online", interval_s=2.0)
 
     def run(self, config: RunConfig) -> tuple[str, str]:
         """Submit one experiment, stream its log while watching the services (:meth:`watch`), return its final
@@ -384,6 +398,17 @@ class Deployment:
     def watch(self, config: RunConfig) -> str | None:
         """Report each service that exited since the last call; stop the other half of a node that lost one;
         when the SuperLink is gone, the reason the run cannot go on, with the command that resumes it."""
+        self.report_exits()
+        if "superlink" not in self.exited:
+            return None
+        advice = resume_advice(config, self.topology.num_supernodes, self.topology.certificates is not None,
+                               self.topology.executor)
+        reason = f"the SuperLink exited with {self.exited['superlink']}; {advice}"
+        print(f"[alignfl] {reason}", file=sys.stderr, flush=True)
+        return reason
+
+    def report_exits(self) -> None:
+        """Report each service that exited since the last call, and stop the other half of its node."""
         table = process_table()
         for name, tree in self.services.items():
             tree.refresh(table)
@@ -392,13 +417,6 @@ class Deployment:
                 print(f"[alignfl] {name} exited with {self.exited[name]}; its log: {self.log_file(name)}",
                       file=sys.stderr, flush=True)
                 self.stop_partner(name)
-        if "superlink" not in self.exited:
-            return None
-        advice = resume_advice(config, self.topology.num_supernodes, self.topology.certificates is not None,
-                               self.topology.executor)
-        reason = f"the SuperLink exited with {self.exited['superlink']}; {advice}"
-        print(f"[alignfl] {reason}", file=sys.stderr, flush=True)
-        return reason
 
     def stop_partner(self, name: str) -> None:
         """A SuperNode without its executor never answers, and an executor without its SuperNode has nothing to
@@ -427,9 +445,12 @@ def deployment(topology: Topology, work: Path) -> Iterator[Deployment]:
         running.stop()
 
 
-def make_certificates(folder: Path, num_supernodes: int) -> Path:
-    """``scripts/make_certs.sh`` into ``folder`` (existing files are kept)."""
-    subprocess.run(["bash", str(MAKE_CERTS), str(folder), str(num_supernodes)], check=True, stdout=subprocess.DEVNULL)
+def make_certificates(folder: Path, num_supernodes: int, superlink_sans: str = "") -> Path:
+    """``scripts/make_certs.sh`` into ``folder`` (existing files are kept); ``superlink_sans``: more names for
+    the SuperLink's certificate (``IP:10.0.0.1,DNS:fl.example.org``)."""
+    env = {**os.environ, "SUPERLINK_SANS": superlink_sans}
+    subprocess.run(["bash", str(MAKE_CERTS), str(folder), str(num_supernodes)], check=True, stdout=subprocess.DEVNULL,
+                   env=env)
     return folder
 
 
@@ -445,6 +466,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["register"]:
         return register_main(argv[1:])
+    if argv[:1] in (["superlink"], ["supernodes"]):
+        from fl_app.roles import role_main
+
+        return role_main(argv[0], argv[1:])
     parser = argparse.ArgumentParser(prog="python -m fl_app.deploy", description=__doc__.split("\n\n")[0])
     parser.add_argument("--num-supernodes", type=int, default=COMPOSE_NUM_SUPERNODES,
                         help=f"SuperNodes, one partition each (default {COMPOSE_NUM_SUPERNODES}, as in the compose file)")

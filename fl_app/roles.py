@@ -1,0 +1,285 @@
+"""The deployment across machines: one machine runs the SuperLink side, others run their SuperNodes.
+
+``python -m fl_app.deploy`` starts every service on one machine. Across machines it takes a role:
+
+    # the SuperLink's machine: SuperLink, the ServerApp's executor, TLS for the names the nodes dial,
+    # every node's key registered; runs one experiment once the nodes are online (or --serve)
+    python -m fl_app.deploy superlink --address 10.0.0.1 --num-supernodes 2 --tls --certs certs --rounds 5
+    # each node machine, with a copy of certs/ca.crt and its certs/supernode-<i>/
+    python -m fl_app.deploy supernodes --superlink 10.0.0.1:9093 --nodes 1 --num-supernodes 2 --tls --certs certs
+
+The SuperLink side makes the certificate for the names and addresses given with ``--address`` (through
+``scripts/make_certs.sh``'s ``SUPERLINK_SANS``) and refuses a kept certificate that lacks one. A node machine
+first checks that the SuperLink answers and that its certificate names the address dialled, and stops at once
+with the reason when it does not (Flower's SuperNode would retry without end). Both stop every process they
+started, by process id, on Ctrl-C, SIGTERM or SIGHUP; a node machine serves until then.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import socket
+import ssl
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from cryptography import x509
+
+from core.data import DatasetMissingError
+from fl_app.config import ConfigError, RunConfig
+from fl_app.deploy import (
+    COMPOSE_SUPERLINK_PORT,
+    DEFAULT_EXECUTOR,
+    EXECUTORS,
+    STARTUP_TIMEOUT_S,
+    Certificates,
+    Deployment,
+    Topology,
+    check_folder,
+    make_certificates,
+)
+from fl_app.launch import Stopped, free_port, parse_overrides, prepare_config, report_outcome, stop_signals
+
+REACH_TIMEOUT_S = 10.0
+SERVE_INTERVAL_S = 1.0
+
+
+def split_address(address: str, option: str) -> tuple[str, int]:
+    """``host:port`` (``[v6]:port``) checked; a clear error naming the option otherwise."""
+    host, sep, port = address.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"{option} {address!r} is not allowed: give host:port with a port in 1-65535")
+    return host, int(port)
+
+
+def subject_names(addresses: list[str]) -> str:
+    """``make_certs.sh``'s ``SUPERLINK_SANS`` for these names: ``IP:`` for addresses, ``DNS:`` for host names."""
+    names = []
+    for address in addresses:
+        try:
+            names.append(f"IP:{ipaddress.ip_address(address)}")
+        except ValueError:
+            names.append(f"DNS:{address}")
+    return ",".join(names)
+
+
+def certificate_names(certificate: Path) -> set[str]:
+    """The DNS names and IP addresses a certificate is valid for."""
+    names = x509.load_pem_x509_certificate(certificate.read_bytes()).extensions.get_extension_for_class(
+        x509.SubjectAlternativeName).value
+    return {*names.get_values_for_type(x509.DNSName), *(str(ip) for ip in names.get_values_for_type(x509.IPAddress))}
+
+
+def superlink_certificates(folder: Path, num_supernodes: int, addresses: list[str]) -> Path:
+    """make_certs.sh's files in ``folder``, the SuperLink's certificate naming every address; a certificate
+    kept from before that lacks one is refused (make_certs.sh keeps existing files)."""
+    make_certificates(folder, num_supernodes, subject_names(addresses))
+    named = certificate_names(folder / "superlink.crt")
+    missing = [address for address in addresses if _canonical(address) not in named]
+    if missing:
+        raise ConfigError(f"--certs {str(folder)!r}: its superlink.crt (kept from before) does not name "
+                          f"{', '.join(missing)} (it names {', '.join(sorted(named))}); remove superlink.crt and "
+                          "superlink.key there to make a new one, or give another --certs folder")
+    return folder
+
+
+def _canonical(address: str) -> str:
+    """An IP address as a certificate lists it (``::1``, not ``0:0::1``); a host name as it is."""
+    try:
+        return str(ipaddress.ip_address(address))
+    except ValueError:
+        return address
+
+
+def tls_problem(address: str, ca: str, timeout_s: float = REACH_TIMEOUT_S) -> str | None:
+    """Why a SuperNode could not talk TLS to the SuperLink at ``address`` (unreachable, or a certificate that
+    does not name the address or is not signed by ``ca``), or None."""
+    host, port = split_address(address, "--superlink")
+    context = ssl.create_default_context(cafile=ca)
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s) as connection:
+            with context.wrap_socket(connection, server_hostname=host):
+                return None
+    except ssl.SSLCertVerificationError as error:
+        return (f"the SuperLink at {address} presents a certificate this node does not accept: "
+                f"{error.verify_message}; the SuperLink's certificate must name the address the nodes dial "
+                "(its --address) and be signed by the CA in --certs")
+    except (OSError, ssl.SSLError) as error:
+        return f"the SuperLink at {address} cannot be reached: {error}"
+
+
+def superlink_topology(args: argparse.Namespace, work: Path, certs: Path | None) -> Topology:
+    """The SuperLink side bound to ``--host``; its own executor and CLI dial it locally."""
+    local = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
+    return Topology(num_supernodes=args.num_supernodes, superlink_host=args.host, superlink_port=args.port,
+                    superlink_address=f"{local}:{args.port}", runtime_ports=(0,) * args.num_supernodes,
+                    database=str(work / "superlink.db"),
+                    certificates=Certificates(str(certs)) if certs is not None else None)
+
+
+def supernodes_topology(args: argparse.Namespace, certs: Path | None) -> Topology:
+    """This machine's SuperNodes (their Runtime APIs on free loopback ports) against ``--superlink``."""
+    host, port = split_address(args.superlink, "--superlink")
+    ports = tuple(free_port() if node in args.nodes else 0 for node in range(args.num_supernodes))
+    return Topology(num_supernodes=args.num_supernodes, superlink_host=host, superlink_port=port,
+                    superlink_address=args.superlink, runtime_ports=ports, database="",
+                    certificates=Certificates(str(certs)) if certs is not None else None, executor=args.executor)
+
+
+def node_files_missing(certs: Certificates, nodes: list[int]) -> list[str]:
+    """The files a node machine's SuperNodes read with TLS that ``certs`` lacks."""
+    needed = [certs.ca] + [path for node in nodes for path in
+                           (certs.auth_key(node), certs.runtime_cert(node), certs.runtime_key(node))]
+    return [path for path in needed if not Path(path).is_file()]
+
+
+def parser_for(role: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=f"python -m fl_app.deploy {role}", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--num-supernodes", type=int, required=True,
+                        help="SuperNodes of the whole deployment (num-partitions); with --tls, each one's key")
+    parser.add_argument("--tls", action="store_true", help="TLS on every API and SuperNode authentication")
+    parser.add_argument("--certs", type=Path, help="make_certs.sh's folder (superlink: made or completed there, "
+                                                   "default in the work folder; supernodes: required with --tls)")
+    parser.add_argument("--work-dir", type=Path, help="logs, Flower homes and state (default: a new temporary folder)")
+    if role == "superlink":
+        parser.add_argument("--host", default="0.0.0.0", help="the interface the SuperLink listens on (default all)")
+        parser.add_argument("--port", type=int, default=COMPOSE_SUPERLINK_PORT,
+                            help=f"its port (default {COMPOSE_SUPERLINK_PORT})")
+        parser.add_argument("--address", action="append", default=[],
+                            help="a host name or address the SuperNodes dial (repeatable; with --tls the "
+                                 "SuperLink's certificate names each)")
+        parser.add_argument("--serve", action="store_true",
+                            help="keep the SuperLink up until stopped (run experiments with flwr run) instead of "
+                                 "running one experiment")
+        parser.add_argument("--run-config", default="", help="'key=value ...' overrides of [tool.flwr.app.config]")
+        parser.add_argument("--rounds", type=int, help="shorthand for the run-config key num-server-rounds")
+        parser.add_argument("--node-wait", type=float, default=600.0,
+                            help="seconds to wait for --num-supernodes SuperNodes before the run (default 600)")
+    else:
+        parser.add_argument("--superlink", required=True, help="the SuperLink's address as this machine dials it, "
+                                                               "host:port")
+        parser.add_argument("--nodes", type=int, nargs="+", required=True,
+                            help="the partition ids of this machine's SuperNodes")
+        parser.add_argument("--executor", choices=list(EXECUTORS), default=DEFAULT_EXECUTOR,
+                            help=f"how ClientApp processes start (default {DEFAULT_EXECUTOR})")
+    return parser
+
+
+def check(role: str, args: argparse.Namespace) -> RunConfig | None:
+    """Every option checked before anything starts (a ConfigError naming it); the superlink's run config."""
+    if args.num_supernodes < 1:
+        raise ConfigError(f"--num-supernodes must be at least 1, got {args.num_supernodes}")
+    if args.certs is not None and not args.tls:
+        raise ConfigError("--certs is only used with --tls")
+    for option, folder in (("--work-dir", args.work_dir), ("--certs", args.certs if role == "superlink" else None)):
+        if folder is not None:
+            check_folder(option, folder.resolve())
+    if role == "supernodes":
+        split_address(args.superlink, "--superlink")
+        wrong = [node for node in args.nodes if not 0 <= node < args.num_supernodes]
+        if wrong or len(set(args.nodes)) != len(args.nodes):
+            raise ConfigError(f"--nodes {args.nodes} is not allowed: distinct partition ids in "
+                              f"[0, --num-supernodes={args.num_supernodes})")
+        if args.tls:
+            if args.certs is None:
+                raise ConfigError("--tls on a node machine needs --certs: a folder with the deployment's ca.crt and "
+                                  "supernode-<i>/ (auth, runtime.crt, runtime.key) of its nodes")
+            missing = node_files_missing(Certificates(str(args.certs.resolve())), args.nodes)
+            if missing:
+                raise ConfigError(f"--certs {str(args.certs)!r} lacks {', '.join(missing)}")
+        return None
+    if not 0 < args.port < 65536:
+        raise ConfigError(f"--port {args.port} is not allowed: 1-65535")
+    if args.tls and not args.address:
+        raise ConfigError("--tls needs --address: the names or addresses the SuperNodes dial, which the "
+                          "SuperLink's certificate must name")
+    if args.node_wait <= 0:
+        raise ConfigError(f"--node-wait {args.node_wait} is not allowed: seconds > 0")
+    if args.serve:
+        if args.run_config or args.rounds is not None:
+            raise ConfigError("--serve runs no experiment: --run-config and --rounds are not used with it")
+        return None
+    overrides = parse_overrides(args.run_config)
+    if args.rounds is not None:
+        overrides["num-server-rounds"] = args.rounds
+    return prepare_config(overrides, args.num_supernodes)
+
+
+def role_main(role: str, argv: list[str]) -> int:
+    """``python -m fl_app.deploy superlink|supernodes ...``; the exit code."""
+    args = parser_for(role).parse_args(argv)
+    try:
+        with stop_signals():
+            try:
+                config = check(role, args)
+            except (ValueError, DatasetMissingError) as error:  # ConfigError is a ValueError
+                print(f"[alignfl] refused before starting: {error}", file=sys.stderr)
+                return 2
+            work = (args.work_dir or Path(tempfile.mkdtemp(prefix=f"alignfl-{role}-"))).resolve()
+            work.mkdir(parents=True, exist_ok=True)
+            if role == "superlink":
+                return run_superlink_side(args, config, work)
+            return run_supernodes(args, work)
+    except Stopped as stop:
+        print(f"[alignfl] stopped by {stop}: every process this {role} role started has been stopped",
+              file=sys.stderr)
+        return stop.exit_code
+    except ConfigError as error:
+        print(f"[alignfl] refused: {error}", file=sys.stderr)
+        return 2
+
+
+def run_superlink_side(args: argparse.Namespace, config: RunConfig | None, work: Path) -> int:
+    certs = None
+    if args.tls:
+        certs = superlink_certificates((args.certs or work / "certs").resolve(), args.num_supernodes, args.address)
+    running = Deployment(superlink_topology(args, work, certs), work)
+    try:
+        running.start_superlink_side()
+        dialled = args.address[0] if args.address else "<this host>"
+        security = f" --tls --certs <a copy of ca.crt and supernode-<i>/ from {certs}>" if certs else ""
+        print(f"[alignfl] SuperLink on {args.host}:{args.port} ({'TLS + SuperNode authentication' if certs else 'plaintext'}"
+              f"); logs in {work / 'logs'}. On each node machine:\n  python -m fl_app.deploy supernodes --superlink "
+              f"{dialled}:{args.port} --nodes <i ...> --num-supernodes {args.num_supernodes}{security}", flush=True)
+        if config is None:
+            return serve(running)
+        running.wait_for_supernodes(args.num_supernodes, args.node_wait)
+        status, details = running.run(config)
+    except (RuntimeError, TimeoutError) as error:
+        print(f"[alignfl] SuperLink side FAILED: {error}", file=sys.stderr)
+        return 1
+    finally:
+        running.stop()
+    return report_outcome(config, status, details)
+
+
+def run_supernodes(args: argparse.Namespace, work: Path) -> int:
+    certs = args.certs.resolve() if args.certs is not None else None
+    topology = supernodes_topology(args, certs)
+    if certs is not None:
+        problem = tls_problem(args.superlink, topology.certificates.ca)
+        if problem is not None:
+            print(f"[alignfl] SuperNodes not started: {problem}", file=sys.stderr)
+            return 1
+    running = Deployment(topology, work)
+    try:
+        running.start_supernodes(sorted(args.nodes))
+        print(f"[alignfl] SuperNodes {', '.join(map(str, sorted(args.nodes)))} of {args.num_supernodes} dialling "
+              f"{args.superlink} ({args.executor} executor); logs in {work / 'logs'}; Ctrl-C stops them", flush=True)
+        return serve(running)
+    finally:
+        running.stop()
+
+
+def serve(running: Deployment) -> int:
+    """Report services that exit until a stop signal (raised as Stopped); 1 once every service has exited."""
+    while True:
+        running.report_exits()
+        if len(running.exited) == len(running.services):
+            print("[alignfl] every service has exited", file=sys.stderr)
+            return 1
+        time.sleep(SERVE_INTERVAL_S)
