@@ -19,6 +19,7 @@ from flwr.supercore.constant import ExecutorType, TaskType
 from flwr.supercore.superexec.executor import ExecutionSpec, LaunchResult, LaunchResultStatus
 
 from fl_app import warm_superexec
+from fl_app.config import default_run_config
 from fl_app.warm_executor import WarmExecutor
 
 TIMEOUT_S = 120.0
@@ -182,3 +183,8 @@ def test_the_entry_point_refuses_a_bad_message_timeout(value, capsys):
         warm_superexec.main(["--message-timeout", value, "--runtime-api-address", "127.0.0.1:9094"])
     assert exit.value.code == 2
     assert f"--message-timeout: {value!r} is not allowed: seconds > 0, or 'none'" in capsys.readouterr().err
+
+
+def test_the_message_timeout_defaults_to_round_timeouts_default():
+    """Declared beside the SuperExec (which must not import torch to read it); kept equal here."""
+    assert warm_superexec.DEFAULT_MESSAGE_TIMEOUT_S == default_run_config()["round-timeout"]
