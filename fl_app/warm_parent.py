@@ -236,6 +236,8 @@ class WarmParent:
             self.emit("refused", task_id=spec["task_id"], reason=problem)
             return
         parent = os.getpid()
+        sys.stdout.flush()  # a child would write out again what the parent's buffers hold
+        sys.stderr.flush()
         pid = os.fork()
         if pid == 0:
             code = 1
