@@ -10,8 +10,8 @@
 
 The SuperLink side makes the certificate for the names and addresses given with ``--address`` (through
 ``scripts/make_certs.sh``'s ``SUPERLINK_SANS``) and refuses a kept certificate that lacks one. A node machine
-first checks that the SuperLink answers and that its certificate names the address dialled, and stops at once
-with the reason when it does not (Flower's SuperNode would retry without end). Both stop every process they
+first waits for the SuperLink to answer and checks that its certificate names the address dialled, and stops at
+once with the reason when it does not (Flower's SuperNode would retry without end). Both stop every process they
 started, by process id, on Ctrl-C, SIGTERM or SIGHUP; a node machine serves until then.
 """
 
@@ -95,9 +95,13 @@ def _canonical(address: str) -> str:
         return address
 
 
+class Unreachable(Exception):
+    """The SuperLink did not answer (yet): a node machine may start before it."""
+
+
 def tls_problem(address: str, ca: str, timeout_s: float = REACH_TIMEOUT_S) -> str | None:
-    """Why a SuperNode could not talk TLS to the SuperLink at ``address`` (unreachable, or a certificate that
-    does not name the address or is not signed by ``ca``), or None."""
+    """Why a SuperNode cannot talk TLS to the SuperLink at ``address`` (a certificate that does not name the
+    address or is not signed by ``ca``), or None; :class:`Unreachable` when nothing answers."""
     host, port = split_address(address, "--superlink")
     context = ssl.create_default_context(cafile=ca)
     try:
@@ -109,7 +113,20 @@ def tls_problem(address: str, ca: str, timeout_s: float = REACH_TIMEOUT_S) -> st
                 f"{error.verify_message}; the SuperLink's certificate must name the address the nodes dial "
                 "(its --address) and be signed by the CA in --certs")
     except (OSError, ssl.SSLError) as error:
-        return f"the SuperLink at {address} cannot be reached: {error}"
+        raise Unreachable(f"the SuperLink at {address} cannot be reached: {error}") from None
+
+
+def wait_for_tls(address: str, ca: str, timeout_s: float) -> str | None:
+    """:func:`tls_problem` once the SuperLink answers; a certificate problem at once, unreachable after
+    ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return tls_problem(address, ca)
+        except Unreachable as unreachable:
+            if time.monotonic() > deadline:
+                return f"{unreachable} (tried for {timeout_s:.0f} s)"
+            time.sleep(SERVE_INTERVAL_S)
 
 
 def superlink_topology(args: argparse.Namespace, work: Path, certs: Path | None) -> Topology:
@@ -164,6 +181,9 @@ def parser_for(role: str) -> argparse.ArgumentParser:
                                                                "host:port")
         parser.add_argument("--nodes", type=int, nargs="+", required=True,
                             help="the partition ids of this machine's SuperNodes")
+        parser.add_argument("--superlink-wait", type=float, default=600.0,
+                            help="with --tls: seconds to wait for the SuperLink to answer before giving up (a "
+                                 "certificate that does not name --superlink stops the nodes at once); default 600")
         parser.add_argument("--executor", choices=list(EXECUTORS), default=DEFAULT_EXECUTOR,
                             help=f"how ClientApp processes start (default {DEFAULT_EXECUTOR})")
     return parser
@@ -180,6 +200,8 @@ def check(role: str, args: argparse.Namespace) -> RunConfig | None:
             check_folder(option, folder.resolve())
     if role == "supernodes":
         split_address(args.superlink, "--superlink")
+        if not args.superlink_wait > 0:
+            raise ConfigError(f"--superlink-wait {args.superlink_wait} is not allowed: seconds > 0")
         wrong = [node for node in args.nodes if not 0 <= node < args.num_supernodes]
         if wrong or len(set(args.nodes)) != len(args.nodes):
             raise ConfigError(f"--nodes {args.nodes} is not allowed: distinct partition ids in "
@@ -261,8 +283,10 @@ def run_supernodes(args: argparse.Namespace, work: Path) -> int:
     certs = args.certs.resolve() if args.certs is not None else None
     topology = supernodes_topology(args, certs)
     if certs is not None:
-        problem = tls_problem(args.superlink, topology.certificates.ca)
+        started = time.monotonic()
+        problem = wait_for_tls(args.superlink, topology.certificates.ca, args.superlink_wait)
         if problem is not None:
+            problem += f" (checked in {time.monotonic() - started:.1f} s)"
             print(f"[alignfl] SuperNodes not started: {problem}", file=sys.stderr)
             return 1
     running = Deployment(topology, work)

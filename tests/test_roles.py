@@ -11,7 +11,14 @@ import pytest
 
 from fl_app import deploy
 from fl_app.launch import free_port
-from fl_app.roles import certificate_names, subject_names, superlink_certificates, tls_problem
+from fl_app.roles import (
+    Unreachable,
+    certificate_names,
+    subject_names,
+    superlink_certificates,
+    tls_problem,
+    wait_for_tls,
+)
 
 
 def test_the_superlink_certificate_names_every_address_the_nodes_dial(tmp_path):
@@ -54,7 +61,9 @@ def test_a_node_checks_the_superlinks_certificate_and_reach_before_starting(tmp_
     problem = tls_problem(f"127.0.0.1:{port}", str(other / "ca.crt"))
     assert problem is not None and "presents a certificate this node does not accept" in problem
     closed = free_port()
-    assert "cannot be reached" in tls_problem(f"127.0.0.1:{closed}", str(certs / "ca.crt"), timeout_s=2.0)
+    with pytest.raises(Unreachable, match="cannot be reached"):
+        tls_problem(f"127.0.0.1:{closed}", str(certs / "ca.crt"), timeout_s=2.0)
+    assert "cannot be reached" in wait_for_tls(f"127.0.0.1:{closed}", str(certs / "ca.crt"), timeout_s=1.0)
 
 
 @pytest.mark.parametrize("argv, message", [
