@@ -39,8 +39,9 @@ cleanup() {
   done
   for ns in "$NS_LINK" "$NS_A" "$NS_B"; do
     if ip netns list | grep -qw "$ns"; then
-      left=$(ip netns pids "$ns" || true)
-      [ -z "$left" ] || { echo "[hosts_check] processes left in $ns: $left; stopping them" >&2; kill -KILL $left || true; }
+      left=$(ip netns pids "$ns" | tr '\n' ' ' || true)
+      [ -z "$left" ] || { echo "[hosts_check] FAILED: processes left in $ns: $left; stopping them" >&2; kill -KILL $left || true
+                          status=1; }
       ip netns del "$ns"
     fi
     rm -rf "/etc/netns/$ns"
@@ -80,15 +81,23 @@ for node in 0 1; do
 done
 
 in_ns() { local ns=$1; shift; ip netns exec "$ns" env HOME="$WORK/home-$ns" FLWR_TELEMETRY_ENABLED=0 "$@"; }
+# start NAME NS COMMAND...: in the background, its output in WORK/NAME.log; the command's own process id (which
+# `ip netns exec` may run as a child of its own) into PIDS, and the waitable one into WAIT_PID
+start() {
+  local name=$1 ns=$2; shift 2
+  rm -f "$WORK/$name.pid"
+  in_ns "$ns" sh -c 'echo $$ > "$0"; exec "$@"' "$WORK/$name.pid" "$@" > "$WORK/$name.log" 2>&1 &
+  WAIT_PID=$!
+  for _ in $(seq 600); do [ -s "$WORK/$name.pid" ] && break; sleep 0.1; done
+  PIDS+=("$(cat "$WORK/$name.pid")" "$WAIT_PID")
+}
 RESULTS=$WORK/results
-in_ns "$NS_LINK" "$PY" -m fl_app.deploy superlink --host "$LINK_IP" --address "$LINK_IP" --address fl-link \
+start link "$NS_LINK" "$PY" -m fl_app.deploy superlink --host "$LINK_IP" --address "$LINK_IP" --address fl-link \
   --num-supernodes 2 --tls --certs "$WORK/link/certs" --work-dir "$WORK/link" --rounds "$ROUNDS" \
-  --run-config "dataset=\"digits\" model=\"small-mlp\" results-dir=\"$RESULTS\" run-name=\"hosts\" round-timeout=300.0" \
-  > "$WORK/link.log" 2>&1 &
-LINK_PID=$!; PIDS+=("$LINK_PID")
-in_ns "$NS_A" "$PY" -m fl_app.deploy supernodes --superlink "$LINK_IP:$PORT" --nodes 0 --num-supernodes 2 --tls \
-  --certs "$WORK/host-a/certs" --work-dir "$WORK/host-a" > "$WORK/host-a.log" 2>&1 &
-PIDS+=("$!")
+  --run-config "dataset=\"digits\" model=\"small-mlp\" results-dir=\"$RESULTS\" run-name=\"hosts\" round-timeout=300.0"
+LINK_PID=$WAIT_PID
+start host-a "$NS_A" "$PY" -m fl_app.deploy supernodes --superlink "$LINK_IP:$PORT" --nodes 0 --num-supernodes 2 \
+  --tls --certs "$WORK/host-a/certs" --work-dir "$WORK/host-a"
 
 # Wait for the SuperLink before node B's pre-check (node A's SuperNode retries by itself).
 "$PY" - "$NS_LINK" "$LINK_IP" "$PORT" <<'EOF'
@@ -108,9 +117,8 @@ while time.monotonic() < deadline:
 sys.exit("the SuperLink did not listen within 600 s")
 EOF
 log "the SuperLink listens on $LINK_IP:$PORT only (not on loopback)"
-in_ns "$NS_B" "$PY" -m fl_app.deploy supernodes --superlink "fl-link:$PORT" --nodes 1 --num-supernodes 2 --tls \
-  --certs "$WORK/host-b/certs" --work-dir "$WORK/host-b" > "$WORK/host-b.log" 2>&1 &
-PIDS+=("$!")
+start host-b "$NS_B" "$PY" -m fl_app.deploy supernodes --superlink "fl-link:$PORT" --nodes 1 --num-supernodes 2 \
+  --tls --certs "$WORK/host-b/certs" --work-dir "$WORK/host-b"
 
 # 4. A SuperNode dialling a name its certificate lacks stops at once (host A, while the run goes on).
 start=$(date +%s)
