@@ -97,18 +97,22 @@ def warm_startup_cpu_s(samples: int) -> tuple[list[float], float]:
     return cpu, children_cpu_s() - before - sum(cpu)
 
 
-def deploy_rounds(executor: str, nodes: int, rounds: int, work: Path) -> tuple[list[float], list[tuple[float, float]]]:
-    """Wall seconds of rounds 1..``rounds`` of one deployed run, and (wall s, CPU-s) of every ClientApp process
-    the warm executor logged."""
+def deploy_rounds(executor: str, nodes: int, rounds: int, work: Path) -> tuple[list[float], list[tuple[float, float]],
+                                                                            float]:
+    """Wall seconds of rounds 1..``rounds`` of one deployed run, (wall s, CPU-s) of every ClientApp process the
+    warm executor logged, and the CPU-seconds of the whole deployment (every process it started, with their
+    children, as far as they were waited for: the load of the machine does not change them)."""
     results = work / "results"
     overrides = f'dataset="digits" results-dir="{results}" run-name="bench"'
+    before = children_cpu_s()
     subprocess.run([PYTHON, "-m", "fl_app.deploy", "--executor", executor, "--num-supernodes", str(nodes),
                     "--rounds", str(rounds), "--run-config", overrides, "--work-dir", str(work / "deploy")],
                    cwd=ROOT, check=True, env=environment(), stdout=subprocess.DEVNULL)
+    cpu = children_cpu_s() - before
     rows = read_jsonl(results / "bench" / "metrics.jsonl")
     messages = [(float(wall), float(cpu)) for log in (work / "deploy" / "logs").glob("superexec-clientapp-*.log")
                 for wall, cpu in ENDED.findall(log.read_text(errors="replace"))]
-    return round_seconds(rows), messages
+    return round_seconds(rows), messages, cpu
 
 
 def measure(args: argparse.Namespace, rows_path: Path) -> None:
@@ -123,9 +127,9 @@ def measure(args: argparse.Namespace, rows_path: Path) -> None:
         for executor in EXECUTORS if repeat % 2 == 0 else EXECUTORS[::-1]:
             load_before = os.getloadavg()[0]
             with tempfile.TemporaryDirectory(prefix="alignfl-deploy-round-") as work:
-                rounds, messages = deploy_rounds(executor, args.nodes, args.rounds, Path(work))
+                rounds, messages, cpu = deploy_rounds(executor, args.nodes, args.rounds, Path(work))
             append_jsonl(rows_path, {"kind": "rounds", "executor": executor, "repeat": repeat, "seconds": rounds,
-                                     "messages": messages, "load-before": round(load_before, 2),
+                                     "messages": messages, "deployment-cpu-s": cpu, "load-before": round(load_before, 2),
                                      "machine": machine()})
 
 
@@ -135,8 +139,9 @@ def report(rows: list[dict[str, Any]]) -> str:
         return f"{min(values):.1f}–{max(values):.1f}" if values else "-"
 
     lines = ["| executor | start-up per message, CPU-s (median) | round 1, s | rounds 2+, s (median) | "
-             "ClientApp process per message: wall s, CPU-s (median) | load (1 min) |", "|---|---|---|---|---|---|"]
-    medians: dict[str, tuple[float, float]] = {}
+             "ClientApp process per message: wall s, CPU-s (median) | deployment CPU-s per run | load (1 min) |",
+             "|---|---|---|---|---|---|---|"]
+    medians: dict[str, tuple[float, float, float]] = {}
     for executor in EXECUTORS:
         startup = [row for row in rows if row["kind"] == "startup" and row["executor"] == executor]
         runs = [row for row in rows if row["kind"] == "rounds" and row["executor"] == executor]
@@ -145,13 +150,14 @@ def report(rows: list[dict[str, Any]]) -> str:
         messages = [message for row in runs for message in row["messages"]]
         per_message = (f"{median([wall for wall, _ in messages]):.2f}, {median([c for _, c in messages]):.2f} "
                        f"({len(messages)})" if messages else "-")
-        medians[executor] = (cpu, later)
+        deployment = median([row["deployment-cpu-s"] for row in runs if "deployment-cpu-s" in row])
+        medians[executor] = (cpu, later, deployment)
         first = ", ".join(f"{row['seconds'][0]:.1f}" for row in runs)
-        lines.append(f"| {executor} | {cpu:.2f} | {first} | {later:.2f} | {per_message} | "
+        lines.append(f"| {executor} | {cpu:.2f} | {first} | {later:.2f} | {per_message} | {deployment:.1f} | "
                      f"{load(startup + runs)} |")
     if all(executor in medians for executor in EXECUTORS):
-        (flower_cpu, flower_round), (warm_cpu, warm_round) = medians["flower"], medians["warm"]
-        lines.append(f"| flower / warm | {flower_cpu / warm_cpu:.1f}× | | {flower_round / warm_round:.1f}× | | |")
+        ratios = [f"{flower / warm:.1f}×" for flower, warm in zip(medians["flower"], medians["warm"])]
+        lines.append(f"| flower / warm | {ratios[0]} | | {ratios[1]} | | {ratios[2]} | |")
     parents = [row["parent-cpu-s"] for row in rows if row["kind"] == "startup" and row["executor"] == "warm"]
     if parents:
         lines.append(f"\nThe warm parent's own start-up (once per SuperNode): {median(parents):.2f} CPU-s. The "
