@@ -129,7 +129,8 @@ def measure(args: argparse.Namespace, rows_path: Path) -> None:
             with tempfile.TemporaryDirectory(prefix="alignfl-deploy-round-") as work:
                 rounds, messages, cpu = deploy_rounds(executor, args.nodes, args.rounds, Path(work))
             append_jsonl(rows_path, {"kind": "rounds", "executor": executor, "repeat": repeat, "seconds": rounds,
-                                     "messages": messages, "deployment-cpu-s": cpu, "load-before": round(load_before, 2),
+                                     "messages": messages, "deployment-cpu-s": cpu,
+                                     "load-before": round(load_before, 2),
                                      "machine": machine()})
 
 

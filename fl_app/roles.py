@@ -264,8 +264,9 @@ def run_superlink_side(args: argparse.Namespace, config: RunConfig | None, work:
         running.start_superlink_side()
         dialled = args.address[0] if args.address else "<this host>"
         security = f" --tls --certs <a copy of ca.crt and supernode-<i>/ from {certs}>" if certs else ""
-        print(f"[alignfl] SuperLink on {args.host}:{args.port} ({'TLS + SuperNode authentication' if certs else 'plaintext'}"
-              f"); logs in {work / 'logs'}. On each node machine:\n  python -m fl_app.deploy supernodes --superlink "
+        mode = "TLS + SuperNode authentication" if certs else "plaintext"
+        print(f"[alignfl] SuperLink on {args.host}:{args.port} ({mode}); logs in {work / 'logs'}. On each node "
+              f"machine:\n  python -m fl_app.deploy supernodes --superlink "
               f"{dialled}:{args.port} --nodes <i ...> --num-supernodes {args.num_supernodes}{security}", flush=True)
         if config is None:
             return serve(running)
