@@ -41,7 +41,8 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from core.config import SECTIONS, hydra_leaf, key_of_path
+from core.config import PARTITIONER_SECTION, SECTIONS, hydra_leaf, key_of_path
+from core.partitioning.partitioners import PARTITIONERS, list_partitioners
 from core.data import DatasetMissingError, check_dataset_available
 from fl_app.client_app import build_client_app
 from fl_app.config import ConfigError, RunConfig, owned_settings, parse_run_config, results_root, validate_run
@@ -129,9 +130,14 @@ def register_configs() -> None:
     """Put the generated configs into Hydra's ConfigStore (again after an algorithm or model registers)."""
     store = ConfigStore.instance()
     store.store(name="alignfl_run", node=_section_node("", SECTIONS[""], ("strategy", "model", *SET_PER_JOB)))
+    partitioners = {}
+    for name in list_partitioners():
+        partitioners.update(_section_node(PARTITIONER_SECTION, PARTITIONERS.get(name).settings))
     for section, settings in SECTIONS.items():
         if section:
-            store.store(group=section, name="default", node=_section_node(section, settings, SET_PER_JOB))
+            node = _section_node(section, settings, SET_PER_JOB)
+            store.store(group=section, name="default",
+                        node={**node, **partitioners} if section == PARTITIONER_SECTION else node)
     store.store(group="sim", name="default", node={f: spec.default for f, spec in
                                                     SimSettings.__dataclass_fields__.items()})
     for name in list_strategies():
