@@ -17,7 +17,13 @@ from flwr_datasets.partitioner import Partitioner
 from core.data import DATASETS, load_dataset
 from core.partitioning import partitions
 from core.partitioning.fixed_pairs import FixedPairPartitioner, fixed_pair
-from core.partitioning.partitioners import DIRICHLET_MIN_PARTITION_SIZE, list_partitioners
+from core.partitioning.partitioners import (
+    DIRICHLET_MIN_PARTITION_SIZE,
+    FixedPairsSettings,
+    Split,
+    check_partitioning,
+    list_partitioners,
+)
 from core.partitioning.partitions import client_split, partition_dataset
 from fl_app import launch
 
@@ -291,6 +297,13 @@ def test_fixed_pairs_refuses_a_count_that_is_not_a_multiple_of_half_the_classes(
     with pytest.raises(ValueError, match="num-partitions = 7 is not allowed with partitioner 'fixed-pairs'.*"
                                          "multiple of 5"):
         partition_dataset("digits", None, "fixed-pairs", 7, 0)
+
+
+def test_fixed_pairs_refuses_an_odd_number_of_classes_before_the_data_are_read() -> None:
+    with pytest.raises(ValueError, match="'partitioner' = 'fixed-pairs' is not allowed: needs an even number of "
+                                         "classes, and 'odd' has 9"):
+        check_partitioning("fixed-pairs", FixedPairsSettings(), Split("odd", 9))
+    check_partitioning("fixed-pairs", FixedPairsSettings(), Split("even", 10))  # the count is not known yet
 
 
 def test_fixed_pairs_refuses_more_samples_than_the_smallest_class_gives_naming_the_key() -> None:
