@@ -301,7 +301,8 @@ def test_a_failed_download_to_the_default_root_leaves_no_folders(
 ) -> None:
     home = tmp_path / "home"
     monkeypatch.setattr(data, "DEFAULT_DATA_ROOT", str(home / ".cache" / "alignfl" / "data"))
-    with pytest.raises(data.DatasetMissingError, match="(?s)Downloading them failed \\(offline\\?\\).*offline \\(test\\)"):
+    with pytest.raises(data.DatasetMissingError,
+                       match="(?s)Downloading them failed \\(offline\\?\\).*offline \\(test\\)"):
         data.check_dataset_available(name, None)
     assert not home.exists()
 

@@ -35,7 +35,7 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:The specified min_partition_size"),
 ]
 needs_fashion_mnist = pytest.mark.skipif(bool(DATASETS.get("fashion-mnist").missing_files(None)),
-                                         reason="Fashion-MNIST is not installed (apt-get install -y dataset-fashion-mnist)")
+                                         reason="Fashion-MNIST is not installed (dataset-fashion-mnist)")
 DIGITS = 1437  # training samples of scikit-learn's digits
 
 
