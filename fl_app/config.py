@@ -28,7 +28,7 @@ from typing import Any
 from core.config import RunConfig, common_settings, results_root
 from core.data import dataset_info
 from core.model_io import build_model_for, to_arrays
-from core.rounds import RunContext, ServerStrategy
+from core.strategy import RunContext, ServerStrategy
 from models import list_models
 from plugins.options import ConfigError, Setting, build_settings, coerce, refuse, settings_fields
 from models.protocol import head_of

@@ -9,7 +9,9 @@ from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from torch import nn
 
-from core.rounds import MetricAggregation, Participation, Reply, RoundRunner, RunContext, ServerStrategy, reply_problem
+from core.replies import reply_problem
+from core.rounds import MetricAggregation, Participation, RoundRunner
+from core.strategy import Reply, RunContext, ServerStrategy
 from fl_app.config import parse_run_config
 from fl_app.inprocess import InProcessGrid
 from models.protocol import ModelHead

@@ -9,7 +9,7 @@ import pytest
 from flwr.app import Array, ArrayRecord
 from hydra import compose, initialize_config_dir
 
-from core.rounds import Reply, ServerStrategy, weighted_mean
+from core.strategy import Reply, ServerStrategy, weighted_mean
 from fl_app.config import ConfigError, default_run_config, parse_run_config
 from fl_app.inprocess import run_in_process
 from fl_app.sweep import hydra_to_run_config, register_configs
