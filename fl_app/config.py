@@ -20,6 +20,7 @@ import argparse
 import os
 import re
 import tempfile
+import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -164,7 +165,11 @@ def check_paths(config: RunConfig) -> None:
 
 
 def validate_run(config: RunConfig) -> ServerStrategy:
-    """Everything that can be checked before a run starts: folders, model and algorithm (:func:`check_run`)."""
+    """Everything that can be checked before a run starts: ``pyproject.toml``'s run-config table
+    (:func:`pyproject_problem`), folders, model and algorithm (:func:`check_run`)."""
+    problem = pyproject_problem()
+    if problem is not None:
+        raise ConfigError(problem)
     check_paths(config)
     return check_run(config)
 
@@ -194,6 +199,44 @@ def write_pyproject(path: Path = PYPROJECT) -> bool:
     if updated != text:
         path.write_text(updated)
     return updated != text
+
+
+REGENERATE = "python -m fl_app.config --write"
+"""The command that regenerates ``pyproject.toml``'s run-config table and the README's generated sections."""
+
+
+def pyproject_problem() -> str | None:
+    """Why ``pyproject.toml``'s ``[tool.flwr.app.config]`` (:data:`PYPROJECT`) is not the table the registered
+    settings classes make, or None; the message names the keys and the command that regenerates the table.
+
+    ``flwr run`` refuses a run-config key the table lacks, with only ``[code: 15] Invalid run configuration``
+    and only after a SuperLink has started: a new algorithm's or model's key must be in it before a run.
+    A key at another default than its settings class declares, or one nobody declares, is refused as well:
+    ``flwr run`` hands every key of the table to the apps, which refuse a key nobody declares and a key of an
+    algorithm or model that is not chosen at anything but its default, again only once the run has started;
+    and a plain ``flwr run .`` would run the stale default."""
+    if not PYPROJECT.is_file():
+        return f"no {PYPROJECT}: `flwr run` needs it (its [tool.flwr.app.config] is made by `{REGENERATE}`)"
+    table = tomllib.loads(PYPROJECT.read_text()).get("tool", {}).get("flwr", {}).get("app", {}).get("config", {})
+    declared, owned = default_run_config(), owned_settings()
+    problems = []
+    missing = [key for key in declared if key not in table]
+    if missing:
+        named = ", ".join(f"'{key}'" + (f" (of {owned[key].kind} {', '.join(map(repr, owned[key].owners))})"
+                                          if key in owned else "") for key in missing)
+        problems.append(f"it lacks {named}, which `flwr run` refuses with only '[code: 15] Invalid run "
+                        "configuration'")
+    stale = {key: (table[key], value) for key, value in declared.items() if key in table and table[key] != value}
+    if stale:
+        problems.append("its defaults differ from the settings classes' for " + ", ".join(
+            f"'{key}' ({old!r}, declared {new!r})" for key, (old, new) in stale.items()))
+    unknown = [key for key in table if key not in declared]
+    if unknown:
+        problems.append(f"it holds key(s) {unknown} that no setting declares")
+    if not problems:
+        return None
+    return (f"{PYPROJECT}'s [tool.flwr.app.config] is not the table the registered strategies and models make: "
+            f"{'; '.join(problems)}. Regenerate it with `{REGENERATE}`.")
 
 
 def keys_markdown() -> str:
