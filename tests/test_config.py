@@ -10,7 +10,7 @@ import pytest
 
 from core.config import RunConfig
 from fl_app import config as fl_config
-from fl_app.config import (ConfigError, check_run, default_run_config, keys_markdown, owned_settings,
+from fl_app.config import (ConfigError, check_run, default_run_config, keys_markdown, names_markdown, owned_settings,
                            parse_run_config, pyproject_problem, pyproject_table, validate_run)
 from models import list_models
 from strategies import list_strategies
@@ -47,6 +47,20 @@ def test_a_stale_pyproject_table_is_refused_naming_the_keys_and_the_command(tmp_
 
 def test_readme_key_tables_are_generated_from_the_settings_classes():
     assert keys_markdown() in (ROOT / "README.md").read_text()
+
+
+def test_readme_lists_of_names_are_generated_from_the_registries():
+    readme = (ROOT / "README.md").read_text()
+    assert names_markdown() in readme
+    assert all(f"| `{name}` |" in names_markdown() for name in list_strategies())
+
+
+def test_the_readme_method_table_names_every_registered_strategy():
+    """The table at the top is prose per method; a new algorithm needs its row (or a place in one)."""
+    intro = (ROOT / "README.md").read_text().partition("\n## ")[0]
+    table = "\n".join(line for line in intro.splitlines() if line.startswith("| **"))
+    missing = [name for name in list_strategies() if f"`{name}`" not in table]
+    assert not missing, f"README's method table lacks strategies {missing}"
 
 
 def test_import_layers_are_kept():
