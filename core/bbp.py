@@ -78,6 +78,7 @@ import torch
 from torch import Tensor
 
 from models.permutation import AxisRef, PermutationSpec, unit_view
+from plugins.options import is_number
 
 StateDict = Mapping[str, Tensor]
 
@@ -120,9 +121,9 @@ class BBPSettings:
     def __post_init__(self) -> None:
         for name in ("sigma", "sigma0", "gamma"):
             value = getattr(self, name)
-            if not _is_number(value) or not (math.isfinite(value) and value > 0):
+            if not is_number(value) or not value > 0:
                 raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
-        if not _is_number(self.mu0) or not math.isfinite(self.mu0):
+        if not is_number(self.mu0):
             raise ValueError(f"mu0 must be a finite number, got {self.mu0!r}")
         if not _is_int(self.max_width) or self.max_width < 1:
             raise ValueError(f"max_width must be an integer >= 1, got {self.max_width!r}")
@@ -130,10 +131,6 @@ class BBPSettings:
             raise ValueError(f"iterations must be an integer >= 0, got {self.iterations!r}")
         if self.estimate not in ESTIMATES:
             raise ValueError(f"estimate must be one of {list(ESTIMATES)}, got {self.estimate!r}")
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _is_int(value: object) -> bool:

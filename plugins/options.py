@@ -38,6 +38,12 @@ def unit_interval(value: float) -> bool:
     return 0.0 < value <= 1.0
 
 
+def is_number(value: Any) -> bool:
+    """A finite int or float that is not a bool (Python counts True as 1; no count, rate or scale here is a
+    bool)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def key_of(settings: type, name: str) -> str:
     """The run-config key of field ``name`` of a settings class."""
     return name.replace("_", "-")

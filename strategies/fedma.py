@@ -78,7 +78,9 @@ from torch import Tensor, nn
 from core.alignment import get_cost, list_costs, moved_share, solve_group, weighted_average
 from core.bbp import BBPSettings, match_group, scatter_group, units_to_entries
 from core.model_io import federated_state
-from core.rounds import CONFIG_RECORD, MODEL_RECORD, NodeDirectory, Reply, RunContext, ServerStrategy
+from core.nodes import NodeDirectory
+from core.replies import CONFIG_RECORD, MODEL_RECORD
+from core.strategy import Reply, RunContext, ServerStrategy
 from models import PermutationSpec, permute_state
 from plugins.options import option, positive
 from models.protocol import head_of
@@ -191,7 +193,7 @@ class FedMA(ServerStrategy):
 
     def describe(self) -> str:
         matching = "BBP-MAP" if self.bbp else f"one-to-one '{self.settings.fedma_matching}', {self.settings.passes} pass(es)"
-        return f"FedMA: {len(self.groups)} groups + output layer per cycle, {matching}"
+        return f"{super().describe()}: {len(self.groups)} groups + output layer per cycle, {matching}"
 
     def round_metrics(self) -> dict[str, Any]:
         """The share of units the stage's matching moved (mean over clients) and the global width per group."""

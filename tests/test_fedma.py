@@ -11,7 +11,7 @@ from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 from torch import nn
 
 from core.model_io import federated_state
-from core.rounds import Reply
+from core.strategy import Reply
 from fl_app.config import build_context, parse_run_config
 from fl_app.inprocess import run_in_process
 from models import build_model, permute_state, random_permutations
