@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import scipy.optimize
 import torch
 from torch import Tensor
 
@@ -69,13 +70,14 @@ class CpuClock:
 
 @contextmanager
 def instrumented(clock: CpuClock) -> Iterator[None]:
-    """Time cost building and solving for the duration of the block."""
-    cost, solver = bbp.extended_cost, bbp.linear_sum_assignment
-    bbp.extended_cost, bbp.linear_sum_assignment = clock.wrap("cost", cost), clock.wrap("solve", solver)
+    """Time cost building and solving for the duration of the block (core.bbp imports the solver from
+    scipy.optimize when it matches, so the solver is replaced there)."""
+    cost, solver = bbp.extended_cost, scipy.optimize.linear_sum_assignment
+    bbp.extended_cost, scipy.optimize.linear_sum_assignment = clock.wrap("cost", cost), clock.wrap("solve", solver)
     try:
         yield
     finally:
-        bbp.extended_cost, bbp.linear_sum_assignment = cost, solver
+        bbp.extended_cost, scipy.optimize.linear_sum_assignment = cost, solver
 
 
 def client_states(data: str, width: float, clients: int, scale: float, noise: float,

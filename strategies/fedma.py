@@ -25,15 +25,14 @@ Matching group ``s`` (``fedma-matching``):
 * ``bbp`` (the default, FedMA's): BBP-MAP over the clients' units of the group
   (:mod:`core.bbp`; ``bbp-sigma``, ``bbp-sigma0``, ``bbp-mu0``, ``bbp-gamma``,
   ``bbp-max-width``, ``bbp-iterations``, ``bbp-include-classifier``, defaults
-  as the authors'). A client
-  unit joins a global unit or opens a new one, so the matched layer may be
-  wider than the clients'. Each client's model comes back with the group's
-  global entries and its own other entries of the group (the next layer's
-  inputs) moved onto the global units, zeros for the units it lacks (PFNM's
-  patching), so the whole cycle continues at the grown width; the global
-  model carries its widths in its arrays' shapes, and every model that loads
-  it (clients, the server's evaluation, a resumed run) takes them
-  (:func:`core.model_io.resize_to`).
+  as the authors'). A client unit joins a global unit or opens a new one, so
+  the matched layer may be wider than the clients'. Each client's model comes
+  back with the group's global entries and its own other entries of the group
+  (the next layer's inputs) moved onto the global units, zeros for the units
+  it lacks (PFNM's patching), so the whole cycle continues at the grown
+  width; the global model carries its widths in its arrays' shapes, and
+  every model that loads it (clients, the server's evaluation, a resumed run)
+  takes them (:func:`core.model_io.resize_to`).
 * ``weight`` or ``l1``: one assignment per client with that score
   (:mod:`core.alignment`) onto the global model the cycle started from
   (``match-reference=global``) or, for ``match-iterations`` passes, onto the
