@@ -63,10 +63,10 @@ Where this deviates:
   ``min(J, max(700 - L, 1))`` columns, ``L`` the atoms present while a client
   is matched (its own units taken out, in a sweep): never fewer than one, so
   every match made while 700 or more atoms remain may open one more, in the
-  first pass and in the sweeps alike: their first pass can end ``K - 1``
-  atoms past ``max(700, widest client)``, and each sweep can add up to ``K``
-  more, so with sweeps their layers can creep further past the cap, not back
-  under it.
+  first pass and in the sweeps alike: their first pass can end up to
+  ``K - 1`` atoms past ``max(700, widest client)``, and each sweep can add
+  up to ``K`` more, so sweeps do not bring their layers back under the cap
+  (they can take them further past it).
 * **Sweeps stop early** once a whole sweep leaves the assignment unchanged
   (the authors always run all of them); atoms are renumbered after every
   sweep in order of first appearance (client 0's units first, in its order),
@@ -89,8 +89,9 @@ Scale: the cost compares squared norms with ``sigma``. With sigma = 1, units
 of squared norm well below a few units (PyTorch's initialisation gives about
 1/3 per unit) are told apart mostly by the popularity and new-atom terms, so
 even identical units may open new atoms; trained or larger weights match on
-their values, and so do small weights once sigma and sigma0 are set to their
-scale (``tests/test_bbp.py`` works both cases out by hand).
+their values, and small weights are scored on their values too once sigma
+and sigma0 are set to their scale (``tests/test_bbp.py`` works out both
+cases by hand).
 """
 
 from __future__ import annotations
