@@ -10,7 +10,8 @@ nothing), so both must agree exactly on assignments and closely on weights.
 Weights are drawn with a standard deviation of 2, so a unit's squared norm is
 well above the default sigma = 1: with smaller weights the popularity terms
 dominate and BBP-MAP opens new atoms even for identical units, as the authors'
-code does.
+code does. Two hand-worked examples pin that second scale (weights of about
+0.1), at the default sigma and at a sigma of their own scale.
 """
 
 from __future__ import annotations
@@ -297,11 +298,17 @@ OPEN = 2 * math.log(7 / 2)  # 2 log(gamma / K) = 2.5055 with gamma = 7, K = 2
 SECOND = 2 * math.log(2)  # the second new atom's extra 2 log t = 1.3863
 
 
-def _first_pass_cost(settings: BBPSettings) -> Tensor:
-    """Client 1's scores against the atoms client 0 opened (client 0 is as wide and comes first)."""
-    atoms = torch.tensor(CLIENTS_A, dtype=torch.float64) / settings.sigma
-    return extended_cost(torch.tensor(CLIENTS_B, dtype=torch.float64), atoms, torch.ones(2, dtype=torch.float64), 2,
-                         settings, 2)
+def _assert_hand_worked(settings: BBPSettings, cost: list[list[float]], assignments: list[list[int]],
+                        units: list[list[float]]) -> None:
+    """Client 1's scores against the atoms client 0 opened (client 0 is as wide and comes first) are ``cost``,
+    and BBP-MAP gives ``assignments`` and posterior ``units`` in every sweep order."""
+    rows = [torch.tensor(CLIENTS_A, dtype=torch.float64), torch.tensor(CLIENTS_B, dtype=torch.float64)]
+    first_pass = extended_cost(rows[1], rows[0] / settings.sigma, torch.ones(2, dtype=torch.float64), 2, settings, 2)
+    torch.testing.assert_close(first_pass, torch.tensor(cost, dtype=torch.float64), rtol=1e-9, atol=1e-12)
+    for seed in range(4):
+        match = match_units(rows, [1.0, 1.0], settings, generator=seed)
+        assert [a.tolist() for a in match.assignments] == assignments
+        torch.testing.assert_close(match.units, torch.tensor(units, dtype=torch.float64), rtol=0, atol=1e-12)
 
 
 def test_hand_worked_small_weights_open_new_atoms_at_the_default_scale():
@@ -317,19 +324,12 @@ def test_hand_worked_small_weights_open_new_atoms_at_the_default_scale():
          (0.12**2 + 0.2**2) / 2 + OPEN,  # 2.5327
          (0.12**2 + 0.2**2) / 2 + OPEN - SECOND],  # 1.1464
     ]
-    settings = BBPSettings()
-    torch.testing.assert_close(_first_pass_cost(settings), torch.tensor(expected, dtype=torch.float64),
-                               rtol=1e-12, atol=1e-12)
     # Best assignment: both new atoms, 2.5127 + 1.1464 = 1.1264 + 2.5327 = 3.6592, against at most
     # 2.5327 + 0.0111 = 2.5438 with one match. A sweep takes a client out (its atoms go) and puts it back: the
     # same scores with the clients' roles swapped, so nothing changes.
-    rows = [torch.tensor(CLIENTS_A, dtype=torch.float64), torch.tensor(CLIENTS_B, dtype=torch.float64)]
-    for seed in range(4):  # sweep orders
-        match = match_units(rows, [1.0, 1.0], settings, generator=seed)
-        assert [a.tolist() for a in match.assignments] == [[0, 1], [2, 3]]
-        # Posterior mean of a one-member atom: (mu0/sigma0 + x/sigma) / (1/sigma0 + 1/sigma) = x / 2.
-        torch.testing.assert_close(match.units, torch.tensor([[0.05, -0.1], [0.0, 0.05], [0.0, 0.06], [0.06, -0.1]],
-                                                             dtype=torch.float64), rtol=0, atol=1e-12)
+    # Posterior mean of a one-member atom: (mu0/sigma0 + x/sigma) / (1/sigma0 + 1/sigma) = x / 2.
+    _assert_hand_worked(BBPSettings(), expected, [[0, 1], [2, 3]],
+                        [[0.05, -0.1], [0.0, 0.05], [0.0, 0.06], [0.06, -0.1]])
 
 
 def test_hand_worked_small_weights_match_at_their_own_scale():
@@ -345,9 +345,6 @@ def test_hand_worked_small_weights_match_at_their_own_scale():
          (12**2 + 20**2) / 200 + OPEN,  # 2.72 + 2.5055 = 5.2255
          (12**2 + 20**2) / 200 + OPEN - SECOND],  # 3.8392
     ]
-    settings = BBPSettings(sigma=0.01, sigma0=0.01)
-    torch.testing.assert_close(_first_pass_cost(settings), torch.tensor(expected, dtype=torch.float64),
-                               rtol=1e-9, atol=1e-9)
     # Best: b1 new (3.2255) + b2 on a1 (4.4467) = 7.6721; both new 3.2255 + 3.8392 = 7.0647; b1 on a2 and b2 on
     # a1 = 5.5600; b1 on a2 and b2 new = 6.3389. Atoms: {a1, b2}, {a2}, {b1}.
     # Sweep, client 1 out: back to client 0's atoms, and the same scores put it back the same way.
@@ -360,15 +357,10 @@ def test_hand_worked_small_weights_match_at_their_own_scale():
     #                  new: (0**2 + 10**2) / 200 + OPEN = 3.0055 (t = 2: 1.6192);
     #   best: a1 on {b2} and a2 new, 4.2267 + 3.0055 = 7.2322 (both new: 6.6247): the same atoms, so the
     #   sweep changes nothing, in either order, and matching stops.
-    rows = [torch.tensor(CLIENTS_A, dtype=torch.float64), torch.tensor(CLIENTS_B, dtype=torch.float64)]
-    for seed in range(4):  # sweep orders
-        match = match_units(rows, [1.0, 1.0], settings, generator=seed)
-        assert [a.tolist() for a in match.assignments] == [[0, 1], [2, 0]]
-        # Posterior means, natural / precision: {a1, b2}: (10 + 12, -20 - 20) / (100 + 2 * 100);
-        # {a2}: (0, 10) / 200; {b1}: (0, 12) / 200.
-        torch.testing.assert_close(match.units, torch.tensor([[22 / 300, -40 / 300], [0.0, 10 / 200],
-                                                              [0.0, 12 / 200]], dtype=torch.float64),
-                                   rtol=0, atol=1e-12)
+    # Posterior means, natural / precision: {a1, b2}: (10 + 12, -20 - 20) / (100 + 2 * 100);
+    # {a2}: (0, 10) / 200; {b1}: (0, 12) / 200.
+    _assert_hand_worked(BBPSettings(sigma=0.01, sigma0=0.01), expected, [[0, 1], [2, 0]],
+                        [[22 / 300, -40 / 300], [0.0, 10 / 200], [0.0, 12 / 200]])
 
 
 # --- properties -----------------------------------------------------------------------------------
