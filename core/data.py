@@ -19,9 +19,9 @@ Where the files come from:
   over ``data_root`` (``~/.cache/alignfl/data`` when unset), downloading only
   when the files are absent; a failed download leaves no folder behind.
 
-Heavy libraries (torchvision, scikit-learn) are
-imported inside the functions that need them, so that a process which only
-loads Fashion-MNIST does not pay seconds of import time for them.
+Heavy libraries (torchvision, scikit-learn) are imported inside the functions
+that need them, so that a process which only loads Fashion-MNIST does not pay
+seconds of import time for them.
 """
 
 from __future__ import annotations
