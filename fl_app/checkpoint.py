@@ -2,7 +2,7 @@
 
 After every round the ServerApp writes ``checkpoint.pt`` into the
 run folder: the round number, the run config, the global arrays, the strategy's
-server state (:meth:`core.rounds.ServerStrategy.state_dict`), the metrics rows so
+server state (:meth:`core.strategy.ServerStrategy.state_dict`), the metrics rows so
 far and the state of the round runner's client-sampling stream (so a resumed run samples
 the clients the uninterrupted run would have). It is written to
 a temporary file that then replaces the old one, so a crash leaves the previous
@@ -27,6 +27,7 @@ from flwr.app import ArrayRecord
 
 from core.config import RunConfig
 from core.rounds import RoundRunner
+from fl_app.config import default_run_config
 from plugins.options import ConfigError
 
 CHECKPOINT = "checkpoint.pt"
@@ -109,10 +110,13 @@ def _as_random_state(state: Any) -> tuple[Any, ...]:
 
 
 def config_differences(saved: Mapping[str, Any], config: RunConfig) -> dict[str, tuple[Any, Any]]:
-    """Key → (checkpoint's value, this run's value) for every key that must not change on resume."""
-    current = config.to_run_config()
+    """Key → (checkpoint's value, this run's value) for every key that must not change on resume. A key on one
+    side only is at its default on the other (a run stores only the keys of its own algorithm, model and
+    partitioner; checkpoints from before partitioners had settings classes store every partitioner's key)."""
+    current, defaults = config.to_run_config(), default_run_config()
     keys = (set(saved) | set(current)) - RESUMABLE_CHANGES
-    return {key: (saved.get(key), current.get(key)) for key in sorted(keys) if saved.get(key) != current.get(key)}
+    values = {key: (saved.get(key, defaults.get(key)), current.get(key, defaults.get(key))) for key in sorted(keys)}
+    return {key: (old, new) for key, (old, new) in values.items() if old != new}
 
 
 def resume_checkpoint(config: RunConfig) -> Checkpoint:

@@ -37,7 +37,8 @@ import httpx
 
 from fl_app.checkpoint import CHECKPOINT, load_checkpoint, resume_checkpoint
 from fl_app.config import ConfigError, RunConfig, parse_run_config, results_root, validate_run
-from core.data import DatasetMissingError, check_dataset_available, partition_dataset
+from core.data import DatasetMissingError, check_dataset_available
+from core.partitioning.partitions import partition_dataset
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 STATUS_TIMEOUT_S = 120.0

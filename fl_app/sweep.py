@@ -41,10 +41,12 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from core.config import SECTIONS, hydra_leaf, key_of_path
+from core.config import PARTITIONER_SECTION, SECTIONS, hydra_leaf, key_of_path
+from core.partitioning.partitioners import PARTITIONERS, list_partitioners
 from core.data import DatasetMissingError, check_dataset_available
 from fl_app.client_app import build_client_app
-from fl_app.config import ConfigError, RunConfig, owned_settings, parse_run_config, results_root, validate_run
+from fl_app.config import (ConfigError, RunConfig, owned_settings, parse_run_config, pyproject_problem, results_root,
+                           validate_run)
 from fl_app.inprocess import run_in_process
 from fl_app.results import write_json
 from fl_app.server_app import build_server_app
@@ -129,9 +131,14 @@ def register_configs() -> None:
     """Put the generated configs into Hydra's ConfigStore (again after an algorithm or model registers)."""
     store = ConfigStore.instance()
     store.store(name="alignfl_run", node=_section_node("", SECTIONS[""], ("strategy", "model", *SET_PER_JOB)))
+    partitioners = {}
+    for name in list_partitioners():
+        partitioners.update(_section_node(PARTITIONER_SECTION, PARTITIONERS.get(name).settings))
     for section, settings in SECTIONS.items():
         if section:
-            store.store(group=section, name="default", node=_section_node(section, settings, SET_PER_JOB))
+            node = _section_node(section, settings, SET_PER_JOB)
+            store.store(group=section, name="default",
+                        node={**node, **partitioners} if section == PARTITIONER_SECTION else node)
     store.store(group="sim", name="default", node={f: spec.default for f, spec in
                                                     SimSettings.__dataclass_fields__.items()})
     for name in list_strategies():
@@ -316,9 +323,10 @@ def unowned_override(arguments: list[str]) -> str | None:
 
 
 def main() -> None:
-    """``python -m fl_app.sweep``: refuse an override no chosen algorithm or model has, then run Hydra."""
+    """``python -m fl_app.sweep``: refuse an override no chosen algorithm or model has, or a stale
+    ``pyproject.toml`` run-config table (as the launcher does), then run Hydra."""
     register_configs()
-    problem = unowned_override(sys.argv[1:])
+    problem = unowned_override(sys.argv[1:]) or pyproject_problem()
     if problem is not None:
         print(f"[alignfl] refused before starting: {problem}", file=sys.stderr)
         sys.exit(2)

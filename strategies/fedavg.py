@@ -1,7 +1,7 @@
 """FedAvg (McMahan et al., 2017): clients run local SGD, the server averages weighted by examples."""
 
-from core.rounds import ServerStrategy
+from core.strategy import ServerStrategy
 from strategies.base import LocalUpdate
-from strategies.registry import Algorithm, register_strategy
+from strategies.registry import STRATEGIES, Algorithm
 
-register_strategy(Algorithm("fedavg", ServerStrategy, LocalUpdate, "weighted averaging of local SGD models"))
+STRATEGIES.register(Algorithm("fedavg", ServerStrategy, LocalUpdate, "weighted averaging of local SGD models"))

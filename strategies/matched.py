@@ -43,11 +43,11 @@ from flwr.app import ArrayRecord
 from flwr.common.logger import log
 
 from core.alignment import align_and_average, list_costs, moved_share
-from core.rounds import Reply, RunContext, ServerStrategy
+from core.strategy import Reply, RunContext, ServerStrategy
 from models import PermutationSpec
 from plugins.options import ConfigError, option
 from strategies.base import LocalUpdate
-from strategies.registry import Algorithm, register_strategy
+from strategies.registry import STRATEGIES, Algorithm
 
 MATCH_REFERENCES = ("global", "iterative")
 
@@ -118,5 +118,5 @@ class Matched(ServerStrategy):
         return ArrayRecord(matched)
 
 
-register_strategy(Algorithm("matched", Matched, LocalUpdate, "align client units onto a reference (match-cost, "
+STRATEGIES.register(Algorithm("matched", Matched, LocalUpdate, "align client units onto a reference (match-cost, "
                             "match-reference), then average", MatchSettings))

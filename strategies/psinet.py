@@ -38,11 +38,12 @@ from torch import nn
 
 from core.model_io import federated_state
 from core.training import PlainSGD
-from core.rounds import Reply, RunContext, ServerStrategy, reply_problem
+from core.replies import reply_problem
+from core.strategy import Reply, RunContext, ServerStrategy
 from plugins.options import ConfigError
 from models.psinet import GroupLayout, held_groups
 from strategies.base import LocalUpdate
-from strategies.registry import Algorithm, register_strategy
+from strategies.registry import STRATEGIES, Algorithm
 
 HELD_RECORD = "psi-groups"
 """Reply record naming the groups the client holds (and so trained and sent)."""
@@ -140,6 +141,6 @@ class PsiNetStrategy(ServerStrategy):
         return masked_average(reference, [reply.arrays for reply in replies], [reply.weight for reply in replies])
 
 
-register_strategy(Algorithm("psinet", PsiNetStrategy, PsiNetUpdate,
+STRATEGIES.register(Algorithm("psinet", PsiNetStrategy, PsiNetUpdate,
                             "Ψ-Net: shared layers averaged over all, each group over its holders; "
                             "clients trim groups they hold no class of"))

@@ -41,10 +41,12 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 from torch import nn
 
 from core.model_io import arrays_mismatch, federated_state
-from core.rounds import NodeDirectory, Reply, RunContext, ServerStrategy, arrays_problem, weighted_mean
+from core.nodes import NodeDirectory
+from core.replies import arrays_problem
+from core.strategy import Reply, RunContext, ServerStrategy, weighted_mean
 from strategies.base import LocalUpdate
 from strategies.fedavgm import ServerStepSettings
-from strategies.registry import Algorithm, register_strategy
+from strategies.registry import STRATEGIES, Algorithm
 
 CONTROL = "control"
 """Record name: the server's c in a TRAIN message, the client's Δc_i in its reply."""
@@ -169,5 +171,5 @@ class ScaffoldUpdate(LocalUpdate):
         return {CONTROL: self.control_update}
 
 
-register_strategy(Algorithm("scaffold", Scaffold, ScaffoldUpdate,
+STRATEGIES.register(Algorithm("scaffold", Scaffold, ScaffoldUpdate,
                             "control variates correct client drift (option II; server-lr)", ServerStepSettings))

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from core.config import RunConfig
-from fl_app.config import (ConfigError, check_run, default_run_config, keys_markdown, owned_settings,
-                           parse_run_config, pyproject_table, validate_run)
+from fl_app import config as fl_config
+from fl_app.config import (ConfigError, check_run, default_run_config, keys_markdown, names_markdown, owned_settings,
+                           parse_run_config, pyproject_problem, pyproject_table, validate_run)
 from models import list_models
 from strategies import list_strategies
 from strategies.fedprox import FedProxSettings
@@ -25,8 +26,41 @@ def test_pyproject_run_config_is_generated_from_the_settings_classes():
     assert tomllib.loads(pyproject)["tool"]["flwr"]["app"]["config"] == default_run_config()
 
 
+@pytest.mark.parametrize(("edit", "fragment"), [
+    (lambda text: text.replace("\nseed = 0\n", "\n"), "it lacks 'seed'"),
+    (lambda text: text.replace("\nseed = 0\n", "\nseed = 3\n"), "'seed' (3, declared 0)"),
+    (lambda text: text.replace("[tool.flwr.app.config]\n", "[tool.flwr.app.config]\nretired = 1\n"),
+     "['retired'] that no setting declares"),
+])
+def test_a_stale_pyproject_table_is_refused_naming_the_keys_and_the_command(tmp_path, monkeypatch, edit, fragment):
+    """Every entry point validates with :func:`validate_run` (the launcher, deploy and sweep exit 2, see
+    tests/test_toy_algorithm.py); the shipped table passes."""
+    assert pyproject_problem() is None
+    stale = tmp_path / "pyproject.toml"
+    stale.write_text(edit((ROOT / "pyproject.toml").read_text()))
+    monkeypatch.setattr(fl_config, "PYPROJECT", stale)
+    problem = pyproject_problem()
+    assert problem is not None and fragment in problem and "python -m fl_app.config --write" in problem
+    with pytest.raises(ConfigError, match="Regenerate it"):
+        validate_run(parse_run_config({"results-dir": str(tmp_path)}))
+
+
 def test_readme_key_tables_are_generated_from_the_settings_classes():
     assert keys_markdown() in (ROOT / "README.md").read_text()
+
+
+def test_readme_lists_of_names_are_generated_from_the_registries():
+    readme = (ROOT / "README.md").read_text()
+    assert names_markdown() in readme
+    assert all(f"| `{name}` |" in names_markdown() for name in list_strategies())
+
+
+def test_the_readme_method_table_names_every_registered_strategy():
+    """The table at the top is prose per method; a new algorithm needs its row (or a place in one)."""
+    intro = (ROOT / "README.md").read_text().partition("\n## ")[0]
+    table = "\n".join(line for line in intro.splitlines() if line.startswith("| **"))
+    missing = [name for name in list_strategies() if f"`{name}`" not in table]
+    assert not missing, f"README's method table lacks strategies {missing}"
 
 
 def test_import_layers_are_kept():
@@ -63,13 +97,18 @@ def test_a_key_of_another_algorithm_is_accepted_at_its_default_and_refused_when_
     with pytest.raises(ConfigError, match="'psi-groups' = 3 belongs to model .*'psi-vgg9'.*not to the chosen model "
                                           "'mlp'"):
         parse_run_config({"psi-groups": 3})
+    with pytest.raises(ConfigError, match="'classes-per-client' = 3 belongs to partitioner 'pathological', not to the "
+                                          "chosen partitioner 'dirichlet'"):
+        parse_run_config({"classes-per-client": 3})
+    assert parse_run_config({"partitioner": "pathological", "classes-per-client": 3,
+                             "dirichlet-alpha": 0.5}).partitioner_settings.classes_per_client == 3  # at its default
 
 
 def test_values_are_coerced_and_kept():
     config = parse_run_config({"lr": 1, "num-server-rounds": 3.0, "strategy": "fedprox", "dirichlet-alpha": 0.1})
     assert config.lr == 1.0 and isinstance(config.lr, float)
     assert config.num_server_rounds == 3 and isinstance(config.num_server_rounds, int)
-    assert config.strategy == "fedprox" and config.dirichlet_alpha == 0.1
+    assert config.strategy == "fedprox" and config.partitioner_settings.dirichlet_alpha == 0.1
 
 
 @pytest.mark.parametrize(
@@ -78,7 +117,7 @@ def test_values_are_coerced_and_kept():
         ({}, "strategy", "fedfoo", "fedavg"),
         ({}, "model", "nope", "mlp"),
         ({}, "dataset", "imagenet", "registered"),
-        ({}, "partitioner", "zipf", "registered"),
+        ({}, "partitioner", "zipf", "dirichlet"),
         ({}, "dirichlet-alpha", 0.0, "> 0"),
         ({}, "dirichlet-alpha", -1.0, "> 0"),
         ({}, "fraction-train", 0.0, "(0, 1]"),
@@ -87,7 +126,10 @@ def test_values_are_coerced_and_kept():
         ({}, "num-server-rounds", 0, "positive"),
         ({}, "local-epochs", -1, "positive"),
         ({}, "batch-size", 0, "positive"),
-        ({}, "classes-per-client", 11, "number of classes"),
+        ({"partitioner": "pathological"}, "classes-per-client", 11, "number of classes"),
+        ({"partitioner": "pathological"}, "classes-per-client", 0, "positive"),
+        ({"partitioner": "shard"}, "shards-per-client", 0, "positive"),
+        ({"partitioner": "fixed-pairs"}, "samples-per-client", 3, "even"),
         ({}, "lr", 0.0, "> 0"),
         ({}, "lr", -0.05, "> 0"),
         ({}, "momentum", 1.0, "[0, 1)"),

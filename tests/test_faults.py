@@ -32,11 +32,12 @@ from fl_app import server_app
 from fl_app.checkpoint import CHECKPOINT, capture, load_checkpoint, save_checkpoint
 from fl_app.client_app import build_client_app
 from core.config import RunConfig
-from fl_app.config import ConfigError, parse_run_config
+from fl_app.config import ConfigError, default_run_config, parse_run_config
 from fl_app.server_app import build_server_app, run_experiment
 from strategies import get_strategy, list_strategies
-from core import rounds
-from core.rounds import MetricAggregation, Reply, RoundRunner, RunContext, ServerStrategy
+from core.nodes import send_and_receive
+from core.rounds import MetricAggregation, RoundRunner
+from core.strategy import Reply, RunContext, ServerStrategy
 from models.protocol import ModelHead
 from fl_app.inprocess import InProcessGrid
 
@@ -401,6 +402,19 @@ def test_resume_refuses_a_missing_folder_or_checkpoint_and_changed_keys(tmp_path
     assert not (tmp_path / "new").exists()
 
 
+def test_a_key_stored_on_one_side_only_counts_as_its_default_on_resume():
+    """A run stores only its own partitioner's keys; checkpoints from before partitioners had settings classes
+    store every partitioner's key, at its default unless that partitioner was chosen."""
+    config = parse_run_config({"partitioner": "shard", "shards-per-client": 3})
+    saved = {**default_run_config(), **config.to_run_config()}
+    assert "classes-per-client" in saved and "classes-per-client" not in config.to_run_config()
+    assert checkpoint_module.config_differences(saved, config) == {}
+    assert checkpoint_module.config_differences({**saved, "classes-per-client": 4}, config) == {
+        "classes-per-client": (4, 2)}
+    assert checkpoint_module.config_differences({**saved, "shards-per-client": 2}, config) == {
+        "shards-per-client": (2, 3)}
+
+
 @pytest.mark.parametrize(("key", "value", "fragment"), [("resume-from", "runs/a", "absolute"),
                                                          ("round-timeout", 0.0, "> 0"),
                                                          ("round-timeout", math.inf, "> 0")])
@@ -546,13 +560,13 @@ class SlowGrid(Grid):
 
 
 def test_replies_are_polled_until_all_came_or_the_timeout(monkeypatch):
-    monkeypatch.setattr(rounds, "REPLY_POLL_S", 0.0)
+    monkeypatch.setattr("core.nodes.REPLY_POLL_S", 0.0)
     messages = [Message(RecordDict(), dst_node_id=node, message_type=MessageType.TRAIN) for node in (1, 2, 3)]
     grid = SlowGrid(replies=3)
-    replies = rounds.send_and_receive(grid, messages, timeout=10.0)
+    replies = send_and_receive(grid, messages, timeout=10.0)
     assert [reply.metadata.reply_to_message_id for reply in replies] == [m.metadata.message_id for m in messages]
     assert grid.pulls == 3
     late = SlowGrid(replies=1)
-    assert len(rounds.send_and_receive(late, [Message(RecordDict(), dst_node_id=n, message_type=MessageType.TRAIN)
-                                              for n in (1, 2)], timeout=0.05)) == 1
+    assert len(send_and_receive(late, [Message(RecordDict(), dst_node_id=n, message_type=MessageType.TRAIN)
+                                       for n in (1, 2)], timeout=0.05)) == 1
     assert late.pulls > 1

@@ -55,10 +55,23 @@ def test_hydra_overrides_become_the_validated_run_config(tmp_path):
                     "data.dirichlet_alpha=0.1", "seed=1", "sim.num_supernodes=7"])
     config, sim = job_settings(cfg, cfg.hydra.runtime.choices, tmp_path)
     assert (config.strategy, config.settings.proximal_mu, config.pan_mode, config.pan_t, config.pan_a) == ("fedprox", 0.1, "mul", 4.0, 0.05)
-    assert (config.dirichlet_alpha, config.seed, config.min_available_nodes) == (0.1, 1, 7)
+    assert (config.partitioner_settings.dirichlet_alpha, config.seed, config.min_available_nodes) == (0.1, 1, 7)
     assert (config.results_dir, config.run_name) == (str(tmp_path.resolve()), "run")
     assert sim.num_supernodes == 7
     assert sim.backend_config()["client_resources"] == {"num_cpus": 1, "num_gpus": 0.0}
+
+
+@pytest.mark.parametrize(("partitioner", "path", "value"), [("dirichlet", "data.dirichlet_alpha", 0.1),
+                                                            ("pathological", "data.classes_per_client", 3),
+                                                            ("shard", "data.shards_per_client", 3),
+                                                            ("fixed-pairs", "data.samples_per_client", 20)])
+def test_a_partitioners_settings_sit_in_the_data_section(tmp_path, partitioner, path, value):
+    cfg = composed([f"data.partitioner={partitioner}", f"{path}={value}"])
+    config, _ = job_settings(cfg, cfg.hydra.runtime.choices, tmp_path)
+    assert config.partitioner == partitioner and getattr(config.partitioner_settings, path[len("data."):]) == value
+    with pytest.raises(ConfigError, match=f"belongs to partitioner '{partitioner}', not to the chosen partitioner 'iid'"):
+        cfg = composed(["data.partitioner=iid", f"{path}={value}"])
+        job_settings(cfg, cfg.hydra.runtime.choices, tmp_path)
 
 
 @pytest.mark.parametrize(("override", "key", "value"), [("pan.a=-1", "pan-a", -1), ("train.lr=0", "lr", 0),
