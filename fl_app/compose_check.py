@@ -508,14 +508,17 @@ class ComposeCheck:
 def parse_args(argv: Sequence[str] | None) -> Settings:
     parser = argparse.ArgumentParser(prog="python -m fl_app.compose_check", description=__doc__.split("\n\n")[0])
     parser.add_argument("--work-dir", type=Path, required=True, help="logs, results and keys go here")
-    parser.add_argument("--rounds", type=int, default=2, help="rounds of the plain, loopback and TLS runs")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--run-timeout", type=float, default=1800.0, help="seconds a run may take before it is "
-                                                                           "stopped as hung")
-    parser.add_argument("--kill-min-nodes", type=int, default=2, help="min-available-nodes of the node-kill run")
-    parser.add_argument("--kill-rounds", type=int, default=3, help="rounds of the node-kill run (at least 2)")
-    parser.add_argument("--compare-tol", type=float, default=0.02,
-                        help="largest accepted |compose - loopback| final accuracy")
+    parser.add_argument("--rounds", type=int, default=Settings.rounds,
+                        help=f"rounds of the plain, loopback and TLS runs (default {Settings.rounds})")
+    parser.add_argument("--seed", type=int, default=Settings.seed)
+    parser.add_argument("--run-timeout", type=float, default=Settings.run_timeout_s,
+                        help=f"seconds a run may take before it is stopped as hung (default {Settings.run_timeout_s})")
+    parser.add_argument("--kill-min-nodes", type=int, default=Settings.kill_min_nodes,
+                        help=f"min-available-nodes of the node-kill run (default {Settings.kill_min_nodes})")
+    parser.add_argument("--kill-rounds", type=int, default=Settings.kill_rounds,
+                        help=f"rounds of the node-kill run, at least 2 (default {Settings.kill_rounds})")
+    parser.add_argument("--compare-tol", type=float, default=Settings.compare_tol,
+                        help=f"largest accepted |compose - loopback| final accuracy (default {Settings.compare_tol})")
     parser.add_argument("--skip", default="", help=f"step groups to leave out, any of: {' '.join(STEP_GROUPS)}")
     args = parser.parse_args(argv)
     skip = frozenset(args.skip.split())
