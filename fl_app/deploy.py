@@ -80,6 +80,8 @@ def prepare(args: argparse.Namespace) -> RunConfig:
     for option, folder in (("--work-dir", args.work_dir), ("--certs", args.certs)):
         if folder is not None:
             check_folder(option, folder.resolve())
+    if args.rounds is not None and args.rounds < 1:  # named as the user wrote it, not as num-server-rounds
+        raise ConfigError(f"--rounds must be at least 1, got {args.rounds}")
     overrides = parse_overrides(args.run_config)
     if args.rounds is not None:
         overrides["num-server-rounds"] = args.rounds

@@ -135,7 +135,8 @@ def test_make_certs_signs_the_superlink_for_its_names_and_makes_flower_readable_
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--num-supernodes", "0"], "--num-supernodes"),
+    (["--num-supernodes", "0"], "--num-supernodes must be at least 1, got 0"),
+    (["--rounds", "0"], "--rounds must be at least 1, got 0"),
     (["--certs", "/tmp"], "--certs is only used with --tls"),
     (["--run-config", 'dataset="digits" lr=-1'], "lr"),
     (["--num-supernodes", "2", "--run-config", 'dataset="digits" min-available-nodes=3'], "min-available-nodes"),
