@@ -29,6 +29,7 @@ from core.config import RunConfig, common_settings, results_root
 from core.data import dataset_info
 from core.model_io import build_model_for, to_arrays
 from core.rounds import RunContext, ServerStrategy
+from fl_app.tracking import check_tracking
 from models import list_models
 from plugins.options import ConfigError, Setting, build_settings, coerce, refuse, settings_fields
 from models.protocol import head_of
@@ -164,8 +165,10 @@ def check_paths(config: RunConfig) -> None:
 
 
 def validate_run(config: RunConfig) -> ServerStrategy:
-    """Everything that can be checked before a run starts: folders, model and algorithm (:func:`check_run`)."""
+    """Everything that can be checked before a run starts: folders, tracking, model and algorithm
+    (:func:`check_run`)."""
     check_paths(config)
+    check_tracking(config)
     return check_run(config)
 
 
