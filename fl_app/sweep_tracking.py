@@ -27,8 +27,8 @@ from flwr.common.logger import log
 
 from core.config import RunConfig
 from fl_app.results import write_json
-from fl_app.tracking import (PARENT_RUN_ENV, RUN_NAME_ENV, experiment_id, git_commit, log_in_batches, mlflow_client,
-                             mlflow_uri, wants_mlflow)
+from fl_app.tracking import (PARENT_RUN_ENV, RUN_NAME_ENV, TENSORBOARD_ON, experiment_id, git_commit,
+                             log_in_batches, mlflow_client, mlflow_uri, wants_mlflow)
 
 PARENT_FILE = "mlflow-sweep.json"
 HPARAMS_SUFFIX = ".alignfl-hparams"
@@ -45,14 +45,16 @@ def _value(text: str) -> float | str:
 
 
 def write_hparams(sweep_dir: Path, sessions: list[tuple[Path, Mapping[str, str], Mapping[str, Any]]]) -> None:
-    """One HParams session per completed job (run folder, swept settings, summary) and the experiment that lists
-    them, in the sweep folder. The seed is read from each run's config.json."""
+    """One HParams session per completed job (run folder, swept settings, summary) whose run has TensorBoard on,
+    and the experiment that lists them, in the sweep folder. The seed is read from each run's config.json."""
     from torch.utils.tensorboard.summary import hparams
 
     table = []
     for run_folder, settings, summary in sessions:
-        seed = json.loads((run_folder / "config.json").read_text())["seed"]
-        values = {**{key: _value(value) for key, value in settings.items()}, "seed": float(seed)}
+        config = json.loads((run_folder / "config.json").read_text())
+        if config.get("tracking") not in TENSORBOARD_ON:
+            continue
+        values = {**{key: _value(value) for key, value in settings.items()}, "seed": float(config["seed"])}
         metrics = {f"hparams/{name}": float(summary[name]) for name in HPARAMS_METRICS
                    if isinstance(summary.get(name), (int, float))}
         table.append((run_folder, values, metrics))

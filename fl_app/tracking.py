@@ -57,15 +57,17 @@ HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BA
                  "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
 """A remote store that stops answering costs seconds, not MLflow's default minutes of retries (set only where
 the user has not set them)."""
+TENSORBOARD_ON = ("tensorboard", "both")
+MLFLOW_ON = ("mlflow", "both")
 _UNSAFE = re.compile(r"[^A-Za-z0-9_\-. /]")
 
 
 def wants_tensorboard(config: RunConfig) -> bool:
-    return config.tracking in ("tensorboard", "both")
+    return config.tracking in TENSORBOARD_ON
 
 
 def wants_mlflow(config: RunConfig) -> bool:
-    return config.tracking in ("mlflow", "both")
+    return config.tracking in MLFLOW_ON
 
 
 def mlflow_uri(config: RunConfig) -> str:
