@@ -49,7 +49,7 @@ from fl_app.inprocess import run_in_process
 from fl_app.progress import start_sweep, sweep_progress
 from fl_app.results import write_json
 from fl_app.server_app import build_server_app
-from fl_app.sweep_tracking import sweep_child
+from fl_app.sweep_tracking import sweep_child, sweep_store
 from models import list_models
 from plugins.options import non_negative, option, positive, settings_fields
 from models.registry import model_options
@@ -256,6 +256,7 @@ def run_job(cfg: DictConfig, choices: Mapping[str, Any], job_dir: Path, sweep_di
     record: dict[str, Any] = {"status": FAILED, "error": None, "run-folder": None}
     try:
         config, sim = job_settings(cfg, choices, job_dir)
+        config = sweep_store(config, sweep_dir)
         run_folder = Path(config.resume_from) if config.resume_from else results_root(config) / config.run_name
         if run_folder.exists() and not config.resume_from:  # its metrics.jsonl would get a second run's rounds
             raise FileExistsError(f"{run_folder} holds an earlier run; give the sweep a new hydra.sweep.dir")

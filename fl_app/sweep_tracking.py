@@ -84,6 +84,14 @@ def _fresh_writer(folder: Path) -> Any:
     return SummaryWriter(str(folder), filename_suffix=HPARAMS_SUFFIX)
 
 
+def sweep_store(config: RunConfig, sweep_dir: Path | None) -> RunConfig:
+    """A multirun job's config with the default MLflow store the sweep's (``<sweep folder>/mlflow.db``), not its
+    own job folder's, so that every job's run lands beside the parent run."""
+    if sweep_dir is None or not wants_mlflow(config) or config.mlflow_uri:
+        return config
+    return config.replace(mlflow_uri=f"sqlite:///{(sweep_dir / 'mlflow.db').resolve()}")
+
+
 def _parent_run(config: RunConfig, sweep_dir: Path) -> str:
     """The sweep's MLflow parent run, made by the first job that asks (under a lock in the sweep folder)."""
     uri = mlflow_uri(config)
