@@ -179,7 +179,7 @@ def _artifact_location(uri: str) -> str | None:
     """Where a SQLite store's experiment keeps artifacts: beside the database (MLflow's default is the working
     directory, which is a copy for ``flwr run``); a server decides for itself."""
     if uri.startswith("sqlite:///"):
-        return (Path(uri.removeprefix("sqlite://")).parent / "mlflow-artifacts").as_uri()
+        return (Path(uri.removeprefix("sqlite:///")).parent / "mlflow-artifacts").as_uri()
     return None
 
 

@@ -115,6 +115,7 @@ def test_an_mlflow_run_holds_the_run_and_a_resumed_run_continues_it_once(tmp_pat
     assert stored.data.metrics["final-accuracy"] == pytest.approx(first["final-accuracy"])
     assert {artifact.path for artifact in client.list_artifacts(run_id)} == {
         "accuracy.png", "config.json", "metrics.jsonl", "model.pt", "summary.json"}
+    assert (tmp_path / "store" / "mlflow-artifacts" / run_id / "artifacts" / "model.pt").is_file()  # beside the DB
 
     resumed = run(tmp_path, tracking="both", **{"mlflow-uri": uri, "resume-from": str(folder),
                                                  "num-server-rounds": 3, "run-name": ""})
