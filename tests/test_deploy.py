@@ -277,9 +277,7 @@ def test_strategy_completes_two_rounds_on_three_supernodes(plain, strategy, tmp_
     assert all(row["clients-trained"] == 3 and row["clients-evaluated"] == 3 for row in metrics[1:])
     assert set(metrics[-1]["local-accuracy-per-client"]) == {"0", "1", "2"}  # each node its own partition
     assert report_outcome(config, status, details) == 0
-    out = capsys.readouterr().out
-    assert f"results in {folder}" in out
-    assert "| round 2/2, elapsed" in out  # the ServerApp's progress line, streamed by the launcher
+    assert f"results in {folder}" in capsys.readouterr().out
     board = EventAccumulator(str(folder))  # deployed, the ServerApp tracks to TensorBoard as it does in simulation
     board.Reload()
     assert [event.step for event in board.Scalars("accuracy")] == [0, 1, 2]
