@@ -75,10 +75,12 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"MLP, {sum(p.numel() for p in model.parameters()):,} parameters, {args.clients} replies; "
           f"CPU seconds, median of {args.repeats}")
-    print(f"reply checks (keys, shapes, finite):   {cpu_seconds(lambda: [arrays_problem(r.arrays, reference) for r in replies], args.repeats):.4f}")
-    print(f"weighted mean (Flower's arithmetic):   {cpu_seconds(lambda: weighted_mean(replies), args.repeats):.4f}")
-    print(f"  the same mean in torch (plain loop): {cpu_seconds(torch_mean, args.repeats):.4f}")
-    print(f"checkpoint (torch.save, fsync):        {cpu_seconds(lambda: save_checkpoint(folder, checkpoint), args.repeats):.4f}")
+    steps = {"reply checks (keys, shapes, finite):  ": lambda: [arrays_problem(r.arrays, reference) for r in replies],
+             "weighted mean (Flower's arithmetic):  ": lambda: weighted_mean(replies),
+             "  the same mean in torch (plain loop):": torch_mean,
+             "checkpoint (torch.save, fsync):       ": lambda: save_checkpoint(folder, checkpoint)}
+    for label, step in steps.items():
+        print(f"{label} {cpu_seconds(step, args.repeats):.4f}")
     started = time.perf_counter()
     save_checkpoint(folder, checkpoint)
     print(f"  its wall time (disk):                {time.perf_counter() - started:.4f}")

@@ -249,7 +249,8 @@ def simulate(config: RunConfig, sim: SimSettings) -> None:
                    num_supernodes=sim.num_supernodes, backend_config=sim.backend_config())
 
 
-def run_job(cfg: DictConfig, choices: Mapping[str, Any], job_dir: Path, sweep_dir: Path | None = None) -> dict[str, Any]:
+def run_job(cfg: DictConfig, choices: Mapping[str, Any], job_dir: Path,
+            sweep_dir: Path | None = None) -> dict[str, Any]:
     """Validate, simulate and record one job; an error is logged and recorded, never raised. ``sweep_dir``: the
     multirun's folder, whose MLflow parent run the job's run joins (:func:`fl_app.sweep_tracking.sweep_child`)."""
     started = time.time()

@@ -233,8 +233,9 @@ def write_report(sweep_dir: Path, x: str = "pan.a", y: str = "pan.t", metric: st
         plot_heatmap(rows, varying, *axes, metric, heatmap_path)
     else:
         log.info("no heatmap: fewer than two swept keys vary (%s)", varying)
-    write_hparams(sweep_dir, [(Path(job.summary["run-folder"]), {key: row.settings[key] for key in varying or keys},
-                               job.summary) for row in rows for job in row.completed])
+    swept = varying or keys
+    write_hparams(sweep_dir, [(Path(job.summary["run-folder"]), {key: row.settings[key] for key in swept}, job.summary)
+                              for row in rows for job in row.completed if "run-folder" in job.summary])
     report = Report(rows, keys, varying, csv_path, markdown_path, heatmap_path)
     for row in rows:
         for job in row.jobs:

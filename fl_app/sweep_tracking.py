@@ -51,7 +51,8 @@ def write_hparams(sweep_dir: Path, sessions: list[tuple[Path, Mapping[str, str],
 
     table = []
     for run_folder, settings, summary in sessions:
-        config = json.loads((run_folder / "config.json").read_text())
+        config_path = run_folder / "config.json"
+        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
         if config.get("tracking") not in TENSORBOARD_ON:
             continue
         values = {**{key: _value(value) for key, value in settings.items()}, "seed": float(config["seed"])}

@@ -127,7 +127,10 @@ class Sink(Protocol):
         """Track the rows not tracked yet (each row once)."""
 
     def finish(self, summary: Mapping[str, Any], folder: Path) -> None:
-        """Track the summary's figures and the run folder's results."""
+        """Track the summary's figures and the run folder's results (``summary.json`` aside)."""
+
+    def seal(self, folder: Path) -> None:
+        """Track the final ``summary.json`` (written after :meth:`finish`, with what was tracked): the run is done."""
 
     def close(self, failed: bool) -> None:
         """Release the backend; ``failed``: the run ended with an error."""
@@ -163,6 +166,9 @@ class TensorBoardSink:
         for tag, value in scalars({k: v for k, v in summary.items() if k != "clients-per-round"}).items():
             self.writer.add_scalar(f"summary/{tag}", value, step)
         self.writer.flush()
+
+    def seal(self, folder: Path) -> None:
+        """The summary's figures are in the event files already."""
 
     def close(self, failed: bool) -> None:
         self.writer.close()
@@ -276,7 +282,7 @@ class MlflowSink:
             if path.is_file():
                 self.client.log_artifact(self.run_id, str(path))
 
-    def log_summary_file(self, folder: Path) -> None:
+    def seal(self, folder: Path) -> None:
         self.client.log_artifact(self.run_id, str(folder / "summary.json"))
         self.client.set_terminated(self.run_id, "FINISHED")
         self.finished = True
@@ -340,8 +346,7 @@ class Tracking:
         self._each("at the end of the run", lambda sink: sink.finish(summary, folder))
         summary = {**summary, SUMMARY_KEY: self.status()}
         write_json(folder / "summary.json", summary)
-        self._each("at the end of the run", lambda sink: sink.log_summary_file(folder)
-                   if isinstance(sink, MlflowSink) else None)
+        self._each("at the end of the run", lambda sink: sink.seal(folder))
         if summary[SUMMARY_KEY] != self.status():  # the last upload failed: say so on disk
             summary = {**summary, SUMMARY_KEY: self.status()}
             write_json(folder / "summary.json", summary)

@@ -90,7 +90,8 @@ def test_tensorboard_is_on_by_default_with_every_round_of_every_metric(tmp_path)
     assert summary["tracking"] == {"tensorboard": "complete"}
     board = tensorboard(folder)
     expected = expected_series(rows_of(folder))
-    assert {"accuracy", "loss", "train-loss", "clients-trained", "clients-dropped", "local-accuracy-mean"} <= set(expected)
+    assert {"accuracy", "loss", "train-loss", "clients-trained", "clients-dropped",
+            "local-accuracy-mean"} <= set(expected)
     for name, points in expected.items():
         assert same_series([(event.step, event.value) for event in board.Scalars(name)], points), name
     assert board.Scalars("summary/final-accuracy")[0].value == pytest.approx(summary["final-accuracy"])
