@@ -36,11 +36,13 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import scipy.optimize
 import torch
 from torch import Tensor
 
 import core.bbp as bbp
 from models import PanSettings, build_model, permute_state, random_permutations
+from models.protocol import head_of
 
 INPUTS = {"cifar10": (3, 32, 32), "mnist": (1, 28, 28)}
 CLASSES = 10
@@ -68,18 +70,20 @@ class CpuClock:
 
 @contextmanager
 def instrumented(clock: CpuClock) -> Iterator[None]:
-    """Time cost building and solving for the duration of the block."""
-    cost, solver = bbp.extended_cost, bbp.linear_sum_assignment
-    bbp.extended_cost, bbp.linear_sum_assignment = clock.wrap("cost", cost), clock.wrap("solve", solver)
+    """Time cost building and solving for the duration of the block (core.bbp imports the solver from
+    scipy.optimize when it matches, so the solver is replaced there)."""
+    cost, solver = bbp.extended_cost, scipy.optimize.linear_sum_assignment
+    bbp.extended_cost, scipy.optimize.linear_sum_assignment = clock.wrap("cost", cost), clock.wrap("solve", solver)
     try:
         yield
     finally:
-        bbp.extended_cost, bbp.linear_sum_assignment = cost, solver
+        bbp.extended_cost, scipy.optimize.linear_sum_assignment = cost, solver
 
 
 def client_states(data: str, width: float, clients: int, scale: float, noise: float,
-                  seed: int) -> tuple[Any, list[dict[str, Tensor]]]:
-    """The VGG-9 spec and ``clients`` drifted, permuted copies of one scaled initialisation."""
+                  seed: int) -> tuple[Any, tuple[str, ...], list[dict[str, Tensor]]]:
+    """The VGG-9 spec, its output layer's keys and ``clients`` drifted, permuted copies of one scaled
+    initialisation."""
     torch.manual_seed(seed)
     model = build_model("vgg9", INPUTS[data], CLASSES, PanSettings(), width_factor=width)
     spec = model.permutation_spec()
@@ -90,17 +94,17 @@ def client_states(data: str, width: float, clients: int, scale: float, noise: fl
         noisy = {key: value + noise * value.std() * torch.randn(value.shape, generator=generator)
                  for key, value in base.items()}
         states.append(permute_state(spec, noisy, random_permutations(spec, noisy, generator)))
-    return spec, states
+    return spec, head_of(model).keys, states
 
 
 def time_pass(data: str, width: float, clients: int, args: argparse.Namespace, seed: int) -> dict[str, float]:
     """One matching pass: wall and CPU seconds, the CPU split, client matches, growth and the load after."""
-    spec, states = client_states(data, width, clients, args.scale, args.noise, seed)
+    spec, head, states = client_states(data, width, clients, args.scale, args.noise, seed)
     settings = bbp.BBPSettings(iterations=args.iterations)
     clock = CpuClock()
     with instrumented(clock):
         wall, cpu = time.perf_counter(), time.process_time()
-        result = bbp.bbp_matched_average(states, [1.0] * clients, spec, settings, seed)
+        result = bbp.bbp_matched_average(states, [1.0] * clients, spec, settings, seed, head=head)
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     cost, solve = clock.spent.get("cost", 0.0), clock.spent.get("solve", 0.0)
     growth = sum(result.widths.values()) / sum(spec.group_sizes(states[0]).values()) - 1.0

@@ -28,8 +28,9 @@ columns score alike except for ``-2 log t``, so opening ``n`` atoms costs
 with one matrix product per client (:func:`extended_cost`) and solved with
 :func:`scipy.optimize.linear_sum_assignment`.
 
-What follows the authors' code (IBM/FedMA ``matching/pfnm.py``, main.py's
-``BBP_MAP``): the cost terms above, including the popularity count capped at
+What follows the authors' code (IBM/FedMA ``matching/pfnm.py``'s
+``layer_wise_group_descent`` and ``match_layer``, as main.py's ``BBP_MAP``
+calls them): the cost terms above, including the popularity count capped at
 10 and the ``2 log t`` penalties; the defaults sigma = sigma0 = 1, mu0 = 0,
 gamma = 7, a cap of 700 units and 5 sweeps; the initialisation (the widest
 client's units become the atoms, the others are matched in turn, widest
@@ -37,23 +38,47 @@ first); each sweep removing one client at a time, in a random order, deleting
 atoms left without members, and matching it again; new atoms appended in the
 order of the client's units; posterior means as the global units; missing
 inputs (a client's units do not cover every global input) read as zeros; the
+last hidden layer's units matched on their incoming weights and bias only,
+without the output layer's weights (``include_classifier`` adds them); the
 output layer never matched but averaged, per class with class counts; the
 cost computed in float32 for float32 models.
 
 Where this deviates:
 
-* one ``mu0`` for every coordinate (the authors put 0.1 on the bias);
-* the cap is hard: no new atom once the layer has ``max_width`` units, or the
-  widest client's width if that is more (the authors' new-atom block keeps at
-  least one column past their cap of 700, so their layers creep past it);
-* sweeps stop early once a whole sweep leaves the assignment unchanged (the
-  authors always run all of them); atoms are renumbered after every sweep in
-  order of first appearance (client 0's units first, in its order), which
-  renames atoms but changes no assignment;
-* a unit's vector is every entry of its group that is already aligned on its
-  other axes (:func:`aligned_refs`), as the other alignment costs use it:
-  this includes the output layer's columns for the last hidden layer (FedMA
-  leaves them out; PFNM includes them, scaled by class frequencies);
+* **Prior mean.** One ``mu0`` (default 0) for every coordinate. The authors'
+  prior mean is 0 except for one coordinate at 0.1 (their ``mu0_bias``; its
+  variance is sigma0 like the rest's). In the first layer they lay the prior
+  out as the data, ``[weights, bias]``, so the 0.1 is the bias's; in every
+  later layer they write it as ``[bias] + weights`` while the data stays
+  ``[weights, bias]``, so the 0.1 lands on the weight from the first input
+  unit and the bias's prior mean is 0. We keep one ``mu0``: a prior on one
+  input weight has no reason in the model, and a bias-only prior would need a
+  per-coordinate mean over vectors whose layout (weights, bias, normalisation
+  entries, in the spec's order) differs from model to model. At the defaults
+  the difference is small: the 0.1 moves a unit's scores by about 0.1 times
+  that coordinate, and an atom's posterior mean of it by ``0.1 / (n + 1)``
+  for ``n`` members.
+* **The cap is hard**: no new atom once the layer has ``max_width`` units, or
+  the widest client's width if that is more. The authors' new-atom block has
+  ``min(J, max(700 - L, 1))`` columns, ``L`` the atoms present while a client
+  is matched (its own units taken out, in a sweep): never fewer than one, so
+  every match made while 700 or more atoms remain may open one more, in the
+  first pass and in the sweeps alike: their first pass can end up to
+  ``K - 1`` atoms past ``max(700, widest client)``, and each sweep can add
+  up to ``K`` more, so sweeps do not bring their layers back under the cap
+  (they can take them further past it).
+* **Sweeps stop early** once a whole sweep leaves the assignment unchanged
+  (the authors always run all of them); atoms are renumbered after every
+  sweep in order of first appearance (client 0's units first, in its order),
+  which renames atoms but changes no assignment.
+* **Any permutation spec.** A unit's vector is every entry of its group that
+  is already aligned on its other axes (:func:`aligned_refs`), as the other
+  alignment costs use it (normalisation entries too), except the output
+  layer's weights unless ``include_classifier``. With it, the last hidden
+  layer's units are also told apart by what they vote for, which the output
+  layer's weights (already aligned) say; PFNM includes them too, with their
+  precision scaled by each client's class frequencies, where we include them
+  as they are.
 * ``estimate="weighted"`` is offered beside the posterior mean: the client
   units of an atom averaged with the clients' weights. The posterior mean
   shrinks towards ``mu0`` (K identical clients give ``K/(K+1)`` of the model
@@ -64,7 +89,9 @@ Scale: the cost compares squared norms with ``sigma``. With sigma = 1, units
 of squared norm well below a few units (PyTorch's initialisation gives about
 1/3 per unit) are told apart mostly by the popularity and new-atom terms, so
 even identical units may open new atoms; trained or larger weights match on
-their values.
+their values, and small weights are scored on their values too once sigma
+and sigma0 are set to their scale (``tests/test_bbp.py`` works out both
+cases by hand).
 """
 
 from __future__ import annotations
@@ -78,6 +105,7 @@ import torch
 from torch import Tensor
 
 from models.permutation import AxisRef, PermutationSpec, unit_view
+from plugins.options import check_fields, is_kind, option, positive
 
 StateDict = Mapping[str, Tensor]
 
@@ -89,55 +117,35 @@ POPULARITY_CAP = 10
 
 @dataclass(frozen=True)
 class BBPSettings:
-    """BBP-MAP's hyper-parameters; the defaults are the FedMA authors'.
+    """BBP-MAP's hyper-parameters, declared once here; the defaults are the FedMA authors'.
 
-    Parameters
-    ----------
-    sigma : float
-        Variance of a client unit around its atom (> 0).
-    sigma0 : float
-        Prior variance of an atom around ``mu0`` (> 0).
-    mu0 : float
-        Prior mean of every coordinate of an atom.
-    gamma : float
-        Indian-buffet mass (> 0): larger opens new atoms more readily.
-    max_width : int
-        Most units a matched layer may have; a client wider than that raises it to its own width.
-    iterations : int
-        Most sweeps over all clients after the initial pass (>= 0); stops early once a sweep changes nothing.
-    estimate : str
-        Global unit from its members, one of :data:`ESTIMATES`.
+    FedMA's run-config keys ``bbp-<field>`` borrow these fields
+    (:class:`strategies.fedma.FedMASettings`), so their defaults, help and
+    checks are these. ``sigma`` and ``sigma0`` are variances, as in the
+    authors' code; ``max_width`` is the hard cap of the module notes.
     """
 
-    sigma: float = 1.0
-    sigma0: float = 1.0
-    mu0: float = 0.0
-    gamma: float = 7.0
-    max_width: int = 700
-    iterations: int = 5
-    estimate: str = "posterior"
+    sigma: float = option(1.0, "BBP-MAP: variance of a client unit around its global unit", positive,
+                          "must be a finite number > 0")
+    sigma0: float = option(1.0, "BBP-MAP: prior variance of a global unit around bbp-mu0", positive,
+                           "must be a finite number > 0")
+    mu0: float = option(0.0, "BBP-MAP: prior mean of every coordinate of a global unit", math.isfinite,
+                        "must be a finite number")
+    gamma: float = option(7.0, "BBP-MAP: Indian-buffet mass (larger opens new global units more readily)", positive,
+                          "must be a finite number > 0")
+    max_width: int = option(700, "BBP-MAP: most units a matched layer may grow to (or its widest client's)",
+                            lambda v: v >= 1, "must be an integer >= 1")
+    iterations: int = option(5, "BBP-MAP: most sweeps over the clients after the first pass", lambda v: v >= 0,
+                             "must be an integer >= 0")
+    estimate: str = option("posterior", "BBP-MAP: a global unit from its members: posterior (the authors' "
+                           "posterior mean) or weighted (the clients' weighted mean)", lambda v: v in ESTIMATES,
+                           f"choose one of {list(ESTIMATES)}")
+    include_classifier: bool = option(False, "BBP-MAP: match the last hidden layer's units on their output-layer "
+                                      "weights too, which are already aligned and say what each unit votes for "
+                                      "(PFNM does; FedMA leaves them out)")
 
     def __post_init__(self) -> None:
-        for name in ("sigma", "sigma0", "gamma"):
-            value = getattr(self, name)
-            if not _is_number(value) or not (math.isfinite(value) and value > 0):
-                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
-        if not _is_number(self.mu0) or not math.isfinite(self.mu0):
-            raise ValueError(f"mu0 must be a finite number, got {self.mu0!r}")
-        if not _is_int(self.max_width) or self.max_width < 1:
-            raise ValueError(f"max_width must be an integer >= 1, got {self.max_width!r}")
-        if not _is_int(self.iterations) or self.iterations < 0:
-            raise ValueError(f"iterations must be an integer >= 0, got {self.iterations!r}")
-        if self.estimate not in ESTIMATES:
-            raise ValueError(f"estimate must be one of {list(ESTIMATES)}, got {self.estimate!r}")
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+        check_fields(self)
 
 
 @dataclass(frozen=True)
@@ -332,19 +340,24 @@ def output_keys(spec: PermutationSpec, state: StateDict) -> set[str]:
 
 
 def match_group(states: Sequence[StateDict], weights: Sequence[float], spec: PermutationSpec, group: str,
-                solved: Collection[str], settings: BBPSettings, generator: torch.Generator | int = 0) -> GroupMatch:
+                solved: Collection[str], settings: BBPSettings, generator: torch.Generator | int = 0, *,
+                head: Collection[str]) -> GroupMatch:
     """BBP-MAP of one group across K client states whose ``solved`` groups are already in global indexing.
 
     A unit's vector concatenates its row of :func:`~models.permutation.unit_view`
     for every entry of :func:`aligned_refs`: incoming weights (their inputs
     already scattered onto the previous groups' global units), bias,
     normalisation entries, and weights into a layer that is never permuted.
+    The output layer's entries ``head`` (:func:`models.protocol.head_of`) are
+    among them for the last hidden group; they are left out unless
+    ``settings.include_classifier``, as FedMA does.
     """
     if group not in spec.groups or set(solved) - set(spec.groups):
         raise ValueError(f"group {group!r} and solved groups {sorted(solved)} must be among {list(spec.groups)}")
-    refs = aligned_refs(spec, group, solved)
+    refs = [ref for ref in aligned_refs(spec, group, solved) if settings.include_classifier or ref.key not in head]
     if not refs:
-        raise ValueError(f"group {group!r} has no entry aligned on its other axes; solve {sorted(solved)} first")
+        raise ValueError(f"group {group!r} has no entry aligned on its other axes outside the output layer "
+                         f"{sorted(head)}; solve {sorted(solved)} first")
     views = [[unit_view(state[ref.key], ref) for ref in refs] for state in states]
     match = match_units([torch.cat(parts, dim=1) for parts in views], weights, settings, generator)
     return GroupMatch(match.assignments, match.units, tuple(refs), tuple(view.shape[1] for view in views[0]))
@@ -394,8 +407,11 @@ def scatter_group(state: StateDict, spec: PermutationSpec, group: str, assignmen
 
 def bbp_matched_average(states: Sequence[StateDict], weights: Sequence[float], spec: PermutationSpec,
                         settings: BBPSettings | None = None, generator: torch.Generator | int = 0,
-                        class_counts: Tensor | Sequence[Sequence[float]] | None = None) -> BBPResult:
+                        class_counts: Tensor | Sequence[Sequence[float]] | None = None, *,
+                        head: Collection[str]) -> BBPResult:
     """Match every group of ``spec`` by BBP-MAP, in spec order, and build the grown global state.
+
+    ``head`` is the output layer's keys (:func:`models.protocol.head_of`); see :func:`match_group`.
 
     After a group is matched, its global entries come from the atoms and every
     client's axes of the group are scattered onto the global units, so the next
@@ -418,7 +434,7 @@ def bbp_matched_average(states: Sequence[StateDict], weights: Sequence[float], s
     widths: dict[str, int] = {}
     assignments: dict[str, tuple[Tensor, ...]] = {}
     for group in spec.groups:
-        match = match_group(clients, weights, spec, group, widths, settings, rng)
+        match = match_group(clients, weights, spec, group, widths, settings, rng, head=head)
         merged.update(units_to_entries(match, spec, clients[0]))
         clients = [scatter_group({key: value for key, value in client.items() if key not in merged}, spec, group,
                                  assignment, match.width) for client, assignment in zip(clients, match.assignments)]
@@ -485,6 +501,6 @@ def _check_states(states: Sequence[StateDict], weights: Sequence[float], spec: P
 def _as_generator(generator: torch.Generator | int) -> torch.Generator:
     if isinstance(generator, torch.Generator):
         return generator
-    if not _is_int(generator):
+    if not is_kind(generator, int):
         raise ValueError(f"generator must be a torch.Generator or an integer seed, got {generator!r}")
     return torch.Generator().manual_seed(generator)

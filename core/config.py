@@ -30,12 +30,14 @@ from plugins.options import (
     check_settings,
     non_negative,
     option,
+    option_from,
     positive,
     refuse,
     settings_fields,
+    source_settings,
     unit_interval,
 )
-from models.pan import PAN_MODES, PanSettings
+from models.pan import PanSettings
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 SERVER_WEIGHTINGS = ("examples", "uniform")
@@ -153,12 +155,21 @@ class DataSection:
 
 @dataclass(frozen=True)
 class PanSection:
-    """Position-Aware Neurons on every hidden layer: e_j = A sin(2 pi T j / J)."""
+    """Position-Aware Neurons on every hidden layer: e_j = A sin(2 pi T j / J). The fields are
+    :class:`~models.pan.PanSettings`'s, declared there (defaults, help, checks) and borrowed here."""
 
-    pan_mode: str = option("off", "off | add | mul", **_one_of(PAN_MODES))
-    pan_t: float = option(1.0, "period T: sine periods across a layer's units", non_negative,
-                          "must be a finite number >= 0")
-    pan_a: float = option(0.0, "amplitude A", non_negative, "must be a finite number >= 0")
+    pan_mode: str = option_from(PanSettings, "mode")
+    pan_t: float = option_from(PanSettings, "period")
+    pan_a: float = option_from(PanSettings, "amplitude")
+
+    @property
+    def pan(self) -> PanSettings:
+        """The Position-Aware-Neuron settings every hidden layer of the model uses."""
+        return source_settings(self, PanSettings)
+
+    def pan_signature(self) -> dict[str, Any]:
+        """The keys a client must share with the server: encodings are fixed, never averaged."""
+        return {setting.key: getattr(self, setting.name) for setting in settings_fields(PanSection)}
 
 
 SECTIONS: dict[str, type] = {"": RunSection, "train": TrainSection, "data": DataSection, "pan": PanSection}
@@ -172,15 +183,6 @@ class RunConfig(RunSection, TrainSection, DataSection, PanSection):
 
     settings: Any = NoOptions()
     model_options: Any = NoOptions()
-
-    @property
-    def pan(self) -> PanSettings:
-        """The Position-Aware-Neuron settings every hidden layer of the model uses."""
-        return PanSettings(self.pan_mode, self.pan_t, self.pan_a)
-
-    def pan_signature(self) -> dict[str, Any]:
-        """The keys a client must share with the server: encodings are fixed, never averaged."""
-        return {"pan-mode": self.pan_mode, "pan-t": self.pan_t, "pan-a": self.pan_a}
 
     def partition_options(self) -> dict[str, Any]:
         """The keyword settings of :func:`core.data.partition_dataset`."""

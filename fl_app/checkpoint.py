@@ -2,7 +2,7 @@
 
 After every round the ServerApp writes ``checkpoint.pt`` into the
 run folder: the round number, the run config, the global arrays, the strategy's
-server state (:meth:`core.rounds.ServerStrategy.state_dict`), the metrics rows so
+server state (:meth:`core.strategy.ServerStrategy.state_dict`), the metrics rows so
 far and the state of the round runner's client-sampling stream (so a resumed run samples
 the clients the uninterrupted run would have). It is written to
 a temporary file that then replaces the old one, so a crash leaves the previous

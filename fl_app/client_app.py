@@ -21,7 +21,8 @@ from core.data import client_split, load_dataset, partition_dataset
 from core.label_noise import noisy_labels
 from core.model_io import build_run_model, load_arrays
 from core.config import RunConfig
-from core.rounds import MODEL_RECORD, NEW_CLIENT, NUM_EXAMPLES, is_holdout
+from core.nodes import is_holdout
+from core.replies import MODEL_RECORD, NEW_CLIENT, NUM_EXAMPLES
 from core.training import round_generator, select_device
 from fl_app.config import parse_run_config
 from fl_app.node_state import begin_message, end_train

@@ -10,8 +10,10 @@ accepted at its default and refused, naming its owner, when set to anything else
 
 :func:`check_run` then builds the model and the algorithm's server side once (no data,
 no training): a model the algorithm cannot work with is refused before anything starts.
-``pyproject.toml``'s ``[tool.flwr.app.config]`` is generated from the same classes
-(``python -m fl_app.config --write``; a test keeps it current).
+``pyproject.toml``'s ``[tool.flwr.app.config]`` and the README's key tables and lists of
+registered names are generated from the same classes and registries
+(``python -m fl_app.config --write``; tests keep them current), and :func:`validate_run`,
+which every entry point calls, refuses a stale table (:func:`pyproject_problem`).
 """
 
 from __future__ import annotations
@@ -20,15 +22,16 @@ import argparse
 import os
 import re
 import tempfile
+import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from core.config import RunConfig, common_settings, results_root
-from core.data import dataset_info
+from core.data import dataset_info, list_datasets, list_partitioners
 from core.model_io import build_model_for, to_arrays
-from core.rounds import RunContext, ServerStrategy
+from core.strategy import RunContext, ServerStrategy
 from fl_app.tracking import check_tracking
 from models import list_models
 from plugins.options import ConfigError, Setting, build_settings, coerce, refuse, settings_fields
@@ -165,8 +168,11 @@ def check_paths(config: RunConfig) -> None:
 
 
 def validate_run(config: RunConfig) -> ServerStrategy:
-    """Everything that can be checked before a run starts: folders, tracking, model and algorithm
-    (:func:`check_run`)."""
+    """Everything that can be checked before a run starts: ``pyproject.toml``'s run-config table
+    (:func:`pyproject_problem`), folders, tracking, model and algorithm (:func:`check_run`)."""
+    problem = pyproject_problem()
+    if problem is not None:
+        raise ConfigError(problem)
     check_paths(config)
     check_tracking(config)
     return check_run(config)
@@ -199,6 +205,44 @@ def write_pyproject(path: Path = PYPROJECT) -> bool:
     return updated != text
 
 
+REGENERATE = "python -m fl_app.config --write"
+"""The command that regenerates ``pyproject.toml``'s run-config table and the README's generated sections."""
+
+
+def pyproject_problem() -> str | None:
+    """Why ``pyproject.toml``'s ``[tool.flwr.app.config]`` (:data:`PYPROJECT`) is not the table the registered
+    settings classes make, or None; the message names the keys and the command that regenerates the table.
+
+    ``flwr run`` refuses a run-config key the table lacks, with only ``[code: 15] Invalid run configuration``
+    and only after a SuperLink has started: a new algorithm's or model's key must be in it before a run.
+    A key at another default than its settings class declares, or one nobody declares, is refused as well:
+    ``flwr run`` hands every key of the table to the apps, which refuse a key nobody declares and a key of an
+    algorithm or model that is not chosen at anything but its default, again only once the run has started;
+    and a plain ``flwr run .`` would run the stale default."""
+    if not PYPROJECT.is_file():
+        return f"no {PYPROJECT}: `flwr run` needs it (its [tool.flwr.app.config] is made by `{REGENERATE}`)"
+    table = tomllib.loads(PYPROJECT.read_text()).get("tool", {}).get("flwr", {}).get("app", {}).get("config", {})
+    declared, owned = default_run_config(), owned_settings()
+    problems = []
+    missing = [key for key in declared if key not in table]
+    if missing:
+        named = ", ".join(f"'{key}'" + (f" (of {owned[key].kind} {', '.join(map(repr, owned[key].owners))})"
+                                          if key in owned else "") for key in missing)
+        problems.append(f"it lacks {named}, which `flwr run` refuses with only '[code: 15] Invalid run "
+                        "configuration'")
+    stale = {key: (table[key], value) for key, value in declared.items() if key in table and table[key] != value}
+    if stale:
+        problems.append("its defaults differ from the settings classes' for " + ", ".join(
+            f"'{key}' ({old!r}, declared {new!r})" for key, (old, new) in stale.items()))
+    unknown = [key for key in table if key not in declared]
+    if unknown:
+        problems.append(f"it holds key(s) {unknown} that no setting declares")
+    if not problems:
+        return None
+    return (f"{PYPROJECT}'s [tool.flwr.app.config] is not the table the registered strategies and models make: "
+            f"{'; '.join(problems)}. Regenerate it with `{REGENERATE}`.")
+
+
 def keys_markdown() -> str:
     """The README's run-config key tables, generated from the settings classes' defaults and help."""
     def rows(settings: list[Setting]) -> list[str]:
@@ -215,16 +259,36 @@ def keys_markdown() -> str:
     return "\n".join(lines)
 
 
+def names_markdown() -> str:
+    """The README's lists of what ``strategy``, ``model``, ``dataset`` and ``partitioner`` may be, from the
+    registries, so that a newly registered one is listed by ``python -m fl_app.config --write``."""
+    def listed(names: list[str]) -> str:
+        return ", ".join(f"`{name}`" for name in names)
+
+    lines = ["| strategy | what it does |", "|---|---|"]
+    lines += [f"| `{name}` | {get_strategy(name).summary} |" for name in list_strategies()]
+    lines += ["", f"Models: {listed(list_models())}.", "", f"Datasets: {listed(list_datasets())}.", "",
+              f"Partitioners: {listed(list_partitioners())}."]
+    return "\n".join(lines) + "\n"
+
+
 README = PYPROJECT.parent / "README.md"
 KEYS_BEGIN, KEYS_END = "<!-- run-config keys: generated by python -m fl_app.config --write -->", "<!-- end of keys -->"
+NAMES_BEGIN, NAMES_END = ("<!-- registered names: generated by python -m fl_app.config --write -->",
+                          "<!-- end of names -->")
 
 
-def write_readme_keys(path: Path = README) -> bool:
-    """Rewrite the generated key tables between the README's markers; returns whether they changed."""
+def write_readme(path: Path = README) -> bool:
+    """Rewrite the README's generated sections (the key tables, the registered names) between their markers;
+    returns whether they changed."""
     text = path.read_text()
-    head, _, rest = text.partition(KEYS_BEGIN)
-    _, _, tail = rest.partition(KEYS_END)
-    updated = f"{head}{KEYS_BEGIN}\n{keys_markdown()}{KEYS_END}{tail}"
+    updated = text
+    for begin, end, markdown in ((KEYS_BEGIN, KEYS_END, keys_markdown), (NAMES_BEGIN, NAMES_END, names_markdown)):
+        head, found, rest = updated.partition(begin)
+        _, closed, tail = rest.partition(end)
+        if not (found and closed):
+            raise ValueError(f"{path} lacks the markers {begin} ... {end} of a generated section")
+        updated = f"{head}{begin}\n{markdown()}{end}{tail}"
     if updated != text:
         path.write_text(updated)
     return updated != text
@@ -232,12 +296,12 @@ def write_readme_keys(path: Path = README) -> bool:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="Print or write the generated run-config tables (pyproject.toml's "
-                                     "[tool.flwr.app.config] and the README's key tables).")
-    parser.add_argument("--write", action="store_true", help="rewrite both in place")
+                                     "[tool.flwr.app.config], the README's key tables and registered names).")
+    parser.add_argument("--write", action="store_true", help="rewrite pyproject.toml and the README in place")
     args = parser.parse_args()
     if args.write:
         print("pyproject.toml " + ("updated" if write_pyproject() else "already current"))
-        print("README.md " + ("updated" if write_readme_keys() else "already current"))
+        print("README.md " + ("updated" if write_readme() else "already current"))
     else:
         print(pyproject_table(), end="")
 

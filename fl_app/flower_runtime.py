@@ -18,7 +18,7 @@ keeps Flower's own lookup and the log says so.
 :func:`prepare_simulation` installs it and reads which partition each node holds from the same state: Flower's
 simulation registers its nodes in a loop and gives the i-th partition i (``vce_api._register_nodes``), and the
 state keeps its nodes in registration order. The round runner then asks one node instead of every node
-(:class:`core.rounds.NodeDirectory`, which checks that node's answer against the table).
+(:class:`core.nodes.NodeDirectory`, which checks that node's answer against the table).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from flwr.serverapp import Grid
 from flwr.superlink.federation import NoOpFederationManager
 from flwr.superlink.grid import InMemoryGrid
 
-from core.rounds import PartitionTable
+from core.nodes import PartitionTable
 
 CHECKED_FLOWER = frozenset({"1.41.0", "1.42.0"})
 """Flower releases this module was checked against: their in-memory state, its grid and the simulation's node

@@ -23,7 +23,8 @@ from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 
 from core.divergence import divergence_by_layer, weight_divergence
 from core.config import RunConfig, results_root
-from core.rounds import MODEL_RECORD, NEW_CLIENT, Participation
+from core.replies import MODEL_RECORD, NEW_CLIENT
+from core.rounds import Participation
 
 GlobalEvaluation = Callable[[ArrayRecord], tuple[float, float]]
 

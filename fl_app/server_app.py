@@ -18,7 +18,8 @@ from torch import nn
 from core.config import RunConfig
 from core.data import check_dataset_available, load_dataset
 from core.model_io import build_run_model, load_arrays
-from core.rounds import MetricAggregation, PartitionTable, RoundRunner
+from core.nodes import PartitionTable
+from core.rounds import MetricAggregation, RoundRunner
 from core.training import evaluate, seed_everything, select_device
 from fl_app.checkpoint import Checkpoint, capture, resume_checkpoint, save_checkpoint
 from fl_app.config import ConfigError, build_context, parse_run_config
@@ -49,7 +50,7 @@ def _initial_arrays(model: nn.Module, model_arrays: ArrayRecord, checkpoint: Che
 def run_experiment(grid: Grid, config: RunConfig, partition_table: PartitionTable | None = None) -> dict[str, Any]:
     """Train rounds up to ``num-server-rounds`` (after the checkpoint's round when resuming), checkpoint
     every round and write the run folder; returns the summary. ``partition_table``: where the runtime knows
-    which node holds which partition (see :class:`core.rounds.NodeDirectory`)."""
+    which node holds which partition (see :class:`core.nodes.NodeDirectory`)."""
     root = config.data_root or None
     check_tracking(config)
     check_dataset_available(config.dataset, root)

@@ -44,7 +44,8 @@ from omegaconf import DictConfig, OmegaConf
 from core.config import SECTIONS, hydra_leaf, key_of_path
 from core.data import DatasetMissingError, check_dataset_available
 from fl_app.client_app import build_client_app
-from fl_app.config import ConfigError, RunConfig, owned_settings, parse_run_config, results_root, validate_run
+from fl_app.config import (ConfigError, RunConfig, owned_settings, parse_run_config, pyproject_problem, results_root,
+                           validate_run)
 from fl_app.inprocess import run_in_process
 from fl_app.progress import start_sweep, sweep_progress
 from fl_app.results import write_json
@@ -327,9 +328,10 @@ def unowned_override(arguments: list[str]) -> str | None:
 
 
 def main() -> None:
-    """``python -m fl_app.sweep``: refuse an override no chosen algorithm or model has, then run Hydra."""
+    """``python -m fl_app.sweep``: refuse an override no chosen algorithm or model has, or a stale
+    ``pyproject.toml`` run-config table (as the launcher does), then run Hydra."""
     register_configs()
-    problem = unowned_override(sys.argv[1:])
+    problem = unowned_override(sys.argv[1:]) or pyproject_problem()
     if problem is not None:
         print(f"[alignfl] refused before starting: {problem}", file=sys.stderr)
         sys.exit(2)

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from plugins.options import check_fields, non_negative, option
+
 PAN_MODES = ("off", "add", "mul")
 
 
@@ -28,43 +30,26 @@ PAN_MODES = ("off", "add", "mul")
 class PanSettings:
     """How every hidden layer of a model applies its position encoding.
 
-    Parameters
-    ----------
-    mode : {"off", "add", "mul"}
-        ``"add"``: ``h + e``; ``"mul"``: ``h * (1 + e)``; ``"off"``: plain neurons.
-    period : float
-        ``T``, the number of sine periods across a layer's units (>= 0).
-    amplitude : float
-        ``A``, the height of the sine (>= 0).
-
-    Notes
-    -----
-    ``A == 0`` or ``T == 0`` makes every ``e_j`` zero, so those settings are as
-    inactive as ``mode="off"``; :attr:`active` reports this once for all layers.
+    The fields are the run config's ``pan-mode``, ``pan-t`` and ``pan-a``
+    (:class:`core.config.PanSection` borrows them): their defaults, help and
+    checks are declared here only. ``mode="add"`` gives ``h + e``, ``"mul"``
+    gives ``h * (1 + e)``, ``period`` is ``T``, ``amplitude`` is ``A``. ``A == 0`` or ``T == 0`` makes every ``e_j``
+    zero, so those settings are as inactive as ``mode="off"``; :attr:`active`
+    reports this once for all layers.
     """
 
-    mode: str = "off"
-    period: float = 1.0
-    amplitude: float = 0.0
+    mode: str = option("off", "off | add | mul", lambda v: v in PAN_MODES, f"choose one of {sorted(PAN_MODES)}")
+    period: float = option(1.0, "period T: sine periods across a layer's units", non_negative,
+                           "must be a finite number >= 0")
+    amplitude: float = option(0.0, "amplitude A", non_negative, "must be a finite number >= 0")
 
     def __post_init__(self) -> None:
-        if self.mode not in PAN_MODES:
-            raise ValueError(f"PanSettings.mode must be one of {list(PAN_MODES)}, got {self.mode!r}")
-        _check_non_negative("period", self.period)
-        _check_non_negative("amplitude", self.amplitude)
+        check_fields(self)
 
     @property
     def active(self) -> bool:
         """Whether the encoding changes anything (mode on and a non-zero sine)."""
         return self.mode != "off" and self.amplitude > 0 and self.period > 0
-
-
-def _check_non_negative(field: str, value: float) -> None:
-    """Reject non-numbers, NaN/inf and negatives, naming the offending field."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"PanSettings.{field} must be a number, got {value!r}")
-    if not math.isfinite(value) or value < 0:
-        raise ValueError(f"PanSettings.{field} must be a finite number >= 0, got {value!r}")
 
 
 def position_encoding(num_units: int, period: float, amplitude: float) -> Tensor:

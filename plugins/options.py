@@ -4,7 +4,9 @@ It sits below every layer because every layer uses it. A settings class is a fro
 dataclass whose fields are made with :func:`option`. Its run-config keys are the
 field names with ``_`` written as ``-`` (``psi_depth`` is ``psi-depth``). The
 defaults written in the settings classes are the only ones:
-``pyproject.toml``'s run config and the Hydra configs are derived from them.
+``pyproject.toml``'s run config and the Hydra configs are derived from them. A lower
+layer's settings that the run config carries under its own keys (PANs, BBP-MAP) are
+declared once, in that layer, and borrowed field by field (:func:`option_from`).
 """
 
 from __future__ import annotations
@@ -38,6 +40,12 @@ def unit_interval(value: float) -> bool:
     return 0.0 < value <= 1.0
 
 
+def is_number(value: Any) -> bool:
+    """A finite int or float that is not a bool (Python counts True as 1; no count, rate or scale here is a
+    bool)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def key_of(settings: type, name: str) -> str:
     """The run-config key of field ``name`` of a settings class."""
     return name.replace("_", "-")
@@ -65,18 +73,19 @@ def settings_fields(settings: type) -> list[Setting]:
             for f in dataclasses.fields(settings) if "help" in f.metadata]
 
 
+def is_kind(value: Any, kind: type) -> bool:
+    """Whether ``value`` already has the field's type (an int passes as a float; a bool is never a number)."""
+    if isinstance(value, bool):
+        return kind is bool
+    return isinstance(value, kind) or (kind is float and isinstance(value, int))
+
+
 def coerce(key: str, value: Any, kind: type) -> Any:
     """A TOML/Hydra scalar as the field's type; lossy or wrong-typed values are refused."""
-    if kind is bool and isinstance(value, bool):
-        return value
-    if kind is int and isinstance(value, int) and not isinstance(value, bool):
-        return value
+    if is_kind(value, kind):
+        return float(value) if kind is float else value
     if kind is int and isinstance(value, float) and value.is_integer():
         return int(value)
-    if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    if kind is str and isinstance(value, str):
-        return value
     raise ConfigError(f"run-config key '{key}' = {value!r}: expected a value of type {kind.__name__}")
 
 
@@ -100,6 +109,38 @@ def check_settings(settings: Any) -> None:
         raise problem
     if hasattr(settings, "check"):
         settings.check()
+
+
+def check_fields(settings: Any) -> None:
+    """Raise ValueError naming ``Class.field`` for the first field of a settings object made in code (its
+    ``__post_init__`` calls this) whose value is not of the field's type or fails the field's check."""
+    declared = {f.name: f for f in dataclasses.fields(settings)}
+    for setting in settings_fields(type(settings)):
+        value, field = getattr(settings, setting.name), declared[setting.name]
+        where = f"{type(settings).__name__}.{setting.name} = {value!r} is not allowed"
+        if not is_kind(value, setting.kind):
+            raise ValueError(f"{where}: must be of type {setting.kind.__name__}")
+        if field.metadata["check"] is not None and not field.metadata["check"](value):
+            raise ValueError(f"{where}: {field.metadata['allowed']}")
+
+
+def option_from(source: type, name: str) -> Any:
+    """A field that is field ``name`` of settings class ``source`` under another name (and run-config key): its
+    default, help and check are ``source``'s, declared once there. A lower layer's settings (PANs, BBP-MAP)
+    enter a run-config section this way; :func:`source_settings` builds the ``source`` object back."""
+    declared = {f.name: f for f in dataclasses.fields(source)}
+    if name not in declared or "help" not in declared[name].metadata:
+        raise ValueError(f"{source.__name__} has no option {name!r}")
+    return dataclasses.field(default=declared[name].default, metadata={**declared[name].metadata,
+                                                                       "source": (source, name)})
+
+
+def source_settings(settings: Any, source: type) -> Any:
+    """The ``source`` settings object that the :func:`option_from` fields of ``settings`` describe (fields of
+    ``source`` that ``settings`` does not carry keep their defaults)."""
+    values = {f.metadata["source"][1]: getattr(settings, f.name) for f in dataclasses.fields(settings)
+              if f.metadata.get("source", (None,))[0] is source}
+    return source(**values)
 
 
 def build_settings(settings: type, values: dict[str, Any]) -> Any:

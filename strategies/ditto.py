@@ -19,7 +19,7 @@ from torch import nn
 
 from core.config import RunConfig
 from core.model_io import federated_state
-from core.rounds import ServerStrategy
+from core.strategy import ServerStrategy
 from plugins.options import non_negative, option
 from strategies.base import LocalUpdate
 from strategies.personal import personal_scores

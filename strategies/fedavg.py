@@ -1,6 +1,6 @@
 """FedAvg (McMahan et al., 2017): clients run local SGD, the server averages weighted by examples."""
 
-from core.rounds import ServerStrategy
+from core.strategy import ServerStrategy
 from strategies.base import LocalUpdate
 from strategies.registry import Algorithm, register_strategy
 

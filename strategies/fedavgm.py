@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord
 
-from core.rounds import Reply, RunContext, ServerStrategy, weighted_mean
+from core.strategy import Reply, RunContext, ServerStrategy, weighted_mean
 from plugins.options import non_negative, option
 from strategies.base import LocalUpdate
 from strategies.registry import Algorithm, register_strategy

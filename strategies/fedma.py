@@ -24,22 +24,23 @@ Matching group ``s`` (``fedma-matching``):
 
 * ``bbp`` (the default, FedMA's): BBP-MAP over the clients' units of the group
   (:mod:`core.bbp`; ``bbp-sigma``, ``bbp-sigma0``, ``bbp-mu0``, ``bbp-gamma``,
-  ``bbp-max-width``, ``bbp-iterations``, defaults as the authors'). A client
-  unit joins a global unit or opens a new one, so the matched layer may be
-  wider than the clients'. Each client's model comes back with the group's
-  global entries and its own other entries of the group (the next layer's
-  inputs) moved onto the global units, zeros for the units it lacks (PFNM's
-  patching), so the whole cycle continues at the grown width; the global
-  model carries its widths in its arrays' shapes, and every model that loads
-  it (clients, the server's evaluation, a resumed run) takes them
-  (:func:`core.model_io.resize_to`).
+  ``bbp-max-width``, ``bbp-iterations``, ``bbp-include-classifier``, defaults
+  as the authors'). A client unit joins a global unit or opens a new one, so
+  the matched layer may be wider than the clients'. Each client's model comes
+  back with the group's global entries and its own other entries of the group
+  (the next layer's inputs) moved onto the global units, zeros for the units
+  it lacks (PFNM's patching), so the whole cycle continues at the grown
+  width; the global model carries its widths in its arrays' shapes, and
+  every model that loads it (clients, the server's evaluation, a resumed run)
+  takes them (:func:`core.model_io.resize_to`).
 * ``weight`` or ``l1``: one assignment per client with that score
   (:mod:`core.alignment`) onto the global model the cycle started from
   (``match-reference=global``) or, for ``match-iterations`` passes, onto the
   running matched mean (``iterative``); the width never changes.
 
 Matching reads the entries whose other axes are already aligned (incoming
-weights, bias, normalisation entries). The model returned after a mid-cycle
+weights, bias, normalisation entries; the output layer's weights only with
+``bbp-include-classifier``). The model returned after a mid-cycle
 stage (and evaluated by the server) holds the matched entries and the
 weighted average of the aligned rest. Each round logs the share of units the
 stage's matching moved and the global width per group (``units-moved``,
@@ -63,7 +64,6 @@ Where this differs from IBM/FedMA:
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -78,9 +78,11 @@ from torch import Tensor, nn
 from core.alignment import get_cost, list_costs, moved_share, solve_group, weighted_average
 from core.bbp import BBPSettings, match_group, scatter_group, units_to_entries
 from core.model_io import federated_state
-from core.rounds import CONFIG_RECORD, MODEL_RECORD, NodeDirectory, Reply, RunContext, ServerStrategy
+from core.nodes import NodeDirectory
+from core.replies import CONFIG_RECORD, MODEL_RECORD
+from core.strategy import Reply, RunContext, ServerStrategy
 from models import PermutationSpec, permute_state
-from plugins.options import option, positive
+from plugins.options import option, option_from, source_settings
 from models.protocol import head_of
 from strategies.base import LocalUpdate
 from strategies.matched import ReferenceSettings, permutation_spec
@@ -101,22 +103,17 @@ class FedMASettings(ReferenceSettings):
                                  lambda v: v in FEDMA_MATCHINGS, f"choose one of {list(FEDMA_MATCHINGS)}")
     retrain_epochs: int = option(1, "local epochs after each layer is matched", lambda v: v >= 1,
                                  "must be an integer >= 1")
-    bbp_sigma: float = option(1.0, "BBP-MAP: variance of a client unit around its global unit", positive,
-                              "must be a finite number > 0")
-    bbp_sigma0: float = option(1.0, "BBP-MAP: prior variance of a global unit around bbp-mu0", positive,
-                               "must be a finite number > 0")
-    bbp_mu0: float = option(0.0, "BBP-MAP: prior mean of every coordinate of a global unit", math.isfinite,
-                            "must be a finite number")
-    bbp_gamma: float = option(7.0, "BBP-MAP: Indian-buffet mass (larger opens new global units more readily)",
-                              positive, "must be a finite number > 0")
-    bbp_max_width: int = option(700, "BBP-MAP: most units a matched layer may grow to (or its widest client's)",
-                                lambda v: v >= 1, "must be an integer >= 1")
-    bbp_iterations: int = option(5, "BBP-MAP: most sweeps over the clients after the first pass", lambda v: v >= 0,
-                                 "must be an integer >= 0")
+    bbp_sigma: float = option_from(BBPSettings, "sigma")
+    bbp_sigma0: float = option_from(BBPSettings, "sigma0")
+    bbp_mu0: float = option_from(BBPSettings, "mu0")
+    bbp_gamma: float = option_from(BBPSettings, "gamma")
+    bbp_max_width: int = option_from(BBPSettings, "max_width")
+    bbp_iterations: int = option_from(BBPSettings, "iterations")
+    bbp_include_classifier: bool = option_from(BBPSettings, "include_classifier")
 
     def bbp(self) -> BBPSettings:
-        return BBPSettings(self.bbp_sigma, self.bbp_sigma0, self.bbp_mu0, self.bbp_gamma, self.bbp_max_width,
-                           self.bbp_iterations)
+        """BBP-MAP's settings: the ``bbp-*`` fields are :class:`~core.bbp.BBPSettings`'s, borrowed."""
+        return source_settings(self, BBPSettings)
 
 
 def completion_plan(spec: PermutationSpec, keys: Iterable[str], head: Collection[str]) -> list[frozenset[str]]:
@@ -191,7 +188,7 @@ class FedMA(ServerStrategy):
 
     def describe(self) -> str:
         matching = "BBP-MAP" if self.bbp else f"one-to-one '{self.settings.fedma_matching}', {self.settings.passes} pass(es)"
-        return f"FedMA: {len(self.groups)} groups + output layer per cycle, {matching}"
+        return f"{super().describe()}: {len(self.groups)} groups + output layer per cycle, {matching}"
 
     def round_metrics(self) -> dict[str, Any]:
         """The share of units the stage's matching moved (mean over clients) and the global width per group."""
@@ -283,7 +280,7 @@ class FedMA(ServerStrategy):
         group = self.groups[self.stage]
         generator = torch.Generator().manual_seed(self.context.config.seed * 10_007 + server_round)
         match = match_group(states, weights, self.spec, group, self.groups[: self.stage], self.settings.bbp(),
-                            generator)
+                            generator, head=self.head)
         entries = units_to_entries(match, self.spec, states[0])
         clients = [{**scatter_group({k: v for k, v in state.items() if k not in entries}, self.spec, group,
                                     assignment, match.width), **entries}

@@ -17,7 +17,7 @@ import torch
 from flwr.app import ArrayRecord
 from torch import nn
 
-from core.rounds import ServerStrategy
+from core.strategy import ServerStrategy
 from models.protocol import head_of
 from strategies.base import LocalUpdate
 from strategies.personal import personal_scores

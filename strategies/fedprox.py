@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from core.rounds import ServerStrategy
+from core.strategy import ServerStrategy
 from plugins.options import non_negative, option
 from strategies.base import LocalUpdate
 from strategies.registry import Algorithm, register_strategy

@@ -43,7 +43,7 @@ from flwr.app import ArrayRecord
 from flwr.common.logger import log
 
 from core.alignment import align_and_average, list_costs, moved_share
-from core.rounds import Reply, RunContext, ServerStrategy
+from core.strategy import Reply, RunContext, ServerStrategy
 from models import PermutationSpec
 from plugins.options import ConfigError, option
 from strategies.base import LocalUpdate

@@ -38,7 +38,8 @@ from torch import nn
 
 from core.model_io import federated_state
 from core.training import PlainSGD
-from core.rounds import Reply, RunContext, ServerStrategy, reply_problem
+from core.replies import reply_problem
+from core.strategy import Reply, RunContext, ServerStrategy
 from plugins.options import ConfigError
 from models.psinet import GroupLayout, held_groups
 from strategies.base import LocalUpdate

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from core.rounds import RunContext, ServerStrategy
+from core.strategy import RunContext, ServerStrategy
 from plugins.options import NoOptions
 from strategies.base import LocalUpdate
 

@@ -41,7 +41,9 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 from torch import nn
 
 from core.model_io import arrays_mismatch, federated_state
-from core.rounds import NodeDirectory, Reply, RunContext, ServerStrategy, arrays_problem, weighted_mean
+from core.nodes import NodeDirectory
+from core.replies import arrays_problem
+from core.strategy import Reply, RunContext, ServerStrategy, weighted_mean
 from strategies.base import LocalUpdate
 from strategies.fedavgm import ServerStepSettings
 from strategies.registry import Algorithm, register_strategy

@@ -45,7 +45,7 @@ from torch.func import functional_call
 
 from core.calibration import classification_scores
 from core.config import RunConfig
-from core.rounds import ServerStrategy
+from core.strategy import ServerStrategy
 from core.training import PlainSGD, iterate_batches
 from plugins.options import non_negative, option
 from strategies.base import LocalUpdate

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from core.config import RunConfig
-from fl_app.config import (ConfigError, check_run, default_run_config, keys_markdown, owned_settings,
-                           parse_run_config, pyproject_table, validate_run)
+from fl_app import config as fl_config
+from fl_app.config import (ConfigError, check_run, default_run_config, keys_markdown, names_markdown, owned_settings,
+                           parse_run_config, pyproject_problem, pyproject_table, validate_run)
 from models import list_models
 from strategies import list_strategies
 from strategies.fedprox import FedProxSettings
@@ -25,8 +26,41 @@ def test_pyproject_run_config_is_generated_from_the_settings_classes():
     assert tomllib.loads(pyproject)["tool"]["flwr"]["app"]["config"] == default_run_config()
 
 
+@pytest.mark.parametrize(("edit", "fragment"), [
+    (lambda text: text.replace("\nseed = 0\n", "\n"), "it lacks 'seed'"),
+    (lambda text: text.replace("\nseed = 0\n", "\nseed = 3\n"), "'seed' (3, declared 0)"),
+    (lambda text: text.replace("[tool.flwr.app.config]\n", "[tool.flwr.app.config]\nretired = 1\n"),
+     "['retired'] that no setting declares"),
+])
+def test_a_stale_pyproject_table_is_refused_naming_the_keys_and_the_command(tmp_path, monkeypatch, edit, fragment):
+    """Every entry point validates with :func:`validate_run` (the launcher, deploy and sweep exit 2, see
+    tests/test_toy_algorithm.py); the shipped table passes."""
+    assert pyproject_problem() is None
+    stale = tmp_path / "pyproject.toml"
+    stale.write_text(edit((ROOT / "pyproject.toml").read_text()))
+    monkeypatch.setattr(fl_config, "PYPROJECT", stale)
+    problem = pyproject_problem()
+    assert problem is not None and fragment in problem and "python -m fl_app.config --write" in problem
+    with pytest.raises(ConfigError, match="Regenerate it"):
+        validate_run(parse_run_config({"results-dir": str(tmp_path)}))
+
+
 def test_readme_key_tables_are_generated_from_the_settings_classes():
     assert keys_markdown() in (ROOT / "README.md").read_text()
+
+
+def test_readme_lists_of_names_are_generated_from_the_registries():
+    readme = (ROOT / "README.md").read_text()
+    assert names_markdown() in readme
+    assert all(f"| `{name}` |" in names_markdown() for name in list_strategies())
+
+
+def test_the_readme_method_table_names_every_registered_strategy():
+    """The table at the top is prose per method; a new algorithm needs its row (or a place in one)."""
+    intro = (ROOT / "README.md").read_text().partition("\n## ")[0]
+    table = "\n".join(line for line in intro.splitlines() if line.startswith("| **"))
+    missing = [name for name in list_strategies() if f"`{name}`" not in table]
+    assert not missing, f"README's method table lacks strategies {missing}"
 
 
 def test_import_layers_are_kept():

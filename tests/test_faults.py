@@ -35,8 +35,9 @@ from core.config import RunConfig
 from fl_app.config import ConfigError, parse_run_config
 from fl_app.server_app import build_server_app, run_experiment
 from strategies import get_strategy, list_strategies
-from core import rounds
-from core.rounds import MetricAggregation, Reply, RoundRunner, RunContext, ServerStrategy
+from core.nodes import send_and_receive
+from core.rounds import MetricAggregation, RoundRunner
+from core.strategy import Reply, RunContext, ServerStrategy
 from models.protocol import ModelHead
 from fl_app.inprocess import InProcessGrid
 
@@ -546,13 +547,13 @@ class SlowGrid(Grid):
 
 
 def test_replies_are_polled_until_all_came_or_the_timeout(monkeypatch):
-    monkeypatch.setattr(rounds, "REPLY_POLL_S", 0.0)
+    monkeypatch.setattr("core.nodes.REPLY_POLL_S", 0.0)
     messages = [Message(RecordDict(), dst_node_id=node, message_type=MessageType.TRAIN) for node in (1, 2, 3)]
     grid = SlowGrid(replies=3)
-    replies = rounds.send_and_receive(grid, messages, timeout=10.0)
+    replies = send_and_receive(grid, messages, timeout=10.0)
     assert [reply.metadata.reply_to_message_id for reply in replies] == [m.metadata.message_id for m in messages]
     assert grid.pulls == 3
     late = SlowGrid(replies=1)
-    assert len(rounds.send_and_receive(late, [Message(RecordDict(), dst_node_id=n, message_type=MessageType.TRAIN)
-                                              for n in (1, 2)], timeout=0.05)) == 1
+    assert len(send_and_receive(late, [Message(RecordDict(), dst_node_id=n, message_type=MessageType.TRAIN)
+                                       for n in (1, 2)], timeout=0.05)) == 1
     assert late.pulls > 1

@@ -10,13 +10,14 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 from torch import nn
 
+from core.bbp import match_group
 from core.model_io import federated_state
-from core.rounds import Reply
+from core.strategy import Reply
 from fl_app.config import build_context, parse_run_config
 from fl_app.inprocess import run_in_process
 from models import build_model, permute_state, random_permutations
 from models.protocol import head_of
-from strategies import get_strategy
+from strategies import fedma, get_strategy
 from strategies.fedma import CLASS_COUNTS, STAGE, FedMA, FedMAUpdate, completion_plan, frozen_at, per_class_average
 
 NUM_CLASSES = 10
@@ -135,6 +136,31 @@ def test_a_bbp_stage_may_grow_the_layer_and_the_next_layers_inputs():
     assert a["hidden.0.weight"].shape[0] < width <= 2 * a["hidden.0.weight"].shape[0]
     assert grown["hidden.1.weight"].shape[1] == width == strategy.widths["hidden.0"]
     assert all(m["hidden.1.weight"].shape[1] == width for m in strategy.client_models.values())
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_the_last_hidden_layer_is_matched_without_the_classifier_unless_asked(monkeypatch, include):
+    """FedMA's default leaves the output layer's weights out of the last hidden layer's units, as the authors'
+    code does; ``bbp-include-classifier=true`` puts them in. Every other group reads the same entries."""
+    seen = {}
+
+    def recording(*args, **kwargs):
+        match = match_group(*args, **kwargs)
+        seen[args[3]] = [ref.key for ref in match.refs]
+        return match
+
+    monkeypatch.setattr(fedma, "match_group", recording)
+    model = _model()
+    strategy = _strategy(model, **{"bbp-include-classifier": include})
+    counts = torch.ones(NUM_CLASSES, dtype=torch.long)
+    state = federated_state(model)
+    arrays = strategy.aggregate(1, [_reply(state, 1, counts), _reply(state, 2, counts)], _record(state))
+    for stage in range(1, 4):
+        replies = [_reply(client, node, counts) for node, client in strategy.client_models.items()]
+        arrays = strategy.aggregate(stage + 1, replies, arrays)
+    assert seen["hidden.0"] == ["hidden.0.weight", "hidden.0.bias"]
+    assert seen["hidden.2"] == ["hidden.2.weight", "hidden.2.bias"]
+    assert seen["hidden.3"] == ["hidden.3.weight", "hidden.3.bias"] + (["classifier.weight"] if include else [])
 
 
 def test_a_stage_without_usable_replies_restarts_the_cycle():

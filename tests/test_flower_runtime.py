@@ -12,7 +12,7 @@ from flwr.server.superlink.linkstate import InMemoryLinkState
 from flwr.serverapp import Grid, ServerApp
 from flwr.simulation import run_simulation
 
-from core.rounds import send_and_receive, wait_for_nodes
+from core.nodes import send_and_receive, wait_for_nodes
 from fl_app import flower_runtime
 from fl_app.client_app import build_client_app
 from fl_app.inprocess import InProcessGrid, set_task_identity

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 import torch
@@ -9,7 +11,9 @@ from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from torch import nn
 
-from core.rounds import MetricAggregation, Participation, Reply, RoundRunner, RunContext, ServerStrategy, reply_problem
+from core.replies import reply_problem
+from core.rounds import MetricAggregation, Participation, RoundRunner
+from core.strategy import Reply, RunContext, ServerStrategy
 from fl_app.config import parse_run_config
 from fl_app.inprocess import InProcessGrid
 from models.protocol import ModelHead
@@ -120,18 +124,25 @@ class _Recording(ServerStrategy):
         self.calls.append("empty")
 
 
-def _train_round(contents: list[RecordDict]) -> tuple[ArrayRecord, ArrayRecord, _Recording, list]:
-    """One training round of FedAvg over nodes answering ``contents``; returns the global model before and after
-    it, the server side and what the runner reported (``("train", records)`` and ``("participation", ...)``)."""
-    config = parse_run_config({"min-available-nodes": len(contents)})
-    reference = _arrays(GLOBAL)
-    server = _Recording(RunContext(config, reference, None, ModelHead((), 2)))
+def _runner(contents: list[RecordDict], server_side: Callable[[RunContext], ServerStrategy] = ServerStrategy,
+            values: dict[str, object] | None = None) -> tuple[RoundRunner, list]:
+    """A round runner for ``server_side`` (run config ``values``) over nodes answering ``contents``, and the list
+    of what it reports (``("train", records)`` and ``("participation", ...)``)."""
+    config = parse_run_config({"min-available-nodes": len(contents), **(values or {})})
+    server = server_side(RunContext(config, _arrays(GLOBAL), None, ModelHead((), 2)))
     seen: list = []
     metrics = MetricAggregation(lambda records, key: seen.append(("train", records)) or MetricRecord(),
                                 lambda records, key: MetricRecord(),
                                 lambda round_, participation: seen.append(("participation", participation)))
-    runner = RoundRunner(server, InProcessGrid(_scripted_app(contents), len(contents)), metrics)
-    return reference, runner.train_round(1, reference), server, seen
+    return RoundRunner(server, InProcessGrid(_scripted_app(contents), len(contents)), metrics), seen
+
+
+def _train_round(contents: list[RecordDict]) -> tuple[ArrayRecord, ArrayRecord, _Recording, list]:
+    """One training round of FedAvg over nodes answering ``contents``; returns the global model before and after
+    it, the server side and what the runner reported."""
+    runner, seen = _runner(contents, _Recording)
+    reference = runner.strategy.context.initial_arrays
+    return reference, runner.train_round(1, reference), runner.strategy, seen
 
 
 def _participation(seen: list) -> Participation:
@@ -157,6 +168,39 @@ def test_no_usable_reply_keeps_the_global_model():
     assert arrays is reference
     assert server.calls == ["empty"]  # the server side hears of the empty round instead of aggregating
     assert _participation(seen).trained == 0 and not [kind for kind, _ in seen if kind == "train"]
+
+
+class _Widening(ServerStrategy):
+    """Returns the clients' mean with one more unit in ``b``, as BBP-MAP's new global units do."""
+
+    def aggregate(self, server_round: int, replies: list[Reply], reference: ArrayRecord) -> ArrayRecord | None:
+        mean = super().aggregate(server_round, replies, reference)
+        return _arrays({"w": mean["w"].numpy(), "b": np.append(mean["b"].numpy(), 0.0)})
+
+
+class _DeclaredWidening(_Widening):
+    changes_shapes = True
+
+
+@pytest.mark.parametrize(("server_side", "accepted"), [(_Widening, False), (_DeclaredWidening, True)])
+def test_an_aggregate_of_other_shapes_is_kept_only_when_the_strategy_declares_it(server_side, accepted):
+    runner, _ = _runner([_content(_filled(1.0), 1)], server_side)
+    reference = runner.strategy.context.initial_arrays
+    arrays = runner.train_round(1, reference)
+    assert (arrays is not reference) == accepted
+    assert arrays["b"].shape == ((GLOBAL["b"].size + 1,) if accepted else GLOBAL["b"].shape)
+
+
+@pytest.mark.parametrize(("values", "line"), [
+    ({}, "Starting fedavg (no settings of its own), rounds 1 to 1"),
+    ({"strategy": "fedprox", "proximal-mu": 0.5}, "Starting fedprox (proximal-mu=0.5), rounds 1 to 1"),
+])
+def test_the_start_line_names_the_registered_algorithm_and_its_settings(caplog, values, line):
+    name = values.get("strategy", "fedavg")
+    runner, _ = _runner([_content(_filled(1.0), 1)], get_strategy(name).server, {"num-server-rounds": 1, **values})
+    with caplog.at_level("INFO", logger="flwr"):
+        runner.run(runner.strategy.context.initial_arrays)
+    assert line in caplog.text and "ServerStrategy" not in caplog.text
 
 
 # --- FedAvgM ---------------------------------------------------------------------------------------------

@@ -52,6 +52,7 @@ from core.data import ImageDataset, list_datasets, load_dataset, partition_datas
 from core.model_io import build_run_model, load_arrays
 from core.training import evaluate, iterate_batches, round_generator, select_device
 from models import Permutable, list_models
+from models.protocol import head_of
 from core.alignment import list_costs, matched_average, weighted_average
 from core.bbp import BBPSettings, bbp_matched_average
 from strategies.base import LocalUpdate
@@ -118,7 +119,8 @@ def merge_accuracies(
     widths: dict[str, int] = {}
     for cost in costs:
         if cost == BBP:
-            result = bbp_matched_average(states, weights, spec, bbp, class_counts=class_counts)
+            result = bbp_matched_average(states, weights, spec, bbp, class_counts=class_counts,
+                                         head=head_of(model).keys)
             merged[f"matched-{cost}"], widths = accuracy(result.state), result.widths
         else:
             merged[f"matched-{cost}"] = accuracy(matched_average(states[0], states, weights, spec, cost, iterations))

@@ -1,0 +1,124 @@
+"""An algorithm's server side: the hooks the round runner calls, and what they receive.
+
+A :class:`ServerStrategy` may add records to the training messages
+(:meth:`ServerStrategy.plan_train`), check the contents of its own extra reply records
+(:meth:`ServerStrategy.reply_problem`), and folds the checked replies into the next global
+model (:meth:`ServerStrategy.aggregate`, FedAvg's weighted mean by default). It is built
+from the :class:`RunContext` the ServerApp made; the rounds themselves are
+:class:`core.rounds.RoundRunner`'s, the same for every algorithm.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
+from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
+
+from core.config import RunConfig
+from core.nodes import NodeDirectory
+from core.replies import CONFIG_RECORD, METRICS_RECORD, MODEL_RECORD, NUM_EXAMPLES, reply_problem
+from models import PermutationSpec
+from models.protocol import ModelHead
+from plugins.options import settings_fields
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """What the ServerApp built, handed to the algorithm's server side so that it never rebuilds or guesses it:
+    the run's settings, the initial global arrays, the model's permutation description (None for a model
+    without one), its head and, for grouped nets, its group layout."""
+
+    config: RunConfig
+    initial_arrays: ArrayRecord
+    spec: PermutationSpec | None
+    head: ModelHead
+    layout: Any = None
+
+
+@dataclass(frozen=True)
+class Reply:
+    """A checked training reply: the node and partition it came from, its content, and the weight the server
+    gives it (its example count, or 1 with ``server-weighting=uniform``)."""
+
+    node: int
+    partition: int | None
+    content: RecordDict
+    weight: float
+
+    @property
+    def arrays(self) -> ArrayRecord:
+        return self.content[MODEL_RECORD]
+
+
+def weighted_mean(replies: Sequence[Reply]) -> ArrayRecord:
+    """FedAvg: the models weighted by :attr:`Reply.weight` (Flower's own arithmetic, in the order given)."""
+    return aggregate_arrayrecords([RecordDict({MODEL_RECORD: r.arrays, METRICS_RECORD: MetricRecord({NUM_EXAMPLES: r.weight})})
+                                   for r in replies], NUM_EXAMPLES)
+
+
+class ServerStrategy:
+    """An algorithm's server side; as it is, FedAvg (the global model is the example-weighted mean).
+
+    Subclasses override :meth:`aggregate` and, where the algorithm needs them, :meth:`plan_train` (extra
+    records, or other recipients), :meth:`reply_problem` (their extra reply records, named in
+    :attr:`extra_reply_arrays`), :meth:`on_empty_round`, :meth:`round_metrics`, :meth:`describe`,
+    :attr:`changes_shapes` and :meth:`state_dict` / :meth:`load_state_dict` (what they carry from round to
+    round, named in :attr:`state_keys`). These are all the round runner and the checkpoint read.
+    ``context`` is what the ServerApp built; ``settings`` the algorithm's own settings.
+    """
+
+    extra_reply_arrays: tuple[str, ...] = ()
+    """ArrayRecords a training reply carries beside ``"arrays"`` (e.g. SCAFFOLD's control update)."""
+    state_keys: frozenset[str] = frozenset()
+    """The entries :meth:`state_dict` may hold (none: the rounds depend only on the global model)."""
+    changes_shapes: bool = False
+    """Whether :meth:`aggregate` may return arrays of other shapes than the global model's (FedMA's BBP-MAP
+    opens new units): the round runner then checks only that the aggregate is finite, not that it fits."""
+
+    def __init__(self, context: RunContext) -> None:
+        self.context = context
+        self.settings = context.config.settings
+
+    def describe(self) -> str:
+        """One line for the log: the algorithm's registered name and its settings as run-config keys."""
+        values = [f"{s.key}={getattr(self.settings, s.name)!r}" for s in settings_fields(type(self.settings))]
+        return f"{self.context.config.strategy} ({', '.join(values) or 'no settings of its own'})"
+
+    def plan_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                   sample: Callable[[], list[int]], nodes: NodeDirectory) -> dict[int, RecordDict]:
+        """Node id → training message content; by default the global model to each sampled node."""
+        return {node: RecordDict({MODEL_RECORD: arrays, CONFIG_RECORD: config}) for node in sample()}
+
+    def reply_problem(self, content: RecordDict, reference: ArrayRecord) -> str | None:
+        """What is wrong with one training reply, or None; extend it to check the extra records' contents."""
+        return reply_problem(content, reference, self.extra_reply_arrays)
+
+    def aggregate(self, server_round: int, replies: list[Reply], reference: ArrayRecord) -> ArrayRecord | None:
+        """The next global model from the checked replies (in partition order), or None to keep ``reference``."""
+        return weighted_mean(replies)
+
+    def on_empty_round(self, server_round: int) -> None:
+        """Called instead of :meth:`aggregate` when a training round has no usable reply."""
+
+    def round_metrics(self) -> dict[str, Any]:
+        """Entries this round adds to ``metrics.jsonl`` (read after :meth:`aggregate`)."""
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the server side carries from one round to the next, as tensors and plain values (a checkpoint
+        stores it with ``torch.save`` and loads it with ``weights_only``). Clients are named by partition id."""
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Take up what :meth:`state_dict` returned, to resume a run."""
+        self.check_state(state)
+
+    def check_state(self, state: Mapping[str, Any]) -> None:
+        """Refuse a checkpoint's strategy state with entries this strategy does not keep (:attr:`state_keys`)."""
+        unknown = set(state) - self.state_keys
+        if unknown:
+            kept = f"keeps only {sorted(self.state_keys)}" if self.state_keys else "keeps no server state"
+            raise ValueError(f"strategy {type(self).__name__} {kept}, but the checkpoint holds {sorted(unknown)}")
