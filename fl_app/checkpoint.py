@@ -34,7 +34,7 @@ CHECKPOINT = "checkpoint.pt"
 FORMAT = 1
 RESUMABLE_CHANGES = frozenset({
     "resume-from", "num-server-rounds", "round-timeout", "device", "min-available-nodes", "results-dir",
-    "run-name", "data-root", "log-divergence", "node-wait-timeout",
+    "run-name", "data-root", "log-divergence", "node-wait-timeout", "tracking", "mlflow-uri",
 })
 """Run-config keys a resumed run may set differently: where and how long it runs, not what it computes
 (``num-server-rounds`` may grow to extend a run; SuPerFed's mixing start, a fraction of it, moves then)."""

@@ -49,8 +49,10 @@ from fl_app.client_app import build_client_app
 from fl_app.config import (ConfigError, RunConfig, owned_settings, parse_run_config, pyproject_problem, results_root,
                            validate_run)
 from fl_app.inprocess import run_in_process
+from fl_app.progress import start_sweep, sweep_progress
 from fl_app.results import write_json
 from fl_app.server_app import build_server_app
+from fl_app.sweep_tracking import sweep_child, sweep_store
 from models import list_models
 from plugins.options import non_negative, option, positive, settings_fields
 from models.registry import model_options
@@ -251,6 +253,7 @@ class ValidateSweep(Callback):
             log.error("validating the sweep failed:\n%s", traceback.format_exc())
             raise SystemExit(f"could not validate the sweep, no job was started: {type(error).__name__}: {error}") from None
         log.info("all %d jobs of the sweep passed the run-config schema", count)
+        start_sweep(Path(config.hydra.sweep.dir), count)
 
 
 def simulate(config: RunConfig, sim: SimSettings) -> None:
@@ -267,16 +270,20 @@ def simulate(config: RunConfig, sim: SimSettings) -> None:
                    num_supernodes=sim.num_supernodes, backend_config=sim.backend_config())
 
 
-def run_job(cfg: DictConfig, choices: Mapping[str, Any], job_dir: Path) -> dict[str, Any]:
-    """Validate, simulate and record one job; an error is logged and recorded, never raised."""
+def run_job(cfg: DictConfig, choices: Mapping[str, Any], job_dir: Path,
+            sweep_dir: Path | None = None) -> dict[str, Any]:
+    """Validate, simulate and record one job; an error is logged and recorded, never raised. ``sweep_dir``: the
+    multirun's folder, whose MLflow parent run the job's run joins (:func:`fl_app.sweep_tracking.sweep_child`)."""
     started = time.time()
     record: dict[str, Any] = {"status": FAILED, "error": None, "run-folder": None}
     try:
         config, sim = job_settings(cfg, choices, job_dir)
+        config = sweep_store(config, sweep_dir)
         run_folder = Path(config.resume_from) if config.resume_from else results_root(config) / config.run_name
         if run_folder.exists() and not config.resume_from:  # its metrics.jsonl would get a second run's rounds
             raise FileExistsError(f"{run_folder} holds an earlier run; give the sweep a new hydra.sweep.dir")
-        simulate(config, sim)
+        with sweep_child(config, sweep_dir, job_dir):
+            simulate(config, sim)
         if not (run_folder / "summary.json").is_file():
             raise RuntimeError(f"the simulation ended without writing {run_folder / 'summary.json'}")
         record.update(status=COMPLETED, **{"run-folder": str(run_folder)})
@@ -301,8 +308,12 @@ class JobFailed(RuntimeError):
 def hydra_main(cfg: DictConfig) -> str:
     """One Hydra job; returns its status (a multirun's report is written by ``fl_app.sweep_report``)."""
     hydra_config = HydraConfig.get()
-    record = run_job(cfg, hydra_config.runtime.choices, Path(hydra_config.runtime.output_dir))
-    if record["status"] == FAILED and hydra_config.mode == RunMode.RUN:
+    multirun = hydra_config.mode == RunMode.MULTIRUN
+    sweep_dir = Path(hydra_config.sweep.dir) if multirun else None
+    record = run_job(cfg, hydra_config.runtime.choices, Path(hydra_config.runtime.output_dir), sweep_dir)
+    if sweep_dir is not None:
+        print(f"[alignfl] {sweep_progress(sweep_dir, JOB_RECORD, COMPLETED)}", flush=True)
+    if record["status"] == FAILED and not multirun:
         raise JobFailed(record["error"])
     return record["status"]
 

@@ -23,6 +23,7 @@ import torch
 import yaml
 from cryptography import x509
 from cryptography.hazmat.primitives.serialization import load_ssh_private_key, load_ssh_public_key
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from fl_app import deploy, deployment as deployment_module
 from fl_app.checkpoint import CHECKPOINT, config_differences
@@ -279,6 +280,9 @@ def test_strategy_completes_two_rounds_on_three_supernodes(plain, strategy, tmp_
     assert set(metrics[-1]["local-accuracy-per-client"]) == {"0", "1", "2"}  # each node its own partition
     assert report_outcome(config, status, details) == 0
     assert f"results in {folder}" in capsys.readouterr().out
+    board = EventAccumulator(str(folder))  # deployed, the ServerApp tracks to TensorBoard as it does in simulation
+    board.Reload()
+    assert [event.step for event in board.Scalars("accuracy")] == [0, 1, 2]
 
 
 def without_clock(records: list[dict]) -> list[dict]:
