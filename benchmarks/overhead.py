@@ -152,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--dataset", default="fashion-mnist", help="fashion-mnist (the benchmark) or digits (a smoke test)")
     parser.add_argument("--ray-cpus", type=int, default=1, help="CPUs Ray may use (default 1: one client at a time)")
+    parser.add_argument("--tracking", default="tensorboard", choices=("tensorboard", "none"),
+                        help="the simulation's run-config key tracking (default: the default, TensorBoard on)")
     parser.add_argument("--out", type=Path, default=None,
                         help="folder for rows.jsonl and report.md (default: a new one under ~/alignfl-results); "
                              "an existing folder is resumed: its finished runs count and are not run again")
@@ -160,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
     torch.set_num_threads(1)
-    config = parse_run_config({**EXPERIMENT, "num-server-rounds": args.rounds, "dataset": args.dataset})
+    config = parse_run_config({**EXPERIMENT, "num-server-rounds": args.rounds, "dataset": args.dataset,
+                               "tracking": args.tracking})
     out = (args.out or Path.home() / "alignfl-results" / "benchmarks" /
            f"overhead-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}").resolve()
     out.mkdir(parents=True, exist_ok=True)

@@ -44,10 +44,21 @@ from models.pan import PanSettings
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 SERVER_WEIGHTINGS = ("examples", "uniform")
+TRACKING_CHOICES = ("tensorboard", "mlflow", "both", "none")
 
 
 def _one_of(choices: tuple[str, ...]) -> dict[str, Any]:
     return {"check": lambda value: value in choices, "allowed": f"choose one of {sorted(choices)}"}
+
+
+def _mlflow_uri(value: str) -> bool:
+    """An MLflow tracking URI with a scheme; a SQLite file by absolute path (the app runs from a copy)."""
+    if not value:
+        return True
+    scheme, _, rest = value.partition(":")
+    if scheme == "sqlite":
+        return rest.startswith("////")
+    return bool(scheme) and (rest.startswith("//") or scheme == "databricks")
 
 
 def _absolute_or_empty(what: str) -> dict[str, Any]:
@@ -77,6 +88,13 @@ class RunSection:
                            lambda v: "/" not in v and v not in (".", ".."), "must be a plain folder name")
     resume_from: str = option("", "an earlier run's folder (absolute) to continue from its checkpoint.pt",
                               **_absolute_or_empty("the folder holding checkpoint.pt"))
+    tracking: str = option("tensorboard", "where each round's metrics also go: tensorboard (event files in the run "
+                           "folder), mlflow (an MLflow run; needs pip install 'alignfl[mlflow]'), both, or none",
+                           **_one_of(TRACKING_CHOICES))
+    mlflow_uri: str = option("", "MLflow tracking URI for tracking=mlflow or both: sqlite:////abs/file.db, "
+                             "http://host:port, ... (empty: sqlite under the results folder)", _mlflow_uri,
+                             "must be an MLflow tracking URI with a scheme (sqlite:////absolute/path.db, "
+                             "http(s)://host:port, postgresql://..., databricks), or empty")
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from flwr.app import ArrayRecord
 
-from core.config import RunConfig
+from core.config import RunConfig, results_root
 from core.rounds import RoundRunner
 from fl_app.config import default_run_config
 from plugins.options import ConfigError
@@ -34,7 +34,7 @@ CHECKPOINT = "checkpoint.pt"
 FORMAT = 1
 RESUMABLE_CHANGES = frozenset({
     "resume-from", "num-server-rounds", "round-timeout", "device", "min-available-nodes", "results-dir",
-    "run-name", "data-root", "log-divergence", "node-wait-timeout",
+    "run-name", "data-root", "log-divergence", "node-wait-timeout", "tracking", "mlflow-uri",
 })
 """Run-config keys a resumed run may set differently: where and how long it runs, not what it computes
 (``num-server-rounds`` may grow to extend a run; SuPerFed's mixing start, a fraction of it, moves then)."""
@@ -132,3 +132,18 @@ def resume_checkpoint(config: RunConfig) -> Checkpoint:
         raise ConfigError(f"run-config key 'num-server-rounds' = {config.num_server_rounds}: the run to resume has "
                           f"already completed round {checkpoint.round}; set at least {checkpoint.round}")
     return checkpoint
+
+
+def run_folder(config: RunConfig) -> Path:
+    """The run's folder: the one it resumes, or ``results-dir/run-name``."""
+    return Path(config.resume_from) if config.resume_from else results_root(config) / config.run_name
+
+
+def checkpointed_round(config: RunConfig) -> int | None:
+    """The last round the run checkpointed, or None (no checkpoint, or not readable)."""
+    if not (run_folder(config) / CHECKPOINT).is_file():
+        return None
+    try:
+        return load_checkpoint(run_folder(config)).round
+    except ConfigError:
+        return None

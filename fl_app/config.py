@@ -33,6 +33,7 @@ from core.data import dataset_info, list_datasets
 from core.model_io import build_model_for, to_arrays
 from core.partitioning.partitioners import PARTITIONERS, list_partitioners
 from core.strategy import RunContext, ServerStrategy
+from fl_app.tracking import check_tracking
 from models import list_models
 from plugins.options import ConfigError, Setting, build_settings, coerce, refuse, settings_fields
 from models.protocol import head_of
@@ -176,11 +177,12 @@ def check_paths(config: RunConfig) -> None:
 
 def validate_run(config: RunConfig) -> ServerStrategy:
     """Everything that can be checked before a run starts: ``pyproject.toml``'s run-config table
-    (:func:`pyproject_problem`), folders, model and algorithm (:func:`check_run`)."""
+    (:func:`pyproject_problem`), folders, tracking, model and algorithm (:func:`check_run`)."""
     problem = pyproject_problem()
     if problem is not None:
         raise ConfigError(problem)
     check_paths(config)
+    check_tracking(config)
     return check_run(config)
 
 

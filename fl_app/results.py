@@ -37,8 +37,8 @@ def make_run_folder(config: RunConfig) -> Path:
     )
     folder = (results_root(config) / name).resolve()
     folder.mkdir(parents=True, exist_ok=bool(config.run_name))
-    for stale in ("metrics.jsonl", "checkpoint.pt"):  # a reused run-name starts afresh
-        (folder / stale).unlink(missing_ok=True)
+    for stale in ("metrics.jsonl", "checkpoint.pt", "tracking.json", *(p.name for p in folder.glob("events.out.*"))):
+        (folder / stale).unlink(missing_ok=True)  # a reused run-name starts afresh
     return folder
 
 
@@ -107,6 +107,8 @@ class RoundRecorder:
     folder: Path
     evaluate_global: GlobalEvaluation
     log_divergence: bool = False
+    progress: Callable[[int, float], str] | None = None
+    """Round, elapsed seconds → the progress part of the round's log line (:class:`fl_app.progress.RoundProgress`)."""
     started: float = field(default_factory=time.time)
     rows: list[dict[str, Any]] = field(default_factory=list)
     _pending: dict[str, Any] = field(default_factory=dict)
@@ -156,9 +158,10 @@ class RoundRecorder:
             stream.write(json.dumps(row, sort_keys=True) + "\n")
         local = row.get("local-accuracy-mean")
         new = row.get("new-client-accuracy")
-        log(INFO, "[alignfl] round %d: global accuracy %.4f, loss %.4f%s%s", server_round, accuracy, loss,
+        log(INFO, "[alignfl] round %d: global accuracy %.4f, loss %.4f%s%s%s", server_round, accuracy, loss,
             f", clients' local accuracy {local:.4f}" if local is not None else "",
-            f", new clients' accuracy {new:.4f}" if new is not None else "")
+            f", new clients' accuracy {new:.4f}" if new is not None else "",
+            f" | {self.progress(server_round, row['elapsed-s'])}" if self.progress is not None else "")
         return MetricRecord({"accuracy": accuracy, "loss": loss})
 
     def record_participation(self, server_round: int, participation: Participation) -> None:

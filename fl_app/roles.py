@@ -30,18 +30,20 @@ from cryptography import x509
 
 from core.data import DatasetMissingError
 from fl_app.config import ConfigError, RunConfig
-from fl_app.deploy import (
+from fl_app.deploy import check_folder
+from fl_app.deployment import Deployment
+from fl_app.flwr_cli import parse_overrides
+from fl_app.launch import prepare_config, report_outcome
+from fl_app.processes import Stopped, stop_signals
+from fl_app.superlink import free_port
+from fl_app.topology import (
     COMPOSE_SUPERLINK_PORT,
     DEFAULT_EXECUTOR,
     EXECUTORS,
-    STARTUP_TIMEOUT_S,
     Certificates,
-    Deployment,
     Topology,
-    check_folder,
     make_certificates,
 )
-from fl_app.launch import Stopped, free_port, parse_overrides, prepare_config, report_outcome, stop_signals
 
 REACH_TIMEOUT_S = 10.0
 SERVE_INTERVAL_S = 1.0

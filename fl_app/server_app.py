@@ -23,7 +23,9 @@ from core.rounds import MetricAggregation, RoundRunner
 from core.training import evaluate, seed_everything, select_device
 from fl_app.checkpoint import Checkpoint, capture, resume_checkpoint, save_checkpoint
 from fl_app.config import ConfigError, build_context, parse_run_config
+from fl_app.progress import RoundProgress
 from fl_app.results import RoundRecorder, finish_run, make_run_folder, write_json
+from fl_app.tracking import Tracking, check_tracking
 from strategies import get_strategy
 
 
@@ -50,6 +52,7 @@ def run_experiment(grid: Grid, config: RunConfig, partition_table: PartitionTabl
     every round and write the run folder; returns the summary. ``partition_table``: where the runtime knows
     which node holds which partition (see :class:`core.nodes.NodeDirectory`)."""
     root = config.data_root or None
+    check_tracking(config)
     check_dataset_available(config.dataset, root)
     checkpoint = resume_checkpoint(config) if config.resume_from else None
     seed_everything(config.seed)
@@ -69,24 +72,35 @@ def run_experiment(grid: Grid, config: RunConfig, partition_table: PartitionTabl
         load_arrays(model, arrays)
         return evaluate(model, dataset.test_x, dataset.test_y, device)
 
-    recorder = RoundRecorder(folder, evaluate_global, log_divergence=config.log_divergence)
-    runner = RoundRunner(strategy, grid, MetricAggregation(recorder.aggregate_train, recorder.aggregate_evaluate,
-                                                           recorder.record_participation, recorder.record_round),
-                         partition_table)
-    if checkpoint is not None:
-        recorder.restore(checkpoint.recorder_state)
-        strategy.load_state_dict(checkpoint.strategy_state)
-        runner.sampling_state = checkpoint.sampling_random
+    first_round = checkpoint.round + 1 if checkpoint is not None else 1
+    tracking = Tracking.open(config, folder, resumed=checkpoint is not None)  # before the clock starts
+    failed = True
+    try:
+        recorder = RoundRecorder(folder, evaluate_global, log_divergence=config.log_divergence,
+                                 progress=RoundProgress(config.num_server_rounds, first_round).describe)
+        runner = RoundRunner(strategy, grid, MetricAggregation(recorder.aggregate_train, recorder.aggregate_evaluate,
+                                                               recorder.record_participation, recorder.record_round),
+                             partition_table)
+        if checkpoint is not None:
+            recorder.restore(checkpoint.recorder_state)
+            strategy.load_state_dict(checkpoint.strategy_state)
+            runner.sampling_state = checkpoint.sampling_random
+        tracking.log_rows(recorder.rows)  # a resumed run's rounds the trackers may lack
 
-    def end_round(server_round: int, arrays: ArrayRecord) -> None:
-        save_checkpoint(folder, capture(server_round, config, arrays, runner, recorder.state()))
+        def end_round(server_round: int, arrays: ArrayRecord) -> None:
+            save_checkpoint(folder, capture(server_round, config, arrays, runner, recorder.state()))
+            tracking.log_rows(recorder.rows)  # once the round is durable, so a resumed run tracks it once
 
-    final = runner.run(initial_arrays, first_round=checkpoint.round + 1 if checkpoint is not None else 1,
-                       evaluate_fn=recorder.evaluate, on_round_end=end_round)
-    if not any(row.get("clients-trained") for row in recorder.rows if row["round"] > 0):
-        raise RuntimeError(f"no round produced a usable client update; see the log and {folder / 'metrics.jsonl'}")
-    summary = finish_run(folder, recorder, final,
-                         f"{config.strategy} · {config.model} · {config.dataset} ({config.partitioner})")
+        final = runner.run(initial_arrays, first_round=first_round, evaluate_fn=recorder.evaluate,
+                           on_round_end=end_round)
+        if not any(row.get("clients-trained") for row in recorder.rows if row["round"] > 0):
+            raise RuntimeError(f"no round produced a usable client update; see the log and "
+                               f"{folder / 'metrics.jsonl'}")
+        summary = tracking.finish(finish_run(folder, recorder, final, f"{config.strategy} · {config.model} · "
+                                             f"{config.dataset} ({config.partitioner})"), folder)
+        failed = False
+    finally:
+        tracking.close(failed)
     log(INFO, "[alignfl] finished: final accuracy %.4f, best %.4f; results in %s",
         summary["final-accuracy"], summary["best-accuracy"], folder)
     return summary

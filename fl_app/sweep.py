@@ -10,10 +10,11 @@ keys mechanically (:func:`core.config.key_of_path`: ``data.root`` is ``data-root
 ``strategy.proximal_mu`` is ``proximal-mu``), and the result is validated by
 :func:`fl_app.config.parse_run_config`, the schema ``flwr run`` uses. An override of a key
 that only an unselected algorithm or model has is refused before Hydra starts, naming its
-owner. A multirun checks every job's config before the first job trains
-(:class:`ValidateSweep`). Each job writes its run folder ``<job dir>/run`` and a ``job.json``
-(status, error, wall time) that :mod:`fl_app.sweep_report` reads; a job that fails is logged
-and recorded, and the sweep goes on.
+owner. A single run is checked before Hydra makes its folder, and a multirun checks every
+job's config before the first job trains (:class:`ValidateSweep`; both exit with code 2).
+Each job writes its run folder ``<job dir>/run`` and a ``job.json`` (status, error, wall
+time) that :mod:`fl_app.sweep_report` reads; a job that fails is logged and recorded, and
+the sweep goes on.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import traceback
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import hydra
 import ray
@@ -48,8 +49,10 @@ from fl_app.client_app import build_client_app
 from fl_app.config import (ConfigError, RunConfig, owned_settings, parse_run_config, pyproject_problem, results_root,
                            validate_run)
 from fl_app.inprocess import run_in_process
+from fl_app.progress import start_sweep, sweep_progress
 from fl_app.results import write_json
 from fl_app.server_app import build_server_app
+from fl_app.sweep_tracking import sweep_child, sweep_store
 from models import list_models
 from plugins.options import non_negative, option, positive, settings_fields
 from models.registry import model_options
@@ -220,8 +223,22 @@ def validate_sweep(config: DictConfig) -> int:
     return len(jobs)
 
 
+def refuse(message: str) -> NoReturn:
+    """End the command before anything starts: the message, exit code 2, no traceback."""
+    print(f"[alignfl] refused before starting: {message}", file=sys.stderr)
+    raise SystemExit(2)  # Hydra turns a callback's exception into a warning and carries on; exiting stops it
+
+
 class ValidateSweep(Callback):
-    """Refuse a multirun, before any job trains, when one of its jobs has a config the schema rejects."""
+    """Refuse a run, before Hydra makes its folder, or a multirun, before any job trains, when a job has a config
+    the schema rejects or a data set that is not on disk."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        try:
+            run_config, _ = job_settings(config, config.hydra.runtime.choices, Path(config.hydra.run.dir))
+            check_dataset_available(run_config.dataset, run_config.data_root or None)
+        except (ConfigError, DatasetMissingError) as error:
+            refuse(str(error))
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         target = OmegaConf.select(config, "hydra.sweeper._target_") or ""
@@ -231,12 +248,12 @@ class ValidateSweep(Callback):
         try:
             count = validate_sweep(config)
         except (ConfigError, DatasetMissingError) as error:
-            # Hydra turns a callback's exception into a warning and carries on; exiting is the way to stop.
-            raise SystemExit(f"invalid sweep, no job was started: {error}") from None
+            refuse(f"invalid sweep, no job was started: {error}")
         except Exception as error:  # a sweep that cannot be checked is not started either
             log.error("validating the sweep failed:\n%s", traceback.format_exc())
             raise SystemExit(f"could not validate the sweep, no job was started: {type(error).__name__}: {error}") from None
         log.info("all %d jobs of the sweep passed the run-config schema", count)
+        start_sweep(Path(config.hydra.sweep.dir), count)
 
 
 def simulate(config: RunConfig, sim: SimSettings) -> None:
@@ -253,16 +270,20 @@ def simulate(config: RunConfig, sim: SimSettings) -> None:
                    num_supernodes=sim.num_supernodes, backend_config=sim.backend_config())
 
 
-def run_job(cfg: DictConfig, choices: Mapping[str, Any], job_dir: Path) -> dict[str, Any]:
-    """Validate, simulate and record one job; an error is logged and recorded, never raised."""
+def run_job(cfg: DictConfig, choices: Mapping[str, Any], job_dir: Path,
+            sweep_dir: Path | None = None) -> dict[str, Any]:
+    """Validate, simulate and record one job; an error is logged and recorded, never raised. ``sweep_dir``: the
+    multirun's folder, whose MLflow parent run the job's run joins (:func:`fl_app.sweep_tracking.sweep_child`)."""
     started = time.time()
     record: dict[str, Any] = {"status": FAILED, "error": None, "run-folder": None}
     try:
         config, sim = job_settings(cfg, choices, job_dir)
+        config = sweep_store(config, sweep_dir)
         run_folder = Path(config.resume_from) if config.resume_from else results_root(config) / config.run_name
         if run_folder.exists() and not config.resume_from:  # its metrics.jsonl would get a second run's rounds
             raise FileExistsError(f"{run_folder} holds an earlier run; give the sweep a new hydra.sweep.dir")
-        simulate(config, sim)
+        with sweep_child(config, sweep_dir, job_dir):
+            simulate(config, sim)
         if not (run_folder / "summary.json").is_file():
             raise RuntimeError(f"the simulation ended without writing {run_folder / 'summary.json'}")
         record.update(status=COMPLETED, **{"run-folder": str(run_folder)})
@@ -287,8 +308,12 @@ class JobFailed(RuntimeError):
 def hydra_main(cfg: DictConfig) -> str:
     """One Hydra job; returns its status (a multirun's report is written by ``fl_app.sweep_report``)."""
     hydra_config = HydraConfig.get()
-    record = run_job(cfg, hydra_config.runtime.choices, Path(hydra_config.runtime.output_dir))
-    if record["status"] == FAILED and hydra_config.mode == RunMode.RUN:
+    multirun = hydra_config.mode == RunMode.MULTIRUN
+    sweep_dir = Path(hydra_config.sweep.dir) if multirun else None
+    record = run_job(cfg, hydra_config.runtime.choices, Path(hydra_config.runtime.output_dir), sweep_dir)
+    if sweep_dir is not None:
+        print(f"[alignfl] {sweep_progress(sweep_dir, JOB_RECORD, COMPLETED)}", flush=True)
+    if record["status"] == FAILED and not multirun:
         raise JobFailed(record["error"])
     return record["status"]
 
@@ -328,8 +353,7 @@ def main() -> None:
     register_configs()
     problem = unowned_override(sys.argv[1:]) or pyproject_problem()
     if problem is not None:
-        print(f"[alignfl] refused before starting: {problem}", file=sys.stderr)
-        sys.exit(2)
+        refuse(problem)
     hydra_main()
 
 

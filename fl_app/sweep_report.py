@@ -29,6 +29,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from fl_app.sweep import COMPLETED, JOB_RECORD
+from fl_app.sweep_tracking import finish_sweep_run, write_hparams
 
 log = logging.getLogger(__name__)
 
@@ -232,6 +233,9 @@ def write_report(sweep_dir: Path, x: str = "pan.a", y: str = "pan.t", metric: st
         plot_heatmap(rows, varying, *axes, metric, heatmap_path)
     else:
         log.info("no heatmap: fewer than two swept keys vary (%s)", varying)
+    swept = varying or keys
+    write_hparams(sweep_dir, [(Path(job.summary["run-folder"]), {key: row.settings[key] for key in swept}, job.summary)
+                              for row in rows for job in row.completed if "run-folder" in job.summary])
     report = Report(rows, keys, varying, csv_path, markdown_path, heatmap_path)
     for row in rows:
         for job in row.jobs:
@@ -248,8 +252,13 @@ class ReportSweep(Callback):
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         report = write_report(Path(config.hydra.sweep.dir), self.heatmap_x, self.heatmap_y, self.metric)
-        log.info("sweep report: %s, %s%s", report.markdown_path, report.csv_path,
-                 f", {report.heatmap_path}" if report.heatmap_path else "")
+        files = [report.markdown_path, report.csv_path, *([report.heatmap_path] if report.heatmap_path else [])]
+        finish_sweep_run(report.markdown_path.parent, {key: sorted({row.settings[key] for row in report.rows},
+                                                                   key=_sort_key)
+                                                       for key in report.varying or report.keys},
+                         report.jobs, report.failed, files)
+        print(f"[alignfl] sweep done: {report.jobs - report.failed} of {report.jobs} jobs completed; summary: "
+              f"{report.markdown_path} (also {', '.join(str(path) for path in files[1:])})", flush=True)
         if report.failed:
             # Hydra turns a callback's exception into a warning; exiting gives the sweep a non-zero status.
             raise SystemExit(f"{report.failed} of {report.jobs} sweep jobs failed; see {report.markdown_path}")

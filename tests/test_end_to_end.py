@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 from flwr.simulation import run_simulation
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from fl_app import launch
 from fl_app.client_app import build_client_app
@@ -64,13 +65,18 @@ def test_same_seed_same_metrics_with_partial_participation(tmp_path):
     assert all(r["clients-trained"] == 2 for r in first[1:])
 
 
-def test_launcher_runs_flwr_and_reports_success(tmp_path, capsys):
+def test_launcher_runs_flwr_and_reports_success(tmp_path, capfd):
     code = launch.main(["--num-supernodes", "2", "--run-config",
                         f'dataset="digits" num-server-rounds=1 results-dir="{tmp_path}" run-name="ok"'])
     assert code == 0
     summary = json.loads((tmp_path / "ok" / "summary.json").read_text())
     assert summary["rounds"] == 1
-    assert "run completed" in capsys.readouterr().out
+    out = capfd.readouterr().out
+    assert "run completed" in out
+    assert "| round 1/1, elapsed" in out  # the ServerApp's progress line, streamed to the terminal by the launcher
+    board = EventAccumulator(str(tmp_path / "ok"))  # Ray's simulation tracks to TensorBoard as in-process runs do
+    board.Reload()
+    assert [event.step for event in board.Scalars("accuracy")] == [0, 1]
 
 
 def test_launcher_exits_nonzero_when_the_run_fails(tmp_path):

@@ -10,7 +10,8 @@ import threading
 import pytest
 
 from fl_app import deploy
-from fl_app.launch import free_port
+from fl_app.superlink import free_port
+from fl_app.topology import make_certificates
 from fl_app.roles import (
     Unreachable,
     certificate_names,
@@ -51,8 +52,8 @@ def serve_tls(certs, port: int) -> threading.Thread:
 
 
 def test_a_node_checks_the_superlinks_certificate_and_reach_before_starting(tmp_path):
-    certs = deploy.make_certificates(tmp_path / "certs", 1)
-    other = deploy.make_certificates(tmp_path / "other", 1)  # another deployment's CA
+    certs = make_certificates(tmp_path / "certs", 1)
+    other = make_certificates(tmp_path / "other", 1)  # another deployment's CA
     port = free_port()
     serve_tls(certs, port)
     assert tls_problem(f"127.0.0.1:{port}", str(certs / "ca.crt")) is None
@@ -87,7 +88,7 @@ def test_roles_refuse_bad_options_before_starting_anything(argv, message, tmp_pa
 
 
 def test_a_node_machine_needs_its_own_key_files(tmp_path, capsys):
-    certs = deploy.make_certificates(tmp_path / "certs", 2)
+    certs = make_certificates(tmp_path / "certs", 2)
     shutil.rmtree(certs / "supernode-1")
     argv = ["supernodes", "--superlink", "10.0.0.1:9093", "--nodes", "0", "1", "--num-supernodes", "2", "--tls",
             "--certs", str(certs), "--work-dir", str(tmp_path / "work")]
