@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
+from pathlib import Path
 
 from flwr.app import Message, MessageType, RecordDict
 from flwr.server.superlink.linkstate import InMemoryLinkState
@@ -24,10 +26,13 @@ from flwr.server.superlink.linkstate import InMemoryLinkState
 from fl_app import flower_runtime
 from fl_app.inprocess import set_task_identity
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from flower_state import simulation_state  # noqa: E402  (the tests' helper: Flower's simulation state, built)
+
 
 def sweep_seconds(nodes: int, messages: int) -> tuple[float, float]:
     """Seconds of the delivering sweep and of the in-flight sweep over ``nodes`` nodes."""
-    grid, state, node_ids = flower_runtime.simulation_state(nodes)
+    grid, state, node_ids = simulation_state(nodes)
     list(grid.push_messages([Message(RecordDict(), dst_node_id=node, message_type=MessageType.QUERY)
                              for node in node_ids[:messages]]))
     seconds = []

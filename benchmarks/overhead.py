@@ -39,7 +39,8 @@ from benchutil import (RoundCounter, TreeSampler, append_jsonl, machine, median,
                        run_metrics, simulate, write_report)
 from core.calibration import classification_scores
 from fl_app.config import RunConfig, parse_run_config
-from core.data import client_split, load_dataset, partition_dataset
+from core.data import load_dataset
+from core.partitioning.partitions import client_split, partition_dataset
 from core.model_io import build_run_model, federated_state
 from core.training import evaluate, iterate_batches, round_generator, seed_everything
 
@@ -51,7 +52,7 @@ def client_tensors(config: RunConfig, num_clients: int) -> list[tuple[torch.Tens
     """Each client's (train x, train y, test x, test y), sliced exactly as the ClientApp slices them."""
     dataset = load_dataset(config.dataset)
     parts = partition_dataset(config.dataset, None, config.partitioner, num_clients, config.seed,
-                              dirichlet_alpha=config.dirichlet_alpha)
+                              **config.partition_options())
     tensors = []
     for pid, part in enumerate(parts):
         train, test = client_split(part, config.test_fraction, config.seed, pid)

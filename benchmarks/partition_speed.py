@@ -19,19 +19,20 @@ import tempfile
 import time
 from statistics import median
 
-from core import data
+from core.data import load_dataset
+from core.partitioning import partitions
 
 
 def timed(case: str) -> float:
     """Seconds for one uncached partitioning (the dataset itself is loaded before the clock starts)."""
     with tempfile.TemporaryDirectory() as cache:
-        data.PARTITION_CACHE_DIR = cache
-        data._compute_partitions.cache_clear()
+        partitions.PARTITION_CACHE_DIR = cache
+        partitions._compute_partitions.cache_clear()
         dataset = "fashion-mnist" if case == "dirichlet-100" else "digits"
-        data.load_dataset(dataset)
+        load_dataset(dataset)
         start = time.perf_counter()
         try:
-            data.partition_dataset(dataset, None, "dirichlet", 100, 0, dirichlet_alpha=0.1)
+            partitions.partition_dataset(dataset, None, "dirichlet", 100, 0, dirichlet_alpha=0.1)
         except ValueError:
             if case != "infeasible-digits":
                 raise

@@ -32,11 +32,12 @@ import torch
 
 from benchutil import (RoundCounter, TreeSampler, append_jsonl, machine, median, read_jsonl, round_seconds, run_metrics,
                        simulate, write_report)
-from fl_app.config import parse_run_config
-from core.data import partition_dataset
+from fl_app.config import RunConfig, parse_run_config
+from core.partitioning.partitions import partition_dataset
 
-EXPERIMENT = {"strategy": "fedavg", "model": "mlp", "dataset": "fashion-mnist", "partitioner": "dirichlet",
-              "dirichlet-alpha": 0.3, "local-epochs": 1, "batch-size": 64, "seed": 0}
+EXPERIMENT = {"strategy": "fedavg", "model": "mlp", "dataset": "fashion-mnist", "local-epochs": 1, "batch-size": 64,
+              "seed": 0}
+PARTITIONERS = {"dirichlet": {"partitioner": "dirichlet", "dirichlet-alpha": 0.3}, "iid": {"partitioner": "iid"}}
 
 
 @dataclass(frozen=True)
@@ -50,19 +51,26 @@ class Setting:
 SETTINGS = {"1000": Setting(1000, 0.02, 10), "100": Setting(100, 1.0, 3), "10000": Setting(10000, 0.01, 20, "iid")}
 
 
+def setting_config(setting: Setting, dataset: str) -> RunConfig:
+    """The run config of one setting."""
+    return parse_run_config({**EXPERIMENT, **PARTITIONERS[setting.partitioner], "dataset": dataset,
+                             "num-server-rounds": setting.rounds, "fraction-train": setting.fraction,
+                             "fraction-evaluate": setting.fraction})
+
+
 def partition_seconds(dataset: str, setting: Setting) -> float:
     """Seconds to compute every client's partition once, as each Ray worker does (its own seed, so that
     the simulation's workers find nothing cached in this process: they are other processes anyway)."""
+    config = setting_config(setting, dataset)
     started = time.perf_counter()
-    partition_dataset(dataset, None, setting.partitioner, setting.clients, 1000 + setting.clients, dirichlet_alpha=0.3)
+    partition_dataset(dataset, None, setting.partitioner, setting.clients, 1000 + setting.clients,
+                      **config.partition_options())
     return time.perf_counter() - started
 
 
 def run_setting(name: str, setting: Setting, ray_cpus: int, dataset: str) -> dict[str, Any]:
     """One simulation with the memory sampler running; its round times and memory figures."""
-    config = parse_run_config({**EXPERIMENT, "dataset": dataset, "num-server-rounds": setting.rounds,
-                               "partitioner": setting.partitioner,
-                               "fraction-train": setting.fraction, "fraction-evaluate": setting.fraction})
+    config = setting_config(setting, dataset)
     with tempfile.TemporaryDirectory(prefix="alignfl-scale-") as tmp:
         results = Path(tmp)
         settings = {**config.to_run_config(), "results-dir": str(results), "run-name": "run",

@@ -2,11 +2,13 @@
 
 The common settings come in sections (:data:`SECTIONS`): the run itself, training,
 data and PANs. Each is a settings class of :mod:`plugins.options`, so its defaults,
-help and checks are written once, here; the algorithm's settings and the model's
-options are declared by the algorithm's module and the model's module the same way.
+help and checks are written once, here; the algorithm's settings, the model's
+options and the partitioner's settings are declared by the algorithm's module, the
+model's module and :mod:`core.partitioning.partitioners` the same way.
 :class:`RunConfig` holds the common settings as fields and the chosen algorithm's
-settings and model's options as two objects; the schema that builds it from run-config
-keys lives with the registries it needs (:mod:`fl_app.config`).
+settings, model's options and partitioner's settings as three objects; the schema that
+builds it from run-config keys lives with the registries it needs (:mod:`fl_app.config`).
+The partitioners' keys sit in the Hydra ``data`` section (``data.dirichlet_alpha``).
 
 Hydra paths are ``<section>.<leaf>``; a leaf is the field name with the section's name
 left off where the field starts with it (``data.root`` is ``data_root``, run-config key
@@ -21,8 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from core.data import dataset_info, list_datasets, list_partitioners
+from core.data import dataset_info, list_datasets
 from core.label_noise import LABEL_NOISE_KINDS
+from core.partitioning.partitioners import PARTITIONERS, Split, check_partitioning, list_partitioners
 from models.init import INITS
 from plugins.options import (
     NoOptions,
@@ -133,12 +136,6 @@ class DataSection:
                             **_absolute_or_empty("a torchvision-style root"))
     partitioner: str = option("dirichlet", "how the training set is split over clients",
                               lambda v: v in list_partitioners(), "choose a registered partitioner")
-    dirichlet_alpha: float = option(0.5, "Dirichlet concentration (smaller is more skewed)", positive,
-                                    "must be > 0 (smaller is more skewed)")
-    classes_per_client: int = option(2, "classes per client (pathological)", positive, "must be a positive integer")
-    shards_per_client: int = option(2, "shards per client (shard)", positive, "must be a positive integer")
-    samples_per_client: int = option(0, "samples per client (fixed-pairs; 0: as many as the smallest class allows)",
-                                     lambda v: v >= 0, "must be an integer >= 0")
     train_size: int = option(0, "training samples partitioned, a seeded random subset (0: all)", lambda v: v >= 0,
                              "must be an integer >= 0 (0: the whole training set)")
     test_fraction: float = option(0.2, "share of each client's data kept for its local test split",
@@ -174,30 +171,37 @@ class PanSection:
 
 SECTIONS: dict[str, type] = {"": RunSection, "train": TrainSection, "data": DataSection, "pan": PanSection}
 """Hydra section → the common settings it holds (``""``: the top level)."""
+PARTITIONER_SECTION = "data"
+"""The Hydra section that also holds every partitioner's settings (``data.dirichlet_alpha``)."""
 
 
 @dataclass(frozen=True)
 class RunConfig(RunSection, TrainSection, DataSection, PanSection):
     """Every setting of one run: the common ones as fields, plus the chosen algorithm's ``settings`` and the
-    chosen model's ``model_options`` (settings objects of those modules; built by :func:`fl_app.config.parse_run_config`)."""
+    chosen model's ``model_options`` and the chosen partitioner's ``partitioner_settings`` (settings objects of
+    those modules; built by :func:`fl_app.config.parse_run_config`)."""
 
     settings: Any = NoOptions()
     model_options: Any = NoOptions()
+    partitioner_settings: Any = None  # None: the chosen partitioner's defaults
+
+    def __post_init__(self) -> None:
+        if self.partitioner_settings is None and self.partitioner in list_partitioners():
+            object.__setattr__(self, "partitioner_settings", PARTITIONERS.get(self.partitioner).settings())
 
     def partition_options(self) -> dict[str, Any]:
-        """The keyword settings of :func:`core.data.partition_dataset`."""
-        return {"dirichlet_alpha": self.dirichlet_alpha, "classes_per_client": self.classes_per_client,
-                "shards_per_client": self.shards_per_client, "samples_per_client": self.samples_per_client,
-                "train_size": self.train_size}
+        """The keyword settings of :func:`core.partitioning.partitions.partition_dataset`."""
+        own = self.partitioner_settings
+        return {"train_size": self.train_size, **{s.name: getattr(own, s.name) for s in settings_fields(type(own))}}
 
     def to_run_config(self) -> dict[str, Any]:
         """The hyphenated key → value mapping, as ``flwr run`` and the results folder store it."""
         return {setting.key: value for setting, value in self.items()}
 
     def items(self) -> list[tuple[Setting, Any]]:
-        """Every setting of the run with its value: common, then the algorithm's, then the model's."""
+        """Every setting of the run with its value: common, then the algorithm's, the model's, the partitioner's."""
         common = [(s, getattr(self, s.name)) for s in common_settings()]
-        own = [(s, getattr(part, s.name)) for part in (self.settings, self.model_options)
+        own = [(s, getattr(part, s.name)) for part in (self.settings, self.model_options, self.partitioner_settings)
                for s in settings_fields(type(part))]
         return common + own
 
@@ -212,10 +216,11 @@ class RunConfig(RunSection, TrainSection, DataSection, PanSection):
         if self.holdout_clients >= self.min_available_nodes:
             raise refuse("holdout-clients", self.holdout_clients, f"must be an integer in [0, min-available-nodes = "
                          f"{self.min_available_nodes}): some node must train")
+        if not isinstance(self.partitioner_settings, PARTITIONERS.get(self.partitioner).settings):
+            raise TypeError(f"partitioner_settings {self.partitioner_settings!r} are not those of partitioner "
+                            f"'{self.partitioner}'")
         _, num_classes = dataset_info(self.dataset)
-        if self.classes_per_client > num_classes:
-            raise refuse("classes-per-client", self.classes_per_client,
-                         f"must be at most the number of classes of '{self.dataset}' ({num_classes})")
+        check_partitioning(self.partitioner, self.partitioner_settings, Split(self.dataset, num_classes))
 
 
 def common_settings() -> list[Setting]:
@@ -224,10 +229,12 @@ def common_settings() -> list[Setting]:
 
 
 def section_of(key: str) -> str:
-    """The Hydra section of a common run-config key."""
+    """The Hydra section of a common run-config key or of a partitioner's key."""
     for section, settings in SECTIONS.items():
         if key in {s.key for s in settings_fields(settings)}:
             return section
+    if key in {s.key for name in list_partitioners() for s in settings_fields(PARTITIONERS.get(name).settings)}:
+        return PARTITIONER_SECTION
     raise KeyError(key)
 
 

@@ -1,12 +1,10 @@
-"""Datasets and federated partitions, loaded once per process.
+"""The data sets: their registry and loaders, loaded once per process and kept in a tensor cache.
 
 A dataset is read from local files, normalised with its standard per-channel
 mean/std and held as tensors in a per-process cache, so that a simulation
-process serving many clients reads and converts it once. A partition is a pure
-function of (dataset, data root, partitioner, its parameters, number of
-partitions, seed); all partitions of a split are computed together, by
-flwr-datasets' partitioners, and cached per process and on disk
-(``~/.cache/alignfl/partitions``, keyed by a hash of the labels and settings).
+process serving many clients reads and converts it once; a machine-wide tensor
+cache spares other processes the parsing. How a data set is split over clients
+is :mod:`core.partitioning`'s job.
 
 Where the files come from:
 
@@ -19,11 +17,11 @@ Where the files come from:
   :mod:`core.tokens` (for ``transformer-1``); always offline.
 * ``mnist``, ``cifar10``, ``cifar100``, ``svhn``: torchvision's dataset classes
   over ``data_root`` (``~/.cache/alignfl/data`` when unset), downloading only
-  when the files are absent.
+  when the files are absent; a failed download leaves no folder behind.
 
-Heavy libraries (torchvision, scikit-learn, flwr-datasets with pyarrow) are
-imported inside the functions that need them, so that a process which only
-loads Fashion-MNIST does not pay seconds of import time for them.
+Heavy libraries (torchvision, scikit-learn) are imported inside the functions
+that need them, so that a process which only loads Fashion-MNIST does not pay
+seconds of import time for them.
 """
 
 from __future__ import annotations
@@ -31,36 +29,24 @@ from __future__ import annotations
 import functools
 import gzip
 import hashlib
-import math
-import numbers
 import os
+import shutil
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
 from core import tokens
-
-if TYPE_CHECKING:
-    from flwr_datasets.partitioner import Partitioner
+from plugins.registry import Registry
 
 DEFAULT_DATASET = "fashion-mnist"
 DEBIAN_FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
 # Root for the torchvision datasets when no data-root is given; expanded per call.
 DEFAULT_DATA_ROOT = "~/.cache/alignfl/data"
-# Dirichlet: every client gets at least one sample, and otherwise the skew that
-# alpha asks for (no self-balancing, see _build_dirichlet).
-DIRICHLET_MIN_PARTITION_SIZE = 1
-# Pathological: client i always holds class i % num_classes (so every class is
-# used once there are at least as many clients as classes); the others are drawn
-# at random from the seeded generator, as in Li et al. (2021), NIID-Bench.
-PATHOLOGICAL_CLASS_ASSIGNMENT = "first-deterministic"
-# Partitions computed once are stored here, shared by every process (see _partition_cache_file).
-PARTITION_CACHE_DIR = "~/.cache/alignfl/partitions"
 # Loaded datasets as tensors, shared by every process of this machine (see _tensor_cache_file).
 TENSOR_CACHE_DIR = "~/.cache/alignfl/tensors"
 TENSOR_CACHE_FORMAT = 1
@@ -110,58 +96,37 @@ when it cannot be told (files absent), which leaves the dataset out of the tenso
 Split = tuple[np.ndarray, np.ndarray]  # N x C x H x W uint8 images, labels
 
 
-@dataclass(frozen=True)
-class _DatasetEntry:
-    load: Loader
-    input_shape: tuple[int, int, int]
-    num_classes: int
-    missing_files: MissingFiles
-    fingerprint: Fingerprint | None
-
-
-_DATASETS: dict[str, _DatasetEntry] = {}
-
-
 def _nothing_missing(data_root: Path | None) -> list[Path]:
     """For datasets that ship with an installed package."""
     return []
 
 
-def register_dataset(
-    name: str,
-    *,
-    input_shape: tuple[int, int, int],
-    num_classes: int,
-    missing_files: MissingFiles = _nothing_missing,
-    fingerprint: Fingerprint | None = None,
-) -> Callable[[Loader], Loader]:
-    """Register a loader ``(data_root) -> ImageDataset`` under ``name``.
+@dataclass(frozen=True)
+class DataSource:
+    """One data set: its loader ``(data_root) -> ImageDataset`` and what it declares of itself.
 
-    ``input_shape`` and ``num_classes`` are declared here so that configs can be
+    ``input_shape`` and ``num_classes`` are declared so that configs can be
     validated and models built without reading any data; ``missing_files``
     lists the required files that are absent, for a cheap check before training;
     with a ``fingerprint`` the loaded tensors are kept in the machine's tensor
     cache, so other processes read them instead of loading again.
     """
 
-    def decorator(loader: Loader) -> Loader:
-        if name in _DATASETS:
-            raise ValueError(f"dataset {name!r} is already registered")
-        _DATASETS[name] = _DatasetEntry(loader, input_shape, num_classes, missing_files, fingerprint)
-        return loader
+    name: str
+    load: Loader
+    input_shape: tuple[int, int, int]
+    num_classes: int
+    missing_files: MissingFiles = _nothing_missing
+    fingerprint: Fingerprint | None = None
 
-    return decorator
+
+DATASETS: Registry[DataSource] = Registry("dataset")
+"""Every data set, registered below with ``DATASETS.register(DataSource(...))``."""
 
 
 def list_datasets() -> list[str]:
     """Names accepted by ``load_dataset``."""
-    return sorted(_DATASETS)
-
-
-def _dataset_entry(name: str) -> _DatasetEntry:
-    if name not in _DATASETS:
-        raise ValueError(f"dataset: unknown value {name!r}; allowed: {', '.join(list_datasets())}")
-    return _DATASETS[name]
+    return DATASETS.names()
 
 
 def _resolve_root(data_root: str | Path | None) -> Path | None:
@@ -171,19 +136,19 @@ def _resolve_root(data_root: str | Path | None) -> Path | None:
 
 def dataset_info(name: str) -> tuple[tuple[int, int, int], int]:
     """``(input_shape, num_classes)`` of a registered dataset, without loading it."""
-    entry = _dataset_entry(name)
+    entry = DATASETS.get(name)
     return entry.input_shape, entry.num_classes
 
 
 def load_dataset(name: str, data_root: str | None = None) -> ImageDataset:
     """Load a dataset once per process (cached on its name and resolved root)."""
-    _dataset_entry(name)
+    DATASETS.get(name)
     return _load_cached(name, _resolve_root(data_root))
 
 
 @functools.lru_cache(maxsize=4)
 def _load_cached(name: str, root: Path | None) -> ImageDataset:
-    entry = _DATASETS[name]
+    entry = DATASETS.get(name)
     fingerprint = entry.fingerprint(root) if entry.fingerprint is not None else None
     path = _tensor_cache_file(name, root, fingerprint) if fingerprint is not None else None
     dataset = _read_tensor_cache(path, name, entry.num_classes) if path is not None else None
@@ -206,7 +171,7 @@ def check_dataset_available(name: str, data_root: str | None) -> None:
     absent, the one thing that can still succeed is a download, so the dataset
     is loaded (downloading where the loader can, or raising); it stays cached.
     """
-    if _dataset_entry(name).missing_files(_resolve_root(data_root)):
+    if DATASETS.get(name).missing_files(_resolve_root(data_root)):
         load_dataset(name, data_root)
 
 
@@ -233,10 +198,10 @@ def _read_tensor_cache(path: Path, name: str, num_classes: int) -> ImageDataset 
 
 def _write_tensor_cache(path: Path, dataset: ImageDataset) -> None:
     tensors = {key: getattr(dataset, key) for key in ("train_x", "train_y", "test_x", "test_y")}
-    _store_atomically(path, path.with_suffix(f".{os.getpid()}.tmp"), lambda partial: torch.save(tensors, partial))
+    store_atomically(path, path.with_suffix(f".{os.getpid()}.tmp"), lambda partial: torch.save(tensors, partial))
 
 
-def _store_atomically(path: Path, partial: Path, save: Callable[[Path], None]) -> None:
+def store_atomically(path: Path, partial: Path, save: Callable[[Path], None]) -> None:
     """``save`` to ``partial``, then rename it to ``path``: a concurrent reader sees the whole file or none. Best
     effort: a read-only home only costs recomputing what the file would have held."""
     try:
@@ -360,16 +325,13 @@ def _fashion_mnist_fingerprint(data_root: Path | None) -> str | None:
     return _files_fingerprint([_idx_file(folder, stem) for stem in _IDX_STEMS]) if folder is not None else None
 
 
-@register_dataset(
-    "fashion-mnist", input_shape=(1, 28, 28), num_classes=10, missing_files=_fashion_mnist_missing,
-    fingerprint=_fashion_mnist_fingerprint,
-)
 def _load_fashion_mnist(data_root: Path | None) -> ImageDataset:
     folder = _fashion_mnist_folder(data_root)
     if folder is None and data_root is not None:
         fashion_mnist = _torchvision_class("FashionMNIST")
         _open_torchvision(
             "fashion-mnist",
+            data_root,
             lambda download: fashion_mnist(str(data_root), train=True, download=download),
             _fashion_mnist_missing(data_root),
             _FASHION_MNIST_HOW,
@@ -383,13 +345,16 @@ def _load_fashion_mnist(data_root: Path | None) -> ImageDataset:
     )
 
 
+DATASETS.register(DataSource("fashion-mnist", _load_fashion_mnist, (1, 28, 28), 10, _fashion_mnist_missing,
+                             _fashion_mnist_fingerprint))
+
+
 def _digits_fingerprint(data_root: Path | None) -> str:
     from importlib.metadata import version
 
     return f"scikit-learn {version('scikit-learn')}"  # the digits ship inside the package
 
 
-@register_dataset("digits", input_shape=(1, 8, 8), num_classes=10, fingerprint=_digits_fingerprint)
 def _load_digits(data_root: Path | None) -> ImageDataset:
     """scikit-learn's 1,797 8x8 digits (values 0-16), stratified 80/20 with a fixed seed."""
     from sklearn.datasets import load_digits
@@ -411,11 +376,17 @@ def _load_digits(data_root: Path | None) -> ImageDataset:
     )
 
 
-@register_dataset("majority-tokens", input_shape=(1, tokens.LENGTH, tokens.VOCABULARY), num_classes=tokens.VOCABULARY)
+DATASETS.register(DataSource("digits", _load_digits, (1, 8, 8), 10, fingerprint=_digits_fingerprint))
+
+
 def _load_majority_tokens(data_root: Path | None) -> ImageDataset:
     """Synthetic one-hot token sequences for ``transformer-1``, generated by :mod:`core.tokens` (no files)."""
     train_x, train_y, test_x, test_y = tokens.majority_tokens()
     return ImageDataset("majority-tokens", train_x, train_y, test_x, test_y, tokens.VOCABULARY)
+
+
+DATASETS.register(DataSource("majority-tokens", _load_majority_tokens, (1, tokens.LENGTH, tokens.VOCABULARY),
+                             tokens.VOCABULARY))
 
 
 # --- torchvision datasets ----------------------------------------------------
@@ -436,21 +407,47 @@ def _files_under_root(relative: Sequence[str]) -> MissingFiles:
 
 
 def _open_torchvision(
-    name: str, make: Callable[[bool], Any], looked_for: Sequence[Path | str], how: str
+    name: str, root: Path, make: Callable[[bool], Any], looked_for: Sequence[Path | str], how: str
 ) -> Any:
-    """``make(download)`` from local files, downloading only when they are absent.
+    """``make(download)`` from local files under ``root``, downloading only when they are absent.
 
     torchvision raises RuntimeError for absent or corrupt files; a failed
-    download raises RuntimeError (MNIST's mirrors) or OSError (URLError).
+    download raises RuntimeError (MNIST's mirrors) or OSError (URLError), after
+    it made its folders: whatever the attempt added is removed again
+    (:func:`_undo_download`), so an offline machine keeps no empty folders.
     """
     try:
         return make(False)
     except RuntimeError:
         pass
+    created = _first_missing(root)
+    before = set(os.listdir(root)) if created is None else set()
     try:
         return make(True)
     except (OSError, RuntimeError) as err:
-        raise _missing(name, looked_for, f"Downloading them failed ({err}).\n{how}") from err
+        _undo_download(root, created, before)
+        raise _missing(name, looked_for, f"Downloading them failed (offline?): {err}\n{how}") from err
+
+
+def _first_missing(root: Path) -> Path | None:
+    """The outermost folder on the way to ``root`` that does not exist yet, or None when ``root`` exists."""
+    missing = None
+    for folder in (root, *root.parents):
+        if folder.exists():
+            return missing
+        missing = folder
+    return missing
+
+
+def _undo_download(root: Path, created: Path | None, before: set[str]) -> None:
+    """Remove what a failed download added: the folders it made on the way to ``root``, or the entries it added
+    to an existing ``root`` (``before`` lists what was there)."""
+    added = [created] if created is not None else [root / entry for entry in set(os.listdir(root)) - before]
+    for path in added:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
 
 
 def _torchvision_class(class_name: str) -> Any:
@@ -472,7 +469,7 @@ def _register_torchvision(
     mean: Sequence[float],
     std: Sequence[float],
 ) -> None:
-    """Register a dataset read by ``torchvision.datasets.<class_name>`` from a data root.
+    """Register a dataset read by ``torchvision.datasets.<class_name>`` from a data root (one per call below).
 
     ``files`` are the paths under the root that torchvision needs,
     ``split_kwargs(train)`` selects a split, and ``arrays`` turns an opened
@@ -492,7 +489,7 @@ def _register_torchvision(
                 cls = _torchvision_class(class_name)
                 return cls(str(root), download=download, **split_kwargs(train))
 
-            return arrays(_open_torchvision(name, make, [root / path for path in files], how))
+            return arrays(_open_torchvision(name, root, make, [root / path for path in files], how))
 
         return _to_image_dataset(
             name, open_split(True), open_split(False), num_classes=num_classes, mean=mean, std=std
@@ -502,13 +499,7 @@ def _register_torchvision(
         root = _torchvision_root(data_root)
         return _files_fingerprint([root / path for path in files])
 
-    register_dataset(
-        name,
-        input_shape=input_shape,
-        num_classes=num_classes,
-        missing_files=_files_under_root(files),
-        fingerprint=fingerprint,
-    )(load)
+    DATASETS.register(DataSource(name, load, input_shape, num_classes, _files_under_root(files), fingerprint))
 
 
 def _train_flag(train: bool) -> dict[str, Any]:
@@ -577,270 +568,3 @@ _register_torchvision(
     mean=(0.4377, 0.4438, 0.4728),
     std=(0.1980, 0.2010, 0.1970),
 )
-
-
-# --- partitioning --------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _PartitionSettings:
-    """Validated partitioning parameters; field names are the run-config keys in snake case."""
-
-    num_partitions: int
-    seed: int
-    dirichlet_alpha: float
-    classes_per_client: int
-    shards_per_client: int
-    samples_per_client: int = 0
-    train_size: int = 0
-
-
-_PartitionerBuilder = Callable[[_PartitionSettings], "Partitioner"]
-
-
-@dataclass(frozen=True)
-class _PartitionerEntry:
-    build: _PartitionerBuilder
-    keys: tuple[str, ...]  # run-config keys it reads, named when it fails
-
-
-_PARTITIONERS: dict[str, _PartitionerEntry] = {}
-
-
-def _partitioner(
-    name: str, keys: tuple[str, ...] = ()
-) -> Callable[[_PartitionerBuilder], _PartitionerBuilder]:
-    """Register a builder of an flwr-datasets partitioner under ``name``."""
-
-    def decorator(build: _PartitionerBuilder) -> _PartitionerBuilder:
-        _PARTITIONERS[name] = _PartitionerEntry(build, ("num-partitions", *keys))
-        return build
-
-    return decorator
-
-
-@_partitioner("iid")
-def _build_iid(settings: _PartitionSettings) -> Partitioner:
-    """Contiguous equal blocks; random because the rows are shuffled by the seed first."""
-    from flwr_datasets.partitioner import IidPartitioner
-
-    return IidPartitioner(num_partitions=settings.num_partitions)
-
-
-@_partitioner("dirichlet", keys=("dirichlet-alpha",))
-def _build_dirichlet(settings: _PartitionSettings) -> Partitioner:
-    """Per-class Dirichlet(alpha) shares (Hsu et al. 2019).
-
-    flwr's default min_partition_size=10 re-draws up to 10 times and then fails;
-    at alpha=0.1 with 100 clients on Fashion-MNIST most draws have a client
-    below 10, so we only insist on non-empty clients. Where even that is out of
-    reach (100 clients on the 1,437 digits at alpha=0.1) the partitioner gives
-    up after 10 draws and partition_dataset raises a ValueError naming the keys;
-    it never hangs. Self-balancing is off: it stops filling clients above the
-    mean size, which skews late classes away from what alpha asks for.
-    """
-    from flwr_datasets.partitioner import DirichletPartitioner
-
-    return DirichletPartitioner(
-        num_partitions=settings.num_partitions,
-        partition_by="label",
-        alpha=settings.dirichlet_alpha,
-        min_partition_size=DIRICHLET_MIN_PARTITION_SIZE,
-        self_balancing=False,
-        seed=settings.seed,
-    )
-
-
-@_partitioner("pathological", keys=("classes-per-client",))
-def _build_pathological(settings: _PartitionSettings) -> Partitioner:
-    """Each client holds exactly classes-per-client classes, split evenly among their holders."""
-    from flwr_datasets.partitioner import PathologicalPartitioner
-
-    return PathologicalPartitioner(
-        num_partitions=settings.num_partitions,
-        partition_by="label",
-        num_classes_per_partition=settings.classes_per_client,
-        class_assignment_mode=PATHOLOGICAL_CLASS_ASSIGNMENT,
-        seed=settings.seed,
-    )
-
-
-@_partitioner("shard", keys=("shards-per-client",))
-def _build_shard(settings: _PartitionSettings) -> Partitioner:
-    """McMahan et al. (2017): sort by label, cut equal shards, deal some to each client.
-
-    Shards have floor(N / (clients * shards)) samples, so up to
-    clients * shards - 1 samples are left out.
-    """
-    from flwr_datasets.partitioner import ShardPartitioner
-
-    return ShardPartitioner(
-        num_partitions=settings.num_partitions,
-        partition_by="label",
-        num_shards_per_partition=settings.shards_per_client,
-        seed=settings.seed,
-    )
-
-
-@_partitioner("fixed-pairs", keys=("samples-per-client",))
-def _build_fixed_pairs(settings: _PartitionSettings) -> Partitioner:
-    """SuPerFed's authors' pathological split: client k holds the classes {k // (K/5), 5 + k // (K/5)} (for 10
-    classes), in equal shares (:class:`core.partitioners.FixedPairPartitioner`)."""
-    from core.partitioners import FixedPairPartitioner
-
-    return FixedPairPartitioner(settings.num_partitions, settings.samples_per_client or None, settings.seed)
-
-
-def list_partitioners() -> list[str]:
-    """Names accepted by ``partition_dataset``."""
-    return sorted(_PARTITIONERS)
-
-
-def _require_int(key: str, value: object, low: int, high: int | None = None) -> int:
-    """``value`` as an int in [low, high], or a ValueError naming the key."""
-    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
-        if low <= int(value) and (high is None or int(value) <= high):
-            return int(value)
-    allowed = f"an integer >= {low}" if high is None else f"an integer in [{low}, {high}]"
-    raise ValueError(f"{key} must be {allowed}, got {value!r}")
-
-
-def partition_dataset(
-    dataset: str,
-    data_root: str | None,
-    partitioner: str,
-    num_partitions: int,
-    seed: int,
-    dirichlet_alpha: float = 0.5,
-    classes_per_client: int = 2,
-    shards_per_client: int = 2,
-    samples_per_client: int = 0,
-    train_size: int = 0,
-) -> tuple[np.ndarray, ...]:
-    """Read-only index arrays into the train split, one per partition.
-
-    A pure function of its arguments, cached per process: all partitions are
-    computed in one go, so any number of clients costs one partitioning.
-    ``train-size`` > 0 partitions only that many training samples, a seeded random
-    subset (the FedMA study's 10,000-image MNIST subset); 0 uses all.
-    """
-    _, num_classes = dataset_info(dataset)
-    if partitioner not in _PARTITIONERS:
-        allowed = ", ".join(list_partitioners())
-        raise ValueError(f"partitioner: unknown value {partitioner!r}; allowed: {allowed}")
-    if not (
-        isinstance(dirichlet_alpha, numbers.Real)
-        and math.isfinite(dirichlet_alpha)
-        and dirichlet_alpha > 0
-    ):
-        raise ValueError(f"dirichlet-alpha must be a finite number > 0, got {dirichlet_alpha!r}")
-    settings = _PartitionSettings(
-        num_partitions=_require_int("num-partitions", num_partitions, 1),
-        seed=_require_int("seed", seed, 0),
-        dirichlet_alpha=float(dirichlet_alpha),
-        classes_per_client=_require_int(
-            "classes-per-client", classes_per_client, 1, num_classes
-        ),
-        shards_per_client=_require_int("shards-per-client", shards_per_client, 1),
-        samples_per_client=_require_int("samples-per-client", samples_per_client, 0),
-        train_size=_require_int("train-size", train_size, 0, len(_load_cached(dataset, _resolve_root(data_root)).train_y)),
-    )
-    return _compute_partitions(dataset, _resolve_root(data_root), partitioner, settings)
-
-
-@functools.lru_cache(maxsize=8)
-def _compute_partitions(
-    dataset: str, root: Path | None, partitioner: str, settings: _PartitionSettings
-) -> tuple[np.ndarray, ...]:
-    labels = _load_cached(dataset, root).train_y.numpy()
-    path = _partition_cache_file(labels, partitioner, settings)
-    parts = _read_partition_cache(path, settings.num_partitions)
-    if parts is None:
-        parts = _partition_labels(labels, dataset, partitioner, settings)
-        _write_partition_cache(path, parts)
-    for part in parts:
-        part.flags.writeable = False  # shared through the cache
-    return parts
-
-
-def _partition_cache_file(labels: np.ndarray, partitioner: str, settings: _PartitionSettings) -> Path:
-    """The disk-cache file of one partitioning, named by a hash of everything it depends on.
-
-    Why a disk cache: every simulation process (each Ray actor of each run) would
-    otherwise import flwr-datasets and partition again, tens of seconds on a small
-    CPU. The key holds the training labels themselves, the partitioner and its
-    settings, and the flwr-datasets version, so a changed input is never served stale.
-    """
-    from importlib.metadata import version
-
-    digest = hashlib.sha256(labels.tobytes())
-    digest.update(repr((partitioner, settings, PATHOLOGICAL_CLASS_ASSIGNMENT, version("flwr-datasets"))).encode())
-    return Path(PARTITION_CACHE_DIR).expanduser() / f"{digest.hexdigest()[:32]}.npz"
-
-
-def _read_partition_cache(path: Path, num_partitions: int) -> tuple[np.ndarray, ...] | None:
-    """The cached partitions, or None when the file is absent or unreadable (then they are recomputed)."""
-    try:
-        with np.load(path) as stored:
-            return tuple(np.array(stored[f"p{i}"], dtype=np.int64) for i in range(num_partitions))
-    except (OSError, KeyError, ValueError):
-        return None
-
-
-def _write_partition_cache(path: Path, parts: tuple[np.ndarray, ...]) -> None:
-    _store_atomically(path, path.with_suffix(f".{os.getpid()}.tmp.npz"),
-                      lambda partial: np.savez(partial, **{f"p{i}": part for i, part in enumerate(parts)}))
-
-
-def _partition_labels(
-    labels: np.ndarray, dataset: str, partitioner: str, settings: _PartitionSettings
-) -> tuple[np.ndarray, ...]:
-    """Run the flwr-datasets partitioner over the labels (the work the caches save)."""
-    from datasets import Dataset
-
-    # Shuffle rows by the seed: IidPartitioner cuts contiguous blocks, and the
-    # label partitioners take each class's samples in row order.
-    order = np.random.default_rng(settings.seed).permutation(len(labels))[: settings.train_size or None]
-    entry = _PARTITIONERS[partitioner]
-    split = entry.build(settings)
-    split.dataset = Dataset.from_dict({"label": labels[order], "index": order})
-    try:
-        parts = tuple(
-            np.asarray(split.load_partition(pid)["index"][:], dtype=np.int64)
-            for pid in range(settings.num_partitions)
-        )
-    except ValueError as err:  # an infeasible combination, found by the partitioner
-        given = ", ".join(
-            f"{key}={getattr(settings, key.replace('-', '_'))}" for key in entry.keys
-        )
-        raise ValueError(
-            f"partitioner {partitioner!r} cannot split {dataset}'s {len(labels)} training samples "
-            f"with {given} (seed={settings.seed}); change these settings. "
-            f"flwr-datasets said: {err}"
-        ) from err
-    return parts
-
-
-def client_split(
-    indices: np.ndarray, test_fraction: float, seed: int, partition_id: int, keep_fraction: float = 1.0
-) -> tuple[np.ndarray, np.ndarray]:
-    """Shuffle one partition, keep a share of it, and split that into (train, local test).
-
-    The generator is seeded by (seed, partition_id), so each client gets its own
-    split, the same in every round and process. ``keep_fraction`` (run-config
-    ``data-fraction``) keeps the first round(n * keep_fraction) shuffled samples, at
-    least one: a random subset of every client's data, so experiments shrink without
-    changing which classes a client holds. The test part has round(m * test_fraction)
-    of the m kept samples, but at least one sample stays for training.
-    """
-    if not isinstance(test_fraction, numbers.Real) or not 0 <= test_fraction < 1:
-        raise ValueError(f"test-fraction must be a number in [0, 1), got {test_fraction!r}")
-    if not isinstance(keep_fraction, numbers.Real) or not 0 < keep_fraction <= 1:
-        raise ValueError(f"data-fraction must be a number in (0, 1], got {keep_fraction!r}")
-    rng = np.random.default_rng(
-        [_require_int("seed", seed, 0), _require_int("partition-id", partition_id, 0)]
-    )
-    shuffled = rng.permutation(np.asarray(indices))
-    shuffled = shuffled[: max(round(len(shuffled) * keep_fraction), 1)]
-    num_test = min(round(len(shuffled) * test_fraction), max(len(shuffled) - 1, 0))
-    return shuffled[num_test:], shuffled[:num_test]

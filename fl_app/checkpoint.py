@@ -25,8 +25,9 @@ from typing import Any
 import torch
 from flwr.app import ArrayRecord
 
-from core.config import RunConfig
+from core.config import RunConfig, results_root
 from core.rounds import RoundRunner
+from fl_app.config import default_run_config
 from plugins.options import ConfigError
 
 CHECKPOINT = "checkpoint.pt"
@@ -109,10 +110,13 @@ def _as_random_state(state: Any) -> tuple[Any, ...]:
 
 
 def config_differences(saved: Mapping[str, Any], config: RunConfig) -> dict[str, tuple[Any, Any]]:
-    """Key → (checkpoint's value, this run's value) for every key that must not change on resume."""
-    current = config.to_run_config()
+    """Key → (checkpoint's value, this run's value) for every key that must not change on resume. A key on one
+    side only is at its default on the other (a run stores only the keys of its own algorithm, model and
+    partitioner; checkpoints from before partitioners had settings classes store every partitioner's key)."""
+    current, defaults = config.to_run_config(), default_run_config()
     keys = (set(saved) | set(current)) - RESUMABLE_CHANGES
-    return {key: (saved.get(key), current.get(key)) for key in sorted(keys) if saved.get(key) != current.get(key)}
+    values = {key: (saved.get(key, defaults.get(key)), current.get(key, defaults.get(key))) for key in sorted(keys)}
+    return {key: (old, new) for key, (old, new) in values.items() if old != new}
 
 
 def resume_checkpoint(config: RunConfig) -> Checkpoint:
@@ -128,3 +132,18 @@ def resume_checkpoint(config: RunConfig) -> Checkpoint:
         raise ConfigError(f"run-config key 'num-server-rounds' = {config.num_server_rounds}: the run to resume has "
                           f"already completed round {checkpoint.round}; set at least {checkpoint.round}")
     return checkpoint
+
+
+def run_folder(config: RunConfig) -> Path:
+    """The run's folder: the one it resumes, or ``results-dir/run-name``."""
+    return Path(config.resume_from) if config.resume_from else results_root(config) / config.run_name
+
+
+def checkpointed_round(config: RunConfig) -> int | None:
+    """The last round the run checkpointed, or None (no checkpoint, or not readable)."""
+    if not (run_folder(config) / CHECKPOINT).is_file():
+        return None
+    try:
+        return load_checkpoint(run_folder(config)).round
+    except ConfigError:
+        return None

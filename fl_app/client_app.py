@@ -17,7 +17,8 @@ from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from torch import nn
 
-from core.data import client_split, load_dataset, partition_dataset
+from core.data import load_dataset
+from core.partitioning.partitions import client_split, partition_dataset
 from core.label_noise import noisy_labels
 from core.model_io import build_run_model, load_arrays
 from core.config import RunConfig

@@ -1,12 +1,12 @@
 """The one run-configuration schema, composed from the parts that own the settings.
 
 A run's keys are the common ones (:mod:`core.config`), the chosen algorithm's (its
-settings class, registered with it) and the chosen model's options (registered with
-it). `flwr run`'s run config, the Hydra configs and the in-process factories all
+settings class, registered with it), the chosen model's options (registered with
+it) and the chosen partitioner's settings (registered with it). `flwr run`'s run config, the Hydra configs and the in-process factories all
 become a :class:`RunConfig` through :func:`parse_run_config`, so every entry point
 validates the same keys the same way. ``flwr run`` passes every key of
-``pyproject.toml`` along, so a key of an algorithm or model that is not chosen is
-accepted at its default and refused, naming its owner, when set to anything else.
+``pyproject.toml`` along, so a key of an algorithm, model or partitioner that is not
+chosen is accepted at its default and refused, naming its owner, when set to anything else.
 
 :func:`check_run` then builds the model and the algorithm's server side once (no data,
 no training): a model the algorithm cannot work with is refused before anything starts.
@@ -29,8 +29,9 @@ from pathlib import Path
 from typing import Any
 
 from core.config import RunConfig, common_settings, results_root
-from core.data import dataset_info, list_datasets, list_partitioners
+from core.data import dataset_info, list_datasets
 from core.model_io import build_model_for, to_arrays
+from core.partitioning.partitioners import PARTITIONERS, list_partitioners
 from core.strategy import RunContext, ServerStrategy
 from fl_app.tracking import check_tracking
 from models import list_models
@@ -47,18 +48,25 @@ PYPROJECT = Path(__file__).resolve().parent.parent / "pyproject.toml"
 
 @dataclass(frozen=True)
 class OwnedSetting:
-    """A key of some algorithms or models: its declaration and who declares it."""
+    """A key of some algorithms, models or partitioners: its declaration and who declares it."""
 
     setting: Setting
     owners: tuple[str, ...]
-    kind: str  # "strategy" or "model"
+    kind: str  # "strategy", "model" or "partitioner": the run-config key that chooses the owner
+
+
+def _owned_classes() -> list[tuple[str, str, type]]:
+    """(kind, name, settings class) of every algorithm, model and partitioner."""
+    return [*(("strategy", name, get_strategy(name).settings) for name in list_strategies()),
+            *(("model", name, model_options(name)) for name in list_models()),
+            *(("partitioner", name, PARTITIONERS.get(name).settings) for name in list_partitioners())]
 
 
 def owned_settings() -> dict[str, OwnedSetting]:
-    """Every algorithm's and model's key, with the names that declare it (their defaults must agree)."""
+    """Every algorithm's, model's and partitioner's key, with the names that declare it (their defaults must
+    agree)."""
     owned: dict[str, OwnedSetting] = {}
-    sources = [("strategy", name, get_strategy(name).settings) for name in list_strategies()]
-    sources += [("model", name, model_options(name)) for name in list_models()]
+    sources = _owned_classes()
     for kind, name, settings in sources:
         for setting in settings_fields(settings):
             known = owned.get(setting.key)
@@ -88,31 +96,31 @@ def _choice(values: Mapping[str, Any], key: str, allowed: list[str]) -> str:
 def parse_run_config(values: Mapping[str, Any] | None = None) -> RunConfig:
     """Build and check a :class:`RunConfig` from run-config keys.
 
-    Missing keys take their defaults. Unknown keys, wrong types, out-of-range values and keys of an algorithm
-    or model that is not chosen, set away from their default, raise :class:`ConfigError`.
+    Missing keys take their defaults. Unknown keys, wrong types, out-of-range values and keys of an algorithm,
+    model or partitioner that is not chosen, set away from their default, raise :class:`ConfigError`.
     """
     values = dict(values or {})
-    strategy = _choice(values, "strategy", list_strategies())
-    model = _choice(values, "model", list_models())
-    algorithm_settings, option_settings = get_strategy(strategy).settings, model_options(model)
-    chosen = {s.key for s in common_settings()} | {s.key for s in settings_fields(algorithm_settings)} | {
-        s.key for s in settings_fields(option_settings)}
+    choices = {kind: _choice(values, kind, allowed) for kind, allowed in
+               (("strategy", list_strategies()), ("model", list_models()), ("partitioner", list_partitioners()))}
+    parts = {"settings": get_strategy(choices["strategy"]).settings, "model_options": model_options(choices["model"]),
+             "partitioner_settings": PARTITIONERS.get(choices["partitioner"]).settings}
+    chosen = {s.key for s in common_settings()} | {s.key for part in parts.values() for s in settings_fields(part)}
     owned = owned_settings()
     unknown = sorted(key for key in values if key not in chosen and key not in owned)
     if unknown:
         raise ConfigError(f"unknown run-config key(s) {unknown}; allowed keys: {sorted(chosen | set(owned))}")
     for key in sorted(set(values) - chosen):
-        _refuse_if_changed(key, values[key], owned[key], strategy, model)
+        _refuse_if_changed(key, values[key], owned[key], choices[owned[key].kind])
     common = {key: value for key, value in values.items() if key in chosen}
-    base = build_settings(RunConfig, common)
-    return base.replace(settings=build_settings(algorithm_settings, values),
-                        model_options=build_settings(option_settings, values))
+    partitioning = build_settings(parts["partitioner_settings"], values)
+    base = build_settings(RunConfig, common, partitioner_settings=partitioning)
+    return base.replace(settings=build_settings(parts["settings"], values),
+                        model_options=build_settings(parts["model_options"], values))
 
 
-def _refuse_if_changed(key: str, value: Any, owned: OwnedSetting, strategy: str, model: str) -> None:
+def _refuse_if_changed(key: str, value: Any, owned: OwnedSetting, chosen: str) -> None:
     if coerce(key, value, owned.setting.kind) == owned.setting.default:
         return  # `flwr run` passes every key of pyproject.toml, at its default
-    chosen = strategy if owned.kind == "strategy" else model
     owners = ", ".join(f"'{name}'" for name in owned.owners)
     raise ConfigError(f"run-config key '{key}' = {value!r} belongs to {owned.kind} {owners}, not to the chosen "
                       f"{owned.kind} '{chosen}': set {owned.kind}={owned.owners[0]} or leave '{key}' out")
@@ -239,8 +247,8 @@ def pyproject_problem() -> str | None:
         problems.append(f"it holds key(s) {unknown} that no setting declares")
     if not problems:
         return None
-    return (f"{PYPROJECT}'s [tool.flwr.app.config] is not the table the registered strategies and models make: "
-            f"{'; '.join(problems)}. Regenerate it with `{REGENERATE}`.")
+    return (f"{PYPROJECT}'s [tool.flwr.app.config] is not the table the registered strategies, models and "
+            f"partitioners make: {'; '.join(problems)}. Regenerate it with `{REGENERATE}`.")
 
 
 def keys_markdown() -> str:
@@ -250,12 +258,10 @@ def keys_markdown() -> str:
 
     header = ["| key | default | meaning |", "|---|---|---|"]
     lines = ["Common to every run:", "", *header, *rows(common_settings()), ""]
-    for kind, names, settings_of in (("strategy", list_strategies(), lambda n: get_strategy(n).settings),
-                                     ("model", list_models(), model_options)):
-        for name in names:
-            own = settings_fields(settings_of(name))
-            if own:
-                lines += [f"`{kind}={name}`:", "", *header, *rows(own), ""]
+    for kind, name, settings in _owned_classes():
+        own = settings_fields(settings)
+        if own:
+            lines += [f"`{kind}={name}`:", "", *header, *rows(own), ""]
     return "\n".join(lines)
 
 

@@ -30,27 +30,27 @@ from logging import WARNING
 
 from flwr.app import Message
 from flwr.common.logger import log
-from flwr.proto.task_pb2 import Task  # pylint: disable=no-name-in-module
-from flwr.server.superlink.fleet.vce.vce_api import _register_nodes
-from flwr.server.superlink.linkstate import InMemoryLinkState, LinkStateFactory
-from flwr.server.superlink.linkstate.in_memory_linkstate import RunRecord
-from flwr.supercore.constant import FLWR_IN_MEMORY_DB_NAME, NOOP_FEDERATION_ID
-from flwr.supercore.date import now
-from flwr.supercore.object_store import ObjectStoreFactory
-from flwr.supercore.run import Run
 from flwr.serverapp import Grid
-from flwr.superlink.federation import NoOpFederationManager
-from flwr.superlink.grid import InMemoryGrid
 
 from core.nodes import PartitionTable
+
+try:  # Flower's internals: where a release moved one, the simulation keeps Flower's own lookup (see checked_flower)
+    from flwr.server.superlink.linkstate import InMemoryLinkState
+    from flwr.supercore.date import now
+    from flwr.superlink.grid import InMemoryGrid
+except ImportError as missing:
+    InMemoryLinkState = InMemoryGrid = now = None  # type: ignore[assignment,misc]
+    MISSING_INTERNALS: str | None = f"{type(missing).__name__}: {missing}"
+else:
+    MISSING_INTERNALS = None
 
 CHECKED_FLOWER = frozenset({"1.41.0", "1.42.0"})
 """Flower releases this module was checked against: their in-memory state, its grid and the simulation's node
 registration (``in_memory_linkstate.py``, ``inmemory_grid.py``, ``vce_api.py``) are the same code in both."""
 
 _INDEX = "_alignfl_message_ids_by_node"
-_flower_store: Callable[..., str | None] = InMemoryLinkState.store_message_ins
-_flower_lookup: Callable[..., list[Message]] = InMemoryLinkState.get_message_ins
+_flower_store: Callable[..., str | None] | None = getattr(InMemoryLinkState, "store_message_ins", None)
+_flower_lookup: Callable[..., list[Message]] | None = getattr(InMemoryLinkState, "get_message_ins", None)
 
 
 def _node_index(state: InMemoryLinkState) -> dict[int, list[str]]:
@@ -105,21 +105,24 @@ def get_message_ins(state: InMemoryLinkState, node_id: int, limit: int | None, *
 
 @cache
 def checked_flower() -> bool:
-    """Whether the installed Flower is one whose in-memory state this module was checked against (warns once)."""
+    """Whether the installed Flower is one whose in-memory state this module was checked against, and its
+    internals that this module uses import (warns once otherwise)."""
     flower = version("flwr")
-    if flower not in CHECKED_FLOWER:
+    checked = flower in CHECKED_FLOWER and MISSING_INTERNALS is None
+    if not checked:
         log(WARNING, "[alignfl] Flower %s: its simulation keeps its own message lookup (nodes × messages per sweep) "
-            "and every node is asked for its partition (checked on %s)", flower, ", ".join(sorted(CHECKED_FLOWER)))
-    return flower in CHECKED_FLOWER
+            "and every node is asked for its partition (checked on %s%s)", flower, ", ".join(sorted(CHECKED_FLOWER)),
+            f"; {MISSING_INTERNALS}" if MISSING_INTERNALS else "")
+    return checked
 
 
 def index_message_lookup() -> bool:
     """Install the indexed lookup on ``InMemoryLinkState`` (once per process); False where the installed Flower
     is not one this was checked against."""
-    if InMemoryLinkState.get_message_ins is get_message_ins:
-        return True
     if not checked_flower():
         return False
+    if InMemoryLinkState.get_message_ins is get_message_ins:
+        return True
     setattr(InMemoryLinkState, "store_message_ins", store_message_ins)
     setattr(InMemoryLinkState, "get_message_ins", get_message_ins)
     return True
@@ -129,6 +132,9 @@ def prepare_simulation(grid: Grid) -> PartitionTable | None:
     """For the grid of Flower's simulation on a checked Flower: install the indexed lookup and return node id ->
     partition id as the simulation registered them. None for any other grid (a deployment's SuperLink is another
     process, and its nodes say their partition themselves)."""
+    if MISSING_INTERNALS is not None:
+        checked_flower()  # warns
+        return None
     if not isinstance(grid, InMemoryGrid) or not index_message_lookup():
         return None
     state = grid.state
@@ -138,19 +144,3 @@ def prepare_simulation(grid: Grid) -> PartitionTable | None:
             return {node: partition for partition, node in enumerate(state.nodes)}
 
     return table
-
-
-def simulation_state(num_nodes: int) -> tuple[InMemoryGrid, InMemoryLinkState, list[int]]:
-    """What Flower's simulation starts from, for benchmarks and tests of the lookup: an in-memory state with one
-    run and ``num_nodes`` registered nodes (their ids in partition order), and the ServerApp's grid on it."""
-    factory = LinkStateFactory(FLWR_IN_MEMORY_DB_NAME, NoOpFederationManager(), ObjectStoreFactory())
-    state = factory.state()
-    assert isinstance(state, InMemoryLinkState)
-    run = Run.create_empty(run_id=1)
-    run.primary_task_id, run.federation_id = 1, NOOP_FEDERATION_ID
-    state.run_ids[run.run_id] = RunRecord(run=run)
-    state.task_store[1] = Task(task_id=1, run_id=run.run_id)
-    nodes = list(_register_nodes(num_nodes, factory))
-    grid = InMemoryGrid(state_factory=factory)
-    grid.set_run(run)
-    return grid, state, nodes

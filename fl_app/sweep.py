@@ -10,10 +10,11 @@ keys mechanically (:func:`core.config.key_of_path`: ``data.root`` is ``data-root
 ``strategy.proximal_mu`` is ``proximal-mu``), and the result is validated by
 :func:`fl_app.config.parse_run_config`, the schema ``flwr run`` uses. An override of a key
 that only an unselected algorithm or model has is refused before Hydra starts, naming its
-owner. A multirun checks every job's config before the first job trains
-(:class:`ValidateSweep`). Each job writes its run folder ``<job dir>/run`` and a ``job.json``
-(status, error, wall time) that :mod:`fl_app.sweep_report` reads; a job that fails is logged
-and recorded, and the sweep goes on.
+owner. A single run is checked before Hydra makes its folder, and a multirun checks every
+job's config before the first job trains (:class:`ValidateSweep`; both exit with code 2).
+Each job writes its run folder ``<job dir>/run`` and a ``job.json`` (status, error, wall
+time) that :mod:`fl_app.sweep_report` reads; a job that fails is logged and recorded, and
+the sweep goes on.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import traceback
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import hydra
 import ray
@@ -41,7 +42,8 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from core.config import SECTIONS, hydra_leaf, key_of_path
+from core.config import PARTITIONER_SECTION, SECTIONS, hydra_leaf, key_of_path
+from core.partitioning.partitioners import PARTITIONERS, list_partitioners
 from core.data import DatasetMissingError, check_dataset_available
 from fl_app.client_app import build_client_app
 from fl_app.config import (ConfigError, RunConfig, owned_settings, parse_run_config, pyproject_problem, results_root,
@@ -132,9 +134,14 @@ def register_configs() -> None:
     """Put the generated configs into Hydra's ConfigStore (again after an algorithm or model registers)."""
     store = ConfigStore.instance()
     store.store(name="alignfl_run", node=_section_node("", SECTIONS[""], ("strategy", "model", *SET_PER_JOB)))
+    partitioners = {}
+    for name in list_partitioners():
+        partitioners.update(_section_node(PARTITIONER_SECTION, PARTITIONERS.get(name).settings))
     for section, settings in SECTIONS.items():
         if section:
-            store.store(group=section, name="default", node=_section_node(section, settings, SET_PER_JOB))
+            node = _section_node(section, settings, SET_PER_JOB)
+            store.store(group=section, name="default",
+                        node={**node, **partitioners} if section == PARTITIONER_SECTION else node)
     store.store(group="sim", name="default", node={f: spec.default for f, spec in
                                                     SimSettings.__dataclass_fields__.items()})
     for name in list_strategies():
@@ -216,8 +223,22 @@ def validate_sweep(config: DictConfig) -> int:
     return len(jobs)
 
 
+def refuse(message: str) -> NoReturn:
+    """End the command before anything starts: the message, exit code 2, no traceback."""
+    print(f"[alignfl] refused before starting: {message}", file=sys.stderr)
+    raise SystemExit(2)  # Hydra turns a callback's exception into a warning and carries on; exiting stops it
+
+
 class ValidateSweep(Callback):
-    """Refuse a multirun, before any job trains, when one of its jobs has a config the schema rejects."""
+    """Refuse a run, before Hydra makes its folder, or a multirun, before any job trains, when a job has a config
+    the schema rejects or a data set that is not on disk."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        try:
+            run_config, _ = job_settings(config, config.hydra.runtime.choices, Path(config.hydra.run.dir))
+            check_dataset_available(run_config.dataset, run_config.data_root or None)
+        except (ConfigError, DatasetMissingError) as error:
+            refuse(str(error))
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         target = OmegaConf.select(config, "hydra.sweeper._target_") or ""
@@ -227,8 +248,7 @@ class ValidateSweep(Callback):
         try:
             count = validate_sweep(config)
         except (ConfigError, DatasetMissingError) as error:
-            # Hydra turns a callback's exception into a warning and carries on; exiting is the way to stop.
-            raise SystemExit(f"invalid sweep, no job was started: {error}") from None
+            refuse(f"invalid sweep, no job was started: {error}")
         except Exception as error:  # a sweep that cannot be checked is not started either
             log.error("validating the sweep failed:\n%s", traceback.format_exc())
             raise SystemExit(f"could not validate the sweep, no job was started: {type(error).__name__}: {error}") from None
@@ -333,8 +353,7 @@ def main() -> None:
     register_configs()
     problem = unowned_override(sys.argv[1:]) or pyproject_problem()
     if problem is not None:
-        print(f"[alignfl] refused before starting: {problem}", file=sys.stderr)
-        sys.exit(2)
+        refuse(problem)
     hydra_main()
 
 

@@ -5,7 +5,7 @@ Importing this package registers every network (``mlp``, ``small-mlp``, ``twonn`
 ``psi-vgg9``, ``psi-vgg11``); build one with :func:`build_model`.
 """
 
-from models.registry import build_model, list_models, register_model  # first: model modules import it
+from models.registry import build_model, list_models  # first: model modules import it
 from models import cnn, mlp, mobilenet, psinet, resnet, transformer, vgg  # noqa: F401  (importing registers the networks)
 from models.pan import PanSettings, PositionEncoding
 from models.permutation import (
@@ -33,6 +33,5 @@ __all__ = [
     "permute_axis",
     "permute_state",
     "random_permutations",
-    "register_model",
     "unit_view",
 ]

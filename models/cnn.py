@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from models.options import BiasOptions
 from models.pan import PanSettings, PositionEncoding
 from models.permutation import AxisRef, PermutationSpec, inputs_of, outputs_of
-from models.registry import InputShape, register_model
+from models.registry import MODELS, InputShape, Model
 
 POOL = "M"
 NORMS: dict[str, Callable[[int], nn.Module]] = {
@@ -189,7 +189,9 @@ class PlainConvNet(ConvStack):
         return PermutationSpec(groups)
 
 
-@register_model("twocnn", options=BiasOptions)
 def twocnn(input_shape: InputShape, num_classes: int, pan: PanSettings, bias: bool) -> PlainConvNet:
     """FedAvg paper's CNN: 5x5 conv 32, pool, 5x5 conv 64, pool, FC 512 (padding 2 so 8x8 works)."""
     return PlainConvNet(input_shape, num_classes, (32, POOL, 64, POOL), (512,), 5, pan, bias=bias)
+
+
+MODELS.register(Model("twocnn", twocnn, BiasOptions))

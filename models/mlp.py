@@ -17,7 +17,7 @@ from models.options import BiasOptions
 from plugins.options import option
 from models.pan import PanSettings, PositionEncoding
 from models.permutation import PermutationSpec, inputs_of, outputs_of
-from models.registry import InputShape, register_model
+from models.registry import MODELS, InputShape, Model
 
 
 class MLP(nn.Module):
@@ -66,16 +66,20 @@ class MLP(nn.Module):
         return PermutationSpec({name: outputs_of(name, self.bias) + inputs_of(nxt) for name, nxt in zip(names, names[1:])})
 
 
-@register_model("mlp")
 def mlp(input_shape: InputShape, num_classes: int, pan: PanSettings) -> MLP:
     """PANs paper MLP: 1024-1024-1024 hidden units."""
     return MLP(input_shape, num_classes, (1024, 1024, 1024), pan)
 
 
-@register_model("small-mlp")
+MODELS.register(Model("mlp", mlp))
+
+
 def small_mlp(input_shape: InputShape, num_classes: int, pan: PanSettings) -> MLP:
     """FedMA study MLP: 20-100-120-84 hidden units."""
     return MLP(input_shape, num_classes, (20, 100, 120, 84), pan)
+
+
+MODELS.register(Model("small-mlp", small_mlp))
 
 
 @dataclass(frozen=True)
@@ -84,8 +88,10 @@ class TwoNNOptions(BiasOptions):
                                 lambda v: v >= 1, "must be an integer >= 1")
 
 
-@register_model("twonn", options=TwoNNOptions)
 def twonn(input_shape: InputShape, num_classes: int, pan: PanSettings, bias: bool, hidden_layers: int) -> MLP:
     """FedAvg paper's 2NN: 200-200 hidden units; with ``hidden-layers=3 bias=false`` the SuPerFed authors'
     784-200-200-200-C net."""
     return MLP(input_shape, num_classes, (200,) * hidden_layers, pan, bias)
+
+
+MODELS.register(Model("twonn", twonn, TwoNNOptions))

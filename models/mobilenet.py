@@ -71,7 +71,7 @@ from models.psinet import (
     contiguous_class_groups,
     group_layout,
 )
-from models.registry import InputShape, register_model
+from models.registry import MODELS, InputShape, Model
 
 STEM_WIDTH = 32
 BLOCKS: tuple[tuple[int, int], ...] = (
@@ -294,14 +294,18 @@ def _widths(width_factor: float) -> tuple[int, ...]:
     return tuple(int(w) for w in scale_widths((STEM_WIDTH, *(w for w, _ in BLOCKS)), width_factor))
 
 
-@register_model("mobilenet", options=WidthOptions)
 def mobilenet(input_shape: InputShape, num_classes: int, pan: PanSettings, width_factor: float) -> MobileNet:
     """MobileNetV1 (stem 32, blocks 64 ... 1024, each times ``width_factor``), strides for small images."""
     return MobileNet(input_shape, num_classes, _widths(width_factor), pan)
 
 
-@register_model("psi-mobilenet", options=PsiOptions)
+MODELS.register(Model("mobilenet", mobilenet, WidthOptions))
+
+
 def psi_mobilenet(input_shape: InputShape, num_classes: int, pan: PanSettings, psi_groups: int, psi_depth: int,
                   width_factor: float) -> PsiMobileNet:
     """MobileNetV1 in Ψ-Net form: stem and the first ``psi_depth`` blocks shared, the rest in ``psi_groups`` groups."""
     return PsiMobileNet(input_shape, num_classes, _widths(width_factor), pan, psi_groups, psi_depth)
+
+
+MODELS.register(Model("psi-mobilenet", psi_mobilenet, PsiOptions))

@@ -50,7 +50,7 @@ from models.options import WidthOptions
 from plugins.options import option
 from models.pan import PanSettings, PositionEncoding
 from models.permutation import AxisRef, PermutationSpec, batchnorm_of, inputs_of, outputs_of
-from models.registry import InputShape, register_model
+from models.registry import MODELS, InputShape, Model
 from models.vgg import VGG9_CONFIG, VGG9_HIDDEN, VGG11_CONFIG
 
 
@@ -299,7 +299,6 @@ class PsiNet(ConvStack):
         return PermutationSpec(spec)
 
 
-@register_model("psi-vgg9", options=PsiOptions)
 def psi_vgg9(input_shape: InputShape, num_classes: int, pan: PanSettings, psi_groups: int,
              psi_depth: int, width_factor: float) -> PsiNet:
     """VGG-9 (convs 32, 64, M, 128, 128, M, 256, 256, M; FC 512, 512, each times ``width_factor``) in Ψ-Net form."""
@@ -307,9 +306,14 @@ def psi_vgg9(input_shape: InputShape, num_classes: int, pan: PanSettings, psi_gr
     return PsiNet(input_shape, num_classes, config, hidden, 3, pan, psi_groups, psi_depth)
 
 
-@register_model("psi-vgg11", options=PsiOptions)
+MODELS.register(Model("psi-vgg9", psi_vgg9, PsiOptions))
+
+
 def psi_vgg11(input_shape: InputShape, num_classes: int, pan: PanSettings, psi_groups: int,
               psi_depth: int, width_factor: float) -> PsiNet:
     """VGG-11 convs (times ``width_factor``) with a single classifier (heads) in Ψ-Net form."""
     return PsiNet(input_shape, num_classes, scale_widths(VGG11_CONFIG, width_factor), (), 3, pan, psi_groups,
                   psi_depth)
+
+
+MODELS.register(Model("psi-vgg11", psi_vgg11, PsiOptions))

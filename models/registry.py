@@ -1,47 +1,45 @@
-"""Name -> model builder registry, so configs pick a network by name without if/elif chains."""
+"""Name -> network: each model module registers its builders, so configs pick a network by name without if/elif
+chains."""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from dataclasses import dataclass
 from numbers import Integral
 from typing import Any
 
 from torch import nn
 
 from plugins.options import NoOptions, check_settings
+from plugins.registry import Registry
 from models.pan import PanSettings
 
 InputShape = tuple[int, int, int]
 ModelBuilder = Callable[..., nn.Module]
 
-_MODELS: dict[str, ModelBuilder] = {}
-_OPTIONS: dict[str, type] = {}
 
-
-def register_model(name: str, options: type = NoOptions) -> Callable[[ModelBuilder], ModelBuilder]:
-    """Decorator registering ``builder(input_shape, num_classes, pan, **options) -> nn.Module`` under ``name``.
+@dataclass(frozen=True)
+class Model:
+    """One network: ``build(input_shape, num_classes, pan, **options) -> nn.Module`` and its settings class.
 
     ``options`` is the model's settings class (:mod:`plugins.options`): its fields are the keyword
     arguments the builder takes beyond the three common ones, their defaults and checks, and
     (hyphenated) the run-config keys that set them.
     """
 
-    def decorate(builder: ModelBuilder) -> ModelBuilder:
-        if name in _MODELS:
-            raise ValueError(f"model name {name!r} is already registered")
-        _MODELS[name] = builder
-        _OPTIONS[name] = options
-        return builder
+    name: str
+    build: ModelBuilder
+    options: type = NoOptions
 
-    return decorate
+
+MODELS: Registry[Model] = Registry("model")
+"""Every network; a model module registers each builder with ``MODELS.register(Model(...))``."""
 
 
 def model_options(name: str) -> type:
     """The settings class of the model ``name`` (:class:`plugins.options.NoOptions` for most models)."""
-    if name not in _MODELS:
-        raise ValueError(f"unknown model {name!r}; allowed: {list_models()}")
-    return _OPTIONS[name]
+    return MODELS.get(name).options
 
 
 def option_names(name: str) -> tuple[str, ...]:
@@ -51,7 +49,7 @@ def option_names(name: str) -> tuple[str, ...]:
 
 def list_models() -> list[str]:
     """Registered model names, sorted."""
-    return sorted(_MODELS)
+    return MODELS.names()
 
 
 def build_model(
@@ -79,18 +77,17 @@ def build_model(
         For an unknown name (the message lists the allowed ones), an option the model
         does not take, or a bad shape/class count.
     """
-    if name not in _MODELS:
-        raise ValueError(f"unknown model {name!r}; allowed: {list_models()}")
+    entry = MODELS.get(name)
     unknown = sorted(set(options) - set(option_names(name)))
     if unknown:
         raise ValueError(f"model {name!r} takes no option(s) {unknown}; allowed: {list(option_names(name))}")
-    settings = model_options(name)(**options)
+    settings = entry.options(**options)
     check_settings(settings)
     shape = _check_input_shape(input_shape)
     if not _is_int(num_classes) or num_classes < 2:
         raise ValueError(f"num_classes must be an int >= 2, got {num_classes!r}")
     values = {f.name: getattr(settings, f.name) for f in dataclasses.fields(settings)}
-    return _MODELS[name](shape, int(num_classes), pan if pan is not None else PanSettings(), **values)
+    return entry.build(shape, int(num_classes), pan if pan is not None else PanSettings(), **values)
 
 
 def _check_input_shape(input_shape: tuple[int, int, int]) -> InputShape:

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from models.pan import PanSettings, PositionEncoding
 from models.permutation import AxisRef, PermutationSpec, batchnorm_of, inputs_of, outputs_of
-from models.registry import InputShape, register_model
+from models.registry import MODELS, InputShape, Model
 
 
 def conv3x3(c_in: int, c_out: int, stride: int = 1) -> nn.Conv2d:
@@ -148,7 +148,9 @@ class ResNet(nn.Module):
         return PermutationSpec({name: tuple(refs) for name, refs in groups.items()})
 
 
-@register_model("resnet20")
 def resnet20(input_shape: InputShape, num_classes: int, pan: PanSettings) -> ResNet:
     """PANs paper ResNet-20: widths 64, 128, 256, three basic blocks each."""
     return ResNet(input_shape, num_classes, (64, 128, 256), 3, pan)
+
+
+MODELS.register(Model("resnet20", resnet20))

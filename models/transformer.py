@@ -55,7 +55,7 @@ from torch import Tensor, nn
 
 from models.pan import PanSettings, PositionEncoding
 from models.permutation import AxisRef, PermutationSpec, inputs_of, outputs_of
-from models.registry import InputShape, register_model
+from models.registry import MODELS, InputShape, Model
 
 
 def sinusoid_table(length: int, width: int) -> Tensor:
@@ -176,7 +176,9 @@ class Transformer1(nn.Module):
         })
 
 
-@register_model("transformer-1")
 def transformer_1(input_shape: InputShape, num_classes: int, pan: PanSettings) -> Transformer1:
     """Pre-LN, width 64, one 64-wide head, MLP 256 (4x, as in seed 002's large model)."""
     return Transformer1(input_shape, num_classes, width=64, head_width=64, hidden=256, norm_first=True, pan=pan)
+
+
+MODELS.register(Model("transformer-1", transformer_1))

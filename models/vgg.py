@@ -15,7 +15,7 @@ from __future__ import annotations
 from models.cnn import POOL, PlainConvNet, scale_widths
 from models.options import WidthOptions
 from models.pan import PanSettings
-from models.registry import InputShape, register_model
+from models.registry import MODELS, InputShape, Model
 
 VGG9_CONFIG = (32, 64, POOL, 128, 128, POOL, 256, 256, POOL)
 VGG9_HIDDEN = (512, 512)
@@ -27,25 +27,33 @@ def _vgg9(input_shape: InputShape, num_classes: int, pan: PanSettings, width_fac
     return PlainConvNet(input_shape, num_classes, config, hidden, 3, pan, norm)
 
 
-@register_model("vgg9", options=WidthOptions)
 def vgg9(input_shape: InputShape, num_classes: int, pan: PanSettings, width_factor: float) -> PlainConvNet:
     """FL-literature VGG-9: six convs, then FC (4096 on 32x32 input) -> 512 -> 512 -> classes."""
     return _vgg9(input_shape, num_classes, pan, width_factor, "none")
 
 
-@register_model("vgg9-bn", options=WidthOptions)
+MODELS.register(Model("vgg9", vgg9, WidthOptions))
+
+
 def vgg9_bn(input_shape: InputShape, num_classes: int, pan: PanSettings, width_factor: float) -> PlainConvNet:
     """VGG-9 with BatchNorm after every conv."""
     return _vgg9(input_shape, num_classes, pan, width_factor, "bn")
 
 
-@register_model("vgg9-gn", options=WidthOptions)
+MODELS.register(Model("vgg9-bn", vgg9_bn, WidthOptions))
+
+
 def vgg9_gn(input_shape: InputShape, num_classes: int, pan: PanSettings, width_factor: float) -> PlainConvNet:
     """VGG-9 with one-group GroupNorm after every conv."""
     return _vgg9(input_shape, num_classes, pan, width_factor, "gn")
 
 
-@register_model("vgg11", options=WidthOptions)
+MODELS.register(Model("vgg9-gn", vgg9_gn, WidthOptions))
+
+
 def vgg11(input_shape: InputShape, num_classes: int, pan: PanSettings, width_factor: float) -> PlainConvNet:
     """Standard VGG-11 convs with a single linear classifier, as in the PANs paper."""
     return PlainConvNet(input_shape, num_classes, scale_widths(VGG11_CONFIG, width_factor), (), 3, pan)
+
+
+MODELS.register(Model("vgg11", vgg11, WidthOptions))

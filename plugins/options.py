@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from collections.abc import Callable, Iterator
 from typing import Any, get_type_hints
 
@@ -38,6 +39,16 @@ def non_negative(value: float) -> bool:
 def unit_interval(value: float) -> bool:
     """In (0, 1]."""
     return 0.0 < value <= 1.0
+
+
+def require_int(name: str, value: object, low: int, high: int | None = None) -> int:
+    """``value`` as an int in [low, high], or a ValueError naming ``name`` and what is allowed: for arguments
+    that no settings class declares (a partition's id, the number of partitions)."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        if low <= int(value) and (high is None or int(value) <= high):
+            return int(value)
+    allowed = f"an integer >= {low}" if high is None else f"an integer in [{low}, {high}]"
+    raise ValueError(f"{name} must be {allowed}, got {value!r}")
 
 
 def is_number(value: Any) -> bool:
@@ -143,10 +154,11 @@ def source_settings(settings: Any, source: type) -> Any:
     return source(**values)
 
 
-def build_settings(settings: type, values: dict[str, Any]) -> Any:
-    """A checked instance of ``settings`` from run-config ``values`` (keys of other classes are ignored)."""
+def build_settings(settings: type, values: dict[str, Any], **parts: Any) -> Any:
+    """A checked instance of ``settings`` from run-config ``values`` (keys of other classes are ignored) and
+    ``parts``, fields that are no run-config keys (settings objects of the parts a run is made of)."""
     kwargs = {s.name: coerce(s.key, values[s.key], s.kind) for s in settings_fields(settings) if s.key in values}
-    instance = settings(**kwargs)
+    instance = settings(**kwargs, **parts)
     check_settings(instance)
     return instance
 

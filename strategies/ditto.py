@@ -23,7 +23,7 @@ from core.strategy import ServerStrategy
 from plugins.options import non_negative, option
 from strategies.base import LocalUpdate
 from strategies.personal import personal_scores
-from strategies.registry import Algorithm, register_strategy
+from strategies.registry import STRATEGIES, Algorithm
 
 PERSONAL_MODEL = "ditto-personal"
 """``context.state`` ArrayRecord: the personal model's floating-point state."""
@@ -77,5 +77,5 @@ class DittoUpdate(LocalUpdate):
         return personal_scores(model, stored_personal(self.context, model), test_x, test_y, device)
 
 
-register_strategy(Algorithm("ditto", ServerStrategy, DittoUpdate, "Ditto: FedAvg plus a personal model pulled "
+STRATEGIES.register(Algorithm("ditto", ServerStrategy, DittoUpdate, "Ditto: FedAvg plus a personal model pulled "
                             "towards the global one (ditto-lambda)", DittoSettings))

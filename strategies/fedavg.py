@@ -2,6 +2,6 @@
 
 from core.strategy import ServerStrategy
 from strategies.base import LocalUpdate
-from strategies.registry import Algorithm, register_strategy
+from strategies.registry import STRATEGIES, Algorithm
 
-register_strategy(Algorithm("fedavg", ServerStrategy, LocalUpdate, "weighted averaging of local SGD models"))
+STRATEGIES.register(Algorithm("fedavg", ServerStrategy, LocalUpdate, "weighted averaging of local SGD models"))

@@ -13,7 +13,7 @@ from flwr.app import Array, ArrayRecord
 from core.strategy import Reply, RunContext, ServerStrategy, weighted_mean
 from plugins.options import non_negative, option
 from strategies.base import LocalUpdate
-from strategies.registry import Algorithm, register_strategy
+from strategies.registry import STRATEGIES, Algorithm
 
 
 @dataclass(frozen=True)
@@ -60,5 +60,5 @@ class FedAvgM(ServerStrategy):
         self.momentum = None if momentum is None else {k: v.numpy() for k, v in momentum.items()}
 
 
-register_strategy(Algorithm("fedavgm", FedAvgM, LocalUpdate,
+STRATEGIES.register(Algorithm("fedavgm", FedAvgM, LocalUpdate,
                             "FedAvg with server momentum (server-lr, server-momentum)", FedAvgMSettings))

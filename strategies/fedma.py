@@ -86,7 +86,7 @@ from plugins.options import option, option_from, source_settings
 from models.protocol import head_of
 from strategies.base import LocalUpdate
 from strategies.matched import ReferenceSettings, permutation_spec
-from strategies.registry import Algorithm, register_strategy
+from strategies.registry import STRATEGIES, Algorithm
 
 STAGE = "fedma-stage"
 CLASS_COUNTS = "class-counts"
@@ -343,5 +343,5 @@ class FedMAUpdate(LocalUpdate):
         return {CLASS_COUNTS: ArrayRecord({"counts": self.class_counts})}
 
 
-register_strategy(Algorithm("fedma", FedMA, FedMAUpdate, "FedMA's layer-wise schedule: match one group per round, "
+STRATEGIES.register(Algorithm("fedma", FedMA, FedMAUpdate, "FedMA's layer-wise schedule: match one group per round, "
                             "freeze, retrain the rest", FedMASettings))

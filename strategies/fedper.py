@@ -21,7 +21,7 @@ from core.strategy import ServerStrategy
 from models.protocol import head_of
 from strategies.base import LocalUpdate
 from strategies.personal import personal_scores
-from strategies.registry import Algorithm, register_strategy
+from strategies.registry import STRATEGIES, Algorithm
 
 PERSONAL_HEAD = "fedper-head"
 """``context.state`` ArrayRecord: this client's head."""
@@ -66,5 +66,5 @@ class FedPerUpdate(LocalUpdate):
         return personal_scores(model, personal, test_x, test_y, device)
 
 
-register_strategy(Algorithm("fedper", ServerStrategy, FedPerUpdate,
+STRATEGIES.register(Algorithm("fedper", ServerStrategy, FedPerUpdate,
                             "FedPer: federated body, personal classifier head kept by each client (server: FedAvg)"))

@@ -10,7 +10,7 @@ from torch import nn
 from core.strategy import ServerStrategy
 from plugins.options import non_negative, option
 from strategies.base import LocalUpdate
-from strategies.registry import Algorithm, register_strategy
+from strategies.registry import STRATEGIES, Algorithm
 
 
 @dataclass(frozen=True)
@@ -30,5 +30,5 @@ class FedProxUpdate(LocalUpdate):
         return super().loss(model, x, y) + 0.5 * self.settings.proximal_mu * proximal
 
 
-register_strategy(Algorithm("fedprox", ServerStrategy, FedProxUpdate,
+STRATEGIES.register(Algorithm("fedprox", ServerStrategy, FedProxUpdate,
                             "FedAvg with a proximal term (proximal-mu) in the client loss", FedProxSettings))

@@ -47,7 +47,7 @@ from core.strategy import Reply, RunContext, ServerStrategy
 from models import PermutationSpec
 from plugins.options import ConfigError, option
 from strategies.base import LocalUpdate
-from strategies.registry import Algorithm, register_strategy
+from strategies.registry import STRATEGIES, Algorithm
 
 MATCH_REFERENCES = ("global", "iterative")
 
@@ -118,5 +118,5 @@ class Matched(ServerStrategy):
         return ArrayRecord(matched)
 
 
-register_strategy(Algorithm("matched", Matched, LocalUpdate, "align client units onto a reference (match-cost, "
+STRATEGIES.register(Algorithm("matched", Matched, LocalUpdate, "align client units onto a reference (match-cost, "
                             "match-reference), then average", MatchSettings))

@@ -40,7 +40,7 @@ from core.model_io import load_arrays, to_arrays
 from core.strategy import ServerStrategy
 from plugins.options import non_negative, option, positive
 from strategies.base import LocalUpdate
-from strategies.registry import Algorithm, register_strategy
+from strategies.registry import STRATEGIES, Algorithm
 
 STATE_KEY = "moon-previous-model"
 """Where a client keeps its last local model in ``context.state``."""
@@ -103,5 +103,5 @@ class MoonUpdate(LocalUpdate):
                 "contrastive-loss": self.contrastive_total / self.batches if self.batches else 0.0}
 
 
-register_strategy(Algorithm("moon", ServerStrategy, MoonUpdate, "model-contrastive local loss against the global "
+STRATEGIES.register(Algorithm("moon", ServerStrategy, MoonUpdate, "model-contrastive local loss against the global "
                             "and previous models (moon-mu, moon-tau); the server is FedAvg", MoonSettings))

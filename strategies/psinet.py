@@ -43,7 +43,7 @@ from core.strategy import Reply, RunContext, ServerStrategy
 from plugins.options import ConfigError
 from models.psinet import GroupLayout, held_groups
 from strategies.base import LocalUpdate
-from strategies.registry import Algorithm, register_strategy
+from strategies.registry import STRATEGIES, Algorithm
 
 HELD_RECORD = "psi-groups"
 """Reply record naming the groups the client holds (and so trained and sent)."""
@@ -141,6 +141,6 @@ class PsiNetStrategy(ServerStrategy):
         return masked_average(reference, [reply.arrays for reply in replies], [reply.weight for reply in replies])
 
 
-register_strategy(Algorithm("psinet", PsiNetStrategy, PsiNetUpdate,
+STRATEGIES.register(Algorithm("psinet", PsiNetStrategy, PsiNetUpdate,
                             "Ψ-Net: shared layers averaged over all, each group over its holders; "
                             "clients trim groups they hold no class of"))

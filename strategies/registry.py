@@ -1,6 +1,6 @@
 """Name → algorithm: its settings class, its server side and the client update it expects.
 
-An algorithm is one module that ends with one line, ``register_strategy(Algorithm(...))``;
+An algorithm is one module that ends with one line, ``STRATEGIES.register(Algorithm(...))``;
 the run config, the Hydra configs and ``pyproject.toml``'s defaults are derived from the
 settings classes registered here.
 """
@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from core.strategy import RunContext, ServerStrategy
 from plugins.options import NoOptions
+from plugins.registry import Registry
 from strategies.base import LocalUpdate
 
 
@@ -30,25 +31,15 @@ class Algorithm:
     settings: type = NoOptions
 
 
-_REGISTRY: dict[str, Algorithm] = {}
-
-
-def register_strategy(algorithm: Algorithm) -> Algorithm:
-    """Add an algorithm under ``algorithm.name``; a name may be registered once."""
-    if algorithm.name in _REGISTRY:
-        raise ValueError(f"strategy '{algorithm.name}' is already registered")
-    _REGISTRY[algorithm.name] = algorithm
-    return algorithm
+STRATEGIES: Registry[Algorithm] = Registry("strategy")
+"""Every algorithm, registered by its own module."""
 
 
 def get_strategy(name: str) -> Algorithm:
     """The registered algorithm called ``name``."""
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise ValueError(f"unknown strategy '{name}'; allowed: {list_strategies()}") from None
+    return STRATEGIES.get(name)
 
 
 def list_strategies() -> list[str]:
     """Names of every registered algorithm, sorted."""
-    return sorted(_REGISTRY)
+    return STRATEGIES.names()

@@ -46,7 +46,7 @@ from core.replies import arrays_problem
 from core.strategy import Reply, RunContext, ServerStrategy, weighted_mean
 from strategies.base import LocalUpdate
 from strategies.fedavgm import ServerStepSettings
-from strategies.registry import Algorithm, register_strategy
+from strategies.registry import STRATEGIES, Algorithm
 
 CONTROL = "control"
 """Record name: the server's c in a TRAIN message, the client's Δc_i in its reply."""
@@ -171,5 +171,5 @@ class ScaffoldUpdate(LocalUpdate):
         return {CONTROL: self.control_update}
 
 
-register_strategy(Algorithm("scaffold", Scaffold, ScaffoldUpdate,
+STRATEGIES.register(Algorithm("scaffold", Scaffold, ScaffoldUpdate,
                             "control variates correct client drift (option II; server-lr)", ServerStepSettings))

@@ -49,7 +49,7 @@ from core.strategy import ServerStrategy
 from core.training import PlainSGD, iterate_batches
 from plugins.options import non_negative, option
 from strategies.base import LocalUpdate
-from strategies.registry import Algorithm, register_strategy
+from strategies.registry import STRATEGIES, Algorithm
 
 SUPERFED_MODES = ("mm", "lm")
 LOCAL_INITS = ("seeded", "authors")
@@ -269,5 +269,5 @@ def recalibrate_batchnorm(model: nn.Module, x: torch.Tensor, device: torch.devic
         m.momentum = momentum
 
 
-register_strategy(Algorithm("superfed", ServerStrategy, SuPerFedUpdate, "SuPerFed: a local model mixed with the "
+STRATEGIES.register(Algorithm("superfed", ServerStrategy, SuPerFedUpdate, "SuPerFed: a local model mixed with the "
                             "federated one (superfed-mode mm/lm); the server averages w_f as FedAvg", SuPerFedSettings))

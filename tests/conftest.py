@@ -18,3 +18,27 @@ def _private_client_state(monkeypatch, tmp_path_factory):
     """In-process nodes keep their client-state snapshots in a folder of the test's own, never in ~/.cache."""
     root = tmp_path_factory.mktemp("client-state")
     monkeypatch.setattr("fl_app.node_state.default_state_root", lambda: root)
+
+
+@pytest.fixture
+def private_tensor_cache(tmp_path, monkeypatch):
+    """An empty tensor cache of the test's own, and datasets loaded afresh in the test (no test writes to the
+    home folder)."""
+    from core import data
+
+    folder = tmp_path / "tensors"
+    monkeypatch.setattr(data, "TENSOR_CACHE_DIR", str(folder))
+    data._load_cached.cache_clear()
+    yield folder
+    data._load_cached.cache_clear()  # later tests must not get this test's memory-mapped files
+
+
+@pytest.fixture
+def private_partition_cache(tmp_path, monkeypatch):
+    """An empty disk cache of partitions of the test's own: partitioning really runs, and no test writes to the
+    home folder."""
+    from core.partitioning import partitions
+
+    folder = tmp_path / "partitions"
+    monkeypatch.setattr(partitions, "PARTITION_CACHE_DIR", str(folder))
+    return folder

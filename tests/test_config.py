@@ -97,13 +97,18 @@ def test_a_key_of_another_algorithm_is_accepted_at_its_default_and_refused_when_
     with pytest.raises(ConfigError, match="'psi-groups' = 3 belongs to model .*'psi-vgg9'.*not to the chosen model "
                                           "'mlp'"):
         parse_run_config({"psi-groups": 3})
+    with pytest.raises(ConfigError, match="'classes-per-client' = 3 belongs to partitioner 'pathological', not to the "
+                                          "chosen partitioner 'dirichlet'"):
+        parse_run_config({"classes-per-client": 3})
+    assert parse_run_config({"partitioner": "pathological", "classes-per-client": 3,
+                             "dirichlet-alpha": 0.5}).partitioner_settings.classes_per_client == 3  # at its default
 
 
 def test_values_are_coerced_and_kept():
     config = parse_run_config({"lr": 1, "num-server-rounds": 3.0, "strategy": "fedprox", "dirichlet-alpha": 0.1})
     assert config.lr == 1.0 and isinstance(config.lr, float)
     assert config.num_server_rounds == 3 and isinstance(config.num_server_rounds, int)
-    assert config.strategy == "fedprox" and config.dirichlet_alpha == 0.1
+    assert config.strategy == "fedprox" and config.partitioner_settings.dirichlet_alpha == 0.1
 
 
 @pytest.mark.parametrize(
@@ -112,7 +117,7 @@ def test_values_are_coerced_and_kept():
         ({}, "strategy", "fedfoo", "fedavg"),
         ({}, "model", "nope", "mlp"),
         ({}, "dataset", "imagenet", "registered"),
-        ({}, "partitioner", "zipf", "registered"),
+        ({}, "partitioner", "zipf", "dirichlet"),
         ({}, "dirichlet-alpha", 0.0, "> 0"),
         ({}, "dirichlet-alpha", -1.0, "> 0"),
         ({}, "fraction-train", 0.0, "(0, 1]"),
@@ -121,7 +126,10 @@ def test_values_are_coerced_and_kept():
         ({}, "num-server-rounds", 0, "positive"),
         ({}, "local-epochs", -1, "positive"),
         ({}, "batch-size", 0, "positive"),
-        ({}, "classes-per-client", 11, "number of classes"),
+        ({"partitioner": "pathological"}, "classes-per-client", 11, "number of classes"),
+        ({"partitioner": "pathological"}, "classes-per-client", 0, "positive"),
+        ({"partitioner": "shard"}, "shards-per-client", 0, "positive"),
+        ({"partitioner": "fixed-pairs"}, "samples-per-client", 3, "even"),
         ({}, "lr", 0.0, "> 0"),
         ({}, "lr", -0.05, "> 0"),
         ({}, "momentum", 1.0, "[0, 1)"),

@@ -1,13 +1,14 @@
-"""Tests for core.data: dataset registry and loaders, partitions, client splits.
+"""Tests for core.data: the dataset registry, the loaders and the tensor cache.
 
 Everything runs offline: real loaders read tiny files written here in
-torchvision's layouts, and partitioning is tested mostly on scikit-learn's digits.
+torchvision's layouts. Partitioning is tests/test_partitioners.py's.
 """
 
 from __future__ import annotations
 
 import gzip
 import pickle
+import socket
 import struct
 from collections.abc import Iterator
 from dataclasses import replace
@@ -19,12 +20,7 @@ import torch
 
 from core import data
 
-pytestmark = [
-    # pyarrow 25 deprecation raised inside ShardPartitioner's dataset.sort; not ours.
-    pytest.mark.filterwarnings("ignore:Specifying null_placement:FutureWarning"),
-    # DirichletPartitioner warns on each re-draw; the infeasible case is asserted on its error.
-    pytest.mark.filterwarnings("ignore:The specified min_partition_size"),
-]
+pytestmark = pytest.mark.usefixtures("private_tensor_cache")
 
 IDX_STEMS = (
     "train-images-idx3-ubyte",
@@ -37,25 +33,6 @@ needs_debian_fashion_mnist = pytest.mark.skipif(
     reason=f"Fashion-MNIST is not installed in {data.DEBIAN_FASHION_MNIST_DIR} "
     "(apt-get install -y dataset-fashion-mnist)",
 )
-
-
-@pytest.fixture(autouse=True)
-def private_partition_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """Every test gets its own empty disk cache of partitions: partitioning really runs, and no test writes
-    to the home folder."""
-    folder = tmp_path / "partitions"
-    monkeypatch.setattr(data, "PARTITION_CACHE_DIR", str(folder))
-    return folder
-
-
-@pytest.fixture(autouse=True)
-def private_tensor_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    """Every test gets its own empty tensor cache, and datasets load afresh in the test."""
-    folder = tmp_path / "tensors"
-    monkeypatch.setattr(data, "TENSOR_CACHE_DIR", str(folder))
-    data._load_cached.cache_clear()
-    yield folder
-    data._load_cached.cache_clear()  # later tests must not get this test's memory-mapped files
 
 
 @pytest.fixture
@@ -167,11 +144,10 @@ def no_network(monkeypatch: pytest.MonkeyPatch) -> None:
 # --- registry ------------------------------------------------------------------
 
 
-def test_registries_list_names() -> None:
+def test_registry_lists_names() -> None:
     assert data.list_datasets() == [
         "cifar10", "cifar100", "digits", "fashion-mnist", "majority-tokens", "mnist", "svhn"
     ]
-    assert data.list_partitioners() == ["dirichlet", "fixed-pairs", "iid", "pathological", "shard"]
     assert data.DEFAULT_DATASET in data.list_datasets()
 
 
@@ -181,19 +157,12 @@ def test_registries_list_names() -> None:
         lambda: data.load_dataset("imagenet"),
         lambda: data.dataset_info("imagenet"),
         lambda: data.check_dataset_available("imagenet", None),
-        lambda: data.partition_dataset("imagenet", None, "iid", 2, 0),
     ],
 )
 def test_unknown_dataset_lists_allowed(call) -> None:
     with pytest.raises(ValueError, match="'imagenet'") as info:
         call()
     assert all(name in str(info.value) for name in data.list_datasets())
-
-
-def test_unknown_partitioner_lists_allowed() -> None:
-    with pytest.raises(ValueError, match="'quantity'") as info:
-        data.partition_dataset("digits", None, "quantity", 2, 0)
-    assert all(name in str(info.value) for name in data.list_partitioners())
 
 
 def test_dataset_info_is_static() -> None:
@@ -315,6 +284,42 @@ def test_missing_mnist_root_names_the_path(tmp_path: Path, no_network: None) -> 
     assert isinstance(info.value, FileNotFoundError)
 
 
+@pytest.fixture
+def offline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No name resolves, as on a machine without a network: torchvision's real download code runs and fails
+    (after making its folders, unlike with ``no_network``)."""
+
+    def fail(*args: object, **kwargs: object) -> None:
+        raise socket.gaierror(socket.EAI_NONAME, "offline (test)")
+
+    monkeypatch.setattr(socket, "getaddrinfo", fail)
+
+
+@pytest.mark.parametrize("name", ["mnist", "cifar10", "svhn"])
+def test_a_failed_download_to_the_default_root_leaves_no_folders(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, offline: None, name: str
+) -> None:
+    home = tmp_path / "home"
+    monkeypatch.setattr(data, "DEFAULT_DATA_ROOT", str(home / ".cache" / "alignfl" / "data"))
+    with pytest.raises(data.DatasetMissingError,
+                       match="(?s)Downloading them failed \\(offline\\?\\).*offline \\(test\\)"):
+        data.check_dataset_available(name, None)
+    assert not home.exists()
+
+
+@pytest.mark.parametrize("name", ["mnist", "fashion-mnist", "cifar10", "svhn"])
+def test_a_failed_download_to_an_empty_data_root_leaves_it_empty(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, offline: None, fresh_dataset_cache: None, name: str
+) -> None:
+    monkeypatch.setattr(data, "DEBIAN_FASHION_MNIST_DIR", tmp_path / "not-installed")
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / "kept.txt").write_text("the user's")
+    with pytest.raises(data.DatasetMissingError, match=str(root)):
+        data.check_dataset_available(name, str(root))
+    assert [path.name for path in root.iterdir()] == ["kept.txt"]
+
+
 def test_corrupt_cifar_is_reported_missing(tmp_path: Path, no_network: None) -> None:
     write_cifar10(tmp_path, per_batch=2, n_test=2)  # MD5s cannot match torchvision's
     with pytest.raises(data.DatasetMissingError, match="cifar-10-batches-py"):
@@ -334,102 +339,6 @@ def test_check_available_is_cheap_when_files_exist(
     data.check_dataset_available("digits", None)
 
 
-# --- partitioning --------------------------------------------------------------
-
-
-def label_sets(parts: tuple[np.ndarray, ...], labels: np.ndarray) -> list[set[int]]:
-    return [set(labels[part].tolist()) for part in parts]
-
-
-def assert_disjoint_within(parts: tuple[np.ndarray, ...], n: int) -> np.ndarray:
-    joined = np.concatenate(parts)
-    assert len(np.unique(joined)) == len(joined), "partitions overlap"
-    assert joined.min() >= 0 and joined.max() < n
-    return joined
-
-
-@pytest.mark.parametrize("partitioner", ["iid", "dirichlet", "pathological", "shard"])
-def test_partitions_are_disjoint_and_read_only(partitioner: str) -> None:
-    n = len(data.load_dataset("digits").train_y)
-    parts = data.partition_dataset("digits", None, partitioner, 10, seed=1)
-    assert len(parts) == 10 and all(len(part) > 0 and part.dtype == np.int64 for part in parts)
-    joined = assert_disjoint_within(parts, n)
-    if partitioner == "iid":
-        assert len(joined) == n and max(map(len, parts)) - min(map(len, parts)) <= 1
-    if partitioner == "shard":  # equal shards of floor(n / 20): fewer than 20 samples left out
-        assert n - 20 < len(joined) <= n and len({len(part) for part in parts}) == 1
-    with pytest.raises(ValueError):
-        parts[0][0] = 0
-
-
-def test_iid_is_label_balanced() -> None:
-    labels = data.load_dataset("digits").train_y.numpy()
-    parts = data.partition_dataset("digits", None, "iid", 4, seed=0)
-    assert all(len(classes) == 10 for classes in label_sets(parts, labels))
-
-
-@pytest.mark.parametrize("classes_per_client", [1, 2, 3])
-def test_pathological_gives_exact_class_counts(classes_per_client: int) -> None:
-    labels = data.load_dataset("digits").train_y.numpy()
-    parts = data.partition_dataset(
-        "digits", None, "pathological", 20, 0, classes_per_client=classes_per_client
-    )
-    assert all(len(classes) == classes_per_client for classes in label_sets(parts, labels))
-    # first-deterministic assignment: every class is used once clients >= classes
-    assert set().union(*label_sets(parts, labels)) == set(range(10))
-
-
-def mean_label_entropy(parts: tuple[np.ndarray, ...], labels: np.ndarray) -> float:
-    entropies = []
-    for part in parts:
-        p = np.bincount(labels[part], minlength=10) / len(part)
-        p = p[p > 0]
-        entropies.append(float(-(p * np.log(p)).sum()))
-    return float(np.mean(entropies))
-
-
-def test_dirichlet_small_alpha_is_more_skewed() -> None:
-    labels = data.load_dataset("digits").train_y.numpy()
-    skewed = data.partition_dataset("digits", None, "dirichlet", 10, 0, dirichlet_alpha=0.1)
-    mild = data.partition_dataset("digits", None, "dirichlet", 10, 0, dirichlet_alpha=100.0)
-    assert mean_label_entropy(skewed, labels) < mean_label_entropy(mild, labels) - 0.5
-    assert mean_label_entropy(mild, labels) > 0.9 * np.log(10)
-
-
-@pytest.mark.parametrize("partitioner", ["iid", "dirichlet", "pathological", "shard"])
-def test_partitions_are_a_pure_function_of_the_seed(partitioner: str) -> None:
-    first = data.partition_dataset("digits", None, partitioner, 10, seed=3)
-    # computed once per process
-    assert data.partition_dataset("digits", None, partitioner, 10, seed=3) is first
-    data._compute_partitions.cache_clear()
-    again = data.partition_dataset("digits", None, partitioner, 10, seed=3)
-    assert again is not first and all(np.array_equal(a, b) for a, b in zip(first, again))
-    other = data.partition_dataset("digits", None, partitioner, 10, seed=4)
-    assert not all(np.array_equal(a, b) for a, b in zip(first, other))
-
-
-def test_partitions_are_cached_on_disk_and_recomputed_when_unreadable(
-    private_partition_cache: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    data._compute_partitions.cache_clear()
-    first = data.partition_dataset("digits", None, "pathological", 7, seed=5, classes_per_client=3)
-    (stored,) = private_partition_cache.glob("*.npz")
-    compute = data._partition_labels
-    data._compute_partitions.cache_clear()
-    monkeypatch.setattr(data, "_partition_labels", lambda *args: pytest.fail("recomputed despite the disk cache"))
-    again = data.partition_dataset("digits", None, "pathological", 7, seed=5, classes_per_client=3)
-    assert all(np.array_equal(a, b) and a.dtype == np.int64 and not a.flags.writeable for a, b in zip(again, first))
-
-    monkeypatch.setattr(data, "_partition_labels", compute)
-    data.partition_dataset("digits", None, "pathological", 7, seed=5, classes_per_client=2)
-    assert len(list(private_partition_cache.glob("*.npz"))) == 2  # other settings, another file
-    stored.write_bytes(b"not an npz file")
-    data._compute_partitions.cache_clear()
-    recomputed = data.partition_dataset("digits", None, "pathological", 7, seed=5, classes_per_client=3)
-    assert all(np.array_equal(a, b) for a, b in zip(recomputed, first))
-    assert not list(private_partition_cache.glob("*.tmp.npz"))
-
-
 def test_a_loaded_dataset_is_read_back_from_the_tensor_cache_until_its_sources_change(
     private_tensor_cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -437,111 +346,21 @@ def test_a_loaded_dataset_is_read_back_from_the_tensor_cache_until_its_sources_c
     fingerprint (another scikit-learn) or an unreadable file loads from the source."""
     first = data.load_dataset("digits")
     (stored,) = private_tensor_cache.glob("digits-*.pt")
-    entry = data._DATASETS["digits"]
+    entry = data.DATASETS.get("digits")
     data._load_cached.cache_clear()
-    monkeypatch.setitem(data._DATASETS, "digits", replace(entry, load=lambda root: pytest.fail("loaded again")))
+    monkeypatch.setitem(data.DATASETS._entries, "digits", replace(entry, load=lambda root: pytest.fail("loaded again")))
     again = data.load_dataset("digits")
     assert all(torch.equal(getattr(again, key), getattr(first, key)) for key in ("train_x", "train_y", "test_x", "test_y"))
     assert (again.name, again.num_classes) == ("digits", 10)
 
     loads = []
-    monkeypatch.setitem(data._DATASETS, "digits", replace(entry, load=lambda root: loads.append(root) or first,
+    monkeypatch.setitem(data.DATASETS._entries, "digits", replace(entry, load=lambda root: loads.append(root) or first,
                                                            fingerprint=lambda root: "scikit-learn 99"))
     data._load_cached.cache_clear()
     data.load_dataset("digits")
     assert loads == [None] and len(list(private_tensor_cache.glob("digits-*.pt"))) == 2
     stored.write_bytes(b"not a tensor file")
-    monkeypatch.setitem(data._DATASETS, "digits", replace(entry, load=lambda root: loads.append(root) or first))
+    monkeypatch.setitem(data.DATASETS._entries, "digits", replace(entry, load=lambda root: loads.append(root) or first))
     data._load_cached.cache_clear()
     assert torch.equal(data.load_dataset("digits").train_x, first.train_x)
     assert loads == [None, None] and not list(private_tensor_cache.glob("*.tmp"))
-
-
-@needs_debian_fashion_mnist
-def test_dirichlet_small_alpha_many_clients_is_feasible() -> None:
-    """Its speed is measured by benchmarks/partition_speed.py."""
-    parts = data.partition_dataset("fashion-mnist", None, "dirichlet", 100, 0, dirichlet_alpha=0.1)
-    assert len(parts) == 100 and min(map(len, parts)) >= data.DIRICHLET_MIN_PARTITION_SIZE
-    assert len(assert_disjoint_within(parts, 60000)) == 60000
-
-
-def test_infeasible_dirichlet_fails_naming_keys() -> None:
-    # ~14 digits per client at alpha=0.1: some client is nearly always empty (how fast: benchmarks/partition_speed.py).
-    with pytest.raises(ValueError, match="num-partitions=100, dirichlet-alpha=0.1"):
-        data.partition_dataset("digits", None, "dirichlet", 100, 0, dirichlet_alpha=0.1)
-
-
-def test_infeasible_pathological_names_keys() -> None:
-    # 1,000 clients x 10 classes needs ~1,000 samples of each class; digits has ~144.
-    with pytest.raises(ValueError, match="classes-per-client=10"):
-        data.partition_dataset("digits", None, "pathological", 1000, 0, classes_per_client=10)
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "key"),
-    [
-        ({"num_partitions": 0}, "num-partitions"),
-        ({"num_partitions": 2.5}, "num-partitions"),
-        ({"dirichlet_alpha": 0.0}, "dirichlet-alpha"),
-        ({"dirichlet_alpha": -1.0}, "dirichlet-alpha"),
-        ({"dirichlet_alpha": float("nan")}, "dirichlet-alpha"),
-        ({"classes_per_client": 0}, "classes-per-client"),
-        ({"classes_per_client": 11}, "classes-per-client"),
-        ({"shards_per_client": 0}, "shards-per-client"),
-        ({"seed": -1}, "seed"),
-    ],
-)
-def test_bad_partition_parameters_name_the_key(kwargs: dict[str, object], key: str) -> None:
-    args: dict[str, object] = {
-        "dataset": "digits",
-        "data_root": None,
-        "partitioner": "dirichlet",
-        "num_partitions": 4,
-        "seed": 0,
-    }
-    with pytest.raises(ValueError, match=key):
-        data.partition_dataset(**{**args, **kwargs})  # type: ignore[arg-type]
-
-
-# --- client split --------------------------------------------------------------
-
-
-def test_client_split_is_deterministic_disjoint_80_20() -> None:
-    indices = np.arange(1000, 1100)
-    train, test = data.client_split(indices, 0.2, seed=0, partition_id=5)
-    assert (len(train), len(test)) == (80, 20)
-    assert set(train).isdisjoint(test) and set(train) | set(test) == set(indices)
-    again = data.client_split(indices, 0.2, seed=0, partition_id=5)
-    assert np.array_equal(train, again[0]) and np.array_equal(test, again[1])
-    other_client = data.client_split(indices, 0.2, seed=0, partition_id=6)
-    assert not np.array_equal(test, other_client[1])
-    other_seed = data.client_split(indices, 0.2, seed=1, partition_id=5)
-    assert not np.array_equal(test, other_seed[1])
-
-
-def test_client_split_keeps_a_training_sample() -> None:
-    assert [len(part) for part in data.client_split(np.array([7]), 0.2, 0, 0)] == [1, 0]
-    assert [len(part) for part in data.client_split(np.arange(2), 0.9, 0, 0)] == [1, 1]
-    assert [len(part) for part in data.client_split(np.arange(10), 0.0, 0, 0)] == [10, 0]
-
-
-@pytest.mark.parametrize("fraction", [-0.1, 1.0, 1.5])
-def test_client_split_rejects_bad_fraction(fraction: float) -> None:
-    with pytest.raises(ValueError, match="test-fraction"):
-        data.client_split(np.arange(10), fraction, 0, 0)
-
-
-def test_client_split_keeps_a_seeded_share_then_splits_it() -> None:
-    indices = np.arange(1000, 1100)
-    train, test = data.client_split(indices, 0.2, seed=0, partition_id=5, keep_fraction=0.3)
-    assert (len(train), len(test)) == (24, 6)
-    full_train, full_test = data.client_split(indices, 0.2, seed=0, partition_id=5)
-    kept = np.concatenate([test, train])  # the kept share is a prefix of the same shuffle
-    assert np.array_equal(kept, np.concatenate([full_test, full_train])[:30])
-    assert [len(part) for part in data.client_split(np.arange(10), 0.2, 0, 0, keep_fraction=0.01)] == [1, 0]
-
-
-@pytest.mark.parametrize("fraction", [0.0, -0.5, 1.5, "0.5"])
-def test_client_split_rejects_bad_keep_fraction(fraction: object) -> None:
-    with pytest.raises(ValueError, match="data-fraction"):
-        data.client_split(np.arange(10), 0.2, 0, 0, keep_fraction=fraction)

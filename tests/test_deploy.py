@@ -1,4 +1,4 @@
-"""The deployment: docker-compose.yml and compose.tls.yml against fl_app/deploy.py's commands, early refusals
+"""The deployment: docker-compose.yml and compose.tls.yml against fl_app/topology.py's commands, early refusals
 and the service watch (fast), and the same topology as real processes on loopback (slow: FedAvg and SCAFFOLD
 across 3 SuperNodes, a SuperNode killed mid-run with every default, the SuperLink killed mid-run and the run
 resumed with the printed command, TLS with SuperNode authentication)."""
@@ -25,23 +25,24 @@ from cryptography import x509
 from cryptography.hazmat.primitives.serialization import load_ssh_private_key, load_ssh_public_key
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from fl_app import deploy
+from fl_app import deploy, deployment as deployment_module
 from fl_app.checkpoint import CHECKPOINT, config_differences
 from fl_app.config import parse_run_config
-from fl_app.deploy import (
-    Deployment,
+from fl_app.deployment import Deployment, deployment, partner_of, resume_command
+from fl_app.flwr_cli import PROJECT_ROOT, online_supernodes, parse_overrides
+from fl_app.launch import prepare_config, report_outcome
+from fl_app.superlink import free_port, trust, wait_until
+from fl_app.topology import (
+    Topology,
     clientapp_executor_command,
     compose_topology,
     loopback_topology,
     make_certificates,
-    partner_of,
     register_command,
-    resume_command,
     serverapp_executor_command,
     superlink_command,
     supernode_command,
 )
-from fl_app.launch import PROJECT_ROOT, free_port, parse_overrides, prepare_config, report_outcome
 
 COMPOSE = PROJECT_ROOT / "docker-compose.yml"
 COMPOSE_TLS = PROJECT_ROOT / "compose.tls.yml"
@@ -64,8 +65,8 @@ def compose_services(tls: bool) -> dict[str, dict]:
     return services
 
 
-def expected_commands(topology: deploy.Topology) -> dict[str, list[str]]:
-    """Every service's argv as fl_app/deploy.py builds it, by compose service name."""
+def expected_commands(topology: Topology) -> dict[str, list[str]]:
+    """Every service's argv as fl_app/topology.py builds it, by compose service name."""
     commands = {"superlink": superlink_command(topology), "superexec-serverapp": serverapp_executor_command(topology)}
     for node in range(topology.num_supernodes):
         commands[f"supernode-{node}"] = supernode_command(topology, node)
@@ -135,7 +136,8 @@ def test_make_certs_signs_the_superlink_for_its_names_and_makes_flower_readable_
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--num-supernodes", "0"], "--num-supernodes"),
+    (["--num-supernodes", "0"], "--num-supernodes must be at least 1, got 0"),
+    (["--rounds", "0"], "--rounds must be at least 1, got 0"),
     (["--certs", "/tmp"], "--certs is only used with --tls"),
     (["--run-config", 'dataset="digits" lr=-1'], "lr"),
     (["--num-supernodes", "2", "--run-config", 'dataset="digits" min-available-nodes=3'], "min-available-nodes"),
@@ -187,7 +189,7 @@ def test_the_watch_reports_exits_stops_a_nodes_other_half_and_gives_up_without_t
     for name in names:
         running.start_service(name, ["sleep", "300"])
     config = prepare_config({"dataset": "digits", "results-dir": str(tmp_path), "run-name": "r"}, 2)
-    monkeypatch.setattr(deploy, "checkpointed_round", lambda _: 1)
+    monkeypatch.setattr(deployment_module, "checkpointed_round", lambda _: 1)
     try:
         assert running.watch(config) is None and running.exited == {}
         running.services["supernode-1"].process.send_signal(signal.SIGKILL)
@@ -254,7 +256,7 @@ def home(tmp_path_factory) -> Iterator[Path]:
 def plain(tmp_path_factory, home) -> Iterator[Deployment]:
     """One plaintext deployment of 3 SuperNodes shared by the tests below; the node-killing test goes last."""
     work = tmp_path_factory.mktemp("deploy")
-    with deploy.deployment(loopback_topology(3, work), work) as running:
+    with deployment(loopback_topology(3, work), work) as running:
         yield running
 
 
@@ -299,10 +301,10 @@ def test_the_superlink_killed_mid_run_is_reported_and_the_printed_command_resume
     assert run_to_end(plain, straight)[0] == "finished:completed"
     config = run_config(tmp_path, "killed-link", 3, **settings)
     folder = tmp_path / "killed-link"
-    with deploy.deployment(loopback_topology(3, tmp_path / "work"), tmp_path / "work") as running:
+    with deployment(loopback_topology(3, tmp_path / "work"), tmp_path / "work") as running:
         with ThreadPoolExecutor(1) as pool:
             future = pool.submit(running.run, config)
-            deploy.wait_until(lambda: future.done() or (folder / CHECKPOINT).exists(), RUN_TIMEOUT_S,
+            wait_until(lambda: future.done() or (folder / CHECKPOINT).exists(), RUN_TIMEOUT_S,
                               "round 1's checkpoint", interval_s=0.25)
             assert not future.done(), future.result()
             running.services["superlink"].process.send_signal(signal.SIGKILL)
@@ -332,11 +334,11 @@ def test_run_finishes_with_the_defaults_when_a_supernode_is_killed_in_round_two(
     folder = tmp_path / "killed"
     with ThreadPoolExecutor(1) as pool:
         future = pool.submit(plain.run, config)
-        deploy.wait_until(lambda: future.done() or len(rows(folder)) >= 2, RUN_TIMEOUT_S, "round 1's metrics",
+        wait_until(lambda: future.done() or len(rows(folder)) >= 2, RUN_TIMEOUT_S, "round 1's metrics",
                           interval_s=0.25)
         assert not future.done(), future.result()
         plain.services["supernode-2"].process.send_signal(signal.SIGKILL)
-        deploy.wait_until(lambda: "superexec-clientapp-2" in plain.exited, 10.0, "the watch to see supernode-2 exit",
+        wait_until(lambda: "superexec-clientapp-2" in plain.exited, 10.0, "the watch to see supernode-2 exit",
                           interval_s=0.1)
         status, details = future.result(timeout=RUN_TIMEOUT_S)
     assert status == "finished:completed", details
@@ -379,13 +381,13 @@ def test_tls_with_supernode_authentication(tmp_path):
     port the deployment listens on speaks TLS only."""
     certs = make_certificates(tmp_path / "certs", 3)  # node 2's key exists but is not registered
     topology = loopback_topology(2, tmp_path / "work", certs)
-    with deploy.deployment(topology, tmp_path / "work") as running:
+    with deployment(topology, tmp_path / "work") as running:
         ports = listening_ports({pid for tree in running.services.values() for pid in tree.refresh()})
         assert ports == {topology.superlink_port, *topology.runtime_ports}
         for port in ports:
             with pytest.raises(httpx.HTTPError):
                 httpx.get(f"http://127.0.0.1:{port}/health", timeout=10)
-            assert httpx.get(f"https://127.0.0.1:{port}/health", verify=deploy.trust(running.ca), timeout=10).is_success
+            assert httpx.get(f"https://127.0.0.1:{port}/health", verify=trust(running.ca), timeout=10).is_success
 
         stranger = replace(topology, num_supernodes=3, runtime_ports=(*topology.runtime_ports, free_port()))
         refused = running.start_service("supernode-2-unregistered", supernode_command(stranger, 2))
@@ -393,7 +395,7 @@ def test_tls_with_supernode_authentication(tmp_path):
         status, details = run_to_end(running, config)
         assert refused.process.wait(timeout=RUN_TIMEOUT_S) != 0
         assert "Failed to activate SuperNode" in running.log_tail("supernode-2-unregistered", 40)
-        assert deploy.online_supernodes(running.cli_environment) == 2
+        assert online_supernodes(running.cli_environment) == 2
     assert status == "finished:completed", details
     metrics = rows(tmp_path / "results" / "tls")
     assert metrics[-1]["round"] == 1 and metrics[-1]["clients-trained"] == 2

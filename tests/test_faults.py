@@ -32,7 +32,7 @@ from fl_app import server_app
 from fl_app.checkpoint import CHECKPOINT, capture, load_checkpoint, save_checkpoint
 from fl_app.client_app import build_client_app
 from core.config import RunConfig
-from fl_app.config import ConfigError, parse_run_config
+from fl_app.config import ConfigError, default_run_config, parse_run_config
 from fl_app.server_app import build_server_app, run_experiment
 from strategies import get_strategy, list_strategies
 from core.nodes import send_and_receive
@@ -400,6 +400,19 @@ def test_resume_refuses_a_missing_folder_or_checkpoint_and_changed_keys(tmp_path
     with pytest.raises(ConfigError, match="cannot be read"):
         resume(**{"resume-from": str(folder), "num-server-rounds": 3})
     assert not (tmp_path / "new").exists()
+
+
+def test_a_key_stored_on_one_side_only_counts_as_its_default_on_resume():
+    """A run stores only its own partitioner's keys; checkpoints from before partitioners had settings classes
+    store every partitioner's key, at its default unless that partitioner was chosen."""
+    config = parse_run_config({"partitioner": "shard", "shards-per-client": 3})
+    saved = {**default_run_config(), **config.to_run_config()}
+    assert "classes-per-client" in saved and "classes-per-client" not in config.to_run_config()
+    assert checkpoint_module.config_differences(saved, config) == {}
+    assert checkpoint_module.config_differences({**saved, "classes-per-client": 4}, config) == {
+        "classes-per-client": (4, 2)}
+    assert checkpoint_module.config_differences({**saved, "shards-per-client": 2}, config) == {
+        "shards-per-client": (2, 3)}
 
 
 @pytest.mark.parametrize(("key", "value", "fragment"), [("resume-from", "runs/a", "absolute"),

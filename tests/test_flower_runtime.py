@@ -3,7 +3,9 @@ installed only on the Flower releases it was checked against."""
 
 from __future__ import annotations
 
+import importlib
 import random
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -13,9 +15,11 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.simulation import run_simulation
 
 from core.nodes import send_and_receive, wait_for_nodes
-from fl_app import flower_runtime
+import fl_app
+from fl_app import flower_runtime, server_app
 from fl_app.client_app import build_client_app
 from fl_app.inprocess import InProcessGrid, set_task_identity
+from flower_state import simulation_state
 
 
 @pytest.fixture(autouse=True)
@@ -40,9 +44,9 @@ def label_of(message: Message) -> int:
 
 def test_the_indexed_lookup_answers_every_lookup_as_flowers_does() -> None:
     rng = random.Random(3)
-    flower_grid, flower_state, flower_nodes = flower_runtime.simulation_state(8)
+    flower_grid, flower_state, flower_nodes = simulation_state(8)
     flower_runtime.index_message_lookup()
-    indexed_grid, indexed_state, indexed_nodes = flower_runtime.simulation_state(8)
+    indexed_grid, indexed_state, indexed_nodes = simulation_state(8)
     sides = [(flower_grid, flower_state, flower_nodes, flower_runtime._flower_lookup),
              (indexed_grid, indexed_state, indexed_nodes, flower_runtime.get_message_ins)]
     answers: list[list[tuple[int, ...]]] = [[], []]
@@ -74,7 +78,7 @@ def test_the_indexed_lookup_answers_every_lookup_as_flowers_does() -> None:
 
 def test_an_expired_message_is_deleted_when_its_node_asks() -> None:
     flower_runtime.index_message_lookup()
-    grid, state, nodes = flower_runtime.simulation_state(3)
+    grid, state, nodes = simulation_state(3)
     [message_id] = grid.push_messages([labelled(nodes[1], 7)])
     state.message_ins_store[message_id].metadata.__dict__["_created_at"] = 0.0
     assert state.get_message_ins(nodes[1], limit=1) == []
@@ -82,7 +86,7 @@ def test_an_expired_message_is_deleted_when_its_node_asks() -> None:
 
 
 def test_the_lookup_refuses_a_limit_below_one_as_flowers_does() -> None:
-    _, state, nodes = flower_runtime.simulation_state(1)
+    _, state, nodes = simulation_state(1)
     with pytest.raises(AssertionError, match="limit"):
         flower_runtime.get_message_ins(state, nodes[0], 0)
 
@@ -98,15 +102,33 @@ def test_an_unchecked_flower_keeps_its_own_lookup(monkeypatch: pytest.MonkeyPatc
                                                   caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setattr(flower_runtime, "version", lambda package: "9.9.9")
     assert not flower_runtime.index_message_lookup()
-    grid, _, _ = flower_runtime.simulation_state(2)
+    grid, _, _ = simulation_state(2)
     assert flower_runtime.prepare_simulation(grid) is None  # every node will be asked
     assert InMemoryLinkState.get_message_ins is flower_runtime._flower_lookup
     assert "Flower 9.9.9" in caplog.text
 
 
+@pytest.mark.parametrize("internal", ["flwr.supercore.date", "flwr.superlink.grid", "flwr.server.superlink.linkstate"])
+def test_a_flower_without_one_of_its_internals_falls_back_with_the_warning(
+        internal: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A Flower release that moved one of the private names this module imports: the module still imports, keeps
+    Flower's own lookup with the warning, and the ServerApp's simulation path asks every node."""
+    grid, _, _ = simulation_state(3)
+    monkeypatch.setitem(sys.modules, internal, None)  # importing from it now raises ImportError
+    monkeypatch.delitem(sys.modules, "fl_app.flower_runtime")
+    monkeypatch.setattr(fl_app, "flower_runtime", flower_runtime)  # the package attribute comes back after
+    changed = importlib.import_module("fl_app.flower_runtime")
+    assert changed is not flower_runtime and internal in str(changed.MISSING_INTERNALS)
+    assert not changed.index_message_lookup()
+    assert changed.prepare_simulation(grid) is None
+    assert server_app._simulation_partition_table(grid) is None  # the ServerApp imports the changed module
+    assert InMemoryLinkState.get_message_ins is flower_runtime._flower_lookup  # Flower's own lookup stays
+    assert "its simulation keeps its own message lookup" in caplog.text and internal in caplog.text
+
+
 def test_only_a_simulation_grid_gets_a_partition_table() -> None:
     assert flower_runtime.prepare_simulation(InProcessGrid(build_client_app(), 2)) is None  # type: ignore[arg-type]
-    grid, _, nodes = flower_runtime.simulation_state(5)
+    grid, _, nodes = simulation_state(5)
     table = flower_runtime.prepare_simulation(grid)
     assert table is not None and table() == {node: partition for partition, node in enumerate(nodes)}
 

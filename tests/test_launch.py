@@ -6,13 +6,15 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
+from fl_app import launch, processes
 from fl_app.config import ConfigError
-from fl_app import launch
-from fl_app.launch import check_client_resources, parse_overrides, prepare_config, to_toml_pairs
+from fl_app.flwr_cli import PROJECT_ROOT, never_give_up, parse_overrides, to_toml_pairs
+from fl_app.launch import check_client_resources, prepare_config
 
 
 def test_overrides_parse_toml_values_and_quoted_strings():
@@ -53,10 +55,41 @@ def test_unschedulable_client_resources_are_refused(cpus, gpus, cuda, fragment):
         check_client_resources(cpus, gpus, cuda)
 
 
-def test_fractional_and_whole_gpus_are_accepted_where_cuda_is():
-    for gpus in (0.0, 0.25, 1.0, 2.0):
-        check_client_resources(1, gpus, cuda_available=True)
-    check_client_resources(2, 0.0, cuda_available=False)
+@pytest.mark.parametrize(("cpus", "gpus"), [(1, 0.0), (1, 0.25), (1, 1.0), (2, 2.0)])
+def test_fractional_and_whole_gpus_are_accepted_where_cuda_is_and_reach_the_federation(cpus, gpus, monkeypatch,
+                                                                                      tmp_path):
+    """An accepted share is what Ray is given: the launcher submits it as the federation's client resources."""
+    submitted: dict[str, list[str]] = {}
+
+    @contextmanager
+    def no_superlink(env):
+        yield never_give_up
+
+    def record(run_config, env, run_args, watch):
+        submitted["run_args"] = list(run_args)
+        return "finished:failed", "not run"
+
+    monkeypatch.setattr(launch, "torch_cuda_available", lambda: True)
+    monkeypatch.setattr(launch, "local_superlink", no_superlink)
+    monkeypatch.setattr(launch, "submit_and_follow", record)
+    assert launch.main(["--num-supernodes", "3", "--num-cpus", str(cpus), "--num-gpus", str(gpus),
+                        "--run-config", f'dataset="digits" results-dir="{tmp_path}"']) == 1  # the stand-in run failed
+    assert submitted["run_args"] == ["--federation-config", f"num-supernodes=3 client-resources-num-cpus={cpus} "
+                                                            f"client-resources-num-gpus={gpus}"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--num-supernodes", "0"], "--num-supernodes must be at least 1, got 0"),
+    (["--num-supernodes", "-2"], "--num-supernodes must be at least 1, got -2"),
+    (["--num-gpus", "inf"], "--num-gpus=inf is not allowed"),
+    (["--num-gpus", "nan"], "--num-gpus=nan is not allowed"),
+])
+def test_bad_launcher_options_are_refused_naming_the_option(argv, message, monkeypatch, capsys):
+    monkeypatch.setattr(launch, "torch_cuda_available", lambda: True)
+    monkeypatch.setattr(launch, "local_superlink", None)  # starting one would fail loudly
+    assert launch.main([*argv, "--run-config", 'dataset="digits"']) == 2
+    err = capsys.readouterr().err
+    assert message in err and "min-available-nodes" not in err and "Traceback" not in err
 
 
 def test_launcher_refuses_gpus_without_cuda_before_starting(monkeypatch, capsys):
@@ -100,27 +133,27 @@ time.sleep(300)
 def test_stopping_a_tree_stops_a_child_in_its_own_session_even_after_its_parent_died():
     """Flower's SuperExec runs in a session of its own and Ray's daemons outlive their parent: a tree is
     stopped whole however it is laid out by then."""
-    tree = launch.start_process([sys.executable, "-c", ORPHAN_MAKER], dict(os.environ), Path.cwd(),
+    tree = processes.start_process([sys.executable, "-c", ORPHAN_MAKER], dict(os.environ), Path.cwd(),
                                 stdout=subprocess.PIPE, text=True)
     child = int(tree.process.stdout.readline())
     assert set(tree.refresh()) == {tree.process.pid, child}
     tree.process.send_signal(signal.SIGKILL)  # the parent dies; its child lives on, reparented
     tree.process.wait()
     assert not gone(child)
-    launch.stop_processes([tree], grace_s=5.0)
+    processes.stop_processes([tree], grace_s=5.0)
     assert gone(child)
 
 
 def test_a_stop_signal_raises_once_and_waits_while_processes_are_being_stopped():
     before = signal.getsignal(signal.SIGTERM)  # an earlier test's Ray may have installed its own
-    with launch.stop_signals():
-        with pytest.raises(launch.Stopped) as stopped:
+    with processes.stop_signals():
+        with pytest.raises(processes.Stopped) as stopped:
             os.kill(os.getpid(), signal.SIGHUP)
             time.sleep(5)
         assert stopped.value.exit_code == 128 + signal.SIGHUP
-    with launch.stop_signals():
-        with pytest.raises(launch.Stopped, match="SIGTERM"):
-            with launch._SIGNALS.held():
+    with processes.stop_signals():
+        with pytest.raises(processes.Stopped, match="SIGTERM"):
+            with processes._SIGNALS.held():
                 os.kill(os.getpid(), signal.SIGTERM)
                 time.sleep(0.2)  # the handler runs here and only records the signal
                 cleaned_up = True
@@ -180,7 +213,7 @@ def test_sigterm_mid_run_stops_every_process_the_launcher_started(tmp_path):
         launcher = subprocess.Popen(
             [sys.executable, "-m", "fl_app.launch", "--num-supernodes", "2", "--run-config",
              f'dataset="digits" model="small-mlp" num-server-rounds=50 results-dir="{tmp_path}" run-name="r"'],
-            cwd=launch.PROJECT_ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            cwd=PROJECT_ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
             env={**os.environ, "HOME": str(tmp_path / "home")})  # where its clients keep their state
     try:
         deadline = time.monotonic() + 300

@@ -96,9 +96,9 @@ class _PlainLinear(nn.Module):
 
 
 def test_a_model_without_a_permutation_spec_is_refused_before_training(monkeypatch):
-    monkeypatch.setattr(model_registry, "_MODELS", dict(model_registry._MODELS))
-    monkeypatch.setattr(model_registry, "_OPTIONS", dict(model_registry._OPTIONS))
-    model_registry.register_model("plain-linear")(lambda shape, classes, pan: _PlainLinear(classes))
+    monkeypatch.setattr(model_registry.MODELS, "_entries", dict(model_registry.MODELS._entries))
+    model_registry.MODELS.register(model_registry.Model("plain-linear",
+                                                        lambda shape, classes, pan: _PlainLinear(classes)))
     config = parse_run_config({"strategy": "matched", "model": "plain-linear", "dataset": "digits"})
     with pytest.raises(ConfigError, match=r"'model' = 'plain-linear' is not allowed with strategy 'matched'.*"
                                           r"no permutation description"):

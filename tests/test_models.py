@@ -88,9 +88,9 @@ def test_bad_num_classes_is_rejected(num_classes):
 
 
 def test_registering_a_taken_name_fails(monkeypatch):
-    monkeypatch.setattr(registry, "_MODELS", dict(registry._MODELS))
+    monkeypatch.setattr(registry.MODELS, "_entries", dict(registry.MODELS._entries))
     with pytest.raises(ValueError, match="already registered"):
-        registry.register_model("mlp")(lambda shape, classes, pan: nn.Identity())
+        registry.MODELS.register(registry.Model("mlp", lambda shape, classes, pan: nn.Identity()))
 
 
 # --- shapes ---------------------------------------------------------------------------

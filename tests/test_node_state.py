@@ -7,6 +7,7 @@ nodes' ``state-dir`` is a temporary folder. The slow test runs Flower's simulati
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -146,14 +147,22 @@ def test_a_run_without_a_name_keeps_nothing_on_disk(tmp_path, monkeypatch):
     assert not any(tmp_path.rglob("*.pb"))
 
 
-def test_an_unwritable_state_dir_only_costs_the_resume(tmp_path):
+def test_an_unwritable_state_dir_only_costs_the_resume(tmp_path, caplog):
+    """The client goes on with its state in memory; the log says where it could not be written and what that
+    costs."""
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")
     context = node(blocker)
     config = parse_run_config({**TINY, "run-name": "run"})
     begin_message(context, config, 0, 1)
     context.state["c"] = ArrayRecord({"w": torch.ones(2)})
-    end_train(context, config, 0, 1)  # logs a warning, raises nothing
+    with caplog.at_level(logging.WARNING):
+        end_train(context, config, 0, 1)  # raises nothing
+    warnings = [record.getMessage() for record in caplog.records if record.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert f"cannot write client state to {blocker}" in warnings[0] and "a resumed run will not have it" in warnings[0]
+    assert context.state["c"]["w"].numpy().tolist() == [1.0, 1.0]  # nothing lost in memory
+    assert blocker.read_text() == "not a folder"
 
 
 @pytest.mark.slow

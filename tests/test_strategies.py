@@ -21,7 +21,7 @@ from strategies import get_strategy, list_strategies
 from strategies.base import LocalUpdate
 from strategies.fedavgm import FedAvgM
 from strategies.fedprox import FedProxSettings, FedProxUpdate
-from strategies.registry import Algorithm, register_strategy
+from strategies.registry import STRATEGIES, Algorithm
 
 
 def test_registry_lists_the_core_algorithms():
@@ -39,7 +39,7 @@ def test_unknown_strategy_lists_allowed():
 
 def test_a_name_registers_once():
     with pytest.raises(ValueError, match="already registered"):
-        register_strategy(Algorithm("fedavg", ServerStrategy, LocalUpdate, ""))
+        STRATEGIES.register(Algorithm("fedavg", ServerStrategy, LocalUpdate, ""))
 
 
 def test_fedprox_adds_half_mu_squared_distance_to_the_global_model():

@@ -16,7 +16,7 @@ from omegaconf import open_dict
 from fl_app import sweep_report
 from fl_app.config import ConfigError, default_run_config, parse_run_config
 from fl_app.sweep import (GROUPS, JOB_RECORD, SET_PER_JOB, hydra_to_run_config, job_settings, register_configs,
-                          run_job, unowned_override, validate_sweep)
+                          ValidateSweep, run_job, unowned_override, validate_sweep)
 from models import list_models
 from strategies import list_strategies
 
@@ -55,10 +55,23 @@ def test_hydra_overrides_become_the_validated_run_config(tmp_path):
                     "data.dirichlet_alpha=0.1", "seed=1", "sim.num_supernodes=7"])
     config, sim = job_settings(cfg, cfg.hydra.runtime.choices, tmp_path)
     assert (config.strategy, config.settings.proximal_mu, config.pan_mode, config.pan_t, config.pan_a) == ("fedprox", 0.1, "mul", 4.0, 0.05)
-    assert (config.dirichlet_alpha, config.seed, config.min_available_nodes) == (0.1, 1, 7)
+    assert (config.partitioner_settings.dirichlet_alpha, config.seed, config.min_available_nodes) == (0.1, 1, 7)
     assert (config.results_dir, config.run_name) == (str(tmp_path.resolve()), "run")
     assert sim.num_supernodes == 7
     assert sim.backend_config()["client_resources"] == {"num_cpus": 1, "num_gpus": 0.0}
+
+
+@pytest.mark.parametrize(("partitioner", "path", "value"), [("dirichlet", "data.dirichlet_alpha", 0.1),
+                                                            ("pathological", "data.classes_per_client", 3),
+                                                            ("shard", "data.shards_per_client", 3),
+                                                            ("fixed-pairs", "data.samples_per_client", 20)])
+def test_a_partitioners_settings_sit_in_the_data_section(tmp_path, partitioner, path, value):
+    cfg = composed([f"data.partitioner={partitioner}", f"{path}={value}"])
+    config, _ = job_settings(cfg, cfg.hydra.runtime.choices, tmp_path)
+    assert config.partitioner == partitioner and getattr(config.partitioner_settings, path[len("data."):]) == value
+    with pytest.raises(ConfigError, match=f"belongs to partitioner '{partitioner}', not to the chosen partitioner 'iid'"):
+        cfg = composed(["data.partitioner=iid", f"{path}={value}"])
+        job_settings(cfg, cfg.hydra.runtime.choices, tmp_path)
 
 
 @pytest.mark.parametrize(("override", "key", "value"), [("pan.a=-1", "pan-a", -1), ("train.lr=0", "lr", 0),
@@ -121,12 +134,34 @@ def test_an_unowned_override_exits_with_the_owner_and_no_traceback(tmp_path):
 
 def test_invalid_sweep_exits_before_any_job_starts(tmp_path):
     result = sweep(tmp_path, *TINY, "pan.a=0,-1")
-    assert result.returncode != 0
+    assert result.returncode == 2
     with pytest.raises(ConfigError) as schema:
         parse_run_config({"pan-a": -1})
     assert str(schema.value) in result.stderr
     assert "no job was started" in result.stderr
     assert not list(tmp_path.glob("**/.hydra")) and not list(tmp_path.glob("**/run"))
+
+
+def test_a_single_run_with_a_bad_value_is_refused_like_a_sweep_before_its_folder_is_made(tmp_path):
+    env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0"}
+    result = subprocess.run([sys.executable, "-m", "fl_app.sweep", *TINY, "pan.a=-1",
+                             f"hydra.run.dir={tmp_path / 'job'}"], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 2
+    with pytest.raises(ConfigError) as schema:
+        parse_run_config({"pan-a": -1})
+    assert f"refused before starting: {schema.value}" in result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "job").exists()
+
+
+def test_a_single_run_with_a_good_config_passes_the_check(tmp_path):
+    cfg = composed([*TINY, f"hydra.run.dir={tmp_path / 'job'}"])
+    ValidateSweep().on_run_start(cfg)  # returns: SystemExit would end the test
+    with open_dict(cfg):
+        cfg.pan.a = -1.0
+    with pytest.raises(SystemExit) as refused:
+        ValidateSweep().on_run_start(cfg)
+    assert refused.value.code == 2
 
 
 def test_a_job_that_cannot_run_is_recorded_as_failed_not_raised(tmp_path):

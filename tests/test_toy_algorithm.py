@@ -19,9 +19,8 @@ from fl_app.inprocess import run_in_process
 from fl_app.launch import prepare_config
 from fl_app.sweep import hydra_to_run_config, register_configs
 from plugins.options import option, unit_interval
-from strategies import registry
 from strategies.base import LocalUpdate
-from strategies.registry import Algorithm, register_strategy
+from strategies.registry import STRATEGIES, Algorithm
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 
@@ -44,9 +43,9 @@ class Halfway(ServerStrategy):
 @pytest.fixture()
 def halfway():
     """Registered for the test only, so the shipped registry (and pyproject.toml's keys) stay as they are."""
-    register_strategy(Algorithm("halfway", Halfway, LocalUpdate, "FedAvg, half a step", HalfwaySettings))
+    STRATEGIES.register(Algorithm("halfway", Halfway, LocalUpdate, "FedAvg, half a step", HalfwaySettings))
     yield
-    del registry._REGISTRY["halfway"]
+    del STRATEGIES._entries["halfway"]
 
 
 def test_the_flwr_run_config_takes_its_key(halfway):

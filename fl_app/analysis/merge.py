@@ -48,7 +48,8 @@ from fl_app.analysis.common import (
     write_json,
 )
 from fl_app.config import ConfigError, RunConfig, parse_run_config
-from core.data import ImageDataset, list_datasets, load_dataset, partition_dataset
+from core.data import ImageDataset, list_datasets, load_dataset
+from core.partitioning.partitions import partition_dataset
 from core.model_io import build_run_model, load_arrays
 from core.training import evaluate, iterate_batches, round_generator, select_device
 from models import Permutable, list_models

@@ -1,4 +1,7 @@
-"""Partitioners of our own, on flwr-datasets' :class:`~flwr_datasets.partitioner.Partitioner` base.
+"""``fixed-pairs``: SuPerFed's pathological split, on flwr-datasets' :class:`~flwr_datasets.partitioner.Partitioner`.
+
+It lives in its own module because flwr-datasets takes seconds to import: only a process that
+uses this partitioner imports it (see :mod:`core.partitioning.partitioners`).
 
 :class:`FixedPairPartitioner` is SuPerFed's pathological split (seed 004, its authors'
 code: github.com/vaseline555/SuPerFed, ``src/utils.py``, ``split_data`` with
@@ -39,6 +42,8 @@ import numpy as np
 from datasets import Dataset
 from flwr_datasets.partitioner import Partitioner
 
+from plugins.options import require_int
+
 
 def fixed_pair(partition_id: int, num_partitions: int, num_classes: int) -> tuple[int, int]:
     """The two class indices (into the sorted labels) that client ``partition_id`` holds.
@@ -59,12 +64,6 @@ def _holders_per_class(num_partitions: int, num_classes: int) -> int:
         raise ValueError(f"num_partitions must be a multiple of {half} (half the {num_classes} classes, so that "
                          f"every class has the same number of holders), got {num_partitions}")
     return num_partitions // half
-
-
-def _require_int(name: str, value: object, low: int) -> int:
-    if isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= low:
-        return int(value)
-    raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
 
 
 class FixedPairPartitioner(Partitioner):
@@ -94,14 +93,14 @@ class FixedPairPartitioner(Partitioner):
     def __init__(self, num_partitions: int, samples_per_client: int | None = None, seed: int = 42,
                  partition_by: str = "label") -> None:
         super().__init__()
-        self._num_partitions = _require_int("num_partitions", num_partitions, 1)
+        self._num_partitions = require_int("num_partitions", num_partitions, 1)
         if samples_per_client is not None:
-            samples_per_client = _require_int("samples_per_client", samples_per_client, 2)
+            samples_per_client = require_int("samples_per_client", samples_per_client, 2)
             if samples_per_client % 2:
                 raise ValueError(f"samples_per_client must be even (half from each of the two classes) or None, "
                                  f"got {samples_per_client}")
         self._samples_per_client = samples_per_client
-        self._seed = _require_int("seed", seed, 0)
+        self._seed = require_int("seed", seed, 0)
         self._partition_by = partition_by
         self._partitions: list[np.ndarray] | None = None
 

@@ -1,0 +1,201 @@
+"""The loopback deployment while it runs: docker-compose.yml's services as local processes on 127.0.0.1
+(:func:`fl_app.topology.loopback_topology`), started in the compose file's order, watched while a run goes on,
+and stopped by process id however the block that holds them is left.
+
+While the run goes on it watches the services: one that exits is reported at once
+(name, exit code, log file). A SuperNode and its executor go down together (one
+without the other cannot answer), and the run goes on with the other nodes. When
+the SuperLink exits the run cannot go on: the watch gives up with the command
+that continues the run from its checkpoint (``resume-from``).
+
+A SuperNode that dies is noticed through its heartbeats: Flower 1.41's SuperNode
+sends one every 30 s and the SuperLink marks it offline after two missed
+(``HEARTBEAT_DEFAULT_INTERVAL`` × ``HEARTBEAT_PATIENCE``, not configurable), and
+then answers the messages sent to it with an error reply, so a round that
+sampled a dead node goes on without it at most about a minute later; later rounds
+sample only the nodes online (round 1 waits for ``min-available-nodes``, at most
+``node-wait-timeout`` seconds).
+
+    with deployment(loopback_topology(3, work), work) as running:
+        status, details = running.run(config)
+"""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fl_app.checkpoint import checkpointed_round, run_folder
+from fl_app.config import RunConfig, default_run_config
+from fl_app.flwr_cli import (
+    CONNECTION,
+    PROJECT_ROOT,
+    online_supernodes,
+    register_supernodes,
+    submit_and_follow,
+    to_toml_pairs,
+    write_connection,
+)
+from fl_app.processes import ProcessTree, exit_description, log_tail, process_table, start_process, stop_processes
+from fl_app.superlink import flower_environment, health_url, healthy, trust, wait_until
+from fl_app.topology import (
+    Topology,
+    clientapp_executor_command,
+    serverapp_executor_command,
+    superlink_command,
+    supernode_command,
+)
+
+STARTUP_TIMEOUT_S = 240.0
+
+
+def partner_of(service: str) -> str | None:
+    """The other half of a node: ``supernode-<i>`` and ``superexec-clientapp-<i>``."""
+    for one, other in (("supernode-", "superexec-clientapp-"), ("superexec-clientapp-", "supernode-")):
+        if service.startswith(one):
+            return other + service.removeprefix(one)
+    return None
+
+
+def resume_command(config: RunConfig, num_supernodes: int, tls: bool) -> str:
+    """The ``deploy.sh`` command that continues ``config``'s run from its checkpoint on a new deployment of
+    the same shape (with TLS, on keys made afresh): the run's keys that differ from their defaults, and
+    ``resume-from`` its folder."""
+    defaults = default_run_config()
+    values = {key: value for key, value in config.to_run_config().items()
+              if key not in ("run-name", "resume-from") and value != defaults.get(key)}
+    values["resume-from"] = str(run_folder(config))
+    command = [str(PROJECT_ROOT / "scripts" / "deploy.sh"), "--num-supernodes", str(num_supernodes)]
+    return shlex.join([*command, *(["--tls"] if tls else []), "--run-config", to_toml_pairs(values)])
+
+
+def resume_advice(config: RunConfig, num_supernodes: int, tls: bool) -> str:
+    """How to continue a run that stopped early, from its last checkpoint."""
+    done = checkpointed_round(config)
+    if done is None:
+        return "the run checkpointed no round, so it must start again"
+    return (f"rounds up to {done} are checkpointed in {run_folder(config)}; continue the run with:\n  "
+            f"{resume_command(config, num_supernodes, tls)}")
+
+
+@dataclass
+class Deployment:
+    """The loopback deployment's processes, started in the compose file's order, each with every process it
+    starts (its executor's app processes), so stopping one stops what it started."""
+
+    topology: Topology
+    work: Path
+    services: dict[str, ProcessTree] = field(default_factory=dict)
+    exited: dict[str, str] = field(default_factory=dict)
+    """Service → how it ended (``signal SIGKILL``, ``code 1``, ``stopped with supernode-2``), for every service
+    that ended while a run went on."""
+
+    @property
+    def ca(self) -> str | None:
+        return self.topology.certificates.ca if self.topology.certificates else None
+
+    def environment(self, service: str) -> dict[str, str]:
+        """Each service has its own Flower home, as it would on its own machine."""
+        return flower_environment(self.work / "homes" / service)
+
+    @property
+    def cli_environment(self) -> dict[str, str]:
+        return self.environment("cli")
+
+    def log_file(self, name: str) -> Path:
+        return self.work / "logs" / f"{name}.log"
+
+    def start_service(self, name: str, command: list[str]) -> ProcessTree:
+        self.log_file(name).parent.mkdir(parents=True, exist_ok=True)
+        with self.log_file(name).open("wb") as log_file:
+            tree = start_process(command, self.environment(name), self.work, stdout=log_file,
+                                 stderr=subprocess.STDOUT)
+        self.services[name] = tree
+        return tree
+
+    def log_tail(self, name: str, lines: int = 15) -> str:
+        return log_tail(self.log_file(name), lines)
+
+    def running_and(self, condition: Callable[[], bool]) -> Callable[[], bool]:
+        """``condition`` for :func:`wait_until`, but first an error with the log of a service that died."""
+        def check() -> bool:
+            for name, tree in self.services.items():
+                if tree.process.poll() is not None:
+                    raise RuntimeError(f"{name} exited with {exit_description(tree.process.returncode)}; the end "
+                                       f"of its log ({self.log_file(name)}):\n{self.log_tail(name)}")
+            return condition()
+        return check
+
+    def start(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+        """SuperLink, its executor, (with TLS: key registration,) SuperNodes and their executors; returns once
+        every SuperNode is online, so the first round samples all of them."""
+        topology = self.topology
+        write_connection(self.work / "homes" / "cli", topology.superlink_address, self.ca)
+        self.start_service("superlink", superlink_command(topology))
+        url = health_url(topology.superlink_address, self.ca)
+        verify = trust(self.ca)
+        wait_until(self.running_and(lambda: healthy(url, verify)), timeout_s, f"the SuperLink at {url}")
+        self.start_service("superexec-serverapp", serverapp_executor_command(topology))
+        if topology.certificates is not None:
+            register_supernodes([topology.certificates.auth_public_key(node) for node in range(topology.num_supernodes)],
+                                self.cli_environment)
+        for node in range(topology.num_supernodes):
+            self.start_service(f"supernode-{node}", supernode_command(topology, node))
+            self.start_service(f"superexec-clientapp-{node}", clientapp_executor_command(topology, node))
+        everyone = self.running_and(lambda: online_supernodes(self.cli_environment) >= topology.num_supernodes)
+        wait_until(everyone, timeout_s, f"{topology.num_supernodes} SuperNodes to be online", interval_s=2.0)
+
+    def run(self, config: RunConfig) -> tuple[str, str]:
+        """Submit one experiment, stream its log while watching the services (:meth:`watch`), return its final
+        ``(status, details)``: ``aborted`` when the SuperLink exited."""
+        return submit_and_follow(config.to_run_config(), self.cli_environment, [CONNECTION],
+                                 lambda: self.watch(config))
+
+    def watch(self, config: RunConfig) -> str | None:
+        """Report each service that exited since the last call; stop the other half of a node that lost one;
+        when the SuperLink is gone, the reason the run cannot go on, with the command that resumes it."""
+        table = process_table()
+        for name, tree in self.services.items():
+            tree.refresh(table)
+            if name not in self.exited and tree.process.poll() is not None:
+                self.exited[name] = exit_description(tree.process.returncode)
+                print(f"[alignfl] {name} exited with {self.exited[name]}; its log: {self.log_file(name)}",
+                      file=sys.stderr, flush=True)
+                self.stop_partner(name)
+        if "superlink" not in self.exited:
+            return None
+        advice = resume_advice(config, self.topology.num_supernodes, self.topology.certificates is not None)
+        reason = f"the SuperLink exited with {self.exited['superlink']}; {advice}"
+        print(f"[alignfl] {reason}", file=sys.stderr, flush=True)
+        return reason
+
+    def stop_partner(self, name: str) -> None:
+        """A SuperNode without its executor never answers, and an executor without its SuperNode has nothing to
+        run: stop the other half too, so the SuperLink drops the node and the run goes on without it."""
+        partner = partner_of(name)
+        if partner is None or partner not in self.services or partner in self.exited:
+            return
+        print(f"[alignfl] stopping {partner} too; the run goes on with the other SuperNodes (the SuperLink drops "
+              "this one within about a minute)", file=sys.stderr, flush=True)
+        stop_processes([self.services[partner]], grace_s=10.0)
+        self.exited[partner] = f"stopped with {name}"
+
+    def stop(self) -> None:
+        """Stop every process this deployment started (by process id), all at once."""
+        stop_processes(list(self.services.values()), grace_s=30.0)
+
+
+@contextmanager
+def deployment(topology: Topology, work: Path) -> Iterator[Deployment]:
+    """A started deployment, stopped on leaving the block however it is left."""
+    running = Deployment(topology, work)
+    try:
+        running.start()
+        yield running
+    finally:
+        running.stop()

@@ -1,0 +1,183 @@
+"""The ``flwr`` CLI, driven from Python: submit a run, follow its log, read its final status, list and register
+SuperNodes, and the ``--run-config`` text those commands take.
+
+Every function takes the environment of the ``flwr`` commands (its ``FLWR_HOME`` names the SuperLink, see
+:func:`write_connection` and :func:`fl_app.superlink.flower_environment`), so the same calls drive a private
+local SuperLink (:mod:`fl_app.launch`), the loopback deployment (:mod:`fl_app.deployment`) and the compose one
+(:mod:`fl_app.compose_check`). ``flwr run --stream`` exits 0 even when the run failed, so a run's outcome is
+always read from ``flwr ls``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+import tomllib
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from flwr.supercore.error import ApiErrorCode
+
+from fl_app.processes import start_process, stop_processes
+from plugins.options import ConfigError
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+"""The project folder: ``flwr run`` builds the app from it."""
+CONNECTION = "alignfl-deployment"
+"""The ``flwr`` CLI's name for a deployment's SuperLink (in the Flower home's ``config.toml``)."""
+STATUS_TIMEOUT_S = 120.0
+WATCH_INTERVAL_S = 0.5
+
+Watch = Callable[[], "str | None"]
+"""Called about twice a second while a run goes on: reports what it sees, and returns why the run cannot go on
+(None: it can)."""
+
+
+class SubmitError(RuntimeError):
+    """``flwr run`` did not submit the run; the message is its output."""
+
+
+def parse_overrides(text: str) -> dict[str, Any]:
+    """``'k=v k2="s"'`` as ``flwr run --run-config`` reads it (TOML values), into a dict."""
+    overrides: dict[str, Any] = {}
+    for item in _split_pairs(text):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"run-config override {item!r} is not of the form key=value")
+        try:
+            overrides[key.strip()] = tomllib.loads(f"v = {value.strip()}")["v"]
+        except tomllib.TOMLDecodeError as error:
+            if '"' in value or "'" in value:  # a broken string, never a bare word
+                raise ConfigError(f"run-config override {item!r}: {value.strip()!r} is not a TOML value ({error}); "
+                                  'write strings in double quotes, e.g. run-name="abc"') from None
+            overrides[key.strip()] = value.strip()
+    return overrides
+
+
+def _split_pairs(text: str) -> list[str]:
+    """Split on spaces outside double quotes; an unclosed quote is a syntax error."""
+    pairs, current, quoted = [], "", False
+    for char in text:
+        if char == '"':
+            quoted = not quoted
+        if char == " " and not quoted:
+            if current:
+                pairs.append(current)
+            current = ""
+        else:
+            current += char
+    if quoted:
+        raise ConfigError(f"--run-config {text!r}: a double quote is not closed (in {current!r})")
+    return pairs + ([current] if current else [])
+
+
+def to_toml_pairs(values: Mapping[str, Any]) -> str:
+    """The inverse of :func:`parse_overrides` for ``flwr run --run-config``."""
+    return " ".join(f"{key}={json.dumps(value)}" for key, value in values.items())
+
+
+def flwr_cli(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    """Run ``flwr ARGS`` from the project root (``flwr run .`` builds the app from there), its output captured."""
+    return subprocess.run(["flwr", *args], env=env, cwd=PROJECT_ROOT, text=True, capture_output=True, check=False,
+                          stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+def write_connection(flwr_home: Path, address: str, root_certificates: str | None) -> None:
+    """The ``flwr`` CLI's config: the SuperLink at ``address`` (TLS trusting ``root_certificates``, else
+    plaintext) as the default connection, named :data:`CONNECTION`."""
+    security = f'root-certificates = "{root_certificates}"' if root_certificates else "insecure = true"
+    flwr_home.mkdir(parents=True, exist_ok=True)
+    (flwr_home / "config.toml").write_text(
+        f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\naddress = "{address}"\n{security}\n')
+
+
+def online_supernodes(env: dict[str, str]) -> int:
+    """How many SuperNodes the SuperLink sees online (``flwr supernode list``); 0 when it does not answer."""
+    listing = flwr_cli(["supernode", "list", "--format", "json"], env)
+    try:
+        return sum(node["status"] == "online" for node in json.loads(listing.stdout)["nodes"])
+    except (json.JSONDecodeError, KeyError):
+        return 0
+
+
+def register_supernodes(public_keys: Sequence[str], env: dict[str, str]) -> None:
+    """``flwr supernode register`` each key; a key registered before (a restarted deployment) is fine."""
+    already = f"[code: {int(ApiErrorCode.PUBLIC_KEY_ALREADY_IN_USE)}]"
+    for key in public_keys:
+        done = flwr_cli(["supernode", "register", key, CONNECTION, "--format", "json"], env)
+        try:
+            reply = json.loads(done.stdout)
+        except json.JSONDecodeError:
+            reply = {"error-message": done.stdout + done.stderr}
+        if not reply.get("success") and already not in reply.get("error-message", ""):
+            raise RuntimeError(f"could not register SuperNode key {key}: {reply.get('error-message', '').strip()}")
+
+
+def never_give_up() -> str | None:
+    """The :data:`Watch` of a run that only its own end ends."""
+    return None
+
+
+def submit(run_config: Mapping[str, Any], env: dict[str, str], run_args: Sequence[str]) -> str:
+    """Submit the project with ``flwr run PROJECT RUN_ARGS --run-config ...`` (``run_args``: a SuperLink connection
+    name, federation settings); its run id. :class:`SubmitError` with ``flwr``'s output when it was not submitted."""
+    submitted = flwr_cli(["run", str(PROJECT_ROOT), *run_args, "--format", "json", "--run-config",
+                          to_toml_pairs(run_config)], env)
+    try:
+        reply = json.loads(submitted.stdout)
+    except json.JSONDecodeError:
+        reply = {}
+    if not reply.get("success"):
+        raise SubmitError((submitted.stdout + submitted.stderr).strip())
+    return str(reply["run-id"])
+
+
+def run_status(run_id: str, env: dict[str, str], watch: Watch = never_give_up,
+               timeout_s: float = STATUS_TIMEOUT_S, interval_s: float = 1.0) -> tuple[str, str]:
+    """``(status, details)`` of a run, waiting until it is finished (the status may lag the log) or ``timeout_s``
+    passed (then the last status seen); ``aborted`` with watch's reason when it gives up first."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        reason = watch()
+        if reason is not None:
+            return "aborted", reason
+        listing = flwr_cli(["ls", "--run-id", run_id, "--format", "json"], env)
+        try:
+            run = json.loads(listing.stdout)["runs"][0]
+            status, details = run["status"], run.get("status-details", "")
+        except (json.JSONDecodeError, KeyError, IndexError):
+            status, details = "unknown", listing.stdout + listing.stderr
+        if status.startswith("finished") or time.monotonic() > deadline:
+            return status, details
+        time.sleep(interval_s)
+
+
+def follow_log(run_id: str, env: dict[str, str], watch: Watch) -> str | None:
+    """Stream the run's log to this terminal until it ends; returns watch's reason if it gave up first."""
+    stream = start_process(["flwr", "log", run_id, "--stream"], env, PROJECT_ROOT)
+    try:
+        while stream.process.poll() is None:
+            reason = watch()
+            if reason is not None:
+                return reason
+            time.sleep(WATCH_INTERVAL_S)
+        return None
+    finally:
+        stop_processes([stream], grace_s=5.0)
+
+
+def submit_and_follow(run_config: Mapping[str, Any], env: dict[str, str], run_args: Sequence[str],
+                      watch: Watch = never_give_up) -> tuple[str, str]:
+    """:func:`submit` the run, stream its log to this terminal, and return its final status (``not-submitted``
+    with ``flwr``'s output; ``aborted`` with the reason when ``watch`` gives up on it)."""
+    try:
+        run_id = submit(run_config, env, run_args)
+    except SubmitError as error:
+        return "not-submitted", str(error)
+    print(f"[alignfl] run {run_id} submitted", flush=True)
+    reason = follow_log(run_id, env, watch)
+    if reason is not None:
+        return "aborted", reason
+    return run_status(run_id, env, watch)
