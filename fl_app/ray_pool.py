@@ -103,8 +103,13 @@ def _replace(pool: BasicActorPool, node_id: str, wait_s: float = REPLACE_WAIT_S)
     that the live nodes have room for beyond the pool's; Ray places them where they fit. A node still listed
     after ``wait_s`` gets no replacement (an actor that fits nowhere would hold its message forever)."""
     deadline = time.monotonic() + wait_s
-    while not _node_dead(node_id):
-        if time.monotonic() > deadline:
+    while True:
+        if not ray.is_initialized() or time.monotonic() > deadline:  # the simulation ended meanwhile
+            return
+        try:
+            if _node_dead(node_id):
+                break
+        except ray.exceptions.RaySystemError:  # Ray shut down between the two checks
             return
         time.sleep(1.0)
     with _condition(pool):
