@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import re
 import sys
 import time
@@ -52,6 +53,7 @@ from fl_app.config import (ConfigError, RunConfig, owned_settings, parse_run_con
 from fl_app.inprocess import run_in_process
 from fl_app.progress import start_sweep, sweep_progress
 from fl_app.ray_cluster import attach_to_cluster
+from fl_app.slurm import register_launcher
 from fl_app.results import write_json
 from fl_app.server_app import build_server_app
 from fl_app.sweep_tracking import sweep_child, sweep_store
@@ -168,6 +170,7 @@ def register_configs() -> None:
             node = _section_node(section, settings, SET_PER_JOB)
             store.store(group=section, name="default",
                         node={**node, **partitioners} if section == PARTITIONER_SECTION else node)
+    register_launcher()
     store.store(group="sim", name="default", node={f: spec.default for f, spec in
                                                     SimSettings.__dataclass_fields__.items()})
     for name in list_strategies():
@@ -305,7 +308,8 @@ def run_job(cfg: DictConfig, choices: Mapping[str, Any], job_dir: Path,
     """Validate, simulate and record one job; an error is logged and recorded, never raised. ``sweep_dir``: the
     multirun's folder, whose MLflow parent run the job's run joins (:func:`fl_app.sweep_tracking.sweep_child`)."""
     started = time.time()
-    record: dict[str, Any] = {"status": FAILED, "error": None, "run-folder": None}
+    record: dict[str, Any] = {"status": FAILED, "error": None, "run-folder": None,
+                              "slurm-job-id": os.environ.get("SLURM_JOB_ID")}  # where SLURM ran it
     try:
         config, sim = job_settings(cfg, choices, job_dir)
         config = sweep_store(config, sweep_dir)
