@@ -11,13 +11,14 @@ the machine), also when the block raises or a stop signal arrives.
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,8 +56,11 @@ class LocalRayCluster:
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    def start_node(self, num_cpus: int, object_store_bytes: int = OBJECT_STORE_BYTES) -> ProcessTree:
-        """Start the head (first call) or one more node joined to it; returns once it is up."""
+    def start_node(self, num_cpus: int, object_store_bytes: int = OBJECT_STORE_BYTES,
+                   hidden: Sequence[Path] = ()) -> ProcessTree:
+        """Start the head (first call) or one more node joined to it; returns once it is up. ``hidden``: folders
+        this node's processes see empty (an empty folder mounted over each, in a mount namespace of the node's
+        own: root only), as on a machine that lacks them."""
         index = len(self.trees)
         head = index == 0
         command = [_ray_cli(), "start", "--num-cpus", str(num_cpus), "--num-gpus", "0",
@@ -64,6 +68,12 @@ class LocalRayCluster:
                    "--disable-usage-stats", *_ports(head)]
         command += (["--head", "--port", str(self.port), "--temp-dir", str(self.temp_dir),
                      "--include-dashboard=false"] if head else ["--address", self.address])
+        if hidden:
+            empty = self.temp_dir / "empty"
+            empty.mkdir(exist_ok=True)
+            mounts = " && ".join(f"mount --bind {shlex.quote(str(empty))} {shlex.quote(str(path))}" for path in hidden)
+            command = ["unshare", "--mount", "--propagation", "private", "sh", "-c", f'{mounts} && exec "$@"', "sh",
+                       *command]
         env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
         env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
         log = self.temp_dir / f"ray-start-node{index}.log"
@@ -106,13 +116,15 @@ class LocalRayCluster:
 
 
 @contextmanager
-def local_ray_cluster(cpus_per_node: list[int]) -> Iterator[LocalRayCluster]:
-    """A cluster of ``len(cpus_per_node)`` nodes on this machine (node 0 the head), stopped after the block."""
+def local_ray_cluster(cpus_per_node: list[int], hidden: dict[int, Sequence[Path]] | None = None
+                      ) -> Iterator[LocalRayCluster]:
+    """A cluster of ``len(cpus_per_node)`` nodes on this machine (node 0 the head), stopped after the block;
+    ``hidden``: node index → folders that node sees empty."""
     # Ray's socket paths live under the temp dir and must stay short (108 bytes in all).
     cluster = LocalRayCluster(Path(tempfile.mkdtemp(prefix="alfl-ray-", dir="/tmp")), free_port())
     try:
-        for cpus in cpus_per_node:
-            cluster.start_node(cpus)
+        for index, cpus in enumerate(cpus_per_node):
+            cluster.start_node(cpus, hidden=(hidden or {}).get(index, ()))
         yield cluster
     finally:
         cluster.stop()

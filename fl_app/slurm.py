@@ -87,20 +87,27 @@ class SlurmJob:
     stderr: str
 
 
-def slurm_state(job_id: str) -> str:
-    """SLURM's state of a job (``COMPLETED``, ``CANCELLED``, ``RUNNING``, ...): from ``scontrol``, which knows
-    a job until ``MinJobAge`` after its end, else from ``sacct`` (accounting); ``UNKNOWN`` when neither says."""
+def slurm_state(job_id: str, stdout: Path) -> str:
+    """SLURM's state of a job (``COMPLETED``, ``CANCELLED``, ``RUNNING``, ...): from ``scontrol``, which knows a
+    job until ``MinJobAge`` after its end, else ``squeue`` (a pending array task has no record of its own),
+    else ``sacct`` (accounting). A job none of them lists, that never wrote its log ``stdout``, was taken off the
+    queue before it started: ``CANCELLED`` (scancel leaves no other trace of a pending array task). ``UNKNOWN``
+    otherwise."""
     shown = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, check=False)
     for item in shown.stdout.split():
         if item.startswith("JobState="):
             return item.split("=", 1)[1]
+    queued = subprocess.run(["squeue", "-h", "-r", "-o", "%T", "-j", job_id], capture_output=True, text=True,
+                            check=False)
+    if queued.stdout.strip():
+        return queued.stdout.split()[0]
     if shutil.which("sacct"):
         listed = subprocess.run(["sacct", "-n", "-P", "-X", "-o", "State", "-j", job_id], capture_output=True,
                                 text=True, check=False)
         states = listed.stdout.split()
         if listed.returncode == 0 and states:
-            return states[0].split()[0]  # "CANCELLED by 0" names who
-    return "UNKNOWN"
+            return states[0]  # "CANCELLED by 0" names who: its first word is the state
+    return "UNKNOWN" if stdout.exists() else "CANCELLED"
 
 
 class SlurmLauncher(submitit_launcher.SlurmLauncher):
@@ -150,7 +157,7 @@ class SlurmLauncher(submitit_launcher.SlurmLauncher):
         jobs = executor.map_array(self, *zip(*arguments))
         log.info("submitted SLURM job array %s (%d jobs); waiting for every job to end",
                  jobs[0].job_id.split("_")[0] if jobs else "-", len(jobs))
-        states = wait_for_jobs([job.job_id for job in jobs], [job.paths.result_pickle for job in jobs])
+        states = wait_for_jobs(jobs)
         records = [SlurmJob(number, list(overrides), job.job_id, states[job.job_id], str(job.paths.stdout),
                             str(job.paths.stderr))
                    for (overrides, _, number, _, _), job in zip(arguments, jobs)]
@@ -171,19 +178,20 @@ class SlurmLauncher(submitit_launcher.SlurmLauncher):
         return returned
 
 
-def wait_for_jobs(job_ids: list[str], results: list[Path], poll_s: float = POLL_S) -> dict[str, str]:
-    """Wait until every job has ended (its result written, or SLURM says it ended); returns job id → state."""
+def wait_for_jobs(jobs: Sequence[Any], poll_s: float = POLL_S) -> dict[str, str]:
+    """Wait until every submitit job has ended (SLURM says it ended, or no longer lists it); returns job id →
+    state (``COMPLETED`` for one SLURM no longer lists whose result was written)."""
     states: dict[str, str] = {}
-    while len(states) < len(job_ids):
-        for job_id, result in zip(job_ids, results):
-            if job_id in states:
+    while len(states) < len(jobs):
+        for job in jobs:
+            if job.job_id in states:
                 continue
-            state = slurm_state(job_id)
-            if state.split()[0] in ENDED:
-                states[job_id] = state
-            elif state == "UNKNOWN" and result.exists():  # SLURM forgot it, but it ran to its end
-                states[job_id] = "COMPLETED"
-        if len(states) < len(job_ids):
+            state = slurm_state(job.job_id, job.paths.stdout)
+            if state == "UNKNOWN":
+                states[job.job_id] = "COMPLETED" if job.paths.result_pickle.exists() else state
+            elif state.split()[0] in ENDED:
+                states[job.job_id] = state
+        if len(states) < len(jobs):
             time.sleep(poll_s)
     return states
 

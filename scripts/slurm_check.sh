@@ -103,7 +103,8 @@ dd if=/dev/urandom of="$WORK/munge/munge.key" bs=1024 count=1 status=none
 chmod 400 "$WORK/munge/munge.key"
 MUNGE_SOCKET=$WORK/munge/munge.socket
 munged --foreground --force --key-file "$WORK/munge/munge.key" --socket "$MUNGE_SOCKET" \
-  --pid-file "$WORK/munge/munged.pid" --log-file "$WORK/log/munged.log" --seed-file "$WORK/munge/munged.seed" &
+  --pid-file "$WORK/munge/munged.pid" --log-file "$WORK/log/munged.log" --seed-file "$WORK/munge/munged.seed" \
+  > "$WORK/log/munged.out" 2>&1 &
 PIDS+=($!)
 export SLURM_CONF=$WORK/slurm.conf
 cat > "$SLURM_CONF" <<EOF
@@ -189,7 +190,8 @@ if len(jobs) != 4 or None in ids:
 problems += [f"job {i}: SLURM's completion log says {ended.get(i)}" for i in ids if ended.get(i) != "COMPLETED"]
 def table(folder):
     with (work / folder / "summary.csv").open() as stream:
-        return [{k: v for k, v in row.items() if not k.startswith("job-time")} for row in csv.DictReader(stream)]
+        return [{k: v for k, v in row.items() if not k.startswith("job-time") and k != "sim.backend"}
+                for row in csv.DictReader(stream)]  # the local sweep names sim.backend=inprocess, SLURM's default
 slurm, local = table("sweep-slurm"), table("sweep-local")
 if slurm != local:
     problems.append(f"reports differ:\n{slurm}\n{local}")
@@ -250,12 +252,14 @@ stop_daemons
 rm -rf "$WORK/state" "$WORK/spool" "$WORK/munge"
 alive=()
 for pid in "${daemons[@]}"; do kill -0 "$pid" 2>/dev/null && alive+=("$pid"); done
-# Processes of the jobs: any live (not zombie) process whose command line or working directory is in the work folder.
+# Processes of the jobs: any live (not zombie) slurmstepd, or process whose command line names the work folder
+# (submitit's job runner does), other than this script and its own subshells.
 strays=$(for p in /proc/[0-9]*; do
-  state=$(awk '{print $3}' "$p/stat" 2>/dev/null); [ "$state" = Z ] && continue
-  { tr '\0' ' ' < "$p/cmdline" 2>/dev/null | grep -q "$WORK" || readlink "$p/cwd" 2>/dev/null | grep -q "^$WORK"; } \
-    && echo "${p#/proc/}"
-done | grep -v "^$$\$" | tr '\n' ' ')
+  { read -r _ _ state _ < "$p/stat"; cmd=$(tr '\0' ' ' < "$p/cmdline"); } 2>/dev/null || continue
+  [ "$state" = Z ] && continue
+  case "$cmd" in *slurm_check.sh*) continue;; esac
+  case "$cmd" in *slurmstepd*|*"$WORK"*) echo "${p#/proc/}";; esac
+done | tr '\n' ' ')
 if [ "$left_jobs" = 0 ] && [ ${#alive[@]} = 0 ] && [ -z "${strays// }" ] && [ ! -e "$WORK/state" ] && [ ! -e "$WORK/spool" ]; then
   record "nothing left (jobs, daemons, processes, spool)" PASS "stopped pids ${daemons[*]}"
 else

@@ -25,6 +25,7 @@ from fl_app.local_ray import local_ray_cluster
 from fl_app.ray_cluster import RAY_NODE_RECORD, check_client_fits, check_ray_address, RayNode
 from fl_app.results import _ray_nodes
 from fl_app.sweep import SimSettings, register_configs, run_job
+from tests.test_data import write_mnist_raw
 from tests.test_sweep import composed
 
 TINY_DIGITS = {"dataset": "digits", "num-server-rounds": 1}
@@ -96,10 +97,18 @@ def test_the_round_records_which_ray_node_each_client_trained_on():
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    """A head (2 CPUs, resource ``node0``) and a second node (2 CPUs, ``node1``); afterwards no process of
-    theirs is left."""
-    with local_ray_cluster([2, 2]) as started:
+def mnist_root(tmp_path_factory):
+    """A small MNIST in torchvision's layout, which the second node of :func:`cluster` does not see."""
+    root = tmp_path_factory.mktemp("mnist")
+    write_mnist_raw(root / "MNIST" / "raw", n_train=400, n_test=100)
+    return root
+
+
+@pytest.fixture(scope="module")
+def cluster(mnist_root):
+    """A head (2 CPUs, resource ``node0``) and a second node (2 CPUs, ``node1``) that lacks ``mnist_root``;
+    afterwards no process of theirs is left."""
+    with local_ray_cluster([2, 2], hidden={1: [mnist_root]}) as started:
         temp_dir = str(started.temp_dir)
         yield started
     left = [pid for pid in os.listdir("/proc") if pid.isdigit() and _cmdline_has(pid, temp_dir)]
@@ -138,6 +147,20 @@ def test_clients_run_on_both_nodes_with_the_accuracy_of_one_node(cluster, tmp_pa
     # (tests/test_sweep.py::test_an_in_process_job_gives_the_metrics_of_a_ray_job).
     _, alone = _job(cluster, tmp_path, "one-node", "train.num_server_rounds=2", "sim.backend=inprocess")
     assert _without(rows, "elapsed-s", "client-ray-nodes") == _without(alone, "elapsed-s")
+
+
+@pytest.mark.slow
+def test_a_node_lacking_the_data_set_fails_its_clients_naming_it_and_the_round_goes_on(cluster, mnist_root, tmp_path):
+    lacking = cluster.nodes()["node1"]
+    record, rows = _job(cluster, tmp_path, "lacking", "dataset=mnist", f"data.root={mnist_root}",
+                        "train.num_server_rounds=2", f"sim.ray_address={cluster.address}")
+    assert record["status"] == "completed", record["error"]
+    reasons = [reason for row in rows[1:] for reason in row["clients-dropped-reasons"].values()]
+    assert reasons and all(f"on Ray node {lacking.node_id}" in reason and "lacks the data set" in reason
+                           and str(mnist_root / "MNIST" / "raw") in reason for reason in reasons)
+    assert all(row["clients-trained"] == 4 - row["clients-dropped"] >= 1 for row in rows[1:])
+    summary = json.loads((Path(record["run-folder"]) / "summary.json").read_text())
+    assert sum(summary["dropped-reasons"].values()) == len(reasons)
 
 
 @pytest.mark.slow
