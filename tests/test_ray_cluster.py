@@ -26,7 +26,7 @@ from fl_app.ray_cluster import RAY_NODE_RECORD, check_client_fits, check_ray_add
 from fl_app.results import _ray_nodes
 from fl_app.sweep import SimSettings, register_configs, run_job
 from tests.test_data import write_mnist_raw
-from tests.test_sweep import composed
+from tests.test_sweep import composed, sweep
 
 TINY_DIGITS = {"dataset": "digits", "num-server-rounds": 1}
 
@@ -49,6 +49,14 @@ def test_the_launcher_refuses_a_dead_ray_address_with_exit_2_before_a_superlink_
     assert code == 2
     assert f"--ray-address='{address}': no Ray cluster answers there" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())  # no run folder: nothing started
+
+
+def test_a_sweep_on_a_dead_ray_address_starts_no_job(tmp_path):
+    address = f"127.0.0.1:{free_port()}"
+    result = sweep(tmp_path, "dataset=digits", f"sim.ray_address={address}", "seed=0,1")
+    assert result.returncode != 0
+    assert f"invalid sweep, no job was started: sim.ray_address='{address}': no Ray cluster answers" in result.stderr
+    assert not list(tmp_path.glob("**/job.json"))
 
 
 def test_a_client_that_fits_on_no_node_is_refused():
