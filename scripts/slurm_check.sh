@@ -5,9 +5,9 @@
 #      (own ports, state/spool/pid/log files in the work folder, no accounting, job completion log
 #      jobcomp/filetxt), slurmctld and slurmd in the foreground of this script, stopped by their pids at the
 #      end, also on failure and Ctrl-C
-#   3. a 2 x 2 sweep (pan.mode=off,mul seed=0,1 on digits) through hydra/launcher=slurm: each job ran as a SLURM
-#      job (its SLURM job id in its job folder, its end state COMPLETED in SLURM's job completion log), and its
-#      report equals the same sweep run locally (the basic launcher), figure for figure
+#   3. a 2 x 2 sweep (pan.mode=off,mul pan.a=0.1 seed=0,1 on digits) through hydra/launcher=slurm: each job ran
+#      as a SLURM job (its SLURM job id in its job folder, its end state COMPLETED in SLURM's job completion log),
+#      and its report equals the same sweep run locally (the basic launcher), figure for figure
 #   4. a second sweep of which one job is cancelled with scancel while the others run: the report names that job
 #      as cancelled, with its SLURM job id and log, and the others complete and count
 #   5. nothing left behind: no SLURM job, no daemon, no process of the jobs, no spool or state file
@@ -160,7 +160,7 @@ record "one-node cluster up (munged, slurmctld, slurmd)" PASS "$(( $(date +%s) -
 # --- 3. a 2 x 2 sweep through SLURM, and the same sweep locally -----------------------------------------------
 export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}   # the compute node runs this checkout
 export FLWR_TELEMETRY_ENABLED=0
-SWEEP=(dataset=digits "sim.num_supernodes=$CLIENTS" "train.num_server_rounds=$ROUNDS" pan.mode=off,mul seed=0,1)
+SWEEP=(dataset=digits "sim.num_supernodes=$CLIENTS" "train.num_server_rounds=$ROUNDS" pan.mode=off,mul pan.a=0.1 seed=0,1)
 step_start=$(date +%s)
 nice -n "$NICE" "$PY" -m fl_app.sweep -m hydra/launcher=slurm "${SWEEP[@]}" "hydra.sweep.dir=$WORK/sweep-slurm" \
   > "$WORK/log/sweep-slurm.log" 2>&1
