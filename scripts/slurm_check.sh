@@ -87,7 +87,7 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 [ -x "$PY" ] || ./scripts/setup.sh > "$WORK/setup.log" 2>&1 || { record "project .venv" FAIL "see $WORK/setup.log"; exit 1; }
 "$PY" -c "import hydra_plugins.hydra_submitit_launcher" 2>/dev/null \
-  || "$PY" -m pip install -q -e ".[slurm]" > "$WORK/pip.log" 2>&1 \
+  || "$PY" -m pip install -q -e . > "$WORK/pip.log" 2>&1 \
   || { record "hydra-submitit-launcher" FAIL "see $WORK/pip.log"; exit 1; }
 record "tools (slurm-wlm $(slurmctld -V | awk '{print $2}'), munge)" PASS "$(( $(date +%s) - step_start )) s"
 
