@@ -206,3 +206,55 @@ def test_a_node_lost_mid_run_drops_its_messages_naming_it_and_the_next_rounds_tr
                for row in after)
     summary = json.loads((Path(record["run-folder"]) / "summary.json").read_text())
     assert sum(summary["dropped-reasons"].values()) == loss["clients-dropped"]
+
+
+# --- the actor pool, without a cluster -----------------------------------------------------------------------
+
+
+class _FakePool:
+    """What :mod:`fl_app.ray_pool` uses of Flower's ``BasicActorPool``: the idle actors, their count, the
+    resources per client, and adding actors."""
+
+    def __init__(self, actors: list[str]) -> None:
+        self.pool = list(actors)
+        self.num_actors = len(actors)
+        self.client_resources = {"num_cpus": 1, "num_gpus": 0.0}
+        self.added = 0
+
+    def add_actors_to_pool(self, count: int) -> None:
+        self.pool += [f"new{self.added + i}" for i in range(count)]
+        self.num_actors += count
+        self.added += count
+
+
+def test_a_lost_actor_and_the_idle_ones_on_its_node_leave_the_pool_and_replacements_fill_the_room(monkeypatch):
+    from fl_app import ray_pool
+
+    nodes = {"a1": ("ALIVE", "node-a"), "a2": ("ALIVE", "node-a"), "b1": ("DEAD", "node-b"), "b2": ("ALIVE", "node-b")}
+    monkeypatch.setattr(ray_pool, "actor_node", lambda actor: (*nodes[actor], "10.0.0.2"))
+    pool = _FakePool(["a1", "b2"])  # a2 is busy; b1 failed its message
+    pool.num_actors = 4
+    assert ray_pool._retire(pool, "b1", "node-b") == 2 and pool.pool == ["a1"]  # b2 was on the lost node
+    monkeypatch.setattr(ray_pool.ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray_pool, "_node_dead", lambda node: True)
+    monkeypatch.setattr(ray_pool, "pool_size_from_resources", lambda resources: 3)  # a node with room joined
+    ray_pool._replace(pool, "node-b")
+    assert pool.added == 1 and pool.num_actors == 3 and pool.pool == ["a1", "new0"]
+
+
+def test_a_message_waits_for_an_idle_actor_and_fails_at_once_when_none_is_left():
+    from fl_app import ray_pool
+
+    pool = _FakePool([])
+    pool.num_actors = 1  # one actor, busy
+    taken: list[str] = []
+    waiter = threading.Thread(target=lambda: taken.append(ray_pool._take_actor(pool)))
+    waiter.start()
+    time.sleep(0.3)
+    assert not taken
+    ray_pool._give_back(pool, "a1")
+    waiter.join(timeout=5)
+    assert taken == ["a1"]
+    pool.num_actors = 0
+    with pytest.raises(ray_pool.RayNodeLost, match="no ClientApp actor is left"):
+        ray_pool._take_actor(pool)
