@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from fl_app.config import ConfigError
+from plugins.options import ConfigError
 
 RAY_NODE_RECORD = "ray-node"
 """The ConfigRecord of a training reply that says on which Ray node the client ran (``node-id``, ``address``)."""

@@ -20,7 +20,7 @@ from fl_app import launch
 from fl_app.client_app import build_client_app
 from fl_app.config import ConfigError, parse_run_config
 from fl_app.inprocess import InProcessGrid
-from fl_app.launch import free_port
+from fl_app.superlink import free_port
 from fl_app.local_ray import local_ray_cluster
 from fl_app.ray_cluster import RAY_NODE_RECORD, check_client_fits, check_ray_address, RayNode
 from fl_app.results import _ray_nodes
