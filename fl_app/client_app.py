@@ -17,7 +17,7 @@ from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from torch import nn
 
-from core.data import load_dataset
+from core.data import DatasetMissingError, load_dataset
 from core.partitioning.partitions import client_split, partition_dataset
 from core.label_noise import noisy_labels
 from core.model_io import build_run_model, load_arrays
@@ -27,6 +27,7 @@ from core.replies import MODEL_RECORD, NEW_CLIENT, NUM_EXAMPLES
 from core.training import round_generator, select_device
 from fl_app.config import parse_run_config
 from fl_app.node_state import begin_message, end_train
+from fl_app.ray_cluster import RAY_NODE_RECORD, ray_placement, where_this_runs
 from strategies import get_strategy
 
 
@@ -109,9 +110,13 @@ def _receive(
     check_pan_agreement(config, message.content["config"])
     partition_id, num_partitions = node_partition(context)
     begin_message(context, config, partition_id, int(message.content["config"]["server-round"]))
-    model, device = _model(config)
+    try:
+        model, device = _model(config)
+        data = client_data(config, partition_id, num_partitions)
+    except DatasetMissingError as error:  # on a cluster, which node lacks it
+        raise DatasetMissingError(f"this node{where_this_runs()} lacks the data set: {error}") from None
     load_arrays(model, message.content["arrays"])
-    return config, partition_id, client_data(config, partition_id, num_partitions), model, device
+    return config, partition_id, data, model, device
 
 
 def build_client_app(overrides: Mapping[str, Any] | None = None) -> ClientApp:
@@ -135,6 +140,9 @@ def build_client_app(overrides: Mapping[str, Any] | None = None) -> ClientApp:
             **update.reply_records(),
             "metrics": MetricRecord({**metrics, NUM_EXAMPLES: len(data.train_y), "partition-id": partition_id}),
         })
+        placement = ray_placement()
+        if placement is not None:  # the Ray node this client ran on, for the round's metrics
+            reply[RAY_NODE_RECORD] = ConfigRecord(placement)
         end_train(context, config, partition_id, server_round)
         return Message(content=reply, reply_to=message)
 

@@ -33,6 +33,7 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 
 from core.nodes import PartitionTable
+from fl_app.ray_pool import drop_lost_actors
 
 try:  # Flower's internals: where a release moved one, the simulation keeps Flower's own lookup (see checked_flower)
     from flwr.server.superlink.linkstate import InMemoryLinkState
@@ -137,6 +138,7 @@ def prepare_simulation(grid: Grid) -> PartitionTable | None:
         return None
     if not isinstance(grid, InMemoryGrid) or not index_message_lookup():
         return None
+    drop_lost_actors()  # the simulation's clients run on Ray actors
     state = grid.state
 
     def table() -> dict[int, int]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import shutil
 import sys
 import tempfile
@@ -30,6 +31,7 @@ from fl_app.config import ConfigError, RunConfig, parse_run_config, validate_run
 from fl_app.flwr_cli import PROJECT_ROOT, parse_overrides, submit_and_follow
 from fl_app.processes import Stopped, stop_signals
 from fl_app.superlink import flower_environment, local_superlink
+from fl_app.ray_cluster import attach_to_cluster
 from core.data import DatasetMissingError, check_dataset_available
 from core.partitioning.partitions import partition_dataset
 
@@ -87,12 +89,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-cpus", type=int, default=1, help="CPU cores reserved per simulated client")
     parser.add_argument("--num-gpus", type=float, default=0.0,
                         help="GPUs per simulated client; fractions share one GPU (e.g. 0.25 = 4 clients per GPU)")
+    parser.add_argument("--ray-address", default=os.environ.get("RAY_ADDRESS") or None,
+                        help="run the clients on this running Ray cluster (HOST:PORT of its head, or auto; default "
+                             "$RAY_ADDRESS): its nodes' resources, not this machine's, decide where clients run")
     args = parser.parse_args(argv)
     config = None
     try:
         with stop_signals():
             try:
-                check_client_resources(args.num_cpus, args.num_gpus, torch_cuda_available())
+                if args.ray_address:
+                    args.ray_address = attach_to_cluster(args.ray_address, "--ray-address", args.num_cpus,
+                                                         args.num_gpus)
+                check_client_resources(args.num_cpus, args.num_gpus,
+                                       bool(args.ray_address) or torch_cuda_available())
                 config = prepare_config(parse_overrides(args.run_config), args.num_supernodes)
             except (ValueError, DatasetMissingError) as error:  # ConfigError is a ValueError
                 print(f"[alignfl] refused before starting: {error}", file=sys.stderr)
@@ -114,6 +123,8 @@ def run_on_local_superlink(config: RunConfig, args: argparse.Namespace) -> tuple
                   f"client-resources-num-gpus={args.num_gpus}")
     flwr_home = Path(tempfile.mkdtemp(prefix="alignfl-flwr-home-"))
     env = flower_environment(flwr_home)
+    if args.ray_address:
+        env["RAY_ADDRESS"] = args.ray_address  # Flower's ray.init() joins the cluster
     try:
         with local_superlink(env) as watch:
             return submit_and_follow(config.to_run_config(), env, ["--federation-config", federation], watch)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -25,6 +26,7 @@ from core.divergence import divergence_by_layer, weight_divergence
 from core.config import RunConfig, results_root
 from core.replies import MODEL_RECORD, NEW_CLIENT
 from core.rounds import Participation
+from fl_app.ray_cluster import RAY_NODE_RECORD, joined_ray_cluster
 
 GlobalEvaluation = Callable[[ArrayRecord], tuple[float, float]]
 
@@ -54,6 +56,19 @@ def _client_values(records: list[RecordDict], key: str) -> dict[str, float]:
         if "partition-id" in metrics and key in metrics:
             values[str(int(metrics["partition-id"]))] = float(metrics[key])
     return dict(sorted(values.items(), key=lambda item: int(item[0])))
+
+
+def _ray_nodes(records: list[RecordDict]) -> dict[str, dict[str, str]]:
+    """``partition-id`` → the Ray node (``node-id``, ``address``) each reply says it trained on (none outside Ray).
+    Recorded only on a cluster the simulation joined: a Ray of the run's own has one node, with a new id each
+    run."""
+    nodes = {}
+    for record in records:
+        metrics = next(iter(record.metric_records.values()))
+        if RAY_NODE_RECORD in record.config_records and "partition-id" in metrics:
+            nodes[str(int(metrics["partition-id"]))] = {key: str(value) for key, value in
+                                                         record.config_records[RAY_NODE_RECORD].items()}
+    return dict(sorted(nodes.items(), key=lambda item: int(item[0])))
 
 
 def _unweighted_means(records: list[RecordDict], skip: set[str]) -> dict[str, Any]:
@@ -119,6 +134,9 @@ class RoundRecorder:
     def aggregate_train(self, records: list[RecordDict], weight_key: str) -> MetricRecord:
         aggregated = _client_mean(records, weight_key)
         self._pending.update({"clients-trained": len(records), **aggregated})
+        placements = _ray_nodes(records) if joined_ray_cluster() else {}
+        if placements:
+            self._pending["client-ray-nodes"] = placements
         if self.log_divergence:
             self._pending["weight-divergence"] = _layer_divergence(records, weight_key)
         return aggregated
@@ -188,7 +206,8 @@ class RoundRecorder:
 
     def summary(self) -> dict[str, Any]:
         """Final and best global accuracy, mean and best of the last 5 rounds (accuracy zig-zags), wall time,
-        and how many clients' updates each round aggregated (rounds 1, 2, ...)."""
+        how many clients' updates each round aggregated (rounds 1, 2, ...), and each reason a client's update
+        was dropped for with how often (a node lost, or lacking the data, shows here)."""
         trained = [r for r in self.rows if r["round"] > 0] or self.rows
         last = trained[-1]
         best = max(trained, key=lambda r: r["accuracy"])
@@ -204,6 +223,8 @@ class RoundRecorder:
             "last-5-best-accuracy": max(tail),
             "wall-time-s": time.time() - self.started,
             "clients-per-round": [r.get("clients-trained", 0) for r in self.rows if r["round"] > 0],
+            "dropped-reasons": dict(Counter(reason for r in self.rows
+                                            for reason in r.get("clients-dropped-reasons", {}).values())),
             **{f"final-{key}": last.get(key) for key in self.extra_keys},
         }
 

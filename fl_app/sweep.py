@@ -19,7 +19,9 @@ the sweep goes on.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
 import re
 import sys
 import time
@@ -50,6 +52,8 @@ from fl_app.config import (ConfigError, RunConfig, owned_settings, parse_run_con
                            validate_run)
 from fl_app.inprocess import run_in_process
 from fl_app.progress import start_sweep, sweep_progress
+from fl_app.ray_cluster import attach_to_cluster
+from fl_app.slurm import register_launcher
 from fl_app.results import write_json
 from fl_app.server_app import build_server_app
 from fl_app.sweep_tracking import sweep_child, sweep_store
@@ -70,6 +74,9 @@ NOT_RUN_CONFIG = ("sim", "hydra")
 RUN_NAME = "run"
 JOB_RECORD = "job.json"
 COMPLETED, FAILED = "completed", "failed"
+
+
+STRING_SETTINGS = ("backend", "ray_address")
 
 
 def _none_or(check: Any) -> Any:
@@ -94,6 +101,10 @@ class SimSettings:
                                   "must be a positive integer or null")
     ray_gpus: float | None = option(None, "GPUs this job's Ray may use (null: every visible GPU)",
                                     _none_or(non_negative), "must be a non-negative number or null")
+    ray_address: str | None = option(None, "a running Ray cluster the job's clients run on (HOST:PORT of its head, "
+                                     "or auto); its nodes' resources decide where; null: a Ray of the job's own",
+                                     _none_or(lambda v: isinstance(v, str) and v != ""),
+                                     "must be a non-empty string (HOST:PORT or auto) or null")
     torch_threads: int | None = option(None, "torch threads of the job's own process (server-side evaluation); "
                                        "null: torch's default", _none_or(lambda v: isinstance(v, int) and v > 0),
                                        "must be a positive integer or null")
@@ -110,17 +121,34 @@ class SimSettings:
         for name, spec in cls.__dataclass_fields__.items():
             value = getattr(settings, name)
             if isinstance(value, bool) or not isinstance(value, (int, float, str, type(None))) \
-                    or isinstance(value, str) != (name == "backend") or not spec.metadata["check"](value):
+                    or (isinstance(value, str) and name not in STRING_SETTINGS) \
+                    or not spec.metadata["check"](value):
                 raise ConfigError(f"'sim.{name}' = {value!r} is not allowed: {spec.metadata['allowed']}")
         if settings.ray_cpus is not None and settings.client_cpus > settings.ray_cpus:
             raise ConfigError(f"sim.client_cpus = {settings.client_cpus} is not allowed: must be at most "
                               f"sim.ray_cpus = {settings.ray_cpus}, or no client could ever be scheduled")
+        if settings.ray_address is not None:
+            if settings.backend != "ray":
+                raise ConfigError(f"sim.ray_address = {settings.ray_address!r} needs sim.backend=ray, got "
+                                  f"{settings.backend!r}")
+            given = [f"sim.{name}" for name in ("ray_cpus", "ray_gpus") if getattr(settings, name) is not None]
+            if given:
+                raise ConfigError(f"{given} must be null with sim.ray_address: Ray refuses resource counts when it "
+                                  "joins a running cluster, whose nodes declared theirs when they were started")
         return settings
 
+    def attach(self) -> SimSettings:
+        """With ``ray_address``: the cluster checked (it answers, a client fits on a node) and its address
+        resolved; else itself."""
+        if self.ray_address is None:
+            return self
+        resolved = attach_to_cluster(self.ray_address, "sim.ray_address", self.client_cpus, self.client_gpus)
+        return dataclasses.replace(self, ray_address=resolved)
+
     def backend_config(self) -> dict[str, Any]:
-        """Flower's ``backend_config``: resources per client, and a cap on this job's Ray."""
-        init_args = {key: value for key, value in (("num_cpus", self.ray_cpus), ("num_gpus", self.ray_gpus))
-                     if value is not None}
+        """Flower's ``backend_config``: resources per client, and a cap on this job's Ray or the cluster to join."""
+        init_args = {key: value for key, value in (("num_cpus", self.ray_cpus), ("num_gpus", self.ray_gpus),
+                                                   ("address", self.ray_address)) if value is not None}
         return {"client_resources": {"num_cpus": self.client_cpus, "num_gpus": self.client_gpus},
                 "init_args": init_args}
 
@@ -142,6 +170,7 @@ def register_configs() -> None:
             node = _section_node(section, settings, SET_PER_JOB)
             store.store(group=section, name="default",
                         node={**node, **partitioners} if section == PARTITIONER_SECTION else node)
+    register_launcher()
     store.store(group="sim", name="default", node={f: spec.default for f, spec in
                                                     SimSettings.__dataclass_fields__.items()})
     for name in list_strategies():
@@ -210,16 +239,20 @@ def validate_sweep(config: DictConfig) -> int:
     loader = GlobalHydra.instance().config_loader()
     sweep_dir = Path(config.hydra.sweep.dir)
     jobs = sweep_job_overrides(config)
-    datasets = set()
+    datasets, clusters = set(), {}
     for overrides in jobs:
         job_cfg = loader.load_sweep_config(config, overrides)
         try:
-            run_config, _ = job_settings(job_cfg, job_cfg.hydra.runtime.choices, sweep_dir)
+            run_config, sim = job_settings(job_cfg, job_cfg.hydra.runtime.choices, sweep_dir)
         except ConfigError as error:
             raise ConfigError(f"sweep job {' '.join(overrides) or '(no overrides)'}: {error}") from None
         datasets.add((run_config.dataset, run_config.data_root or None))
+        if sim.ray_address is not None:
+            clusters.setdefault((sim.ray_address, sim.client_cpus, sim.client_gpus), sim)
     for name, root in sorted(datasets, key=str):
         check_dataset_available(name, root)
+    for sim in clusters.values():
+        sim.attach()
     return len(jobs)
 
 
@@ -275,10 +308,12 @@ def run_job(cfg: DictConfig, choices: Mapping[str, Any], job_dir: Path,
     """Validate, simulate and record one job; an error is logged and recorded, never raised. ``sweep_dir``: the
     multirun's folder, whose MLflow parent run the job's run joins (:func:`fl_app.sweep_tracking.sweep_child`)."""
     started = time.time()
-    record: dict[str, Any] = {"status": FAILED, "error": None, "run-folder": None}
+    record: dict[str, Any] = {"status": FAILED, "error": None, "run-folder": None,
+                              "slurm-job-id": os.environ.get("SLURM_JOB_ID")}  # where SLURM ran it
     try:
         config, sim = job_settings(cfg, choices, job_dir)
         config = sweep_store(config, sweep_dir)
+        sim = sim.attach()  # the jobs of a sweep join the cluster one after another
         run_folder = Path(config.resume_from) if config.resume_from else results_root(config) / config.run_name
         if run_folder.exists() and not config.resume_from:  # its metrics.jsonl would get a second run's rounds
             raise FileExistsError(f"{run_folder} holds an earlier run; give the sweep a new hydra.sweep.dir")

@@ -20,7 +20,7 @@ import math
 import statistics
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import product
 from pathlib import Path
 from typing import Any
@@ -28,6 +28,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from fl_app.slurm import read_jobs_record
 from fl_app.sweep import COMPLETED, JOB_RECORD
 from fl_app.sweep_tracking import finish_sweep_run, write_hparams
 
@@ -103,7 +104,7 @@ def _split_override(override: str) -> tuple[str, str]:
 
 def read_job(folder: Path) -> JobResult:
     """A job's settings from Hydra's record, its outcome from job.json and its run's summary.json."""
-    overrides = [_split_override(o) for o in OmegaConf.to_container(OmegaConf.load(folder / ".hydra" / "overrides.yaml"))]
+    overrides = [_split_override(o) for o in _overrides(folder)]
     settings = tuple((key, value) for key, value in overrides if key != SEED_KEY)
     record_path = folder / JOB_RECORD
     if not record_path.is_file():
@@ -125,9 +126,34 @@ def _sort_key(value: str) -> tuple[int, float | str]:
         return 1, value
 
 
+def _overrides(folder: Path) -> list[str]:
+    return list(OmegaConf.to_container(OmegaConf.load(folder / ".hydra" / "overrides.yaml")))
+
+
+def with_slurm_jobs(jobs: list[JobResult], sweep_dir: Path) -> list[JobResult]:
+    """The jobs, where SLURM ran them (:data:`fl_app.slurm.JOBS_RECORD`): a failed job's error names its SLURM
+    job id, end state and log, and a job SLURM ended before it started (no folder) is added as failed."""
+    slurm = {tuple(job.overrides): job for job in read_jobs_record(sweep_dir)}
+    if not slurm:
+        return jobs
+    found = []
+    for job in jobs:
+        record = slurm.pop(tuple(_overrides(job.folder)), None)
+        if record is not None and job.summary is None:
+            job = replace(job, error=f"SLURM job {record.slurm_job_id} {record.state}, log {record.stderr}: {job.error}")
+        found.append(job)
+    for record in slurm.values():
+        settings = tuple(_split_override(o) for o in record.overrides)
+        found.append(JobResult(Path(record.stderr).parent, tuple((k, v) for k, v in settings if k != SEED_KEY),
+                               None, None, f"SLURM job {record.slurm_job_id} {record.state} before it started, "
+                                           f"log {record.stderr}"))
+    return found
+
+
 def collect(sweep_dir: Path) -> tuple[list[ConfigRow], list[str]]:
     """Group the sweep's jobs by configuration; returns the rows (sorted by their settings) and the keys."""
     jobs = [read_job(marker.parent.parent) for marker in sorted(sweep_dir.glob("**/.hydra/overrides.yaml"))]
+    jobs = with_slurm_jobs(jobs, sweep_dir)
     keys = list(dict.fromkeys(key for job in jobs for key, _ in job.settings))
     groups: dict[tuple[str, ...], list[JobResult]] = {}
     for job in jobs:
@@ -168,6 +194,9 @@ def markdown_table(rows: list[ConfigRow], keys: list[str], varying: list[str]) -
         cells = [row.settings[key] for key in shown] + [str(len(row.completed)), str(row.failed)]
         cells += [_format(*row.stats(metric), 4) for metric in TABLE_METRICS] + [_format(*row.stats("job-time-s"), 0)]
         lines.append("| " + " | ".join(cells) + " |")
+    failed = [job for row in rows for job in row.jobs if job.summary is None]
+    if failed:
+        lines += ["\nFailed jobs:", *(f"- `{job.folder}`: {job.error}" for job in failed)]
     return "\n".join(line for line in lines if line) + "\n"
 
 

@@ -46,14 +46,14 @@ ROOTFS_IMAGE=alignfl-rootfs:bookworm-minbase
 TORCH_INDEX_DEFAULT=https://download.pytorch.org/whl/cpu     # the Dockerfile's default TORCH_INDEX
 DEBIAN_MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
 CA_BUNDLE=${CA_BUNDLE:-/etc/ssl/certs/ca-certificates.crt}
-ROUNDS=${ROUNDS:-2}
-SEED=${SEED:-0}
-RUN_TIMEOUT_S=${RUN_TIMEOUT_S:-1800}
+ROUNDS=${ROUNDS:-}
+SEED=${SEED:-}
+RUN_TIMEOUT_S=${RUN_TIMEOUT_S:-}
 BUILD_TIMEOUT_S=${BUILD_TIMEOUT_S:-5400}
-KILL_MIN_NODES=${KILL_MIN_NODES:-2}
-KILL_ROUNDS=${KILL_ROUNDS:-3}
+KILL_MIN_NODES=${KILL_MIN_NODES:-}
+KILL_ROUNDS=${KILL_ROUNDS:-}
 SKIP=${SKIP:-}
-COMPARE_TOL=${COMPARE_TOL:-0.02}
+COMPARE_TOL=${COMPARE_TOL:-}
 NICE=${NICE:-10}
 PLUGINS=${DOCKER_CONFIG:-$HOME/.docker}/cli-plugins
 
@@ -272,9 +272,11 @@ step_image() {
 SCENARIOS_PID=""
 run_scenarios() {  # its steps go to $WORK/steps.tsv, which the report reads (scenario_steps)
   log "$PYTHON -m fl_app.compose_check (log lines below; its steps are in the report)"
-  (cd "$ROOT" && exec "$PYTHON" -m fl_app.compose_check --work-dir "$WORK" --rounds "$ROUNDS" --seed "$SEED" \
-     --run-timeout "$RUN_TIMEOUT_S" --kill-min-nodes "$KILL_MIN_NODES" --kill-rounds "$KILL_ROUNDS" \
-     --compare-tol "$COMPARE_TOL" --skip "$SKIP") &
+  # its defaults are the settings' own: only the variables that are set are passed
+  (cd "$ROOT" && exec "$PYTHON" -m fl_app.compose_check --work-dir "$WORK" ${ROUNDS:+--rounds "$ROUNDS"} \
+     ${SEED:+--seed "$SEED"} ${RUN_TIMEOUT_S:+--run-timeout "$RUN_TIMEOUT_S"} \
+     ${KILL_MIN_NODES:+--kill-min-nodes "$KILL_MIN_NODES"} ${KILL_ROUNDS:+--kill-rounds "$KILL_ROUNDS"} \
+     ${COMPARE_TOL:+--compare-tol "$COMPARE_TOL"} --skip "$SKIP") &
   SCENARIOS_PID=$!
   wait "$SCENARIOS_PID" || FAILED=1
   SCENARIOS_PID=""

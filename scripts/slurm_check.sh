@@ -1,0 +1,274 @@
+#!/usr/bin/env bash
+# Sweeps through a real SLURM cluster, end to end, on this one machine (root, Debian; not part of CI):
+#   1. tools: Debian's slurm-wlm and munge where absent (apt-get); the project's .venv (scripts/setup.sh)
+#   2. a one-node cluster in a work folder: a munge key, munged on its own socket, a slurm.conf naming this host
+#      (own ports, state/spool/pid/log files in the work folder, no accounting, job completion log
+#      jobcomp/filetxt), slurmctld and slurmd in the foreground of this script, stopped by their pids at the
+#      end, also on failure and Ctrl-C
+#   3. a 2 x 2 sweep (pan.mode=off,mul pan.a=0.1 seed=0,1 on digits) through hydra/launcher=slurm: each job ran
+#      as a SLURM job (its SLURM job id in its job folder, its end state COMPLETED in SLURM's job completion log),
+#      and its report equals the same sweep run locally (the basic launcher), figure for figure
+#   4. a second sweep of which one job is cancelled with scancel while the others run: the report names that job
+#      as cancelled, with its SLURM job id and log, and the others complete and count
+#   5. nothing left behind: no SLURM job, no daemon, no process of the jobs, no spool or state file
+# Prints a report (steps, wall times, PASS/FAIL) and exits non-zero on any failure.
+#
+#   scripts/slurm_check.sh [--work-dir DIR]
+# Environment: ROUNDS (2: rounds per job), CLIENTS (4: clients per job), NICE (10).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+
+usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; }
+WORK=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --work-dir) WORK=${2:?--work-dir needs a folder}; shift 2;;
+    -h|--help) usage; exit 0;;
+    *) echo "slurm_check.sh: unknown argument '$1' (see --help)" >&2; exit 2;;
+  esac
+done
+[ "$(id -u)" = 0 ] || { echo "slurm_check.sh: run it as root (it installs packages and starts SLURM's daemons)" >&2; exit 2; }
+
+ROUNDS=${ROUNDS:-2}
+CLIENTS=${CLIENTS:-4}
+NICE=${NICE:-10}
+WORK=${WORK:-$(mktemp -d /tmp/alignfl-slurm-XXXXXX)}
+mkdir -p "$WORK"
+WORK=$(cd "$WORK" && pwd)
+PY=$ROOT/.venv/bin/python
+STARTED=$(date +%s)
+RESULTS=()
+FAILED=0
+PIDS=()          # daemons this script started, in start order
+
+say() { echo "[slurm_check] $*"; }
+record() {       # record STEP STATUS DETAIL
+  RESULTS+=("$(printf '%-44s %-5s %s' "$1" "$2" "$3")")
+  [ "$2" = PASS ] || FAILED=1
+  say "$1: $2 $3"
+}
+
+stop_daemons() {
+  # Cancel what is still queued or running, then stop the daemons by pid, last started first.
+  if [ -n "${SLURM_CONF:-}" ] && [ -f "$SLURM_CONF" ] && command -v squeue >/dev/null; then
+    local jobs
+    jobs=$(squeue -h -o %i 2>/dev/null | tr '\n' ' ')
+    [ -n "${jobs// }" ] && { say "cancelling jobs left: $jobs"; scancel $jobs 2>/dev/null; sleep 2; }
+  fi
+  local i pid
+  for ((i=${#PIDS[@]}-1; i>=0; i--)); do
+    pid=${PIDS[$i]}
+    kill -TERM "$pid" 2>/dev/null
+    for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
+    kill -KILL "$pid" 2>/dev/null
+    wait "$pid" 2>/dev/null
+  done
+  PIDS=()
+}
+on_exit() {
+  local code=$?
+  stop_daemons
+  exit $code
+}
+trap on_exit EXIT
+trap 'say "interrupted"; exit 130' INT
+trap 'say "terminated"; exit 143' TERM
+
+# --- 1. tools -------------------------------------------------------------------------------------------------
+step_start=$(date +%s)
+missing=()
+command -v slurmctld >/dev/null || missing+=(slurm-wlm)
+command -v munged >/dev/null || missing+=(munge)
+if [ ${#missing[@]} -gt 0 ]; then
+  say "installing ${missing[*]} from Debian"
+  { apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "${missing[@]}"; } \
+    > "$WORK/apt.log" 2>&1 || { record "install ${missing[*]}" FAIL "see $WORK/apt.log"; exit 1; }
+fi
+[ -x "$PY" ] || ./scripts/setup.sh > "$WORK/setup.log" 2>&1 || { record "project .venv" FAIL "see $WORK/setup.log"; exit 1; }
+"$PY" -c "import hydra_plugins.hydra_submitit_launcher" 2>/dev/null \
+  || "$PY" -m pip install -q -e . > "$WORK/pip.log" 2>&1 \
+  || { record "hydra-submitit-launcher" FAIL "see $WORK/pip.log"; exit 1; }
+record "tools (slurm-wlm $(slurmctld -V | awk '{print $2}'), munge)" PASS "$(( $(date +%s) - step_start )) s"
+
+# --- 2. a one-node cluster ------------------------------------------------------------------------------------
+step_start=$(date +%s)
+free_port() { "$PY" -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])"; }
+HOST=$(hostname)
+CPUS=$(nproc)
+MEM_MB=$(( $(awk '/MemTotal/ {print $2}' /proc/meminfo) / 1024 / 2 ))
+mkdir -p "$WORK/munge" "$WORK/state" "$WORK/spool" "$WORK/log"
+chmod 755 "$WORK/munge"
+dd if=/dev/urandom of="$WORK/munge/munge.key" bs=1024 count=1 status=none
+chmod 400 "$WORK/munge/munge.key"
+MUNGE_SOCKET=$WORK/munge/munge.socket
+munged --foreground --force --key-file "$WORK/munge/munge.key" --socket "$MUNGE_SOCKET" \
+  --pid-file "$WORK/munge/munged.pid" --log-file "$WORK/log/munged.log" --seed-file "$WORK/munge/munged.seed" \
+  > "$WORK/log/munged.out" 2>&1 &
+PIDS+=($!)
+export SLURM_CONF=$WORK/slurm.conf
+cat > "$SLURM_CONF" <<EOF
+# One-node SLURM cluster of scripts/slurm_check.sh
+ClusterName=alignfl
+SlurmctldHost=$HOST
+SlurmctldPort=$(free_port)
+SlurmdPort=$(free_port)
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+AuthInfo=socket=$MUNGE_SOCKET
+CredType=cred/munge
+StateSaveLocation=$WORK/state
+SlurmdSpoolDir=$WORK/spool
+SlurmctldPidFile=$WORK/slurmctld.pid
+SlurmdPidFile=$WORK/slurmd.pid
+SlurmctldLogFile=$WORK/log/slurmctld.log
+SlurmdLogFile=$WORK/log/slurmd.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+SchedulerType=sched/backfill
+MpiDefault=none
+ReturnToService=2
+AccountingStorageType=accounting_storage/none
+JobAcctGatherType=jobacct_gather/none
+JobCompType=jobcomp/filetxt
+JobCompLoc=$WORK/log/jobcomp.log
+MinJobAge=3600
+SlurmdParameters=config_overrides
+NodeName=$HOST CPUs=$CPUS RealMemory=$MEM_MB State=UNKNOWN
+PartitionName=alignfl Nodes=$HOST Default=YES MaxTime=INFINITE State=UP
+EOF
+for _ in $(seq 50); do [ -S "$MUNGE_SOCKET" ] && break; sleep 0.1; done
+slurmctld -D -f "$SLURM_CONF" > "$WORK/log/slurmctld.out" 2>&1 &
+PIDS+=($!)
+slurmd -D -f "$SLURM_CONF" > "$WORK/log/slurmd.out" 2>&1 &
+PIDS+=($!)
+up=""
+for _ in $(seq 60); do
+  if sinfo -h -o '%T' 2>/dev/null | grep -qE '^(idle|mixed|allocated)'; then up=1; break; fi
+  sleep 1
+done
+if [ -z "$up" ]; then
+  record "one-node cluster up" FAIL "sinfo: $(sinfo 2>&1 | tail -1); logs in $WORK/log"
+  exit 1
+fi
+record "one-node cluster up (munged, slurmctld, slurmd)" PASS "$(( $(date +%s) - step_start )) s, pids ${PIDS[*]}"
+
+
+# --- 3. a 2 x 2 sweep through SLURM, and the same sweep locally -----------------------------------------------
+export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}   # the compute node runs this checkout
+export FLWR_TELEMETRY_ENABLED=0
+SWEEP=(dataset=digits "sim.num_supernodes=$CLIENTS" "train.num_server_rounds=$ROUNDS" pan.mode=off,mul pan.a=0.1 seed=0,1)
+step_start=$(date +%s)
+nice -n "$NICE" "$PY" -m fl_app.sweep -m hydra/launcher=slurm "${SWEEP[@]}" "hydra.sweep.dir=$WORK/sweep-slurm" \
+  > "$WORK/log/sweep-slurm.log" 2>&1
+code=$?
+slurm_s=$(( $(date +%s) - step_start ))
+step_start=$(date +%s)
+nice -n "$NICE" "$PY" -m fl_app.sweep -m sim.backend=inprocess "${SWEEP[@]}" "hydra.sweep.dir=$WORK/sweep-local" \
+  > "$WORK/log/sweep-local.log" 2>&1
+local_code=$?
+local_s=$(( $(date +%s) - step_start ))
+if [ $code -ne 0 ] || [ $local_code -ne 0 ]; then
+  record "2 x 2 sweep (SLURM, local)" FAIL "exit codes $code, $local_code; logs in $WORK/log"
+else
+  check=$("$PY" - "$WORK" <<'PY'
+import csv, json, sys
+from pathlib import Path
+work = Path(sys.argv[1])
+jobs = sorted((work / "sweep-slurm").glob("**/job.json"))
+ids = [json.loads(path.read_text())["slurm-job-id"] for path in jobs]
+ended = {}
+for line in (work / "log" / "jobcomp.log").read_text().splitlines():
+    fields = dict(item.split("=", 1) for item in line.split() if "=" in item)
+    ended[fields.get("JobId")] = fields.get("JobState")
+problems = []
+if len(jobs) != 4 or None in ids:
+    problems.append(f"{len(jobs)} job folders, SLURM job ids {ids}")
+problems += [f"job {i}: SLURM's completion log says {ended.get(i)}" for i in ids if ended.get(i) != "COMPLETED"]
+def table(folder):
+    with (work / folder / "summary.csv").open() as stream:
+        return [{k: v for k, v in row.items() if not k.startswith("job-time") and k != "sim.backend"}
+                for row in csv.DictReader(stream)]  # the local sweep names sim.backend=inprocess, SLURM's default
+slurm, local = table("sweep-slurm"), table("sweep-local")
+if slurm != local:
+    problems.append(f"reports differ:\n{slurm}\n{local}")
+print("; ".join(problems) if problems else f"4 SLURM jobs {' '.join(ids)} COMPLETED; "
+      f"report equal to the local sweep's: {[(r['pan.mode'], r['final-accuracy-mean']) for r in slurm]}")
+sys.exit(1 if problems else 0)
+PY
+)
+  if [ $? -eq 0 ]; then
+    record "2 x 2 sweep through SLURM = local" PASS "SLURM ${slurm_s} s, local ${local_s} s; $check"
+  else
+    record "2 x 2 sweep through SLURM = local" FAIL "$check"
+  fi
+fi
+
+# --- 4. one job of a second sweep cancelled ---------------------------------------------------------------------
+step_start=$(date +%s)
+nice -n "$NICE" "$PY" -m fl_app.sweep -m hydra/launcher=slurm dataset=digits "sim.num_supernodes=$CLIENTS" \
+  "train.num_server_rounds=$ROUNDS" seed=0,1,2 "hydra.sweep.dir=$WORK/sweep-cancel" > "$WORK/log/sweep-cancel.log" 2>&1 &
+sweep_pid=$!
+array=""
+for _ in $(seq 120); do
+  array=$(squeue -h -o %F 2>/dev/null | head -1)
+  [ -n "$array" ] && break
+  sleep 0.5
+done
+cancelled="${array}_2"
+[ -n "$array" ] && scancel "$cancelled"
+wait $sweep_pid
+code=$?
+check=$("$PY" - "$WORK" "$cancelled" <<'PY'
+import csv, sys
+from pathlib import Path
+work, cancelled = Path(sys.argv[1]), sys.argv[2]
+table = (work / "sweep-cancel" / "summary.md").read_text()
+with (work / "sweep-cancel" / "summary.csv").open() as stream:
+    (row,) = list(csv.DictReader(stream))
+problems = []
+if (row["seeds"], row["failed"]) != ("2", "1"):
+    problems.append(f"seeds {row['seeds']}, failed {row['failed']} (expected 2 completed, 1 failed)")
+named = [line for line in table.splitlines() if line.startswith("- ") and f"SLURM job {cancelled} CANCELLED" in line]
+if not named or ".submitit" not in named[0]:
+    problems.append(f"the report does not name {cancelled} as cancelled with its log:\n{table}")
+print("; ".join(problems) if problems else f"{named[0][2:]}; 2 other jobs completed and count")
+sys.exit(1 if problems else 0)
+PY
+)
+if [ $? -eq 0 ] && [ $code -ne 0 ]; then
+  record "scancel one job of a second sweep" PASS "$(( $(date +%s) - step_start )) s, sweep exit $code; $check"
+else
+  record "scancel one job of a second sweep" FAIL "sweep exit $code (non-zero expected); $check"
+fi
+
+# --- 5. nothing left behind -------------------------------------------------------------------------------------
+left_jobs=$(squeue -h 2>/dev/null | wc -l)
+daemons=("${PIDS[@]}")
+stop_daemons
+rm -rf "$WORK/state" "$WORK/spool" "$WORK/munge"
+alive=()
+for pid in "${daemons[@]}"; do kill -0 "$pid" 2>/dev/null && alive+=("$pid"); done
+# Processes of the jobs: any live (not zombie) slurmstepd, or process whose command line names the work folder
+# (submitit's job runner does), other than this script and its own subshells.
+strays=$(for p in /proc/[0-9]*; do
+  { read -r _ _ state _ < "$p/stat"; cmd=$(tr '\0' ' ' < "$p/cmdline"); } 2>/dev/null || continue
+  [ "$state" = Z ] && continue
+  case "$cmd" in *slurm_check.sh*) continue;; esac
+  case "$cmd" in *slurmstepd*|*"$WORK"*) echo "${p#/proc/}";; esac
+done | tr '\n' ' ')
+if [ "$left_jobs" = 0 ] && [ ${#alive[@]} = 0 ] && [ -z "${strays// }" ] && [ ! -e "$WORK/state" ] && [ ! -e "$WORK/spool" ]; then
+  record "nothing left (jobs, daemons, processes, spool)" PASS "stopped pids ${daemons[*]}"
+else
+  record "nothing left (jobs, daemons, processes, spool)" FAIL "jobs $left_jobs, daemons ${alive[*]:-none}, processes ${strays:-none}"
+fi
+
+echo
+echo "== scripts/slurm_check.sh report ($(date -u +%Y-%m-%dT%H:%MZ), load $(cut -d' ' -f1-3 /proc/loadavg), $(( $(date +%s) - STARTED )) s) =="
+printf '%s\n' "${RESULTS[@]}"
+echo "work folder: $WORK (logs in $WORK/log, sweeps in $WORK/sweep-*)"
+[ $FAILED = 0 ] && echo "PASS" || echo "FAIL"
+exit $FAILED

@@ -1,0 +1,260 @@
+"""Simulations on a running Ray cluster: the address checked first, where clients ran, a node lost mid-run.
+
+The slow tests start a real two-node cluster on this machine (:mod:`fl_app.local_ray`: a head and a second
+raylet joined to it, each with its own custom resource, own temp dir and free ports) and stop exactly its
+processes, by pid, when the module is done, also when a test fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+
+from fl_app import launch
+from fl_app.client_app import build_client_app
+from fl_app.config import ConfigError, parse_run_config
+from fl_app.inprocess import InProcessGrid
+from fl_app.superlink import free_port
+from fl_app.local_ray import local_ray_cluster
+from fl_app.ray_cluster import RAY_NODE_RECORD, check_client_fits, check_ray_address, RayNode
+from fl_app.results import _ray_nodes
+from fl_app.sweep import SimSettings, register_configs, run_job
+from tests.test_data import write_mnist_raw
+from tests.test_sweep import composed, sweep
+
+TINY_DIGITS = {"dataset": "digits", "num-server-rounds": 1}
+
+
+# --- before anything starts ----------------------------------------------------------------------------------
+
+
+def test_an_address_where_no_cluster_answers_is_refused_naming_it_and_how_to_start_one():
+    address = f"127.0.0.1:{free_port()}"
+    started = time.monotonic()
+    with pytest.raises(ConfigError, match=f"--ray-address='{address}': no Ray cluster answers there") as error:
+        check_ray_address(address, "--ray-address")
+    assert "ray start --head" in str(error.value) and time.monotonic() - started < 10
+
+
+def test_the_launcher_refuses_a_dead_ray_address_with_exit_2_before_a_superlink_starts(tmp_path, capsys):
+    address = f"127.0.0.1:{free_port()}"
+    code = launch.main(["--ray-address", address, "--num-supernodes", "2",
+                        "--run-config", f'dataset="digits" results-dir="{tmp_path}"'])
+    assert code == 2
+    assert f"--ray-address='{address}': no Ray cluster answers there" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())  # no run folder: nothing started
+
+
+def test_a_sweep_on_a_dead_ray_address_starts_no_job(tmp_path):
+    address = f"127.0.0.1:{free_port()}"
+    result = sweep(tmp_path, "dataset=digits", f"sim.ray_address={address}", "seed=0,1")
+    assert result.returncode != 0
+    assert f"invalid sweep, no job was started: sim.ray_address='{address}': no Ray cluster answers" in result.stderr
+    assert not list(tmp_path.glob("**/job.json"))
+
+
+def test_a_client_that_fits_on_no_node_is_refused():
+    nodes = [RayNode("a" * 56, "10.0.0.1:1", {"CPU": 2.0}), RayNode("b" * 56, "10.0.0.2:1", {"CPU": 4.0})]
+    check_client_fits(nodes, 4, 0, "--num-cpus")
+    with pytest.raises(ConfigError, match="a client needs 1 CPUs and 0.5 GPUs, and no live node"):
+        check_client_fits(nodes, 1, 0.5, "sim.client_gpus")
+
+
+def test_attached_jobs_pass_the_address_and_no_resource_counts_to_ray():
+    sim = SimSettings.from_config({"ray_address": "10.0.0.1:6379", "client_cpus": 2.0})
+    assert sim.backend_config() == {"client_resources": {"num_cpus": 2.0, "num_gpus": 0.0},
+                                    "init_args": {"address": "10.0.0.1:6379"}}
+    with pytest.raises(ConfigError, match=r"\['sim.ray_cpus'\] must be null with sim.ray_address"):
+        SimSettings.from_config({"ray_address": "auto", "ray_cpus": 4})
+    with pytest.raises(ConfigError, match="sim.ray_address = 'auto' needs sim.backend=ray"):
+        SimSettings.from_config({"ray_address": "auto", "backend": "inprocess"})
+    with pytest.raises(ConfigError, match="'sim.ray_address' = 6379 is not allowed"):
+        SimSettings.from_config({"ray_address": 6379})
+
+
+def test_a_client_lacking_the_data_set_names_its_node_and_the_missing_files(tmp_path, monkeypatch):
+    monkeypatch.setattr("fl_app.client_app.where_this_runs", lambda: " on Ray node 3f2a (10.0.0.7)")
+    values = {"dataset": "mnist", "data-root": str(tmp_path), "num-server-rounds": 1}
+    config = parse_run_config(values)
+    grid = InProcessGrid(build_client_app(values), 2)
+    message = Message(RecordDict({"arrays": ArrayRecord(), "config": ConfigRecord(
+        {**config.pan_signature(), "server-round": 1})}), dst_node_id=grid.get_node_ids()[0],
+        message_type=MessageType.TRAIN)
+    reply = grid.deliver(message)
+    assert reply.has_error()
+    assert "this node on Ray node 3f2a (10.0.0.7) lacks the data set" in reply.error.reason
+    assert str(tmp_path) in reply.error.reason and "train-images-idx3-ubyte" in reply.error.reason
+
+
+def test_the_round_records_which_ray_node_each_client_trained_on():
+    def reply(partition: int, node: str) -> RecordDict:
+        return RecordDict({"metrics": MetricRecord({"partition-id": partition, "num-examples": 5}),
+                           RAY_NODE_RECORD: ConfigRecord({"node-id": node, "address": "10.0.0.1"})})
+
+    assert _ray_nodes([reply(2, "bb"), reply(0, "aa"), RecordDict({"metrics": MetricRecord({"partition-id": 1})})]) \
+        == {"0": {"node-id": "aa", "address": "10.0.0.1"}, "2": {"node-id": "bb", "address": "10.0.0.1"}}
+
+
+# --- a real two-node cluster ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def mnist_root(tmp_path_factory):
+    """A small MNIST in torchvision's layout, which the second node of :func:`cluster` does not see."""
+    root = tmp_path_factory.mktemp("mnist")
+    write_mnist_raw(root / "MNIST" / "raw", n_train=400, n_test=100)
+    return root
+
+
+@pytest.fixture(scope="module")
+def cluster(mnist_root):
+    """A head (2 CPUs, resource ``node0``) and a second node (2 CPUs, ``node1``) that lacks ``mnist_root``;
+    afterwards no process of theirs is left."""
+    with local_ray_cluster([2, 2], hidden={1: [mnist_root]}) as started:
+        temp_dir = str(started.temp_dir)
+        yield started
+    left = [pid for pid in os.listdir("/proc") if pid.isdigit() and _cmdline_has(pid, temp_dir)]
+    assert not left, f"processes of the test's Ray cluster are left: {left}"
+
+
+def _cmdline_has(pid: str, text: str) -> bool:
+    try:
+        return text.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+def _job(cluster, tmp_path: Path, name: str, *overrides: str) -> tuple[dict, list[dict]]:
+    register_configs()
+    cfg = composed(["dataset=digits", "sim.num_supernodes=4", "train.evaluate_every=100", *overrides])
+    record = run_job(cfg, cfg.hydra.runtime.choices, tmp_path / name)
+    lines = (Path(record["run-folder"]) / "metrics.jsonl").read_text().splitlines() if record["run-folder"] else []
+    return record, [json.loads(line) for line in lines]
+
+
+def _without(rows: list[dict], *keys: str) -> list[dict]:
+    return [{k: v for k, v in row.items() if k not in keys} for row in rows]
+
+
+@pytest.mark.slow
+def test_clients_run_on_both_nodes_with_the_accuracy_of_one_node(cluster, tmp_path):
+    nodes = cluster.nodes()
+    record, rows = _job(cluster, tmp_path, "cluster", "train.num_server_rounds=2", f"sim.ray_address={cluster.address}")
+    assert record["status"] == "completed", record["error"]
+    placed = [row["client-ray-nodes"] for row in rows[1:]]
+    assert all(set(p) == {"0", "1", "2", "3"} for p in placed)
+    used = {client["node-id"] for p in placed for client in p.values()}
+    assert used == {nodes["node0"].node_id, nodes["node1"].node_id}  # read from the metrics: both nodes ran clients
+    # The same seed on one node: the in-process backend, which gives a one-node Ray job's rows
+    # (tests/test_sweep.py::test_an_in_process_job_gives_the_metrics_of_a_ray_job).
+    _, alone = _job(cluster, tmp_path, "one-node", "train.num_server_rounds=2", "sim.backend=inprocess")
+    assert _without(rows, "elapsed-s", "client-ray-nodes") == _without(alone, "elapsed-s")
+
+
+@pytest.mark.slow
+def test_a_node_lacking_the_data_set_fails_its_clients_naming_it_and_the_round_goes_on(cluster, mnist_root, tmp_path):
+    lacking = cluster.nodes()["node1"]
+    record, rows = _job(cluster, tmp_path, "lacking", "dataset=mnist", f"data.root={mnist_root}",
+                        "train.num_server_rounds=2", f"sim.ray_address={cluster.address}")
+    assert record["status"] == "completed", record["error"]
+    reasons = [reason for row in rows[1:] for reason in row["clients-dropped-reasons"].values()]
+    assert reasons and all(f"on Ray node {lacking.node_id}" in reason and "lacks the data set" in reason
+                           and str(mnist_root / "MNIST" / "raw") in reason for reason in reasons)
+    assert all(row["clients-trained"] == 4 - row["clients-dropped"] >= 1 for row in rows[1:])
+    summary = json.loads((Path(record["run-folder"]) / "summary.json").read_text())
+    assert sum(summary["dropped-reasons"].values()) == len(reasons)
+
+
+@pytest.mark.slow
+def test_a_node_lost_mid_run_drops_its_messages_naming_it_and_the_next_rounds_train_every_client(cluster, tmp_path):
+    """The second node's raylet is killed once round 1 is written: the messages on it are dropped with a reason
+    that names it, its actors leave Flower's pool, and every later round trains all four clients on the head."""
+    lost = cluster.nodes()["node1"]
+    metrics = tmp_path / "lost" / "run" / "metrics.jsonl"
+    killed: list[int] = []
+
+    def kill_after_round_1() -> None:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if metrics.exists() and any(json.loads(line)["round"] == 1 for line in metrics.read_text().splitlines()):
+                killed.append(cluster.kill_raylet(1))
+                return
+            time.sleep(0.05)
+
+    killer = threading.Thread(target=kill_after_round_1, daemon=True)
+    killer.start()
+    started = time.monotonic()
+    record, rows = _job(cluster, tmp_path, "lost", "train.num_server_rounds=4", f"sim.ray_address={cluster.address}")
+    killer.join(timeout=1)
+    assert killed, "round 1 never finished"
+    assert record["status"] == "completed", record["error"]
+    assert [row["round"] for row in rows] == [0, 1, 2, 3, 4] and time.monotonic() - started < 300
+    losing = [row for row in rows[2:] if row["clients-dropped"]]
+    assert len(losing) == 1, [row["clients-dropped-reasons"] for row in rows]
+    (loss,) = losing
+    assert loss["clients-dropped"] in (1, 2) and loss["clients-trained"] == 4 - loss["clients-dropped"]
+    assert all(f"Ray node {lost.node_id}" in reason for reason in loss["clients-dropped-reasons"].values())
+    after = [row for row in rows if row["round"] > loss["round"]]
+    assert after and all(row["clients-trained"] == row["clients-sampled"] == 4 for row in after)
+    assert all({c["node-id"] for c in row["client-ray-nodes"].values()} == {cluster.nodes()["node0"].node_id}
+               for row in after)
+    summary = json.loads((Path(record["run-folder"]) / "summary.json").read_text())
+    assert sum(summary["dropped-reasons"].values()) == loss["clients-dropped"]
+
+
+# --- the actor pool, without a cluster -----------------------------------------------------------------------
+
+
+class _FakePool:
+    """What :mod:`fl_app.ray_pool` uses of Flower's ``BasicActorPool``: the idle actors, their count, the
+    resources per client, and adding actors."""
+
+    def __init__(self, actors: list[str]) -> None:
+        self.pool = list(actors)
+        self.num_actors = len(actors)
+        self.client_resources = {"num_cpus": 1, "num_gpus": 0.0}
+        self.added = 0
+
+    def add_actors_to_pool(self, count: int) -> None:
+        self.pool += [f"new{self.added + i}" for i in range(count)]
+        self.num_actors += count
+        self.added += count
+
+
+def test_a_lost_actor_and_the_idle_ones_on_its_node_leave_the_pool_and_replacements_fill_the_room(monkeypatch):
+    from fl_app import ray_pool
+
+    nodes = {"a1": ("ALIVE", "node-a"), "a2": ("ALIVE", "node-a"), "b1": ("DEAD", "node-b"), "b2": ("ALIVE", "node-b")}
+    monkeypatch.setattr(ray_pool, "actor_node", lambda actor: (*nodes[actor], "10.0.0.2"))
+    pool = _FakePool(["a1", "b2"])  # a2 is busy; b1 failed its message
+    pool.num_actors = 4
+    assert ray_pool._retire(pool, "b1", "node-b") == 2 and pool.pool == ["a1"]  # b2 was on the lost node
+    monkeypatch.setattr(ray_pool.ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray_pool, "_node_dead", lambda node: True)
+    monkeypatch.setattr(ray_pool, "pool_size_from_resources", lambda resources: 3)  # a node with room joined
+    ray_pool._replace(pool, "node-b")
+    assert pool.added == 1 and pool.num_actors == 3 and pool.pool == ["a1", "new0"]
+
+
+def test_a_message_waits_for_an_idle_actor_and_fails_at_once_when_none_is_left():
+    from fl_app import ray_pool
+
+    pool = _FakePool([])
+    pool.num_actors = 1  # one actor, busy
+    taken: list[str] = []
+    waiter = threading.Thread(target=lambda: taken.append(ray_pool._take_actor(pool)))
+    waiter.start()
+    time.sleep(0.3)
+    assert not taken
+    ray_pool._give_back(pool, "a1")
+    waiter.join(timeout=5)
+    assert taken == ["a1"]
+    pool.num_actors = 0
+    with pytest.raises(ray_pool.RayNodeLost, match="no ClientApp actor is left"):
+        ray_pool._take_actor(pool)

@@ -1,0 +1,56 @@
+"""Sweeps on SLURM: the launcher config, the resources it asks for, and the report of jobs SLURM ended.
+
+A real SLURM cluster is exercised by ``scripts/slurm_check.sh`` (root, not part of CI).
+"""
+
+from __future__ import annotations
+
+import csv
+
+from fl_app import sweep_report
+from fl_app.slurm import SlurmJob, job_cpus, job_gpus, read_jobs_record, write_jobs_record
+from tests.test_sweep import _fake_job, composed
+
+
+def test_the_slurm_launcher_asks_for_what_the_sim_keys_need():
+    cfg = composed(["hydra/launcher=slurm", "sim.client_gpus=0.25", "sim.torch_threads=3",
+                    "hydra.launcher.partition=gpu", "hydra.launcher.account=lab"])
+    launcher = cfg.hydra.launcher
+    assert launcher._target_ == "hydra_plugins.alignfl_slurm.SlurmLauncher"
+    assert (launcher.cpus_per_task, launcher.gpus_per_node, launcher.partition, launcher.account) == (3, 1, "gpu", "lab")
+    assert launcher.sim_backend == "inprocess" and launcher.timeout_min == 240
+    assert composed(["hydra/launcher=slurm"]).hydra.launcher.gpus_per_node is None  # no GPU: no --gpus-per-node
+
+
+def test_job_resources():
+    assert job_cpus(None, None, 1.0) == 1 and job_cpus(4, None, 1.0) == 4 and job_cpus(None, 6, 2.0) == 6
+    assert job_cpus(None, None, 2.5) == 3
+    assert job_gpus(0.0, None) is None and job_gpus(0.25, None) == 1 and job_gpus(0.25, 2.0) == 2
+
+
+def test_the_report_names_each_job_slurm_ended_and_counts_the_others(tmp_path):
+    """Seed 0 completed; seed 1 was cancelled while it ran (its folder has no job.json); seed 2 was cancelled
+    before it started (no folder at all): both are failed, named with their SLURM id, state and log."""
+    for seed in (0, 1):
+        _fake_job(tmp_path / f"seed={seed}", ["pan.mode=mul", f"seed={seed}"], "completed" if seed == 0 else None,
+                  0.6, 0.7)
+    logs = tmp_path / ".submitit"
+    write_jobs_record(tmp_path, [
+        SlurmJob(n, ["pan.mode=mul", f"seed={n}"], f"7_{n}", state, str(logs / f"7_{n}" / f"7_{n}_0_log.out"),
+                 str(logs / f"7_{n}" / f"7_{n}_0_log.err"))
+        for n, state in ((0, "COMPLETED"), (1, "CANCELLED"), (2, "CANCELLED"))])
+    assert [job.state for job in read_jobs_record(tmp_path)] == ["COMPLETED", "CANCELLED", "CANCELLED"]
+    report = sweep_report.write_report(tmp_path)
+    with report.csv_path.open() as stream:
+        (row,) = list(csv.DictReader(stream))
+    assert (row["seeds"], row["failed"], float(row["final-accuracy-mean"])) == ("1", "2", 0.6)
+    failed = [line for line in report.markdown_path.read_text().splitlines() if line.startswith("- ")]
+    assert len(failed) == 2
+    assert f"SLURM job 7_1 CANCELLED, log {logs}/7_1/7_1_0_log.err: no job.json" in failed[0]
+    assert f"SLURM job 7_2 CANCELLED before it started, log {logs}/7_2/7_2_0_log.err" in failed[1]
+
+
+def test_a_sweep_that_ran_elsewhere_has_no_slurm_record(tmp_path):
+    _fake_job(tmp_path / "seed=0", ["seed=0"], "completed", 0.5, 0.5)
+    assert read_jobs_record(tmp_path) == []
+    assert sweep_report.write_report(tmp_path).failed == 0
