@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 import yaml
 from hydra import compose, initialize_config_dir
 
@@ -95,7 +96,8 @@ def test_a_preset_whose_data_are_missing_refuses_before_any_job(name, tmp_path, 
     monkeypatch.setattr(sweep, "check_dataset_available", check)
     # The schema alone per job (the previous test builds the models); every configuration of seed 0.
     monkeypatch.setattr(sweep, "job_settings", lambda cfg, choices, folder: (parse_run_config(
-        {**hydra_to_run_config(cfg, choices), "results-dir": str(folder)}), None))
+        {**hydra_to_run_config(cfg, choices), "results-dir": str(folder)}),
+        sweep.SimSettings.from_config(OmegaConf.to_container(cfg.sim, resolve=True))))
     with composed([f"+experiment={name}", f"hydra.sweep.dir={tmp_path / 'sweep'}", f"data.root={tmp_path}"]) as cfg:
         jobs = _one_seed(sweep_job_overrides(cfg))
         monkeypatch.setattr(sweep, "sweep_job_overrides", lambda config: jobs)
