@@ -163,24 +163,33 @@ def test_mlflow_keys_are_checked_and_a_missing_mlflow_is_refused_with_the_instal
     validate_run(parse_run_config({**TINY, "results-dir": str(tmp_path)}))  # TensorBoard needs no extra
 
 
-@pytest.mark.slow
-def test_a_sweep_on_a_real_mlflow_server_is_a_parent_with_a_child_per_job(tmp_path):
-    port = free_port()
-    uri = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen(
-        [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-         "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}", "--artifacts-destination",
-         str(tmp_path / "server-artifacts")], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        start_new_session=True)
-    try:
-        deadline = time.monotonic() + 180
-        while True:
+def start_mlflow_server(folder: Path, attempts: int = 3) -> tuple[subprocess.Popen, str]:
+    """A real ``mlflow server`` on a free 127.0.0.1 port, once it answers; a server that exits first (its port taken
+    between choosing and binding it, on a busy machine) is started again on another port."""
+    for attempt in range(attempts):
+        port, log = free_port(), folder / f"mlflow-server-{attempt}.log"
+        with log.open("wb") as stream:
+            server = subprocess.Popen(
+                [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+                 "--backend-store-uri", f"sqlite:///{folder / 'server.db'}", "--artifacts-destination",
+                 str(folder / "server-artifacts")], stdout=stream, stderr=subprocess.STDOUT, start_new_session=True)
+        uri, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 180
+        while server.poll() is None and time.monotonic() < deadline:
             try:
                 urllib.request.urlopen(f"{uri}/health", timeout=2).read()
-                break
+                return server, uri
             except OSError:
-                assert server.poll() is None and time.monotonic() < deadline, "mlflow server did not start"
                 time.sleep(1)
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGTERM)
+            server.wait(timeout=60)
+    raise AssertionError(f"mlflow server did not start; the end of its log:\n{log.read_text()[-2000:]}")
+
+
+@pytest.mark.slow
+def test_a_sweep_on_a_real_mlflow_server_is_a_parent_with_a_child_per_job(tmp_path):
+    server, uri = start_mlflow_server(tmp_path)
+    try:
         sweep_dir = tmp_path / "sweep"
         result = subprocess.run(
             [sys.executable, "-m", "fl_app.sweep", "-m", "dataset=digits", "model=small-mlp", "sim.num_supernodes=2",
