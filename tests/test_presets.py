@@ -6,6 +6,7 @@ from contextlib import contextmanager
 import os
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -40,6 +41,8 @@ def _no_network(monkeypatch):
     """torchvision downloads through urllib: a proxy that refuses makes a missing data set fail at once."""
     for name in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY"):
         monkeypatch.setenv(name, "http://127.0.0.1:9")
+    # urlopen builds its opener, proxies included, once per process: keep that one from outliving the test
+    monkeypatch.setattr(urllib.request, "_opener", None)
 
 
 def test_presets_come_in_pairs_with_a_cpu_variant():

@@ -163,27 +163,29 @@ def test_mlflow_keys_are_checked_and_a_missing_mlflow_is_refused_with_the_instal
     validate_run(parse_run_config({**TINY, "results-dir": str(tmp_path)}))  # TensorBoard needs no extra
 
 
-def start_mlflow_server(folder: Path, attempts: int = 3) -> tuple[subprocess.Popen, str]:
-    """A real ``mlflow server`` on a free 127.0.0.1 port, once it answers; a server that exits first (its port taken
-    between choosing and binding it, on a busy machine) is started again on another port."""
-    for attempt in range(attempts):
-        port, log = free_port(), folder / f"mlflow-server-{attempt}.log"
-        with log.open("wb") as stream:
-            server = subprocess.Popen(
-                [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-                 "--backend-store-uri", f"sqlite:///{folder / 'server.db'}", "--artifacts-destination",
-                 str(folder / "server-artifacts")], stdout=stream, stderr=subprocess.STDOUT, start_new_session=True)
-        uri, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 180
-        while server.poll() is None and time.monotonic() < deadline:
-            try:
-                urllib.request.urlopen(f"{uri}/health", timeout=2).read()
-                return server, uri
-            except OSError:
-                time.sleep(1)
-        if server.poll() is None:
-            os.killpg(server.pid, signal.SIGTERM)
-            server.wait(timeout=60)
-    raise AssertionError(f"mlflow server did not start; the end of its log:\n{log.read_text()[-2000:]}")
+DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+"""An opener that never goes through a proxy (urlopen's own keeps the proxies of its first call in this process)."""
+
+
+def start_mlflow_server(folder: Path) -> tuple[subprocess.Popen, str]:
+    """A real ``mlflow server`` on a free 127.0.0.1 port, once it answers (its log in ``folder``)."""
+    port, log = free_port(), folder / "mlflow-server.log"
+    with log.open("wb") as stream:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+             "--backend-store-uri", f"sqlite:///{folder / 'server.db'}", "--artifacts-destination",
+             str(folder / "server-artifacts")], stdout=stream, stderr=subprocess.STDOUT, start_new_session=True)
+    uri, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 180
+    while server.poll() is None and time.monotonic() < deadline:
+        try:
+            DIRECT.open(f"{uri}/health", timeout=2).read()
+            return server, uri
+        except OSError:
+            time.sleep(1)
+    if server.poll() is None:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=60)
+    raise AssertionError(f"mlflow server did not answer at {uri}; the end of its log:\n{log.read_text()[-2000:]}")
 
 
 @pytest.mark.slow
