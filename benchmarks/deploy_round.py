@@ -21,14 +21,12 @@ Two measurements, each taken for both executors in turn so that both see the sam
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import resource
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 

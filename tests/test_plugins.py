@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from flwr.app import ArrayRecord
 
 from core.data import dataset_info
 from core.model_io import build_model_for

@@ -12,10 +12,9 @@ import os
 import signal
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-from flwr.supercore.constant import ExecutorType, TaskType
+from flwr.supercore.constant import TaskType
 from flwr.supercore.superexec.executor import ExecutionSpec, LaunchResult, LaunchResultStatus
 
 from fl_app import warm_superexec
