@@ -14,7 +14,8 @@ checkpoint (``resume-from``) is printed.
 
 ``--executor`` picks how the SuperNodes start ClientApp processes: ``warm`` (the
 default, each forked from a warm parent: :mod:`fl_app.warm_superexec`) or ``flower``
-(Flower's own, a fresh ``flwr-clientapp`` per message).
+(Flower's own, a fresh ``flwr-clientapp`` per message). ``--node-poll`` is how often an
+idle SuperNode asks for a message (:mod:`fl_app.polling_supernode`; ``flower``: every 3 s).
 
 ``python -m fl_app.deploy register ...`` is :mod:`fl_app.register` (compose.tls.yml's
 one-shot service that registers SuperNode public keys); ``python -m fl_app.deploy
@@ -37,8 +38,8 @@ from fl_app.launch import prepare_config, report_outcome
 from fl_app.processes import Stopped, stop_signals
 from fl_app.topology import (
     COMPOSE_NUM_SUPERNODES,
-    DEFAULT_EXECUTOR,
-    EXECUTORS,
+    FLOWER_NODE_POLL_S,
+    add_node_options,
     loopback_topology,
     make_certificates,
 )
@@ -70,10 +71,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="TLS on every API and SuperNode authentication (keys registered before nodes start)")
     parser.add_argument("--certs", type=Path,
                         help="make_certs.sh's output folder for --tls (default: made afresh in the work folder)")
-    parser.add_argument("--executor", choices=list(EXECUTORS), default=DEFAULT_EXECUTOR,
-                        help="how each SuperNode starts its ClientApp processes: warm (forked from a process that "
-                             "imported Flower, torch and the app's dependencies once) or flower (Flower's own: a "
-                             f"fresh flwr-clientapp process per message); default {DEFAULT_EXECUTOR}")
+    add_node_options(parser)
     parser.add_argument("--work-dir", type=Path,
                         help="where the services' logs, Flower homes and state go (default: a new temporary folder)")
     args = parser.parse_args(argv)
@@ -87,7 +85,9 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
             return deploy_and_run(config, args)
     except Stopped as stop:
-        advice = f"; {resume_advice(config, args.num_supernodes, args.tls, args.executor)}" if config else ""
+        advice = ""
+        if config is not None:
+            advice = f"; {resume_advice(config, args.num_supernodes, args.tls, args.executor, args.node_poll)}"
         print(f"[alignfl] stopped by {stop}: every process of the deployment has been stopped{advice}",
               file=sys.stderr)
         return stop.exit_code
@@ -116,10 +116,11 @@ def deploy_and_run(config: RunConfig, args: argparse.Namespace) -> int:
     if args.tls:
         certs = make_certificates((args.certs or work / "certs").resolve(), args.num_supernodes)
     print(f"[alignfl] deployment on 127.0.0.1: {args.num_supernodes} SuperNodes, "
-          f"{'TLS + SuperNode authentication' if args.tls else 'plaintext'}, {args.executor} ClientApp executor; "
-          f"logs in {work / 'logs'}", flush=True)
+          f"{'TLS + SuperNode authentication' if args.tls else 'plaintext'}, {args.executor} ClientApp executor, "
+          f"SuperNodes polling every {args.node_poll or FLOWER_NODE_POLL_S:g} s; logs in {work / 'logs'}", flush=True)
     try:
-        with deployment(loopback_topology(args.num_supernodes, work, certs, args.executor), work) as running:
+        topology = loopback_topology(args.num_supernodes, work, certs, args.executor, args.node_poll)
+        with deployment(topology, work) as running:
             status, details = running.run(config)
     except (RuntimeError, TimeoutError) as error:
         print(f"[alignfl] deployment FAILED: {error}", file=sys.stderr)

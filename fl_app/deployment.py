@@ -45,8 +45,10 @@ from fl_app.processes import ProcessTree, exit_description, log_tail, process_ta
 from fl_app.superlink import flower_environment, health_url, healthy, trust, wait_until
 from fl_app.topology import (
     DEFAULT_EXECUTOR,
+    DEFAULT_NODE_POLL_S,
     Topology,
     clientapp_executor_command,
+    node_poll_option,
     serverapp_executor_command,
     superlink_command,
     supernode_command,
@@ -63,7 +65,8 @@ def partner_of(service: str) -> str | None:
     return None
 
 
-def resume_command(config: RunConfig, num_supernodes: int, tls: bool, executor: str = DEFAULT_EXECUTOR) -> str:
+def resume_command(config: RunConfig, num_supernodes: int, tls: bool, executor: str = DEFAULT_EXECUTOR,
+                   node_poll_s: float | None = DEFAULT_NODE_POLL_S) -> str:
     """The ``deploy.sh`` command that continues ``config``'s run from its checkpoint on a new deployment of
     the same shape (with TLS, on keys made afresh): the run's keys that differ from their defaults, and
     ``resume-from`` its folder."""
@@ -72,17 +75,19 @@ def resume_command(config: RunConfig, num_supernodes: int, tls: bool, executor: 
               if key not in ("run-name", "resume-from") and value != defaults.get(key)}
     values["resume-from"] = str(run_folder(config))
     command = [str(PROJECT_ROOT / "scripts" / "deploy.sh"), "--num-supernodes", str(num_supernodes)]
-    options = [*(["--tls"] if tls else []), *(["--executor", executor] if executor != DEFAULT_EXECUTOR else [])]
+    options = [*(["--tls"] if tls else []), *(["--executor", executor] if executor != DEFAULT_EXECUTOR else []),
+               *(["--node-poll", node_poll_option(node_poll_s)] if node_poll_s != DEFAULT_NODE_POLL_S else [])]
     return shlex.join([*command, *options, "--run-config", to_toml_pairs(values)])
 
 
-def resume_advice(config: RunConfig, num_supernodes: int, tls: bool, executor: str = DEFAULT_EXECUTOR) -> str:
+def resume_advice(config: RunConfig, num_supernodes: int, tls: bool, executor: str = DEFAULT_EXECUTOR,
+                  node_poll_s: float | None = DEFAULT_NODE_POLL_S) -> str:
     """How to continue a run that stopped early, from its last checkpoint."""
     done = checkpointed_round(config)
     if done is None:
         return "the run checkpointed no round, so it must start again"
     return (f"rounds up to {done} are checkpointed in {run_folder(config)}; continue the run with:\n  "
-            f"{resume_command(config, num_supernodes, tls, executor)}")
+            f"{resume_command(config, num_supernodes, tls, executor, node_poll_s)}")
 
 
 @dataclass
@@ -178,7 +183,7 @@ class Deployment:
         if "superlink" not in self.exited:
             return None
         advice = resume_advice(config, self.topology.num_supernodes, self.topology.certificates is not None,
-                               self.topology.executor)
+                               self.topology.executor, self.topology.node_poll_s)
         reason = f"the SuperLink exited with {self.exited['superlink']}; {advice}"
         print(f"[alignfl] {reason}", file=sys.stderr, flush=True)
         return reason

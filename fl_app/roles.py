@@ -38,10 +38,10 @@ from fl_app.processes import Stopped, stop_signals
 from fl_app.superlink import free_port
 from fl_app.topology import (
     COMPOSE_SUPERLINK_PORT,
-    DEFAULT_EXECUTOR,
-    EXECUTORS,
+    FLOWER_NODE_POLL_S,
     Certificates,
     Topology,
+    add_node_options,
     make_certificates,
 )
 
@@ -146,7 +146,8 @@ def supernodes_topology(args: argparse.Namespace, certs: Path | None) -> Topolog
     ports = tuple(free_port() if node in args.nodes else 0 for node in range(args.num_supernodes))
     return Topology(num_supernodes=args.num_supernodes, superlink_host=host, superlink_port=port,
                     superlink_address=args.superlink, runtime_ports=ports, database="",
-                    certificates=Certificates(str(certs)) if certs is not None else None, executor=args.executor)
+                    certificates=Certificates(str(certs)) if certs is not None else None, executor=args.executor,
+                    node_poll_s=args.node_poll)
 
 
 def node_files_missing(certs: Certificates, nodes: list[int]) -> list[str]:
@@ -186,8 +187,7 @@ def parser_for(role: str) -> argparse.ArgumentParser:
         parser.add_argument("--superlink-wait", type=float, default=600.0,
                             help="with --tls: seconds to wait for the SuperLink to answer before giving up (a "
                                  "certificate that does not name --superlink stops the nodes at once); default 600")
-        parser.add_argument("--executor", choices=list(EXECUTORS), default=DEFAULT_EXECUTOR,
-                            help=f"how ClientApp processes start (default {DEFAULT_EXECUTOR})")
+        add_node_options(parser)
     return parser
 
 
@@ -296,7 +296,8 @@ def run_supernodes(args: argparse.Namespace, work: Path) -> int:
     try:
         running.start_supernodes(sorted(args.nodes))
         print(f"[alignfl] SuperNodes {', '.join(map(str, sorted(args.nodes)))} of {args.num_supernodes} dialling "
-              f"{args.superlink} ({args.executor} executor); logs in {work / 'logs'}; Ctrl-C stops them", flush=True)
+              f"{args.superlink} ({args.executor} executor, polling every "
+              f"{args.node_poll or FLOWER_NODE_POLL_S:g} s); logs in {work / 'logs'}; Ctrl-C stops them", flush=True)
         return serve(running)
     finally:
         running.stop()

@@ -14,6 +14,7 @@ exactly these commands.
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 from dataclasses import dataclass
@@ -36,6 +37,42 @@ EXECUTORS = {
 each from a process that has imported Flower, torch and the app's dependencies once (fl_app/warm_superexec.py);
 ``flower`` is Flower's own, a fresh ``flwr-clientapp`` process per message."""
 DEFAULT_EXECUTOR = "warm"
+FLOWER_NODE_POLL_S = 3.0
+"""Seconds Flower 1.41's SuperNode waits before asking its SuperLink again when it had no message."""
+DEFAULT_NODE_POLL_S = 0.5
+"""Seconds between an idle SuperNode's requests for a message (fl_app/polling_supernode.py): a wave of messages
+waits ~0.25 s for its nodes instead of ~1.5-3 s, for 2 requests a second per idle node."""
+
+
+def node_poll_interval(text: str) -> float | None:
+    """``--node-poll``: seconds in (0, 3], or ``flower`` (None: Flower's own SuperNode, every 3 s)."""
+    if text == "flower":
+        return None
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = float("nan")
+    if not 0 < seconds <= FLOWER_NODE_POLL_S:
+        raise argparse.ArgumentTypeError(f"{text!r} is not allowed: seconds in (0, {FLOWER_NODE_POLL_S:g}], or "
+                                         f"'flower' for Flower's own SuperNode")
+    return seconds
+
+
+def add_node_options(parser: argparse.ArgumentParser) -> None:
+    """``--executor`` and ``--node-poll``: how the SuperNodes of a deployment (or of one machine) run."""
+    parser.add_argument("--executor", choices=list(EXECUTORS), default=DEFAULT_EXECUTOR,
+                        help="how each SuperNode starts its ClientApp processes: warm (forked from a process that "
+                             "imported Flower, torch and the app's dependencies once) or flower (Flower's own: a "
+                             f"fresh flwr-clientapp process per message); default {DEFAULT_EXECUTOR}")
+    parser.add_argument("--node-poll", type=node_poll_interval, default=DEFAULT_NODE_POLL_S, metavar="S|flower",
+                        help="seconds between an idle SuperNode's requests for a message: a wave of messages waits "
+                             "half of it on average, for 1/S requests a second per idle node (default "
+                             f"{DEFAULT_NODE_POLL_S:g}); flower: Flower's own SuperNode, every {FLOWER_NODE_POLL_S:g} s")
+
+
+def node_poll_option(seconds: float | None) -> str:
+    """The ``--node-poll`` value that gives ``seconds`` (as :func:`node_poll_interval` reads it)."""
+    return "flower" if seconds is None else f"{seconds:g}"
 
 
 @dataclass(frozen=True)
@@ -96,36 +133,41 @@ class Topology:
     """None: plaintext and no SuperNode authentication."""
     executor: str = DEFAULT_EXECUTOR
     """How the SuperNodes' executors start ClientApp processes (a key of :data:`EXECUTORS`)."""
+    node_poll_s: float | None = DEFAULT_NODE_POLL_S
+    """Seconds between an idle SuperNode's requests for a message; None: Flower's own ``flower-supernode``."""
 
     def __post_init__(self) -> None:
         if self.executor not in EXECUTORS:
             raise ValueError(f"executor {self.executor!r} is not one of {', '.join(EXECUTORS)}")
         if self.num_supernodes < 1:
             raise ValueError(f"num_supernodes must be at least 1, got {self.num_supernodes}")
+        if self.node_poll_s is not None and not 0 < self.node_poll_s <= FLOWER_NODE_POLL_S:
+            raise ValueError(f"node_poll_s must be in (0, {FLOWER_NODE_POLL_S:g}], got {self.node_poll_s}")
         if len(self.runtime_ports) < self.num_supernodes:
             raise ValueError(f"{len(self.runtime_ports)} runtime ports for {self.num_supernodes} SuperNodes")
 
 
 def compose_topology(tls: bool = False, num_supernodes: int = COMPOSE_NUM_SUPERNODES,
-                     executor: str = DEFAULT_EXECUTOR) -> Topology:
+                     executor: str = DEFAULT_EXECUTOR, node_poll_s: float | None = DEFAULT_NODE_POLL_S) -> Topology:
     """The values docker-compose.yml (and, with ``tls``, compose.tls.yml) uses."""
     return Topology(
         num_supernodes=num_supernodes, superlink_host="0.0.0.0", superlink_port=COMPOSE_SUPERLINK_PORT,
         superlink_address=f"superlink:{COMPOSE_SUPERLINK_PORT}",
         runtime_ports=tuple(COMPOSE_RUNTIME_PORT + node for node in range(num_supernodes)),
         database="/app/state/superlink.db", certificates=Certificates(COMPOSE_CERTS) if tls else None,
-        executor=executor)
+        executor=executor, node_poll_s=node_poll_s)
 
 
 def loopback_topology(num_supernodes: int, work: Path, certificates: Path | None = None,
-                      executor: str = DEFAULT_EXECUTOR) -> Topology:
+                      executor: str = DEFAULT_EXECUTOR, node_poll_s: float | None = DEFAULT_NODE_POLL_S) -> Topology:
     """Free ports on 127.0.0.1 and files under ``work``."""
     port = free_port()
     return Topology(
         num_supernodes=num_supernodes, superlink_host="127.0.0.1", superlink_port=port,
         superlink_address=f"127.0.0.1:{port}", runtime_ports=tuple(free_port() for _ in range(num_supernodes)),
         database=str(work / "superlink.db"),
-        certificates=Certificates(str(certificates)) if certificates is not None else None, executor=executor)
+        certificates=Certificates(str(certificates)) if certificates is not None else None, executor=executor,
+        node_poll_s=node_poll_s)
 
 
 def _client_security(topology: Topology) -> list[str]:
@@ -153,7 +195,12 @@ def serverapp_executor_command(topology: Topology) -> list[str]:
 
 def supernode_command(topology: Topology, node: int) -> list[str]:
     """SuperNode ``node``: partition ``node`` of ``num_supernodes``; its Runtime API only on 127.0.0.1."""
-    command = ["flower-supernode", "--superlink", topology.superlink_address, "--isolation", "process",
+    if topology.node_poll_s is None:
+        entry_point = ["flower-supernode"]
+    else:
+        entry_point = ["python", "-m", "fl_app.polling_supernode", "--poll-interval",
+                       node_poll_option(topology.node_poll_s)]
+    command = [*entry_point, "--superlink", topology.superlink_address, "--isolation", "process",
                "--host", "127.0.0.1", "--port", str(topology.runtime_ports[node]),
                "--node-config", f"partition-id={node} num-partitions={topology.num_supernodes}"]
     certs = topology.certificates

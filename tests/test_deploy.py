@@ -190,6 +190,24 @@ def test_the_executor_is_warm_unless_flowers_own_is_asked_for_and_a_resumed_run_
     assert not (tmp_path / "work").exists()
 
 
+def test_supernodes_poll_every_half_second_unless_flowers_own_is_asked_for_and_a_resumed_run_keeps_it(
+        tmp_path, capsys):
+    topology = loopback_topology(2, tmp_path)
+    assert supernode_command(topology, 1)[:5] == ["python", "-m", "fl_app.polling_supernode", "--poll-interval", "0.5"]
+    own = replace(topology, node_poll_s=None)
+    assert supernode_command(own, 1)[0] == "flower-supernode"
+    assert supernode_command(own, 1)[1:] == supernode_command(topology, 1)[5:]
+    assert supernode_command(replace(topology, node_poll_s=0.25), 1)[3:5] == ["--poll-interval", "0.25"]
+    config = prepare_config({"dataset": "digits", "results-dir": str(tmp_path), "run-name": "r"}, 2)
+    assert "--node-poll" not in resume_command(config, 2, tls=False)
+    assert shlex.split(resume_command(config, 2, tls=False, node_poll_s=None))[3:5] == ["--node-poll", "flower"]
+    assert shlex.split(resume_command(config, 2, tls=False, node_poll_s=1.0))[3:5] == ["--node-poll", "1"]
+    with pytest.raises(SystemExit) as refused:
+        deploy.main(["--node-poll", "5", "--work-dir", str(tmp_path / "work")])
+    assert refused.value.code == 2 and "--node-poll: '5' is not allowed: seconds in (0, 3]" in capsys.readouterr().err
+    assert not (tmp_path / "work").exists()
+
+
 def test_a_node_goes_down_whole(tmp_path):
     assert partner_of("supernode-2") == "superexec-clientapp-2"
     assert partner_of("superexec-clientapp-10") == "supernode-10"
