@@ -1,6 +1,7 @@
-"""A round of the loopback deployment with Flower's executor and with the warm one, side by side (issue 24).
+"""A round of the loopback deployment with Flower's executor and SuperNode, and with the warm executor and the
+SuperNode that polls faster, side by side (issue 24).
 
-Two measurements, each taken for both executors in turn so that both see the same load:
+Two measurements, each taken for every set-up in turn so that all see the same load:
 
 * **Start-up per message**: the CPU-seconds a ClientApp process spends before the ClientApp's first line:
   what ``flwr-clientapp`` imports (its entry point and Flower's ClientApp runner) and what loading the app
@@ -8,12 +9,13 @@ Two measurements, each taken for both executors in turn so that both see the sam
   this process); the warm executor's child, forked from its warm parent, pays the child's set-up and the app's
   own packages, which it imports afresh from the FAB (it calls the runner its parent imported; measured by the
   parent's ``wait4``).
-* **Rounds**: ``python -m fl_app.deploy --executor E`` (SuperLink, N SuperNodes and their SuperExecs on
-  127.0.0.1, the digits MLP) for a few rounds, each round's wall time from ``metrics.jsonl``; the runs
-  alternate between the executors. Beside them, the CPU-seconds and wall seconds of every message's ClientApp
-  process of the warm runs (from the executor's log), and the SuperNode's poll, which neither executor changes:
-  a SuperNode that finds no message sleeps 3 s, and it finds none right after replying, so each wave of
-  messages (a round has two: train, then evaluate) waits about 3 s for it.
+* **Rounds**: ``python -m fl_app.deploy --executor E --node-poll P`` (SuperLink, N SuperNodes and their
+  SuperExecs on 127.0.0.1, the digits MLP) for a few rounds, each round's wall time from ``metrics.jsonl``; the
+  runs alternate between the set-ups (``--setups``: Flower's executor and SuperNode, the warm executor with
+  Flower's SuperNode, the warm executor with a SuperNode asking every 0.5 s). Beside them, the CPU-seconds and
+  wall seconds of every message's ClientApp process of the warm runs (from the executor's log) and of the whole
+  deployment. Flower's SuperNode that finds no message sleeps 3 s, and it finds none right after replying, so
+  each wave of messages (a round has two: train, then evaluate) waits up to 3 s for it.
 
     python benchmarks/deploy_round.py --rounds 4 --repeats 2
 """
@@ -27,6 +29,7 @@ import resource
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -35,8 +38,8 @@ from benchutil import append_jsonl, machine, median, read_jsonl, round_seconds, 
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = str(ROOT / ".venv" / "bin" / "python") if (ROOT / ".venv" / "bin" / "python").exists() else sys.executable
 EXECUTORS = ("flower", "warm")
-POLL_S = 3.0
-"""The SuperNode's sleep when it finds no message (``flwr/supernode/start_client_internal.py``)."""
+DEFAULT_SETUPS = ("flower/flower", "warm/flower", "warm/0.5")
+"""``EXECUTOR/NODE-POLL``: ``python -m fl_app.deploy --executor EXECUTOR --node-poll NODE-POLL``."""
 STARTUP = {
     "flower": "import flwr.supernode.cli.flwr_clientapp, flwr.supernode.runtime.run_clientapp, fl_app.client_app",
     "warm": "import flwr.supernode.runtime.run_clientapp, fl_app.client_app",
@@ -44,6 +47,13 @@ STARTUP = {
 """What a ClientApp process imports before the ClientApp's first line. ``flwr-clientapp``: its entry point, Flower's
 ClientApp runner and the app (``load_app``); a warm child: the runner (its parent's) and the app."""
 ENDED = re.compile(r"ClientApp process pid \d+ ended with code 0 after ([\d.]+) s, ([\d.]+) CPU-s")
+
+
+def float_or_nan(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        return float("nan")
 
 
 def clientapp_startup(_spec: dict[str, Any]) -> None:
@@ -95,22 +105,88 @@ def warm_startup_cpu_s(samples: int) -> tuple[list[float], float]:
     return cpu, children_cpu_s() - before - sum(cpu)
 
 
-def deploy_rounds(executor: str, nodes: int, rounds: int, work: Path) -> tuple[list[float], list[tuple[float, float]],
-                                                                            float]:
+TICK_S = 1 / os.sysconf("SC_CLK_TCK")
+
+
+def process_table() -> dict[int, tuple[int, float, str]]:
+    """pid -> (parent pid, CPU-seconds of the process and of its children it waited for, command line)."""
+    table = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+            command = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        table[int(stat.parent.name)] = (int(fields[1]), sum(int(value) for value in fields[11:15]) * TICK_S, command)
+    return table
+
+
+def service_kind(command: str, superlink_port: str) -> str:
+    """Which part of the deployment a direct child of ``fl_app.deploy`` is."""
+    if "flower-superlink" in command:
+        return "SuperLink"
+    if "supernode" in command:
+        return "SuperNodes"
+    if "superexec" in command:
+        dialled = command.split("--runtime-api-address ")[1].split()[0]
+        return "ServerApp executor and ServerApp" if dialled.endswith(f":{superlink_port}") else \
+            "ClientApp executors and their ClientApp processes"
+    if "flwr log" in command:
+        return "flwr log --stream (deploy's live log)"
+    return "other"
+
+
+def service_cpu_s(deploy_pid: int) -> dict[str, float]:
+    """CPU-seconds so far of each kind of service the deployment started (each with every descendant, alive or
+    waited for), and of ``fl_app.deploy`` itself."""
+    table = process_table()
+    children: dict[int, list[int]] = {}
+    for pid, (parent, _, _) in table.items():
+        children.setdefault(parent, []).append(pid)
+
+    def tree_cpu(pid: int) -> float:
+        return table[pid][1] + sum(tree_cpu(child) for child in children.get(pid, []))
+
+    services = children.get(deploy_pid, [])
+    port = next((table[pid][2].split("--port ")[1].split()[0] for pid in services
+                 if "flower-superlink" in table[pid][2]), "")
+    totals = {"deploy itself": table[deploy_pid][1] if deploy_pid in table else 0.0}
+    for pid in services:
+        kind = service_kind(table[pid][2], port)
+        totals[kind] = totals.get(kind, 0.0) + tree_cpu(pid)
+    return totals
+
+
+def deploy_rounds(setup: str, nodes: int, rounds: int, work: Path) -> tuple[list[float], list[tuple[float, float]],
+                                                                         float, dict[str, float]]:
     """Wall seconds of rounds 1..``rounds`` of one deployed run, (wall s, CPU-s) of every ClientApp process the
-    warm executor logged, and the CPU-seconds of the whole deployment (every process it started, with their
-    children, as far as they were waited for: the load of the machine does not change them)."""
+    warm executor logged, the CPU-seconds of the whole deployment (every process it started, with their
+    children, as far as they were waited for: the load of the machine does not change them), and each service's
+    CPU-seconds per round from the end of round 1 to the end of the last round but one (sampled from ``/proc``
+    as ``metrics.jsonl`` grows)."""
     results = work / "results"
     overrides = f'dataset="digits" results-dir="{results}" run-name="bench"'
     before = children_cpu_s()
-    subprocess.run([PYTHON, "-m", "fl_app.deploy", "--executor", executor, "--num-supernodes", str(nodes),
-                    "--rounds", str(rounds), "--run-config", overrides, "--work-dir", str(work / "deploy")],
-                   cwd=ROOT, check=True, env=environment(), stdout=subprocess.DEVNULL)
+    executor, node_poll = setup.split("/")
+    process = subprocess.Popen([PYTHON, "-m", "fl_app.deploy", "--executor", executor, "--node-poll", node_poll,
+                                "--num-supernodes", str(nodes), "--rounds", str(rounds), "--run-config", overrides,
+                                "--work-dir", str(work / "deploy")],
+                               cwd=ROOT, env=environment(), stdout=subprocess.DEVNULL)
+    metrics, marks = results / "bench" / "metrics.jsonl", {}
+    while process.poll() is None:  # rows: round 0's evaluation, then one per round
+        done = metrics.read_text().count("\n") - 1 if metrics.exists() else -1
+        if done in (1, rounds - 1) and done not in marks:
+            marks[done] = service_cpu_s(process.pid)
+        time.sleep(0.05)
+    if process.returncode != 0:
+        raise RuntimeError(f"the {setup} deployment failed with exit code {process.returncode}")
     cpu = children_cpu_s() - before
+    first, last = marks.get(1, {}), marks.get(rounds - 1, {})
+    per_round = {kind: (last[kind] - first.get(kind, 0.0)) / (rounds - 2) for kind in last} if rounds > 2 else {}
     rows = read_jsonl(results / "bench" / "metrics.jsonl")
     messages = [(float(wall), float(cpu)) for log in (work / "deploy" / "logs").glob("superexec-clientapp-*.log")
                 for wall, cpu in ENDED.findall(log.read_text(errors="replace"))]
-    return round_seconds(rows), messages, cpu
+    return round_seconds(rows), messages, cpu, per_round
 
 
 def measure(args: argparse.Namespace, rows_path: Path) -> None:
@@ -122,56 +198,94 @@ def measure(args: argparse.Namespace, rows_path: Path) -> None:
             append_jsonl(rows_path, {"kind": "startup", "executor": "warm", "cpu-s": cpu, "parent-cpu-s": parent,
                                      "machine": machine()})
     for repeat in range(args.repeats):
-        for executor in EXECUTORS if repeat % 2 == 0 else EXECUTORS[::-1]:
+        for setup in args.setups if repeat % 2 == 0 else args.setups[::-1]:
             load_before = os.getloadavg()[0]
             with tempfile.TemporaryDirectory(prefix="alignfl-deploy-round-") as work:
-                rounds, messages, cpu = deploy_rounds(executor, args.nodes, args.rounds, Path(work))
-            append_jsonl(rows_path, {"kind": "rounds", "executor": executor, "repeat": repeat, "seconds": rounds,
-                                     "messages": messages, "deployment-cpu-s": cpu,
+                rounds, messages, cpu, services = deploy_rounds(setup, args.nodes, args.rounds, Path(work))
+            append_jsonl(rows_path, {"kind": "rounds", "setup": setup, "repeat": repeat, "seconds": rounds,
+                                     "messages": messages, "deployment-cpu-s": cpu, "service-cpu-s": services,
                                      "load-before": round(load_before, 2),
                                      "machine": machine()})
 
 
-def report(rows: list[dict[str, Any]]) -> str:
-    def load(selected: list[dict[str, Any]]) -> str:
-        values = [row["machine"]["load-average-1-5-15"][0] for row in selected]
-        return f"{min(values):.1f}–{max(values):.1f}" if values else "-"
+def load(selected: list[dict[str, Any]]) -> str:
+    values = [row["machine"]["load-average-1-5-15"][0] for row in selected]
+    return f"{min(values):.1f}–{max(values):.1f}" if values else "-"
 
-    lines = ["| executor | start-up per message, CPU-s (median) | round 1, s | rounds 2+, s (median) | "
-             "ClientApp process per message: wall s, CPU-s (median) | deployment CPU-s per run | load (1 min) |",
-             "|---|---|---|---|---|---|---|"]
-    medians: dict[str, tuple[float, float, float]] = {}
+
+def startup_table(rows: list[dict[str, Any]]) -> list[str]:
+    lines = ["| executor | start-up per message, CPU-s (median) | load (1 min) |", "|---|---|---|"]
+    medians = {}
     for executor in EXECUTORS:
         startup = [row for row in rows if row["kind"] == "startup" and row["executor"] == executor]
-        runs = [row for row in rows if row["kind"] == "rounds" and row["executor"] == executor]
-        cpu = median([value for row in startup for value in row["cpu-s"]])
-        later = median([value for row in runs for value in row["seconds"][1:]])
+        medians[executor] = median([value for row in startup for value in row["cpu-s"]])
+        lines.append(f"| {executor} | {medians[executor]:.2f} | {load(startup)} |")
+    lines.append(f"| flower / warm | {medians['flower'] / medians['warm']:.1f}× | |")
+    parents = [row["parent-cpu-s"] for row in rows if row["kind"] == "startup" and row["executor"] == "warm"]
+    lines.append(f"\nThe warm parent's own start-up (once per SuperNode): {median(parents):.2f} CPU-s.")
+    return lines
+
+
+def rounds_table(rows: list[dict[str, Any]]) -> list[str]:
+    lines = ["| executor / SuperNode poll | round 1, s | rounds 2+, s (median) | ClientApp process per message: wall s, "
+             "CPU-s (median) | deployment CPU-s per run (median) | load (1 min) |", "|---|---|---|---|---|---|"]
+    setups = list(dict.fromkeys(row["setup"] for row in rows if row["kind"] == "rounds"))
+    medians: dict[str, float] = {}
+    for setup in setups:
+        runs = [row for row in rows if row["kind"] == "rounds" and row["setup"] == setup]
+        medians[setup] = median([value for row in runs for value in row["seconds"][1:]])
         messages = [message for row in runs for message in row["messages"]]
         per_message = (f"{median([wall for wall, _ in messages]):.2f}, {median([c for _, c in messages]):.2f} "
                        f"({len(messages)})" if messages else "-")
-        deployment = median([row["deployment-cpu-s"] for row in runs if "deployment-cpu-s" in row])
-        medians[executor] = (cpu, later, deployment)
+        deployment = median([row["deployment-cpu-s"] for row in runs])
         first = ", ".join(f"{row['seconds'][0]:.1f}" for row in runs)
-        lines.append(f"| {executor} | {cpu:.2f} | {first} | {later:.2f} | {per_message} | {deployment:.1f} | "
-                     f"{load(startup + runs)} |")
-    if all(executor in medians for executor in EXECUTORS):
-        ratios = [f"{flower / warm:.1f}×" for flower, warm in zip(medians["flower"], medians["warm"])]
-        lines.append(f"| flower / warm | {ratios[0]} | | {ratios[1]} | | {ratios[2]} | |")
-    parents = [row["parent-cpu-s"] for row in rows if row["kind"] == "startup" and row["executor"] == "warm"]
-    if parents:
-        lines.append(f"\nThe warm parent's own start-up (once per SuperNode): {median(parents):.2f} CPU-s. The "
-                     f"SuperNode's poll: {POLL_S:.0f} s per wave of messages, two waves per round.")
-    return "\n".join(lines)
+        executor, poll = setup.split("/")
+        poll = "Flower's 3 s" if poll == "flower" else f"{poll} s"
+        lines.append(f"| {executor} / {poll} | {first} | {medians[setup]:.2f} | {per_message} | {deployment:.1f} | "
+                     f"{load(runs)} |")
+    baseline = setups[0]
+    for setup in setups[1:]:
+        lines.append(f"\nRounds 2+, {baseline} / {setup}: {medians[baseline] / medians[setup]:.1f}×.")
+    return lines
+
+
+def services_table(rows: list[dict[str, Any]]) -> list[str]:
+    runs = [row for row in rows if row["kind"] == "rounds" and row.get("service-cpu-s")]
+    setups = list(dict.fromkeys(row["setup"] for row in runs))
+    kinds = list(dict.fromkeys(kind for row in runs for kind in row["service-cpu-s"]))
+    if not runs:
+        return []
+    lines = ["CPU-seconds per round of each part of the deployment (rounds 2 to the last but one, medians over runs):",
+             "", f"| part | {' | '.join(setups)} |", "|---|" + "---|" * len(setups)]
+    for kind in [*kinds, "total"]:
+        cells = []
+        for setup in setups:
+            values = [sum(row["service-cpu-s"].values()) if kind == "total" else row["service-cpu-s"].get(kind, 0.0)
+                      for row in runs if row["setup"] == setup]
+            cells.append(f"{median(values):.2f}")
+        lines.append(f"| {kind} | {' | '.join(cells)} |")
+    return lines
+
+
+def report(rows: list[dict[str, Any]]) -> str:
+    return "\n".join([*startup_table(rows), "", *rounds_table(rows), "", *services_table(rows)])
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nodes", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=2, help="deployed runs per executor")
+    parser.add_argument("--repeats", type=int, default=2, help="deployed runs per set-up")
+    parser.add_argument("--setups", nargs="+", default=list(DEFAULT_SETUPS),
+                        help=f"EXECUTOR/NODE-POLL set-ups to deploy (default {' '.join(DEFAULT_SETUPS)})")
     parser.add_argument("--samples", type=int, default=5, help="start-up samples per executor")
     parser.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "alignfl-deploy-round")
     args = parser.parse_args()
+    for setup in args.setups:
+        executor, _, poll = setup.partition("/")
+        if executor not in EXECUTORS or not poll or (poll != "flower" and not 0 < float_or_nan(poll) <= 3):
+            parser.error(f"--setups {setup!r} is not allowed: EXECUTOR/NODE-POLL with EXECUTOR one of "
+                         f"{', '.join(EXECUTORS)} and NODE-POLL seconds in (0, 3] or flower")
     args.out.mkdir(parents=True, exist_ok=True)
     rows_path = args.out / "rows.jsonl"
     rows_path.unlink(missing_ok=True)

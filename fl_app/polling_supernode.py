@@ -6,8 +6,9 @@ Flower 1.41's SuperNode sleeps a fixed 3 s whenever its SuperLink has no message
 next wave only once every reply is in. A round of training then evaluation waits ~3 s twice for the nodes' next
 poll, whatever the work. This entry point runs Flower's own ``flower-supernode`` (same arguments, loop and logs)
 with the pull step asking again every ``--poll-interval`` seconds until a message comes, so a wave waits half an
-interval on average (``--poll-interval flower``: Flower's loop untouched). The price is requests: each node asks its SuperLink ``1 / interval`` times a second while idle
-(Flower's: 1/3); with many nodes on one SuperLink, a longer interval keeps it cool.
+interval on average (``--poll-interval flower``: Flower's loop untouched), and with object pulls that retry
+sooner (:mod:`fl_app.object_pulls`). The price is requests: each idle node asks its SuperLink ``1 / interval``
+times a second (Flower's: 1/3); with many nodes on one SuperLink, a longer interval keeps it cool.
 
 It is installed only on the Flower releases whose SuperNode loop was read (:data:`CHECKED_FLOWER`); anywhere else
 it warns and runs Flower's SuperNode unchanged.
@@ -28,6 +29,7 @@ from typing import Any
 from flwr.supercore import log
 from flwr.supernode.cli import flower_supernode
 
+from fl_app.object_pulls import retry_object_pulls_sooner
 from fl_app.topology import DEFAULT_NODE_POLL_S, FLOWER_NODE_POLL_S, node_poll_interval
 
 CHECKED_FLOWER = frozenset({"1.41.0"})
@@ -68,6 +70,9 @@ def parse(argv: list[str]) -> tuple[float | None, list[str]]:
 def main(argv: list[str] | None = None) -> None:
     interval, flower_args = parse(sys.argv[1:] if argv is None else argv)
     sys.argv = ["flower-supernode", *flower_args]
+    pulls_problem = retry_object_pulls_sooner()
+    if pulls_problem is not None:
+        log(WARNING, "[alignfl] the SuperNode retries object pulls after Flower's 1 s: %s", pulls_problem)
     problem = None if interval is None else unusable()
     if problem is not None:
         log(WARNING, "[alignfl] the SuperNode polls every %g s as Flower's own does: %s", FLOWER_NODE_POLL_S, problem)

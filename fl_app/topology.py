@@ -4,7 +4,9 @@ docker-compose.yml runs one SuperLink, N SuperNodes and Flower's ``process``
 isolation: a ``flower-superexec`` beside the SuperLink starts each run's
 ``flwr-serverapp``, and one beside every SuperNode starts its ClientApp processes
 (``warm``, the default: each forked from a warm parent, fl_app/warm_superexec.py;
-``flower``: Flower's own, a fresh ``flwr-clientapp`` per message). :func:`superlink_command` and its siblings build each service's argv
+``flower``: Flower's own, a fresh ``flwr-clientapp`` per message); each SuperNode asks
+for messages every :data:`DEFAULT_NODE_POLL_S` seconds (fl_app/polling_supernode.py;
+Flower's own every 3 s). :func:`superlink_command` and its siblings build each service's argv
 from a :class:`Topology`: the compose files' (service names, container paths:
 :func:`compose_topology`) or loopback's (free ports on 127.0.0.1, a work folder:
 :func:`loopback_topology`, which :mod:`fl_app.deployment` starts as local

@@ -177,6 +177,9 @@ class WarmExecutor:
                 ", ".join(event["forgotten"]) or "none were imported")
             if event["problem"]:
                 log(WARNING, "[alignfl] the warm ClientApp parent cannot fork: %s", event["problem"])
+            if event["pulls_problem"]:
+                log(WARNING, "[alignfl] ClientApp processes retry object pulls after Flower's 1 s: %s",
+                    event["pulls_problem"])
             return
         task = event["task_id"]
         if kind == "started":

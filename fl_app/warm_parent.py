@@ -57,6 +57,8 @@ from importlib.metadata import packages_distributions
 from pathlib import Path
 from typing import Any
 
+from fl_app.object_pulls import retry_object_pulls_sooner
+
 DEFAULT_APP = "fl_app.client_app"
 RUNNER = "flwr.supernode.runtime.run_clientapp"
 """Flower's ClientApp runner: what ``flwr-clientapp`` calls, imported by the parent before any fork."""
@@ -337,11 +339,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[alignfl] warm parent: could not import {args.app} ({error!r}); its children import it "
               "themselves", file=sys.stderr, flush=True)
     forgotten = forget(project_packages(args.app))
+    pulls_problem = retry_object_pulls_sooner()  # the children inherit it
     parent = WarmParent(target, args.requests_fd, args.events_fd, args.message_timeout)
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(signum, parent.stop)
     parent.emit("ready", pid=os.getpid(), import_s=round(time.monotonic() - started, 3),
-                forgotten=sorted({name.partition(".")[0] for name in forgotten}), problem=fork_problem())
+                forgotten=sorted({name.partition(".")[0] for name in forgotten}), problem=fork_problem(),
+                pulls_problem=pulls_problem)
     parent.serve()
     return 0
 
