@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from flwr.supercore.constant import PULL_INITIAL_BACKOFF
+
 from fl_app import object_pulls, server_app
 
 PULLS = importlib.import_module(object_pulls.PULLS_MODULE)
@@ -14,10 +16,12 @@ PULLS = importlib.import_module(object_pulls.PULLS_MODULE)
 
 @pytest.fixture
 def flower_pulls(monkeypatch):
-    """Flower's pull functions with their keyword defaults restored after the test."""
+    """Flower's pull functions with Flower's own first retry wait, their keyword defaults restored after the test
+    (an earlier test in this process may have installed the shorter wait)."""
     for name in object_pulls.PULL_FUNCTIONS:
         function = getattr(PULLS, name)
-        monkeypatch.setattr(function, "__kwdefaults__", dict(function.__kwdefaults__))
+        monkeypatch.setattr(function, "__kwdefaults__",
+                            {**function.__kwdefaults__, "initial_backoff": PULL_INITIAL_BACKOFF})
     return [getattr(PULLS, name) for name in object_pulls.PULL_FUNCTIONS]
 
 
@@ -45,6 +49,7 @@ def test_an_unchecked_flower_keeps_its_own_retries(flower_pulls, monkeypatch):
     monkeypatch.setattr(object_pulls, "version", lambda _: "9.9.9")
     assert object_pulls.retry_object_pulls_sooner() == \
         "Flower 9.9.9 is not a release it was checked against (1.41.0)"
+    assert PULL_INITIAL_BACKOFF == 1
     assert [function.__kwdefaults__["initial_backoff"] for function in flower_pulls] == [1, 1]
 
 

@@ -33,6 +33,7 @@ def flower_loop(monkeypatch):
     monkeypatch.setattr(loop, polling_supernode.PULL_STEP, getattr(loop, polling_supernode.PULL_STEP))
     calls = []
     monkeypatch.setattr(polling_supernode, "flower_supernode", lambda: calls.append(list(polling_supernode.sys.argv)))
+    monkeypatch.setattr(polling_supernode, "retry_object_pulls_sooner", lambda: calls.append("pulls") and None)
     monkeypatch.setattr(polling_supernode.sys, "argv", ["python"])
     return loop, calls
 
@@ -45,7 +46,7 @@ def test_the_entry_point_installs_the_faster_poll_and_passes_flowers_arguments_o
     loop, calls = flower_loop
     flower_pull = getattr(loop, polling_supernode.PULL_STEP)
     polling_supernode.main([*argv, *FLOWER_ARGS])
-    assert calls == [["flower-supernode", *FLOWER_ARGS]]
+    assert calls == ["pulls", ["flower-supernode", *FLOWER_ARGS]]
     installed = getattr(loop, polling_supernode.PULL_STEP)
     assert isinstance(installed, functools.partial) and installed.func is polling_supernode.pull_until_message
     assert installed.args == (flower_pull, interval)
@@ -55,7 +56,8 @@ def test_flowers_own_poll_leaves_the_loop_alone(flower_loop):
     loop, calls = flower_loop
     flower_pull = getattr(loop, polling_supernode.PULL_STEP)
     polling_supernode.main(["--poll-interval", "flower", *FLOWER_ARGS])
-    assert getattr(loop, polling_supernode.PULL_STEP) is flower_pull and calls == [["flower-supernode", *FLOWER_ARGS]]
+    assert getattr(loop, polling_supernode.PULL_STEP) is flower_pull
+    assert calls == ["pulls", ["flower-supernode", *FLOWER_ARGS]]  # its object pulls still retry sooner
 
 
 def test_an_unchecked_flower_runs_its_own_supernode_with_a_warning(flower_loop, monkeypatch, caplog):
@@ -64,7 +66,7 @@ def test_an_unchecked_flower_runs_its_own_supernode_with_a_warning(flower_loop, 
     monkeypatch.setattr(polling_supernode, "version", lambda _: "9.9.9")
     with caplog.at_level(logging.WARNING, logger="flwr"):
         polling_supernode.main(FLOWER_ARGS)
-    assert getattr(loop, polling_supernode.PULL_STEP) is flower_pull and len(calls) == 1
+    assert getattr(loop, polling_supernode.PULL_STEP) is flower_pull and len(calls) == 2
     assert "polls every 3 s as Flower's own does: Flower 9.9.9 is not a release it was checked against" in caplog.text
 
 
