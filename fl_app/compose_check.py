@@ -4,13 +4,14 @@ The script sets the machine up (Docker engine, Compose v2, the daemon, the proje
 ``python -m fl_app.compose_check``, which drives docker-compose.yml's stacks with the project's own deployment
 code (:mod:`fl_app.flwr_cli`, :mod:`fl_app.superlink`, :mod:`fl_app.topology`):
 
-1. plain stack: up, every SuperNode online; a run of ``--rounds`` rounds on digits (MLP);
+1. plain stack: up, every SuperNode online; a run of ``--rounds`` rounds on digits (MLP), served by SuperNodes
+   that poll every 0.5 s and warm ClientApp processes (their logs say so);
 2. a run in which one SuperNode's containers are killed after round 1 must still complete;
 3. ``down -v``: no container, network or volume of the project left;
 4. the same topology as local processes (``python -m fl_app.deploy``, what ``./scripts/deploy.sh`` runs) with
    the same seed and run config: the final accuracies are compared;
 5. TLS + SuperNode authentication stack (compose.tls.yml, keys from ``scripts/make_certs.sh``): a SuperNode with
-   an unregistered key is refused, a run completes; ``down -v``.
+   an unregistered key is refused, a run completes (served as in 1); ``down -v``.
 
 Each step is recorded (result, seconds, name, note) as a tab-separated line in ``WORK/steps.tsv``, which the
 script's report prints with its own set-up steps. A failed critical step ends the check; the stacks are taken
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -226,6 +228,20 @@ class Stack:
             raise StepFailed(f"{note}; a port is published beyond 127.0.0.1")
         return note
 
+    def served_by_warm_processes(self) -> str:
+        """What the SuperNodes' and executors' logs say: every SuperNode polling faster, every executor's warm
+        parent ready, and how many ClientApp processes it forked ended well; a StepFailed where one did not."""
+        services = [f"{kind}-{node}" for node in range(NODES) for kind in ("supernode", "superexec-clientapp")]
+        logs = self.compose("logs", "--no-color", *services, limit_s=120).stdout
+        polling = sum(line.startswith("supernode-") and POLLING in line for line in logs.splitlines())
+        parents = sum(line.startswith("superexec-clientapp-") and WARM_READY in line for line in logs.splitlines())
+        children = len(WARM_ENDED.findall(logs))
+        if polling < NODES or parents < NODES or not children:
+            raise StepFailed(f"{polling} of {NODES} SuperNodes polling faster, {parents} warm parents ready, "
+                             f"{children} warm ClientApp processes ended with code 0")
+        return (f"{polling} SuperNodes asking every 0.5 s, {parents} warm ClientApp parents, {children} warm "
+                "ClientApp processes ended with code 0")
+
     def down(self) -> str:
         """``down -v``; nothing of the project may be left."""
         self.save_logs()
@@ -238,6 +254,9 @@ class Stack:
 
 
 LABEL = f"com.docker.compose.project={PROJECT}"
+POLLING = "[alignfl] the SuperNode asks for a message every"
+WARM_READY = "[alignfl] warm ClientApp parent pid"
+WARM_ENDED = re.compile(r"ClientApp process pid \d+ ended with code 0")
 
 
 def docker(*args: str) -> str:
@@ -363,7 +382,7 @@ class ComposeCheck:
         if rounds != list(range(self.settings.rounds + 1)):
             raise StepFailed(f"rounds in metrics.jsonl: {rounds}")
         return (f"run {run.run_id} completed; rounds {rounds}, clients trained per round {clients_trained(folder)}; "
-                f"final accuracy {self.plain_accuracy:.4f}")
+                f"final accuracy {self.plain_accuracy:.4f}; {stack.served_by_warm_processes()}")
 
     def kill_supernode(self) -> str:
         stack, settings = self.stack("plain"), self.settings
@@ -466,7 +485,8 @@ class ComposeCheck:
         run.finish(self.settings.run_timeout_s)
         accuracy = final_accuracy(self.work / "results" / run.name)
         plain = f"{self.plain_accuracy:.4f}" if self.plain_accuracy is not None else "?"
-        return f"run {run.run_id} completed over TLS; final accuracy {accuracy:.4f} (plain stack: {plain})"
+        return (f"run {run.run_id} completed over TLS; final accuracy {accuracy:.4f} (plain stack: {plain}); "
+                f"{self.stack('tls').served_by_warm_processes()}")
 
     def run(self) -> None:
         """Every scenario in order; the stacks are down and the log streams stopped however it ends."""

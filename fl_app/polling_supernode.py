@@ -23,7 +23,7 @@ import sys
 import time
 from collections.abc import Callable
 from importlib.metadata import version
-from logging import WARNING
+from logging import INFO, WARNING
 from typing import Any
 
 from flwr.supercore import log
@@ -79,6 +79,7 @@ def main(argv: list[str] | None = None) -> None:
     elif interval is not None:
         loop = importlib.import_module(LOOP_MODULE)
         setattr(loop, PULL_STEP, functools.partial(pull_until_message, getattr(loop, PULL_STEP), interval))
+        log(INFO, "[alignfl] the SuperNode asks for a message every %g s while it has none", interval)
     flower_supernode()
 
 

@@ -64,6 +64,43 @@ def test_a_failed_stack_start_skips_the_rest_and_still_takes_down_what_is_left(t
     assert calls == [("down", "-v", "--remove-orphans", "--timeout", "10")]
 
 
+SERVED_LOGS = """supernode-0-1  | INFO :      [alignfl] the SuperNode asks for a message every 0.5 s while it has none
+supernode-1-1  | INFO :      [alignfl] the SuperNode asks for a message every 0.5 s while it has none
+supernode-2-1  | INFO :      [alignfl] the SuperNode asks for a message every 0.5 s while it has none
+superexec-clientapp-0-1  | INFO :      [alignfl] warm ClientApp parent pid 12 ready after 3.1 s; the app's own ...
+superexec-clientapp-1-1  | INFO :      [alignfl] warm ClientApp parent pid 12 ready after 3.0 s; the app's own ...
+superexec-clientapp-2-1  | INFO :      [alignfl] warm ClientApp parent pid 12 ready after 3.2 s; the app's own ...
+superexec-clientapp-0-1  | INFO :      [alignfl] task 1: ClientApp process pid 40 ended with code 0 after 0.9 s, 0.4 CPU-s
+superexec-clientapp-2-1  | INFO :      [alignfl] task 1: ClientApp process pid 41 ended with code 0 after 0.8 s, 0.4 CPU-s
+"""
+
+
+@pytest.mark.parametrize("dropped, problem", [
+    (None, None),
+    ("supernode-1-1", "2 of 3 SuperNodes polling faster, 3 warm parents ready, 2 warm ClientApp processes"),
+    ("ready after 3.0", "3 of 3 SuperNodes polling faster, 2 warm parents ready, 2 warm ClientApp processes"),
+    ("ended with code 0", "3 of 3 SuperNodes polling faster, 3 warm parents ready, 0 warm ClientApp processes"),
+])
+def test_a_run_must_be_served_by_faster_supernodes_and_warm_clientapp_processes(tmp_path, monkeypatch, dropped,
+                                                                                 problem):
+    logs = "".join(line + "\n" for line in SERVED_LOGS.splitlines() if dropped is None or dropped not in line)
+    asked = []
+
+    def compose(self, *args, **kwargs):
+        asked.append(args)
+        return subprocess.CompletedProcess(args, 0, logs, "")
+
+    monkeypatch.setattr(compose_check.Stack, "compose", compose)
+    stack = compose_check.Stack(compose_check.PLAIN, tmp_path, "plain")
+    if problem is None:
+        assert stack.served_by_warm_processes() == ("3 SuperNodes asking every 0.5 s, 3 warm ClientApp parents, 2 "
+                                                     "warm ClientApp processes ended with code 0")
+    else:
+        with pytest.raises(StepFailed, match=problem):
+            stack.served_by_warm_processes()
+    assert asked[0][:2] == ("logs", "--no-color") and "superexec-clientapp-2" in asked[0]
+
+
 def test_metrics_rows_leave_out_a_line_being_written(tmp_path):
     rows = [{"round": 0}, {"round": 1, "clients-trained": 3}, {"round": 2, "clients-trained": 2}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows) + '{"round": 3, "cl')
