@@ -54,6 +54,7 @@ from fl_app.topology import (
     compose_topology,
     make_certificates,
     supernode_command,
+    supernode_entry_point,
 )
 
 PROJECT = "alignfl"
@@ -460,7 +461,7 @@ class ComposeCheck:
         stack = self.stack("tls")
         topology = compose_topology(tls=True, num_supernodes=NODES + 1)
         keys = f"/app/certs/supernode-{NODES}"
-        command = supernode_command(topology, NODES)[1:]  # the service's entry point is flower-supernode
+        command = supernode_command(topology, NODES)[len(supernode_entry_point(topology)):]  # the service's own
         log = stack.log("unregistered")
         try:
             done = stack.compose("run", "--rm", "--no-deps", "-T", "-v", f"{stack.certs}/supernode-{NODES}:{keys}:ro",

@@ -195,14 +195,15 @@ def serverapp_executor_command(topology: Topology) -> list[str]:
     return ["flower-superexec", "--runtime-api-address", topology.superlink_address, *_client_security(topology)]
 
 
+def supernode_entry_point(topology: Topology) -> list[str]:
+    """A SuperNode's program (the compose files' ``entrypoint``): Flower's, or the one that polls faster."""
+    return ["flower-supernode"] if topology.node_poll_s is None else ["python", "-m", "fl_app.polling_supernode"]
+
+
 def supernode_command(topology: Topology, node: int) -> list[str]:
     """SuperNode ``node``: partition ``node`` of ``num_supernodes``; its Runtime API only on 127.0.0.1."""
-    if topology.node_poll_s is None:
-        entry_point = ["flower-supernode"]
-    else:
-        entry_point = ["python", "-m", "fl_app.polling_supernode", "--poll-interval",
-                       node_poll_option(topology.node_poll_s)]
-    command = [*entry_point, "--superlink", topology.superlink_address, "--isolation", "process",
+    poll = [] if topology.node_poll_s is None else ["--poll-interval", node_poll_option(topology.node_poll_s)]
+    command = [*supernode_entry_point(topology), *poll, "--superlink", topology.superlink_address, "--isolation", "process",
                "--host", "127.0.0.1", "--port", str(topology.runtime_ports[node]),
                "--node-config", f"partition-id={node} num-partitions={topology.num_supernodes}"]
     certs = topology.certificates

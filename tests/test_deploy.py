@@ -42,6 +42,7 @@ from fl_app.topology import (
     serverapp_executor_command,
     superlink_command,
     supernode_command,
+    supernode_entry_point,
 )
 
 COMPOSE = PROJECT_ROOT / "docker-compose.yml"
@@ -84,6 +85,8 @@ def test_compose_services_run_the_commands_of_the_loopback_script(tls):
     expected = expected_commands(compose_topology(tls, num_supernodes))
     # entry point + command, flags, node configs, addresses and paths, and no service more or less
     assert {name: [*service["entrypoint"], *service["command"]] for name, service in services.items()} == expected
+    # the compose check runs an extra SuperNode as `compose run supernode-0 <command without the entry point>`
+    assert services["supernode-0"]["entrypoint"] == supernode_entry_point(compose_topology(tls, num_supernodes))
 
 
 def mount_target(volume: str) -> str:
