@@ -233,7 +233,7 @@ class Stack:
         """What the SuperNodes' and executors' logs say: every SuperNode polling faster, every executor's warm
         parent ready, and how many ClientApp processes it forked ended well; a StepFailed where one did not."""
         services = [f"{kind}-{node}" for node in range(NODES) for kind in ("supernode", "superexec-clientapp")]
-        logs = self.compose("logs", "--no-color", *services, limit_s=120).stdout
+        logs = ANSI_ESCAPE.sub("", self.compose("logs", "--no-color", *services, limit_s=120).stdout)
         polling = sum(line.startswith("supernode-") and POLLING in line for line in logs.splitlines())
         parents = sum(line.startswith("superexec-clientapp-") and WARM_READY in line for line in logs.splitlines())
         children = len(WARM_ENDED.findall(logs))
@@ -258,6 +258,9 @@ LABEL = f"com.docker.compose.project={PROJECT}"
 POLLING = "[alignfl] the SuperNode asks for a message every"
 WARM_READY = "[alignfl] warm ClientApp parent pid"
 WARM_ENDED = re.compile(r"ClientApp process pid \d+ ended with code 0")
+ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+"""Terminal control sequences that ``docker compose logs`` writes even with ``--no-color`` (erase line, and the
+colours of Flower's log levels)."""
 
 
 def docker(*args: str) -> str:

@@ -8,6 +8,7 @@
 #   ./scripts/deploy.sh --tls            # TLS everywhere + SuperNode authentication (keys from make_certs.sh)
 #   ./scripts/deploy.sh --executor flower  # Flower's own executor: a fresh flwr-clientapp process per message
 #                                          # (default: warm, each forked from a process that imported them once)
+#   ./scripts/deploy.sh --node-poll flower  # Flower's own SuperNode: asks for messages every 3 s (default: 0.5 s)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh

@@ -64,7 +64,7 @@ def test_a_failed_stack_start_skips_the_rest_and_still_takes_down_what_is_left(t
     assert calls == [("down", "-v", "--remove-orphans", "--timeout", "10")]
 
 
-SERVED_LOGS = """supernode-0-1  | INFO :      [alignfl] the SuperNode asks for a message every 0.5 s while it has none
+SERVED_LOGS = """\x1b[2Ksupernode-0-1  | \x1b[92mINFO \x1b[0m:      [alignfl] the SuperNode asks for a message every 0.5 s ...
 supernode-1-1  | INFO :      [alignfl] the SuperNode asks for a message every 0.5 s while it has none
 supernode-2-1  | INFO :      [alignfl] the SuperNode asks for a message every 0.5 s while it has none
 superexec-clientapp-0-1  | INFO :      [alignfl] warm ClientApp parent pid 12 ready after 3.1 s; the app's own ...
