@@ -165,6 +165,15 @@ class Deployment:
             self.start_service(f"supernode-{node}", supernode_command(self.topology, node))
             self.start_service(f"superexec-clientapp-{node}", clientapp_executor_command(self.topology, node))
 
+    def restart_node(self, node: int) -> None:
+        """SuperNode ``node`` and its executor started again (what is left of them stopped first), how they ended
+        forgotten."""
+        names = [f"supernode-{node}", f"superexec-clientapp-{node}"]
+        stop_processes([self.services[name] for name in names if name in self.services], grace_s=10.0)
+        for name in names:
+            self.exited.pop(name, None)
+        self.start_supernodes([node])
+
     def wait_for_supernodes(self, count: int, timeout_s: float) -> None:
         """Until the SuperLink sees ``count`` SuperNodes online (an error naming a service that died first)."""
         everyone = self.running_and(lambda: online_supernodes(self.cli_environment) >= count)

@@ -11,7 +11,9 @@
 The SuperLink side makes the certificate for the names and addresses given with ``--address`` (through
 ``scripts/make_certs.sh``'s ``SUPERLINK_SANS``) and refuses a kept certificate that lacks one. A node machine
 first waits for the SuperLink to answer and checks that its certificate names the address dialled, and stops at
-once with the reason when it does not (Flower's SuperNode would retry without end). Both stop every process they
+once with the reason when it does not (Flower's SuperNode would retry without end); a node whose key the SuperLink
+does not know yet (a node machine started before the SuperLink's machine registered it) is started again every
+few seconds until ``--superlink-wait`` runs out (Flower's SuperNode would exit). Both stop every process they
 started, by process id, on Ctrl-C, SIGTERM or SIGHUP; a node machine serves until then.
 """
 
@@ -24,6 +26,7 @@ import ssl
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from cryptography import x509
@@ -47,6 +50,10 @@ from fl_app.topology import (
 
 REACH_TIMEOUT_S = 10.0
 SERVE_INTERVAL_S = 1.0
+REJOIN_INTERVAL_S = 5.0
+"""Seconds before a SuperNode whose key the SuperLink refused is started again (see :class:`RefusedKeys`)."""
+KEY_REFUSED = "Failed to activate SuperNode"
+"""What Flower's SuperNode logs (``[code: 2004]``, exit code 305) when the SuperLink does not know its key."""
 
 
 def split_address(address: str, option: str) -> tuple[str, int]:
@@ -185,8 +192,9 @@ def parser_for(role: str) -> argparse.ArgumentParser:
         parser.add_argument("--nodes", type=int, nargs="+", required=True,
                             help="the partition ids of this machine's SuperNodes")
         parser.add_argument("--superlink-wait", type=float, default=600.0,
-                            help="with --tls: seconds to wait for the SuperLink to answer before giving up (a "
-                                 "certificate that does not name --superlink stops the nodes at once); default 600")
+                            help="with --tls: seconds to wait for the SuperLink to answer and to accept these "
+                                 "nodes' keys before giving up (a certificate that does not name --superlink stops "
+                                 "the nodes at once); default 600")
         add_node_options(parser)
     return parser
 
@@ -282,6 +290,38 @@ def run_superlink_side(args: argparse.Namespace, config: RunConfig | None, work:
     return report_outcome(config, status, details)
 
 
+class RefusedKeys:
+    """Node machines are often started before the SuperLink's machine has registered their keys; Flower's SuperNode
+    then exits at once ("Failed to activate SuperNode"). Each such node is started again every
+    :data:`REJOIN_INTERVAL_S` seconds until ``deadline``; after it, the node stays down with what to do."""
+
+    def __init__(self, running: Deployment, nodes: list[int], deadline: float) -> None:
+        self.running, self.nodes, self.deadline = running, nodes, deadline
+        self.given_up: set[int] = set()
+
+    def refused(self, node: int) -> bool:
+        name = f"supernode-{node}"
+        return name in self.running.exited and KEY_REFUSED in self.running.log_tail(name, 40)
+
+    def __call__(self) -> None:
+        for node in self.nodes:
+            if node in self.given_up or not self.refused(node):
+                continue
+            certs = self.running.topology.certificates
+            public_key = certs.auth_public_key(node) if certs is not None else f"supernode-{node}/auth.pub"
+            if time.monotonic() > self.deadline:
+                self.given_up.add(node)
+                print(f"[alignfl] the SuperLink still refuses supernode-{node}'s key; gave up (--superlink-wait). "
+                      f"Register {public_key} on the SuperLink's machine (python -m fl_app.deploy superlink "
+                      f"--num-supernodes N registers supernode-0 ... N-1), then start this machine again",
+                      file=sys.stderr, flush=True)
+                continue
+            print(f"[alignfl] the SuperLink does not accept supernode-{node}'s key (not registered yet?); starting "
+                  f"it again in {REJOIN_INTERVAL_S:.0f} s", file=sys.stderr, flush=True)
+            time.sleep(REJOIN_INTERVAL_S)
+            self.running.restart_node(node)
+
+
 def run_supernodes(args: argparse.Namespace, work: Path) -> int:
     certs = args.certs.resolve() if args.certs is not None else None
     topology = supernodes_topology(args, certs)
@@ -298,15 +338,18 @@ def run_supernodes(args: argparse.Namespace, work: Path) -> int:
         print(f"[alignfl] SuperNodes {', '.join(map(str, sorted(args.nodes)))} of {args.num_supernodes} dialling "
               f"{args.superlink} ({args.executor} executor, polling every "
               f"{args.node_poll or FLOWER_NODE_POLL_S:g} s); logs in {work / 'logs'}; Ctrl-C stops them", flush=True)
-        return serve(running)
+        return serve(running, RefusedKeys(running, sorted(args.nodes), time.monotonic() + args.superlink_wait))
     finally:
         running.stop()
 
 
-def serve(running: Deployment) -> int:
-    """Report services that exit until a stop signal (raised as Stopped); 1 once every service has exited."""
+def serve(running: Deployment, after_exits: Callable[[], None] | None = None) -> int:
+    """Report services that exit (then ``after_exits``) until a stop signal (raised as Stopped); 1 once every
+    service has exited."""
     while True:
         running.report_exits()
+        if after_exits is not None:
+            after_exits()
         if len(running.exited) == len(running.services):
             print("[alignfl] every service has exited", file=sys.stderr)
             return 1

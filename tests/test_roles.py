@@ -9,14 +9,17 @@ import threading
 
 import pytest
 
-from fl_app import deploy
+from fl_app import deploy, roles
 from fl_app.superlink import free_port
 from fl_app.topology import make_certificates
 from fl_app.roles import (
+    RefusedKeys,
     Unreachable,
     certificate_names,
+    parser_for,
     subject_names,
     superlink_certificates,
+    supernodes_topology,
     tls_problem,
     wait_for_tls,
 )
@@ -94,3 +97,41 @@ def test_a_node_machine_needs_its_own_key_files(tmp_path, capsys):
             "--certs", str(certs), "--work-dir", str(tmp_path / "work")]
     assert deploy.main(argv) == 2
     assert f"lacks {certs}/supernode-1/auth" in capsys.readouterr().err
+
+
+class NodeMachine:
+    """A stand-in for a node machine's Deployment: which services exited, their logs, and the nodes restarted."""
+
+    def __init__(self, tmp_path, logs: dict[str, str]) -> None:
+        args = parser_for("supernodes").parse_args(["--superlink", "10.0.0.1:9093", "--nodes", "0", "1",
+                                                    "--num-supernodes", "2", "--tls", "--certs", str(tmp_path)])
+        self.topology = supernodes_topology(args, tmp_path)
+        self.exited = {name: "code 1" for name in logs}
+        self.logs = logs
+        self.restarted: list[int] = []
+
+    def log_tail(self, name: str, lines: int = 15) -> str:
+        return self.logs[name]
+
+    def restart_node(self, node: int) -> None:
+        self.restarted.append(node)
+        self.exited.pop(f"supernode-{node}")
+
+
+def test_a_node_whose_key_is_not_registered_yet_is_started_again_until_the_wait_runs_out(tmp_path, monkeypatch,
+                                                                                             capsys):
+    monkeypatch.setattr(roles.time, "sleep", lambda seconds: None)
+    refusal = "ERROR : Exit Code: 305\nFailed to initialize the connection to the SuperLink.\n" \
+              "[code: 2004] Failed to activate SuperNode.\n"
+    machine = NodeMachine(tmp_path, {"supernode-0": refusal, "supernode-1": "ValueError: another failure"})
+    RefusedKeys(machine, [0, 1], deadline=roles.time.monotonic() + 60)()
+    assert machine.restarted == [0]  # node 1 failed otherwise: reported, not restarted
+    assert "does not accept supernode-0's key (not registered yet?); starting it again in 5 s" in \
+        capsys.readouterr().err
+    machine.exited["supernode-0"] = "code 1"
+    late = RefusedKeys(machine, [0, 1], deadline=roles.time.monotonic() - 1)
+    late(), late()
+    assert machine.restarted == [0]
+    err = capsys.readouterr().err
+    assert err.count("gave up (--superlink-wait)") == 1
+    assert f"Register {tmp_path}/supernode-0/auth.pub on the SuperLink's machine" in err
