@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 
 from fl_app.analysis.__main__ import main
 from fl_app.analysis.merge import merge_accuracies
+from core.bbp import BBPSettings
 from core.data import load_dataset
 from models import build_model, permute_state, random_permutations
 
@@ -44,6 +46,8 @@ def test_the_command_trains_merges_and_writes_json_and_plot(tmp_path, capsys):
     (["--costs", "cosine"], "--costs 'cosine'"),
     (["--dirichlet-alpha", "-1"], "'--dirichlet-alpha'"),
     (["--model", "vgg99"], "'--model'"),
+    (["--bbp-sigma", "0"], "--bbp-sigma 0.0 is not allowed: must be a finite number > 0"),
+    (["--bbp-estimate", "mode"], "--bbp-estimate 'mode' is not allowed: choose one of ['posterior', 'weighted']"),
 ])
 def test_bad_options_stop_before_training_with_a_named_error(argv, fragment, tmp_path, capsys):
     assert main(["merge", *argv, "--out", str(tmp_path / "out")]) == 2
@@ -53,9 +57,11 @@ def test_bad_options_stop_before_training_with_a_named_error(argv, fragment, tmp
 
 def test_the_bbp_merge_reports_its_accuracy_and_global_widths(tmp_path, capsys):
     code = main(["merge", "--clients", "3", "--epochs", "1", "--costs", "bbp", "weight", "--init", "different",
-                 "--out", str(tmp_path)])
+                 "--bbp-include-classifier", "true", "--bbp-iterations", "2", "--out", str(tmp_path)])
     assert code == 0
     payload = json.loads((tmp_path / "merge.json").read_text())
+    # every BBP-MAP setting is an option (declared once, in core.bbp.BBPSettings) and recorded
+    assert payload["bbp"] == {**dataclasses.asdict(BBPSettings()), "include_classifier": True, "iterations": 2}
     assert {"matched-bbp", "matched-weight", "average", "ensemble"} <= set(payload["merged-accuracy"])
     widths = payload["bbp-global-width"]
     assert set(widths) == {"hidden.0", "hidden.1", "hidden.2", "hidden.3"}

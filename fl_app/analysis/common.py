@@ -18,6 +18,7 @@ import argparse
 import json
 import math
 import pickle
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -28,6 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from fl_app.config import ConfigError, RunConfig, parse_run_config
+from plugins.options import settings_fields
 from core.data import ImageDataset, list_datasets, load_dataset
 from core.model_io import build_run_model, federated_state
 from models import PanSettings, build_model, list_models
@@ -225,6 +227,45 @@ def add_fresh_model_arguments(parser: argparse.ArgumentParser, with_pan: bool) -
         group.add_argument("--pan-mode", default="off", help=f"PAN mode, one of {list(PAN_MODES)} (default: off)")
         group.add_argument("--pan-t", type=float, default=1.0, help="PAN period T (default: 1)")
         group.add_argument("--pan-a", type=float, default=0.0, help="PAN amplitude A (default: 0)")
+
+
+_REFUSED_FIELD = re.compile(r"^\w+\.(?P<field>\w+) = (?P<value>.*?) is not allowed: (?P<allowed>.*)$", re.S)
+"""How :func:`plugins.options.check_fields` refuses a field of a settings object."""
+
+
+def _shown(value: Any) -> str:
+    """A default as the option takes it (``false``, not ``False``)."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _true_or_false(text: str) -> bool:
+    if text.lower() not in ("true", "false"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not allowed: true or false")
+    return text.lower() == "true"
+
+
+def add_settings_arguments(parser: argparse.ArgumentParser, settings: type, prefix: str) -> None:
+    """An option ``--<prefix><key>`` for every field of a settings class (``--bbp-max-width``), with the type,
+    default and help declared there once; :func:`settings_from_arguments` reads them back."""
+    for setting in settings_fields(settings):
+        parser.add_argument(f"--{prefix}{setting.key}", dest=f"{prefix}{setting.key}".replace("-", "_"),
+                            type=_true_or_false if setting.kind is bool else setting.kind, default=setting.default,
+                            help=f"{setting.help} (default: {_shown(setting.default)})")
+
+
+def settings_from_arguments(args: argparse.Namespace, settings: type, prefix: str) -> Any:
+    """The settings object of the options :func:`add_settings_arguments` added; an AnalysisError naming the option
+    whose value its class refuses."""
+    values = {setting.name: getattr(args, f"{prefix}{setting.key}".replace("-", "_"))
+              for setting in settings_fields(settings)}
+    try:
+        return settings(**values)
+    except ValueError as error:
+        refused = _REFUSED_FIELD.match(str(error))  # "BBPSettings.sigma = 0.0 is not allowed: ..."
+        if refused is None:
+            raise AnalysisError(f"--{prefix}*: {error}") from None
+        option = f"--{prefix}{refused['field'].replace('_', '-')}"
+        raise AnalysisError(f"{option} {refused['value']} is not allowed: {refused['allowed']}") from None
 
 
 def add_common_arguments(parser: argparse.ArgumentParser, seed: bool = True) -> None:

@@ -29,6 +29,7 @@ share an order.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -41,10 +42,12 @@ from fl_app.analysis.common import (
     AnalysisError,
     Subcommand,
     add_common_arguments,
+    add_settings_arguments,
     check_choice,
     check_positive_int,
     pan_settings,
     pyplot,
+    settings_from_arguments,
     write_json,
 )
 from fl_app.config import ConfigError, RunConfig, parse_run_config
@@ -152,13 +155,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"matchings to compare (default: {list(MERGE_COSTS)}; bbp is FedMA's BBP-MAP)")
     parser.add_argument("--match-iterations", type=int, default=1,
                         help="alignment passes: onto client 0, then onto the matched mean (default: 1)")
-    defaults = BBPSettings()
-    parser.add_argument("--bbp-sigma", type=float, default=defaults.sigma,
-                        help=f"BBP-MAP: variance of a client unit around its global unit (default: {defaults.sigma})")
-    parser.add_argument("--bbp-sigma0", type=float, default=defaults.sigma0,
-                        help=f"BBP-MAP: prior variance of a global unit (default: {defaults.sigma0})")
-    parser.add_argument("--bbp-gamma", type=float, default=defaults.gamma,
-                        help=f"BBP-MAP: Indian-buffet mass (default: {defaults.gamma})")
+    add_settings_arguments(parser, BBPSettings, "bbp-")
     parser.add_argument("--pan-mode", default="off", help="PAN mode of every model (default: off)")
     parser.add_argument("--pan-t", type=float, default=1.0, help="PAN period T (default: 1)")
     parser.add_argument("--pan-a", type=float, default=0.0, help="PAN amplitude A (default: 0)")
@@ -189,10 +186,7 @@ def run(args: argparse.Namespace, out: Path) -> list[Path]:
         check_choice("--costs", cost, MERGE_COSTS)
     pan_settings(args.pan_mode, args.pan_t, args.pan_a)
     config = _run_config(args)
-    try:
-        bbp = BBPSettings(sigma=args.bbp_sigma, sigma0=args.bbp_sigma0, gamma=args.bbp_gamma)
-    except ValueError as error:
-        raise AnalysisError(f"--bbp-*: {error}") from None
+    bbp = settings_from_arguments(args, BBPSettings, "bbp-")
 
     device = select_device(config.device)
     states, counts, dataset, classes = train_clients(config, args.clients, args.init == "same", device)
@@ -213,7 +207,7 @@ def run(args: argparse.Namespace, out: Path) -> list[Path]:
         "match-iterations": args.match_iterations, "pan": config.pan_signature(), "seed": args.seed,
         "reference": "client 0", "examples": counts, "client-accuracy": clients, "merged-accuracy": merged,
         "bbp-global-width": widths if BBP in args.costs else None,
-        "bbp": {"sigma": bbp.sigma, "sigma0": bbp.sigma0, "gamma": bbp.gamma},
+        "bbp": dataclasses.asdict(bbp),
     }
     json_path = write_json(out / "merge.json", payload)
 
