@@ -26,6 +26,7 @@ from core.divergence import divergence_by_layer, weight_divergence
 from core.config import RunConfig, results_root
 from core.replies import MODEL_RECORD, NEW_CLIENT
 from core.rounds import Participation
+from fl_app.provenance import git_commit
 from fl_app.ray_cluster import RAY_NODE_RECORD, joined_ray_cluster
 
 GlobalEvaluation = Callable[[ArrayRecord], tuple[float, float]]
@@ -276,8 +277,8 @@ def plot_alignment(rows: list[dict[str, Any]], path: Path, title: str) -> None:
 
 
 def finish_run(folder: Path, recorder: RoundRecorder, final_arrays: ArrayRecord, title: str) -> dict[str, Any]:
-    """Write summary.json, the plots and the final global model; return the summary."""
-    summary = {**recorder.summary(), "run-folder": str(folder)}
+    """Write summary.json (with the project's commit), the plots and the final global model; return the summary."""
+    summary = {**recorder.summary(), "run-folder": str(folder), "git-commit": git_commit()}
     write_json(folder / "summary.json", summary)
     plot_accuracy(recorder.rows, folder / "accuracy.png", title)
     if any(row.get("units-moved") for row in recorder.rows):

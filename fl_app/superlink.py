@@ -22,6 +22,7 @@ import httpx
 
 from fl_app.flwr_cli import PROJECT_ROOT, Watch
 from fl_app.processes import exit_description, log_tail, start_process, stop_processes
+from fl_app.provenance import COMMIT_ENV, git_commit
 
 SUPEREXEC_POLL_S = "0.1"
 """Seconds between a SuperExec's checks for new work (Flower's default 1 s idles every message 0.5 s on average;
@@ -47,6 +48,7 @@ def flower_environment(flwr_home: Path) -> dict[str, str]:
         "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
         "FLWR_DISABLE_UPDATE_CHECK": "1",
         "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": SUPEREXEC_POLL_S,
+        COMMIT_ENV: git_commit(),  # the ServerApp runs from an installed FAB, outside this checkout
         "RAY_DEDUP_LOGS": "0",
     })
     return env

@@ -26,8 +26,9 @@ import flwr
 from flwr.common.logger import log
 
 from core.config import RunConfig
+from fl_app.provenance import git_commit
 from fl_app.results import write_json
-from fl_app.tracking import (PARENT_RUN_ENV, RUN_NAME_ENV, TENSORBOARD_ON, experiment_id, git_commit,
+from fl_app.tracking import (PARENT_RUN_ENV, RUN_NAME_ENV, TENSORBOARD_ON, experiment_id,
                              log_in_batches, mlflow_client, mlflow_uri, wants_mlflow)
 
 PARENT_FILE = "mlflow-sweep.json"

@@ -29,7 +29,6 @@ import json
 import math
 import os
 import re
-import subprocess
 import time
 import urllib.request
 from collections.abc import Callable, Iterable, Mapping
@@ -40,6 +39,7 @@ from typing import Any, Protocol
 from flwr.common.logger import log
 
 from core.config import RunConfig, results_root
+from fl_app.provenance import git_commit
 from fl_app.results import write_json
 from plugins.options import refuse
 
@@ -101,16 +101,6 @@ def scalars(row: Mapping[str, Any]) -> dict[str, float]:
         if key != "round":
             add(key, value)
     return values
-
-
-def git_commit() -> str:
-    """The project's commit (``unknown`` where the code runs from a copy outside a git checkout)."""
-    try:
-        done = subprocess.run(["git", "-C", str(Path(__file__).parent), "rev-parse", "HEAD"], capture_output=True,
-                              text=True, timeout=10, check=False)
-    except (OSError, subprocess.TimeoutExpired):
-        return "unknown"
-    return done.stdout.strip() if done.returncode == 0 else "unknown"
 
 
 def read_tracking_file(folder: Path) -> dict[str, Any]:

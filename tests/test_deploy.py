@@ -31,6 +31,7 @@ from fl_app.config import parse_run_config
 from fl_app.deployment import Deployment, deployment, partner_of, resume_command
 from fl_app.flwr_cli import PROJECT_ROOT, online_supernodes, parse_overrides
 from fl_app.launch import prepare_config, report_outcome
+from fl_app.provenance import checkout_commit
 from fl_app.superlink import free_port, trust, wait_until
 from fl_app.topology import (
     Topology,
@@ -320,6 +321,9 @@ def test_strategy_completes_two_rounds_on_three_supernodes(plain, strategy, tmp_
     board = EventAccumulator(str(folder))  # deployed, the ServerApp tracks to TensorBoard as it does in simulation
     board.Reload()
     assert [event.step for event in board.Scalars("accuracy")] == [0, 1, 2]
+    # the ServerApp runs from an installed FAB, outside this checkout, and still names its commit
+    summary = json.loads((folder / "summary.json").read_text())
+    assert summary["git-commit"] == checkout_commit(PROJECT_ROOT) != "unknown"
 
 
 def without_clock(records: list[dict]) -> list[dict]:
