@@ -46,6 +46,18 @@ def _value(text: str) -> float | str:
 
 
 def write_hparams(sweep_dir: Path, sessions: list[tuple[Path, Mapping[str, str], Mapping[str, Any]]]) -> None:
+    """TensorBoard's HParams view of the sweep (:func:`_write_hparams`); it is an extra view, so a run folder that
+    has moved since is left out and a folder that cannot be written is a warning, not a failed report."""
+    present = [session for session in sessions if session[0].is_dir()]
+    for run_folder in sorted({str(session[0]) for session in sessions} - {str(session[0]) for session in present}):
+        log(WARNING, "[alignfl] HParams view: run folder %s is gone; its job is left out", run_folder)
+    try:
+        _write_hparams(sweep_dir, present)
+    except OSError as error:
+        log(WARNING, "[alignfl] HParams view not written (%s); the sweep's summary files are", error)
+
+
+def _write_hparams(sweep_dir: Path, sessions: list[tuple[Path, Mapping[str, str], Mapping[str, Any]]]) -> None:
     """One HParams session per completed job (run folder, swept settings, summary) whose run has TensorBoard on,
     and the experiment that lists them, in the sweep folder. The seed is read from each run's config.json."""
     from torch.utils.tensorboard.summary import hparams

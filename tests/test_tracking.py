@@ -2,6 +2,7 @@
 client, on a SQLite store and on a real ``mlflow server`` process; progress lines."""
 
 import json
+import logging
 import os
 import signal
 import socket
@@ -19,6 +20,7 @@ from tensorboard.plugins.hparams import plugin_data_pb2
 from fl_app.config import ConfigError, parse_run_config, validate_run
 from fl_app.inprocess import run_in_process
 from fl_app.progress import RoundProgress, duration, start_sweep, sweep_progress
+from fl_app.sweep_tracking import write_hparams
 from fl_app.tracking import TRACKING_FILE, Tracking, scalars
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -239,3 +241,26 @@ def test_a_sweep_on_a_real_mlflow_server_is_a_parent_with_a_child_per_job(tmp_pa
         if server.poll() is None:
             os.killpg(server.pid, signal.SIGTERM)
             server.wait(timeout=60)
+
+
+def test_the_hparams_view_leaves_out_moved_run_folders_and_a_write_failure_is_a_warning(tmp_path, caplog):
+    def run_folder(name: str) -> Path:
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps({"tracking": "tensorboard", "seed": 0}))
+        return folder
+
+    kept, sweep_dir = run_folder("kept"), tmp_path / "sweep"
+    sessions = [(kept, {"train.lr": "0.1"}, {"final-accuracy": 0.5}),
+                (tmp_path / "moved", {"train.lr": "0.2"}, {"final-accuracy": 0.6})]
+    with caplog.at_level(logging.WARNING, logger="flwr"):
+        write_hparams(sweep_dir, sessions)
+    assert f"run folder {tmp_path / 'moved'} is gone" in caplog.text
+    assert not (tmp_path / "moved").exists()  # not made again by the writer
+    assert tensorboard(kept).Scalars("hparams/final-accuracy")[0].value == pytest.approx(0.5)
+    blocked = tmp_path / "blocked"
+    blocked.write_text("a file where the sweep folder should be")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="flwr"):
+        write_hparams(blocked, sessions[:1])  # no exception: the report goes on
+    assert "HParams view not written" in caplog.text
