@@ -78,6 +78,37 @@ def test_fractional_and_whole_gpus_are_accepted_where_cuda_is_and_reach_the_fede
                                                             f"client-resources-num-gpus={gpus}"]
 
 
+def test_the_ray_address_is_checked_first_and_the_superlinks_simulation_joins_that_cluster(monkeypatch, tmp_path,
+                                                                                             capsys):
+    """The cluster (not this machine, which has no CUDA here) decides whether a GPU share can be scheduled; Flower's
+    simulation engine joins it through RAY_ADDRESS in the local SuperLink's environment."""
+    asked, seen = [], {}
+
+    def attach(address, option, cpus, gpus):
+        asked.append((address, option, cpus, gpus))
+        if address == "10.0.0.9:6379":
+            raise ConfigError(f"{option} {address!r}: no Ray cluster answers there")
+        return "10.0.0.5:6379"
+
+    @contextmanager
+    def superlink(env):
+        seen["ray-address"] = env.get("RAY_ADDRESS")
+        yield never_give_up
+
+    monkeypatch.setattr(launch, "attach_to_cluster", attach)
+    monkeypatch.setattr(launch, "torch_cuda_available", lambda: False)
+    monkeypatch.setattr(launch, "local_superlink", superlink)
+    monkeypatch.setattr(launch, "submit_and_follow", lambda *args: ("finished:failed", "not run"))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    run_config = ["--run-config", f'dataset="digits" results-dir="{tmp_path}"']
+    assert launch.main(["--ray-address", "auto", "--num-gpus", "0.5", *run_config]) == 1  # the stand-in run failed
+    assert asked == [("auto", "--ray-address", 1, 0.5)] and seen == {"ray-address": "10.0.0.5:6379"}
+    assert launch.main(["--ray-address", "10.0.0.9:6379", *run_config]) == 2
+    assert "refused before starting: --ray-address '10.0.0.9:6379': no Ray cluster answers there" in \
+        capsys.readouterr().err
+    assert seen == {"ray-address": "10.0.0.5:6379"}  # no SuperLink for the refused address
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--num-supernodes", "0"], "--num-supernodes must be at least 1, got 0"),
     (["--num-supernodes", "-2"], "--num-supernodes must be at least 1, got -2"),
