@@ -12,7 +12,8 @@ Two measurements, each taken for every set-up in turn so that all see the same l
 * **Rounds**: ``python -m fl_app.deploy --executor E --node-poll P`` (SuperLink, N SuperNodes and their
   SuperExecs on 127.0.0.1, the digits MLP) for a few rounds, each round's wall time from ``metrics.jsonl``; the
   runs alternate between the set-ups (``--setups``: Flower's executor and SuperNode, the warm executor with
-  Flower's SuperNode, the warm executor with a SuperNode asking every 0.5 s). Beside them, the CPU-seconds and
+  Flower's SuperNode, the warm executor with a SuperNode asking every 0.5 s and the SuperLink's state in a
+  SQLite file, and the same with the state in memory: the defaults). Beside them, the CPU-seconds and
   wall seconds of every message's ClientApp process of the warm runs (from the executor's log) and of the whole
   deployment. Flower's SuperNode that finds no message sleeps 3 s, and it finds none right after replying, so
   each wave of messages (a round has two: train, then evaluate) waits up to 3 s for it.
@@ -38,8 +39,9 @@ from benchutil import append_jsonl, machine, median, read_jsonl, round_seconds, 
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = str(ROOT / ".venv" / "bin" / "python") if (ROOT / ".venv" / "bin" / "python").exists() else sys.executable
 EXECUTORS = ("flower", "warm")
-DEFAULT_SETUPS = ("flower/flower", "warm/flower", "warm/0.5")
-"""``EXECUTOR/NODE-POLL``: ``python -m fl_app.deploy --executor EXECUTOR --node-poll NODE-POLL``."""
+DEFAULT_SETUPS = ("flower/flower", "warm/flower", "warm/0.5/file", "warm/0.5")
+"""``EXECUTOR/NODE-POLL[/file]``: ``python -m fl_app.deploy --executor EXECUTOR --node-poll NODE-POLL`` (with
+``/file``: ``--superlink-db`` in the run's folder; else the SuperLink's state in memory, the default)."""
 STARTUP = {
     "flower": "import flwr.supernode.cli.flwr_clientapp, flwr.supernode.runtime.run_clientapp, fl_app.client_app",
     "warm": "import flwr.supernode.runtime.run_clientapp, fl_app.client_app",
@@ -167,10 +169,11 @@ def deploy_rounds(setup: str, nodes: int, rounds: int, work: Path) -> tuple[list
     results = work / "results"
     overrides = f'dataset="digits" results-dir="{results}" run-name="bench"'
     before = children_cpu_s()
-    executor, node_poll = setup.split("/")
+    executor, node_poll, *state = setup.split("/")
+    database = ["--superlink-db", str(work / "superlink.db")] if state == ["file"] else []
     process = subprocess.Popen([PYTHON, "-m", "fl_app.deploy", "--executor", executor, "--node-poll", node_poll,
-                                "--num-supernodes", str(nodes), "--rounds", str(rounds), "--run-config", overrides,
-                                "--work-dir", str(work / "deploy")],
+                                *database, "--num-supernodes", str(nodes), "--rounds", str(rounds), "--run-config",
+                                overrides, "--work-dir", str(work / "deploy")],
                                cwd=ROOT, env=environment(), stdout=subprocess.DEVNULL)
     metrics, marks = results / "bench" / "metrics.jsonl", {}
     while process.poll() is None:  # rows: round 0's evaluation, then one per round
@@ -227,7 +230,7 @@ def startup_table(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def rounds_table(rows: list[dict[str, Any]]) -> list[str]:
-    lines = ["| executor / SuperNode poll | round 1, s | rounds 2+, s (median) | ClientApp process per message: wall s, "
+    lines = ["| executor / SuperNode poll / SuperLink state | round 1, s | rounds 2+, s (median) | ClientApp process per message: wall s, "
              "CPU-s (median) | deployment CPU-s per run (median) | load (1 min) |", "|---|---|---|---|---|---|"]
     setups = list(dict.fromkeys(row["setup"] for row in rows if row["kind"] == "rounds"))
     medians: dict[str, float] = {}
@@ -239,9 +242,9 @@ def rounds_table(rows: list[dict[str, Any]]) -> list[str]:
                        f"({len(messages)})" if messages else "-")
         deployment = median([row["deployment-cpu-s"] for row in runs])
         first = ", ".join(f"{row['seconds'][0]:.1f}" for row in runs)
-        executor, poll = setup.split("/")
+        executor, poll, *state = setup.split("/")
         poll = "Flower's 3 s" if poll == "flower" else f"{poll} s"
-        lines.append(f"| {executor} / {poll} | {first} | {medians[setup]:.2f} | {per_message} | {deployment:.1f} | "
+        lines.append(f"| {executor} / {poll} / {'file' if state else 'memory'} | {first} | {medians[setup]:.2f} | {per_message} | {deployment:.1f} | "
                      f"{load(runs)} |")
     baseline = setups[0]
     for setup in setups[1:]:
@@ -283,9 +286,11 @@ def main() -> int:
     args = parser.parse_args()
     for setup in args.setups:
         executor, _, poll = setup.partition("/")
-        if executor not in EXECUTORS or not poll or (poll != "flower" and not 0 < float_or_nan(poll) <= 3):
-            parser.error(f"--setups {setup!r} is not allowed: EXECUTOR/NODE-POLL with EXECUTOR one of "
-                         f"{', '.join(EXECUTORS)} and NODE-POLL seconds in (0, 3] or flower")
+        poll, _, state = poll.partition("/")
+        if executor not in EXECUTORS or not poll or (poll != "flower" and not 0 < float_or_nan(poll) <= 3) or \
+                state not in ("", "file"):
+            parser.error(f"--setups {setup!r} is not allowed: EXECUTOR/NODE-POLL[/file] with EXECUTOR one of "
+                         f"{', '.join(EXECUTORS)}, NODE-POLL seconds in (0, 3] or flower")
     args.out.mkdir(parents=True, exist_ok=True)
     rows_path = args.out / "rows.jsonl"
     rows_path.unlink(missing_ok=True)

@@ -40,6 +40,7 @@ from fl_app.topology import (
     COMPOSE_NUM_SUPERNODES,
     FLOWER_NODE_POLL_S,
     add_node_options,
+    add_superlink_db_option,
     loopback_topology,
     make_certificates,
 )
@@ -72,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--certs", type=Path,
                         help="make_certs.sh's output folder for --tls (default: made afresh in the work folder)")
     add_node_options(parser)
+    add_superlink_db_option(parser)
     parser.add_argument("--work-dir", type=Path,
                         help="where the services' logs, Flower homes and state go (default: a new temporary folder)")
     args = parser.parse_args(argv)
@@ -97,7 +99,8 @@ def prepare(args: argparse.Namespace) -> RunConfig:
     """Check the options and the run config before anything starts."""
     if args.certs is not None and not args.tls:
         raise ValueError("--certs is only used with --tls")
-    for option, folder in (("--work-dir", args.work_dir), ("--certs", args.certs)):
+    for option, folder in (("--work-dir", args.work_dir), ("--certs", args.certs),
+                           ("--superlink-db", args.superlink_db.parent if args.superlink_db else None)):
         if folder is not None:
             check_folder(option, folder.resolve())
     if args.rounds is not None and args.rounds < 1:  # named as the user wrote it, not as num-server-rounds
@@ -119,7 +122,8 @@ def deploy_and_run(config: RunConfig, args: argparse.Namespace) -> int:
           f"{'TLS + SuperNode authentication' if args.tls else 'plaintext'}, {args.executor} ClientApp executor, "
           f"SuperNodes polling every {args.node_poll or FLOWER_NODE_POLL_S:g} s; logs in {work / 'logs'}", flush=True)
     try:
-        topology = loopback_topology(args.num_supernodes, work, certs, args.executor, args.node_poll)
+        topology = loopback_topology(args.num_supernodes, work, certs, args.executor, args.node_poll,
+                                     args.superlink_db.resolve() if args.superlink_db else None)
         with deployment(topology, work) as running:
             status, details = running.run(config)
     except (RuntimeError, TimeoutError) as error:

@@ -45,6 +45,7 @@ from fl_app.topology import (
     Certificates,
     Topology,
     add_node_options,
+    add_superlink_db_option,
     make_certificates,
 )
 
@@ -143,7 +144,7 @@ def superlink_topology(args: argparse.Namespace, work: Path, certs: Path | None)
     local = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
     return Topology(num_supernodes=args.num_supernodes, superlink_host=args.host, superlink_port=args.port,
                     superlink_address=f"{local}:{args.port}", runtime_ports=(0,) * args.num_supernodes,
-                    database=str(work / "superlink.db"),
+                    database=str(args.superlink_db.resolve()) if args.superlink_db else None,
                     certificates=Certificates(str(certs)) if certs is not None else None)
 
 
@@ -152,7 +153,7 @@ def supernodes_topology(args: argparse.Namespace, certs: Path | None) -> Topolog
     host, port = split_address(args.superlink, "--superlink")
     ports = tuple(free_port() if node in args.nodes else 0 for node in range(args.num_supernodes))
     return Topology(num_supernodes=args.num_supernodes, superlink_host=host, superlink_port=port,
-                    superlink_address=args.superlink, runtime_ports=ports, database="",
+                    superlink_address=args.superlink, runtime_ports=ports, database=None,
                     certificates=Certificates(str(certs)) if certs is not None else None, executor=args.executor,
                     node_poll_s=args.node_poll)
 
@@ -184,6 +185,7 @@ def parser_for(role: str) -> argparse.ArgumentParser:
                                  "running one experiment")
         parser.add_argument("--run-config", default="", help="'key=value ...' overrides of [tool.flwr.app.config]")
         parser.add_argument("--rounds", type=int, help="shorthand for the run-config key num-server-rounds")
+        add_superlink_db_option(parser)
         parser.add_argument("--node-wait", type=float, default=600.0,
                             help="seconds to wait for --num-supernodes SuperNodes before the run (default 600)")
     else:
@@ -205,7 +207,9 @@ def check(role: str, args: argparse.Namespace) -> RunConfig | None:
         raise ConfigError(f"--num-supernodes must be at least 1, got {args.num_supernodes}")
     if args.certs is not None and not args.tls:
         raise ConfigError("--certs is only used with --tls")
-    for option, folder in (("--work-dir", args.work_dir), ("--certs", args.certs if role == "superlink" else None)):
+    superlink_db = getattr(args, "superlink_db", None)
+    for option, folder in (("--work-dir", args.work_dir), ("--certs", args.certs if role == "superlink" else None),
+                           ("--superlink-db", superlink_db.parent if superlink_db else None)):
         if folder is not None:
             check_folder(option, folder.resolve())
     if role == "supernodes":

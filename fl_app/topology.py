@@ -69,7 +69,16 @@ def add_node_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--node-poll", type=node_poll_interval, default=DEFAULT_NODE_POLL_S, metavar="S|flower",
                         help="seconds between an idle SuperNode's requests for a message: a wave of messages waits "
                              "half of it on average, for 1/S requests a second per idle node (default "
-                             f"{DEFAULT_NODE_POLL_S:g}); flower: Flower's own SuperNode, every {FLOWER_NODE_POLL_S:g} s")
+                             f"{DEFAULT_NODE_POLL_S:g}); flower: Flower's own SuperNode, every "
+                             f"{FLOWER_NODE_POLL_S:g} s")
+
+
+def add_superlink_db_option(parser: argparse.ArgumentParser) -> None:
+    """``--superlink-db``: where the SuperLink keeps its state, if not in memory."""
+    parser.add_argument("--superlink-db", type=Path, metavar="FILE",
+                        help="keep the SuperLink's state (run history, registered SuperNodes) in this SQLite file, "
+                             "to outlive the SuperLink (default: in its memory, which costs it about a third of the "
+                             "CPU per round)")
 
 
 def node_poll_option(seconds: float | None) -> str:
@@ -130,7 +139,9 @@ class Topology:
     """How SuperNodes, the ServerApp executor and ``flwr`` reach the SuperLink (host:port)."""
     runtime_ports: tuple[int, ...]
     """Per SuperNode, the port of its Runtime API on 127.0.0.1 (its executor shares its network)."""
-    database: str
+    database: str | None
+    """The SuperLink's state (run history, registered SuperNodes) in this SQLite file; None: in its memory, for as
+    long as it runs (about a third of the CPU per round: ``benchmarks/deploy_round.py``)."""
     certificates: Certificates | None = None
     """None: plaintext and no SuperNode authentication."""
     executor: str = DEFAULT_EXECUTOR
@@ -161,13 +172,15 @@ def compose_topology(tls: bool = False, num_supernodes: int = COMPOSE_NUM_SUPERN
 
 
 def loopback_topology(num_supernodes: int, work: Path, certificates: Path | None = None,
-                      executor: str = DEFAULT_EXECUTOR, node_poll_s: float | None = DEFAULT_NODE_POLL_S) -> Topology:
-    """Free ports on 127.0.0.1 and files under ``work``."""
+                      executor: str = DEFAULT_EXECUTOR, node_poll_s: float | None = DEFAULT_NODE_POLL_S,
+                      superlink_db: Path | None = None) -> Topology:
+    """Free ports on 127.0.0.1 and files under ``work``; the SuperLink's state in memory unless ``superlink_db``
+    (the deployment lives for one run, whose checkpoints, not the SuperLink's state, resume it)."""
     port = free_port()
     return Topology(
         num_supernodes=num_supernodes, superlink_host="127.0.0.1", superlink_port=port,
         superlink_address=f"127.0.0.1:{port}", runtime_ports=tuple(free_port() for _ in range(num_supernodes)),
-        database=str(work / "superlink.db"),
+        database=str(superlink_db) if superlink_db is not None else None,
         certificates=Certificates(str(certificates)) if certificates is not None else None, executor=executor,
         node_poll_s=node_poll_s)
 
@@ -181,8 +194,9 @@ def _client_security(topology: Topology) -> list[str]:
 
 def superlink_command(topology: Topology) -> list[str]:
     """The SuperLink: one HTTP(S) port for the Fleet, Control and Runtime APIs; apps run elsewhere."""
+    state = ["--database", topology.database] if topology.database else []
     command = ["flower-superlink", "--isolation", "process", "--host", topology.superlink_host,
-               "--port", str(topology.superlink_port), "--database", topology.database]
+               "--port", str(topology.superlink_port), *state]
     certs = topology.certificates
     if certs is None:
         return [*command, "--insecure"]

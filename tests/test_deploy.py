@@ -212,6 +212,17 @@ def test_supernodes_poll_every_half_second_unless_flowers_own_is_asked_for_and_a
     assert not (tmp_path / "work").exists()
 
 
+def test_the_superlink_keeps_its_state_in_memory_unless_a_file_is_asked_for(tmp_path, capsys):
+    assert "--database" not in superlink_command(loopback_topology(2, tmp_path))
+    command = superlink_command(loopback_topology(2, tmp_path, superlink_db=tmp_path / "state.db"))
+    assert command[command.index("--database") + 1] == str(tmp_path / "state.db")
+    assert superlink_command(compose_topology())[-3:-1] == ["--database", "/app/state/superlink.db"]  # a volume
+    (tmp_path / "file").write_text("not a folder")
+    assert deploy.main(["--superlink-db", str(tmp_path / "file" / "state.db"),
+                        "--work-dir", str(tmp_path / "work")]) == 2
+    assert "--superlink-db" in capsys.readouterr().err and not (tmp_path / "work").exists()
+
+
 def test_a_node_goes_down_whole(tmp_path):
     assert partner_of("supernode-2") == "superexec-clientapp-2"
     assert partner_of("superexec-clientapp-10") == "supernode-10"
