@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from benchutil import append_jsonl, machine, median, read_jsonl, round_seconds, write_report
+from fl_app.topology import node_poll_interval
 
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = str(ROOT / ".venv" / "bin" / "python") if (ROOT / ".venv" / "bin" / "python").exists() else sys.executable
@@ -51,11 +52,15 @@ ClientApp runner and the app (``load_app``); a warm child: the runner (its paren
 ENDED = re.compile(r"ClientApp process pid \d+ ended with code 0 after ([\d.]+) s, ([\d.]+) CPU-s")
 
 
-def float_or_nan(text: str) -> float:
+def valid_setup(setup: str) -> bool:
+    """Whether ``setup`` is ``EXECUTOR/NODE-POLL[/file]`` with values ``fl_app.deploy`` takes."""
+    executor, _, rest = setup.partition("/")
+    poll, _, state = rest.partition("/")
     try:
-        return float(text)
-    except ValueError:
-        return float("nan")
+        node_poll_interval(poll)
+    except argparse.ArgumentTypeError:
+        return False
+    return executor in EXECUTORS and state in ("", "file")
 
 
 def clientapp_startup(_spec: dict[str, Any]) -> None:
@@ -285,10 +290,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "alignfl-deploy-round")
     args = parser.parse_args()
     for setup in args.setups:
-        executor, _, poll = setup.partition("/")
-        poll, _, state = poll.partition("/")
-        if executor not in EXECUTORS or not poll or (poll != "flower" and not 0 < float_or_nan(poll) <= 3) or \
-                state not in ("", "file"):
+        if not valid_setup(setup):
             parser.error(f"--setups {setup!r} is not allowed: EXECUTOR/NODE-POLL[/file] with EXECUTOR one of "
                          f"{', '.join(EXECUTORS)}, NODE-POLL seconds in (0, 3] or flower")
     args.out.mkdir(parents=True, exist_ok=True)
