@@ -29,15 +29,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 
-usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; }
-WORK=""
-while [ $# -gt 0 ]; do
-  case "$1" in
-    --work-dir) WORK=${2:?--work-dir needs a folder}; shift 2;;
-    -h|--help) usage; exit 0;;
-    *) echo "compose_check.sh: unknown argument '$1' (see --help)" >&2; exit 2;;
-  esac
-done
+. scripts/check_options.sh
+parse_check_options "$0" "$@"
 
 IMAGE=alignfl:flwr-1.41.0                                  # docker-compose.yml's image
 UPSTREAM_IMAGE=flwr/superexec:1.41.0-py3.11-ubuntu24.04      # the Dockerfile's default FLWR_IMAGE

@@ -19,15 +19,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 
-usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; }
-WORK=""
-while [ $# -gt 0 ]; do
-  case "$1" in
-    --work-dir) WORK=${2:?--work-dir needs a folder}; shift 2;;
-    -h|--help) usage; exit 0;;
-    *) echo "slurm_check.sh: unknown argument '$1' (see --help)" >&2; exit 2;;
-  esac
-done
+. scripts/check_options.sh
+parse_check_options "$0" "$@"
 [ "$(id -u)" = 0 ] || { echo "slurm_check.sh: run it as root (it installs packages and starts SLURM's daemons)" >&2; exit 2; }
 
 ROUNDS=${ROUNDS:-2}
