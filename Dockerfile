@@ -1,12 +1,12 @@
-# The one image of every service in docker-compose.yml: Flower 1.41.0's SuperExec image, which carries
+# The one image of every service in docker-compose.yml: Flower 1.42.0's SuperExec image, which carries
 # flower-superlink, flower-supernode, flower-superexec, flwr-serverapp, flwr-clientapp and the flwr CLI,
 # plus this project with its pinned dependencies, so the ServerApp and ClientApp processes that the
 # executors start find torch, scikit-learn and flwr-datasets. Each service picks its entry point.
-#   docker compose build        (or: docker build -t alignfl:flwr-1.41.0 .)
+#   docker compose build        (or: docker build -t alignfl:flwr-1.42.0 .)
 # Python 3.11: the project requires it, and the image's default tag carries another version.
 # Where Docker Hub is out of reach, scripts/compose_check.sh builds a stand-in with the same layout
 # (docker/base.Dockerfile) and passes it as --build-arg FLWR_IMAGE=...
-ARG FLWR_IMAGE=flwr/superexec:1.41.0-py3.11-ubuntu24.04
+ARG FLWR_IMAGE=flwr/superexec:1.42.0-py3.11-ubuntu24.04
 
 # The dependency list alone (pyproject.toml's [project] dependencies), so that the heavy layer below (torch)
 # is rebuilt only when that list changes, not on every code or metadata change.
@@ -44,7 +44,7 @@ RUN --mount=type=secret,id=ca_bundle,required=false,mode=0444 \
     if [ -s /run/secrets/ca_bundle ]; then export PIP_CERT=/run/secrets/ca_bundle; fi \
     && python -m pip install --no-cache-dir --no-deps . \
     && python -m pip check \
-    && python -c "import flwr; assert flwr.__version__ == '1.41.0', f'flwr {flwr.__version__} is not the pinned 1.41.0'" \
+    && python -c "import flwr; assert flwr.__version__ == '1.42.0', f'flwr {flwr.__version__} is not the pinned 1.42.0'" \
     # mount points owned by "app": SuperLink state, run folders (results-dir's default ~/alignfl-results),
     # torchvision data (data-root's default), certificates
     && mkdir -p /app/state /app/alignfl-results /app/.cache/alignfl/data /app/certs

@@ -21,15 +21,15 @@ from __future__ import annotations
 
 import argparse
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import torch
+from benchutil import append_jsonl, machine, median, read_jsonl, write_report
 from flwr.app import ConfigRecord, Context, MetricRecord, RecordDict
 
-from benchutil import append_jsonl, machine, median, read_jsonl, write_report
 from core.data import dataset_info
 from core.model_io import build_run_model, federated_state, load_arrays, to_arrays
 from core.strategy import Reply, ServerStrategy
@@ -64,22 +64,37 @@ def replies(config: RunConfig, server: ServerStrategy, model: torch.nn.Module, s
     """Round 1's training messages for K nodes, answered by the strategy's client update."""
     global_arrays = to_arrays(model)
     nodes = list(range(1, len(states) + 1))
-    contents = server.plan_train(1, global_arrays, ConfigRecord({**config.pan_signature(), "server-round": 1}),
-                                 lambda: nodes, SimpleNamespace(trainable=lambda: nodes))
+    contents = server.plan_train(
+        1,
+        global_arrays,
+        ConfigRecord({**config.pan_signature(), "server-round": 1}),
+        lambda: nodes,
+        SimpleNamespace(trainable=lambda: nodes),
+    )
     (channels, height, width), num_classes = dataset_info(config.dataset)
     generator = torch.Generator().manual_seed(0)
     answers = []
     for index, ((node, content), state) in enumerate(zip(contents.items(), states)):
-        context = Context(run_id=1, node_id=node, node_config={"partition-id": index, "num-partitions": len(states)},
-                          state=RecordDict(), run_config={})
+        context = Context(
+            run_id=1,
+            node_id=node,
+            node_config={"partition-id": index, "num-partitions": len(states)},
+            state=RecordDict(),
+            run_config={},
+        )
         load_arrays(model, content["arrays"])
         x = torch.randn(8, channels, height, width, generator=generator)
         y = torch.randint(0, num_classes, (8,), generator=generator)
         update = get_strategy(config.strategy).client(config, context, content)
         metrics = update.train(model, x, y, generator, torch.device("cpu"))
         model.load_state_dict(state, strict=False)
-        reply = RecordDict({"arrays": update.model_record(model), **update.reply_records(),
-                            "metrics": MetricRecord({**metrics, "num-examples": 100 + index, "partition-id": index})})
+        reply = RecordDict(
+            {
+                "arrays": update.model_record(model),
+                **update.reply_records(),
+                "metrics": MetricRecord({**metrics, "num-examples": 100 + index, "partition-id": index}),
+            }
+        )
         answers.append(Reply(node, index, reply, 100.0 + index))
     return answers
 
@@ -103,14 +118,19 @@ def report(rows: list[dict[str, Any]]) -> str:
     """One row per strategy, one column per (model, K): median seconds (min-max)."""
     columns = sorted({(row["model"], row["clients"]) for row in rows}, key=lambda c: (c[0] != "mlp", c[0], c[1]))
     by_key = {(row["strategy"], row["model"], row["clients"]): row for row in rows}
-    lines = ["| strategy | " + " | ".join(f"{model} K={k} (s)" for model, k in columns) + " |",
-             "|---|" + "---|" * len(columns)]
+    lines = [
+        "| strategy | " + " | ".join(f"{model} K={k} (s)" for model, k in columns) + " |",
+        "|---|" + "---|" * len(columns),
+    ]
     for name in sorted({row["strategy"] for row in rows}):
         cells = []
         for model, k in columns:
             row = by_key.get((name, model, k))
-            cells.append("–" if row is None else
-                         f"{median(row['seconds']):.3f} ({min(row['seconds']):.3f}–{max(row['seconds']):.3f})")
+            cells.append(
+                "–"
+                if row is None
+                else f"{median(row['seconds']):.3f} ({min(row['seconds']):.3f}–{max(row['seconds']):.3f})"
+            )
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -121,9 +141,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clients", nargs="+", type=int, default=[10, 100])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--strategies", nargs="+", default=None, help="default: every registered strategy")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="folder for rows.jsonl and report.md (default: a new one under ~/alignfl-results); "
-                             "an existing folder is resumed: measured cells are not run again")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="folder for rows.jsonl and report.md (default: a new one under ~/alignfl-results); "
+        "an existing folder is resumed: measured cells are not run again",
+    )
     args = parser.parse_args(argv)
     names = args.strategies or list_strategies()
     unknown = sorted(set(names) - set(list_strategies()))
@@ -132,8 +156,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.repeats < 1 or min(args.clients) < 2:
         parser.error(f"--repeats must be >= 1 and every --clients >= 2, got {args.repeats} and {args.clients}")
     torch.set_num_threads(1)
-    out = (args.out or Path.home() / "alignfl-results" / "benchmarks" /
-           f"aggregation-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}").resolve()
+    out = (
+        args.out or Path.home() / "alignfl-results" / "benchmarks" / f"aggregation-{datetime.now(UTC):%Y%m%d-%H%M%S}"
+    ).resolve()
     out.mkdir(parents=True, exist_ok=True)
     rows_path = out / "rows.jsonl"
     done = {(row["strategy"], row["model"], row["clients"]) for row in read_jsonl(rows_path)}
@@ -144,11 +169,21 @@ def main(argv: list[str] | None = None) -> int:
                 model = MODEL_FOR[base_model].get(name, base_model)
                 if model is None or (name, base_model, clients) in done:
                     continue
-                config = parse_run_config({"strategy": name, "model": model, "dataset": "fashion-mnist",
-                                           "min-available-nodes": clients})
+                config = parse_run_config(
+                    {"strategy": name, "model": model, "dataset": "fashion-mnist", "min-available-nodes": clients}
+                )
                 seconds = aggregation_seconds(config, clients, args.repeats)
-                append_jsonl(rows_path, {"strategy": name, "model": base_model, "run-model": model,
-                                         "clients": clients, "seconds": seconds, "machine": machine()})
+                append_jsonl(
+                    rows_path,
+                    {
+                        "strategy": name,
+                        "model": base_model,
+                        "run-model": model,
+                        "clients": clients,
+                        "seconds": seconds,
+                        "machine": machine(),
+                    },
+                )
                 print(f"[aggregation] {name} {model} K={clients}: median {median(seconds):.3f} s", flush=True)
     return write_report(out, rows_path, report)
 

@@ -80,8 +80,9 @@ def instrumented(clock: CpuClock) -> Iterator[None]:
         bbp.extended_cost, scipy.optimize.linear_sum_assignment = cost, solver
 
 
-def client_states(data: str, width: float, clients: int, scale: float, noise: float,
-                  seed: int) -> tuple[Any, tuple[str, ...], list[dict[str, Tensor]]]:
+def client_states(
+    data: str, width: float, clients: int, scale: float, noise: float, seed: int
+) -> tuple[Any, tuple[str, ...], list[dict[str, Tensor]]]:
     """The VGG-9 spec, its output layer's keys and ``clients`` drifted, permuted copies of one scaled
     initialisation."""
     torch.manual_seed(seed)
@@ -91,8 +92,10 @@ def client_states(data: str, width: float, clients: int, scale: float, noise: fl
     generator = torch.Generator().manual_seed(seed)
     states = []
     for _ in range(clients):
-        noisy = {key: value + noise * value.std() * torch.randn(value.shape, generator=generator)
-                 for key, value in base.items()}
+        noisy = {
+            key: value + noise * value.std() * torch.randn(value.shape, generator=generator)
+            for key, value in base.items()
+        }
         states.append(permute_state(spec, noisy, random_permutations(spec, noisy, generator)))
     return spec, head_of(model).keys, states
 
@@ -108,8 +111,16 @@ def time_pass(data: str, width: float, clients: int, args: argparse.Namespace, s
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     cost, solve = clock.spent.get("cost", 0.0), clock.spent.get("solve", 0.0)
     growth = sum(result.widths.values()) / sum(spec.group_sizes(states[0]).values()) - 1.0
-    return {"wall": wall, "cpu": cpu, "cost": cost, "solve": solve, "rest": cpu - cost - solve,
-            "matches": clock.calls.get("cost", 0), "growth": growth, "load": os.getloadavg()[0]}
+    return {
+        "wall": wall,
+        "cpu": cpu,
+        "cost": cost,
+        "solve": solve,
+        "rest": cpu - cost - solve,
+        "matches": clock.calls.get("cost", 0),
+        "growth": growth,
+        "load": os.getloadavg()[0],
+    }
 
 
 def settings_to_run(args: argparse.Namespace) -> list[tuple[str, float, int]]:
@@ -123,8 +134,13 @@ def settings_to_run(args: argparse.Namespace) -> list[tuple[str, float, int]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--clients", type=int, nargs="+", default=[2, 4, 8, 16, 32], help="K for the K sweep")
-    parser.add_argument("--widths", type=float, nargs="+", default=[0.25, 0.5, 1.0, 2.0],
-                        help="VGG-9 width factors for the width sweep (at K = 16)")
+    parser.add_argument(
+        "--widths",
+        type=float,
+        nargs="+",
+        default=[0.25, 0.5, 1.0, 2.0],
+        help="VGG-9 width factors for the width sweep (at K = 16)",
+    )
     parser.add_argument("--mnist-width", type=float, default=0.5, help="width factor of the MNIST variant")
     parser.add_argument("--scale", type=float, default=1.0, help="multiplier of the initial weights")
     parser.add_argument("--noise", type=float, default=0.1, help="client noise (x each entry's std)")
@@ -135,19 +151,26 @@ def main() -> None:
     if args.repeats < 1 or args.threads < 1 or min(args.clients) < 2 or min(args.widths) <= 0:
         parser.error("--repeats and --threads must be >= 1, --clients >= 2 and --widths > 0")
     torch.set_num_threads(args.threads)
-    print(f"{os.cpu_count()} cores, torch threads {torch.get_num_threads()}, torch {torch.__version__}, "
-          f"scale {args.scale}, noise {args.noise}, iterations {args.iterations}, repeats {args.repeats}, "
-          f"load average before {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    print("| model | width | K | wall (s) | CPU (s) | cost building, CPU (s) | solving, CPU (s) | rest, CPU (s) "
-          "| client matches | global growth | load (1 min) after each repeat |")
+    print(
+        f"{os.cpu_count()} cores, torch threads {torch.get_num_threads()}, torch {torch.__version__}, "
+        f"scale {args.scale}, noise {args.noise}, iterations {args.iterations}, repeats {args.repeats}, "
+        f"load average before {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
+    )
+    print(
+        "| model | width | K | wall (s) | CPU (s) | cost building, CPU (s) | solving, CPU (s) | rest, CPU (s) "
+        "| client matches | global growth | load (1 min) after each repeat |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for data, width, clients in settings_to_run(args):
         runs = [time_pass(data, width, clients, args, seed) for seed in range(args.repeats)]
         med = {part: statistics.median(run[part] for run in runs) for part in runs[0]}
         loads = "/".join(f"{run['load']:.2f}" for run in runs)
-        print(f"| vgg9 {data} | {width:g} | {clients} | {med['wall']:.2f} | {med['cpu']:.2f} | {med['cost']:.2f} | "
-              f"{med['solve']:.2f} | {med['rest']:.2f} | {med['matches']:.0f} | {100 * med['growth']:.1f} % | "
-              f"{loads} |", flush=True)
+        print(
+            f"| vgg9 {data} | {width:g} | {clients} | {med['wall']:.2f} | {med['cpu']:.2f} | {med['cost']:.2f} | "
+            f"{med['solve']:.2f} | {med['rest']:.2f} | {med['matches']:.0f} | {100 * med['growth']:.1f} % | "
+            f"{loads} |",
+            flush=True,
+        )
     print(f"load average after {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 

@@ -70,8 +70,9 @@ def round_seconds(rows: Sequence[Mapping[str, Any]]) -> list[float]:
     return [later - earlier for earlier, later in zip(stamps, stamps[1:])]
 
 
-def simulate(settings: Mapping[str, Any], num_supernodes: int, ray_cpus: int, client_cpus: float = 1.0,
-             client_gpus: float = 0.0) -> None:
+def simulate(
+    settings: Mapping[str, Any], num_supernodes: int, ray_cpus: int, client_cpus: float = 1.0, client_gpus: float = 0.0
+) -> None:
     """One in-process Flower simulation of the product's ServerApp and ClientApp (what ``flwr run`` runs).
 
     ``ray_cpus`` caps Ray, so at most ``ray_cpus / client_cpus`` clients run at once; Ray is shut down
@@ -82,10 +83,15 @@ def simulate(settings: Mapping[str, Any], num_supernodes: int, ray_cpus: int, cl
     from fl_app.client_app import build_client_app
     from fl_app.server_app import build_server_app
 
-    run_simulation(server_app=build_server_app(settings), client_app=build_client_app(settings),
-                   num_supernodes=num_supernodes,
-                   backend_config={"client_resources": {"num_cpus": client_cpus, "num_gpus": client_gpus},
-                                   "init_args": {"num_cpus": ray_cpus}})
+    run_simulation(
+        server_app=build_server_app(settings),
+        client_app=build_client_app(settings),
+        num_supernodes=num_supernodes,
+        backend_config={
+            "client_resources": {"num_cpus": client_cpus, "num_gpus": client_gpus},
+            "init_args": {"num_cpus": ray_cpus},
+        },
+    )
 
 
 class TreeSampler:
@@ -101,8 +107,8 @@ class TreeSampler:
     """
 
     def __init__(self, interval: float = 1.0, tag: Callable[[], Any] | None = None, memory: bool = True) -> None:
-        import ray  # noqa: F401  (Ray ships psutil in its third-party folder and puts it on sys.path)
         import psutil
+        import ray  # noqa: F401  (Ray ships psutil in its third-party folder and puts it on sys.path)
 
         self._psutil = psutil
         self.interval = interval
@@ -134,8 +140,14 @@ class TreeSampler:
             cpu, count = cpu + times.user + times.system, count + 1
             if info is not None:
                 rss, pss = rss + info.rss, pss + info.pss
-        return {"t": time.time() - self._started, "cpu-s": cpu, "rss-mib": rss / 2**20, "pss-mib": pss / 2**20,
-                "processes": count, "tag": self.tag() if self.tag is not None else None}
+        return {
+            "t": time.time() - self._started,
+            "cpu-s": cpu,
+            "rss-mib": rss / 2**20,
+            "pss-mib": pss / 2**20,
+            "processes": count,
+            "tag": self.tag() if self.tag is not None else None,
+        }
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -173,4 +185,3 @@ class RoundCounter:
             return self.path.read_text().count("\n")
         except FileNotFoundError:
             return 0
-

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from benchutil import append_jsonl, machine, median, read_jsonl, round_seconds, write_report
+
 from fl_app.topology import node_poll_interval
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -90,18 +91,28 @@ def warm_startup_cpu_s(samples: int) -> tuple[list[float], float]:
     """``samples`` children of one warm parent doing the same; their CPU-seconds, and the parent's own
     (paid once per SuperNode)."""
     os.environ.update(environment())
-    from fl_app.warm_executor import WarmExecutor
     from flwr.supercore.constant import TaskType
     from flwr.supercore.superexec.executor import ExecutionSpec
+
+    from fl_app.warm_executor import WarmExecutor
 
     before = children_cpu_s()
     executor = WarmExecutor(["--target", "deploy_round:clientapp_startup"])
     try:
         for task in range(1, samples + 1):
-            executor.launch(ExecutionSpec(
-                task_type=TaskType.CLIENT_APP, runtime_api_address="127.0.0.1:9", token="benchmark", insecure=True,
-                root_certificates_path=None, runtime_dependency_install=False, parent_pid=os.getpid(),
-                suppress_output=False, task_id=task))
+            executor.launch(
+                ExecutionSpec(
+                    task_type=TaskType.CLIENT_APP,
+                    runtime_api_address="127.0.0.1:9",
+                    token="benchmark",
+                    insecure=True,
+                    root_certificates_path=None,
+                    runtime_dependency_install=False,
+                    parent_pid=os.getpid(),
+                    suppress_output=False,
+                    task_id=task,
+                )
+            )
             if not executor.wait_idle(600.0):
                 raise RuntimeError("the warm parent's child did not end")
         if set(executor.outcomes.values()) != {"code 0"}:
@@ -136,8 +147,11 @@ def service_kind(command: str, superlink_port: str) -> str:
         return "SuperNodes"
     if "superexec" in command:
         dialled = command.split("--runtime-api-address ")[1].split()[0]
-        return "ServerApp executor and ServerApp" if dialled.endswith(f":{superlink_port}") else \
-            "ClientApp executors and their ClientApp processes"
+        return (
+            "ServerApp executor and ServerApp"
+            if dialled.endswith(f":{superlink_port}")
+            else "ClientApp executors and their ClientApp processes"
+        )
     if "flwr log" in command:
         return "flwr log --stream (deploy's live log)"
     return "other"
@@ -155,8 +169,9 @@ def service_cpu_s(deploy_pid: int) -> dict[str, float]:
         return table[pid][1] + sum(tree_cpu(child) for child in children.get(pid, []))
 
     services = children.get(deploy_pid, [])
-    port = next((table[pid][2].split("--port ")[1].split()[0] for pid in services
-                 if "flower-superlink" in table[pid][2]), "")
+    port = next(
+        (table[pid][2].split("--port ")[1].split()[0] for pid in services if "flower-superlink" in table[pid][2]), ""
+    )
     totals = {"deploy itself": table[deploy_pid][1] if deploy_pid in table else 0.0}
     for pid in services:
         kind = service_kind(table[pid][2], port)
@@ -164,8 +179,9 @@ def service_cpu_s(deploy_pid: int) -> dict[str, float]:
     return totals
 
 
-def deploy_rounds(setup: str, nodes: int, rounds: int, work: Path) -> tuple[list[float], list[tuple[float, float]],
-                                                                         float, dict[str, float]]:
+def deploy_rounds(
+    setup: str, nodes: int, rounds: int, work: Path
+) -> tuple[list[float], list[tuple[float, float]], float, dict[str, float]]:
     """Wall seconds of rounds 1..``rounds`` of one deployed run, (wall s, CPU-s) of every ClientApp process the
     warm executor logged, the CPU-seconds of the whole deployment (every process it started, with their
     children, as far as they were waited for: the load of the machine does not change them), and each service's
@@ -176,10 +192,29 @@ def deploy_rounds(setup: str, nodes: int, rounds: int, work: Path) -> tuple[list
     before = children_cpu_s()
     executor, node_poll, *state = setup.split("/")
     database = ["--superlink-db", str(work / "superlink.db")] if state == ["file"] else []
-    process = subprocess.Popen([PYTHON, "-m", "fl_app.deploy", "--executor", executor, "--node-poll", node_poll,
-                                *database, "--num-supernodes", str(nodes), "--rounds", str(rounds), "--run-config",
-                                overrides, "--work-dir", str(work / "deploy")],
-                               cwd=ROOT, env=environment(), stdout=subprocess.DEVNULL)
+    process = subprocess.Popen(
+        [
+            PYTHON,
+            "-m",
+            "fl_app.deploy",
+            "--executor",
+            executor,
+            "--node-poll",
+            node_poll,
+            *database,
+            "--num-supernodes",
+            str(nodes),
+            "--rounds",
+            str(rounds),
+            "--run-config",
+            overrides,
+            "--work-dir",
+            str(work / "deploy"),
+        ],
+        cwd=ROOT,
+        env=environment(),
+        stdout=subprocess.DEVNULL,
+    )
     metrics, marks = results / "bench" / "metrics.jsonl", {}
     while process.poll() is None:  # rows: round 0's evaluation, then one per round
         done = metrics.read_text().count("\n") - 1 if metrics.exists() else -1
@@ -192,28 +227,45 @@ def deploy_rounds(setup: str, nodes: int, rounds: int, work: Path) -> tuple[list
     first, last = marks.get(1, {}), marks.get(rounds - 1, {})
     per_round = {kind: (last[kind] - first.get(kind, 0.0)) / (rounds - 2) for kind in last} if rounds > 2 else {}
     rows = read_jsonl(results / "bench" / "metrics.jsonl")
-    messages = [(float(wall), float(cpu)) for log in (work / "deploy" / "logs").glob("superexec-clientapp-*.log")
-                for wall, cpu in ENDED.findall(log.read_text(errors="replace"))]
+    messages = [
+        (float(wall), float(cpu))
+        for log in (work / "deploy" / "logs").glob("superexec-clientapp-*.log")
+        for wall, cpu in ENDED.findall(log.read_text(errors="replace"))
+    ]
     return round_seconds(rows), messages, cpu, per_round
 
 
 def measure(args: argparse.Namespace, rows_path: Path) -> None:
     for sample in range(args.samples):
-        append_jsonl(rows_path, {"kind": "startup", "executor": "flower", "cpu-s": [flower_startup_cpu_s()],
-                                 "machine": machine()})
+        append_jsonl(
+            rows_path,
+            {"kind": "startup", "executor": "flower", "cpu-s": [flower_startup_cpu_s()], "machine": machine()},
+        )
         if sample == 0:  # one warm parent serves every sample, as one serves every message of a node
             cpu, parent = warm_startup_cpu_s(args.samples)
-            append_jsonl(rows_path, {"kind": "startup", "executor": "warm", "cpu-s": cpu, "parent-cpu-s": parent,
-                                     "machine": machine()})
+            append_jsonl(
+                rows_path,
+                {"kind": "startup", "executor": "warm", "cpu-s": cpu, "parent-cpu-s": parent, "machine": machine()},
+            )
     for repeat in range(args.repeats):
         for setup in args.setups if repeat % 2 == 0 else args.setups[::-1]:
             load_before = os.getloadavg()[0]
             with tempfile.TemporaryDirectory(prefix="alignfl-deploy-round-") as work:
                 rounds, messages, cpu, services = deploy_rounds(setup, args.nodes, args.rounds, Path(work))
-            append_jsonl(rows_path, {"kind": "rounds", "setup": setup, "repeat": repeat, "seconds": rounds,
-                                     "messages": messages, "deployment-cpu-s": cpu, "service-cpu-s": services,
-                                     "load-before": round(load_before, 2),
-                                     "machine": machine()})
+            append_jsonl(
+                rows_path,
+                {
+                    "kind": "rounds",
+                    "setup": setup,
+                    "repeat": repeat,
+                    "seconds": rounds,
+                    "messages": messages,
+                    "deployment-cpu-s": cpu,
+                    "service-cpu-s": services,
+                    "load-before": round(load_before, 2),
+                    "machine": machine(),
+                },
+            )
 
 
 def load(selected: list[dict[str, Any]]) -> str:
@@ -235,22 +287,30 @@ def startup_table(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def rounds_table(rows: list[dict[str, Any]]) -> list[str]:
-    lines = ["| executor / SuperNode poll / SuperLink state | round 1, s | rounds 2+, s (median) | ClientApp process per message: wall s, "
-             "CPU-s (median) | deployment CPU-s per run (median) | load (1 min) |", "|---|---|---|---|---|---|"]
+    lines = [
+        "| executor / SuperNode poll / SuperLink state | round 1, s | rounds 2+, s (median) | ClientApp process per message: wall s, "
+        "CPU-s (median) | deployment CPU-s per run (median) | load (1 min) |",
+        "|---|---|---|---|---|---|",
+    ]
     setups = list(dict.fromkeys(row["setup"] for row in rows if row["kind"] == "rounds"))
     medians: dict[str, float] = {}
     for setup in setups:
         runs = [row for row in rows if row["kind"] == "rounds" and row["setup"] == setup]
         medians[setup] = median([value for row in runs for value in row["seconds"][1:]])
         messages = [message for row in runs for message in row["messages"]]
-        per_message = (f"{median([wall for wall, _ in messages]):.2f}, {median([c for _, c in messages]):.2f} "
-                       f"({len(messages)})" if messages else "-")
+        per_message = (
+            f"{median([wall for wall, _ in messages]):.2f}, {median([c for _, c in messages]):.2f} ({len(messages)})"
+            if messages
+            else "-"
+        )
         deployment = median([row["deployment-cpu-s"] for row in runs])
         first = ", ".join(f"{row['seconds'][0]:.1f}" for row in runs)
         executor, poll, *state = setup.split("/")
         poll = "Flower's 3 s" if poll == "flower" else f"{poll} s"
-        lines.append(f"| {executor} / {poll} / {'file' if state else 'memory'} | {first} | {medians[setup]:.2f} | {per_message} | {deployment:.1f} | "
-                     f"{load(runs)} |")
+        lines.append(
+            f"| {executor} / {poll} / {'file' if state else 'memory'} | {first} | {medians[setup]:.2f} | {per_message} | {deployment:.1f} | "
+            f"{load(runs)} |"
+        )
     baseline = setups[0]
     for setup in setups[1:]:
         lines.append(f"\nRounds 2+, {baseline} / {setup}: {medians[baseline] / medians[setup]:.1f}×.")
@@ -263,13 +323,20 @@ def services_table(rows: list[dict[str, Any]]) -> list[str]:
     kinds = list(dict.fromkeys(kind for row in runs for kind in row["service-cpu-s"]))
     if not runs:
         return []
-    lines = ["CPU-seconds per round of each part of the deployment (rounds 2 to the last but one, medians over runs):",
-             "", f"| part | {' | '.join(setups)} |", "|---|" + "---|" * len(setups)]
+    lines = [
+        "CPU-seconds per round of each part of the deployment (rounds 2 to the last but one, medians over runs):",
+        "",
+        f"| part | {' | '.join(setups)} |",
+        "|---|" + "---|" * len(setups),
+    ]
     for kind in [*kinds, "total"]:
         cells = []
         for setup in setups:
-            values = [sum(row["service-cpu-s"].values()) if kind == "total" else row["service-cpu-s"].get(kind, 0.0)
-                      for row in runs if row["setup"] == setup]
+            values = [
+                sum(row["service-cpu-s"].values()) if kind == "total" else row["service-cpu-s"].get(kind, 0.0)
+                for row in runs
+                if row["setup"] == setup
+            ]
             cells.append(f"{median(values):.2f}")
         lines.append(f"| {kind} | {' | '.join(cells)} |")
     return lines
@@ -284,15 +351,21 @@ def main() -> int:
     parser.add_argument("--nodes", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=2, help="deployed runs per set-up")
-    parser.add_argument("--setups", nargs="+", default=list(DEFAULT_SETUPS),
-                        help=f"EXECUTOR/NODE-POLL set-ups to deploy (default {' '.join(DEFAULT_SETUPS)})")
+    parser.add_argument(
+        "--setups",
+        nargs="+",
+        default=list(DEFAULT_SETUPS),
+        help=f"EXECUTOR/NODE-POLL set-ups to deploy (default {' '.join(DEFAULT_SETUPS)})",
+    )
     parser.add_argument("--samples", type=int, default=5, help="start-up samples per executor")
     parser.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "alignfl-deploy-round")
     args = parser.parse_args()
     for setup in args.setups:
         if not valid_setup(setup):
-            parser.error(f"--setups {setup!r} is not allowed: EXECUTOR/NODE-POLL[/file] with EXECUTOR one of "
-                         f"{', '.join(EXECUTORS)}, NODE-POLL seconds in (0, 3] or flower")
+            parser.error(
+                f"--setups {setup!r} is not allowed: EXECUTOR/NODE-POLL[/file] with EXECUTOR one of "
+                f"{', '.join(EXECUTORS)}, NODE-POLL seconds in (0, 3] or flower"
+            )
     args.out.mkdir(parents=True, exist_ok=True)
     rows_path = args.out / "rows.jsonl"
     rows_path.unlink(missing_ok=True)

@@ -29,8 +29,13 @@ HERE = Path(__file__).resolve().parent
 DEFAULT_OUT = HERE / "runs" / "fedma"
 MERGE_CLIENTS = (2, 5, 16)
 CLIENTS = (2, 5, 10, 20)
-BASE: dict[str, Any] = {"model": "small-mlp", "dataset": "fashion-mnist", "partitioner": "dirichlet",
-                        "dirichlet-alpha": 0.5, "device": "cpu"}
+BASE: dict[str, Any] = {
+    "model": "small-mlp",
+    "dataset": "fashion-mnist",
+    "partitioner": "dirichlet",
+    "dirichlet-alpha": 0.5,
+    "device": "cpu",
+}
 METHODS: dict[str, dict[str, Any]] = {
     "FedAvg": {"strategy": "fedavg"},
     "FedMA (BBP-MAP)": {"strategy": "fedma", "fedma-matching": "bbp"},
@@ -54,9 +59,30 @@ def run_merges(args: argparse.Namespace, out: Path) -> None:
             if (folder / "merge.json").is_file():
                 continue
             started = time.time()
-            code = analysis(["merge", "--model", BASE["model"], "--dataset", BASE["dataset"], "--clients",
-                             str(clients), "--init", "different", "--epochs", str(args.merge_epochs), "--costs",
-                             "weight", "bbp", "--seed", str(seed), "--device", "cpu", "--out", str(folder)])
+            code = analysis(
+                [
+                    "merge",
+                    "--model",
+                    BASE["model"],
+                    "--dataset",
+                    BASE["dataset"],
+                    "--clients",
+                    str(clients),
+                    "--init",
+                    "different",
+                    "--epochs",
+                    str(args.merge_epochs),
+                    "--costs",
+                    "weight",
+                    "bbp",
+                    "--seed",
+                    str(seed),
+                    "--device",
+                    "cpu",
+                    "--out",
+                    str(folder),
+                ]
+            )
             if code != 0:
                 raise SystemExit(f"merge K={clients} seed={seed} failed with exit code {code}")
             record = json.loads((folder / "merge.json").read_text())
@@ -74,22 +100,41 @@ def run_federated(args: argparse.Namespace, out: Path) -> None:
                 if (out / "federated" / name / "summary.json").is_file():
                     continue
                 started = time.time()
-                run_in_process({**BASE, **settings, "num-server-rounds": args.rounds, "seed": seed,
-                                "results-dir": str(out / "federated"), "run-name": name}, clients)
-                print(f"[fedma-experiment] {name}: {time.time() - started:.0f} s, load {os.getloadavg()[0]:.1f}",
-                      flush=True)
+                run_in_process(
+                    {
+                        **BASE,
+                        **settings,
+                        "num-server-rounds": args.rounds,
+                        "seed": seed,
+                        "results-dir": str(out / "federated"),
+                        "run-name": name,
+                    },
+                    clients,
+                )
+                print(
+                    f"[fedma-experiment] {name}: {time.time() - started:.0f} s, load {os.getloadavg()[0]:.1f}",
+                    flush=True,
+                )
 
 
 def merge_table(out: Path, seeds: list[int]) -> str:
-    lines = ["| K | average | matched-weight | matched-bbp | ensemble | BBP global width (clients: 20-100-120-84) | "
-             "wall s (load) |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| K | average | matched-weight | matched-bbp | ensemble | BBP global width (clients: 20-100-120-84) | "
+        "wall s (load) |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for clients in MERGE_CLIENTS:
-        records = [json.loads(p.read_text()) for seed in seeds
-                   if (p := out / "merge" / f"k{clients}-seed{seed}" / "merge.json").is_file()]
+        records = [
+            json.loads(p.read_text())
+            for seed in seeds
+            if (p := out / "merge" / f"k{clients}-seed{seed}" / "merge.json").is_file()
+        ]
         if not records:
             continue
-        cells = [mean_std([r["merged-accuracy"][key] for r in records])
-                 for key in ("average", "matched-weight", "matched-bbp", "ensemble")]
+        cells = [
+            mean_std([r["merged-accuracy"][key] for r in records])
+            for key in ("average", "matched-weight", "matched-bbp", "ensemble")
+        ]
         widths = ["-".join(str(v) for v in r["bbp-global-width"].values()) for r in records]
         timing = f"{statistics.median(r['wall-s'] for r in records):.0f} ({statistics.median(r['load'] for r in records):.1f})"
         lines.append(f"| {clients} | " + " | ".join(cells) + f" | {'; '.join(widths)} | {timing} |")
@@ -103,7 +148,11 @@ def federated_table(out: Path, seeds: list[int]) -> str:
         for method, settings in METHODS.items():
             finals = []
             for seed in seeds:
-                folder = out / "federated" / f"{method.split()[0].lower()}-{settings.get('fedma-matching', 'avg')}-k{clients}-seed{seed}"
+                folder = (
+                    out
+                    / "federated"
+                    / f"{method.split()[0].lower()}-{settings.get('fedma-matching', 'avg')}-k{clients}-seed{seed}"
+                )
                 if (folder / "summary.json").is_file():
                     finals.append(json.loads((folder / "summary.json").read_text())["final-accuracy"])
                     rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]

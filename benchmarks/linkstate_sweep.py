@@ -27,14 +27,17 @@ from fl_app import flower_runtime
 from fl_app.inprocess import set_task_identity
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from flower_state import simulation_state  # noqa: E402  (the tests' helper: Flower's simulation state, built)
+from flower_state import simulation_state
 
 
 def sweep_seconds(nodes: int, messages: int) -> tuple[float, float]:
     """Seconds of the delivering sweep and of the in-flight sweep over ``nodes`` nodes."""
     grid, state, node_ids = simulation_state(nodes)
-    list(grid.push_messages([Message(RecordDict(), dst_node_id=node, message_type=MessageType.QUERY)
-                             for node in node_ids[:messages]]))
+    list(
+        grid.push_messages(
+            [Message(RecordDict(), dst_node_id=node, message_type=MessageType.QUERY) for node in node_ids[:messages]]
+        )
+    )
     seconds = []
     for _ in range(2):
         started = time.perf_counter()
@@ -51,8 +54,10 @@ def main() -> None:
     args = parser.parse_args()
     set_task_identity()
     flower_lookup = (InMemoryLinkState.store_message_ins, InMemoryLinkState.get_message_ins)
-    print("| nodes | messages stored | lookup | delivering sweep (s) | in-flight sweep (s) | load (1 min) |\n"
-          "|---|---|---|---|---|---|")
+    print(
+        "| nodes | messages stored | lookup | delivering sweep (s) | in-flight sweep (s) | load (1 min) |\n"
+        "|---|---|---|---|---|---|"
+    )
     for nodes in args.nodes:
         for messages in (m for m in args.messages if m <= nodes):
             for lookup in ("flower", "indexed"):
@@ -61,8 +66,11 @@ def main() -> None:
                 else:
                     InMemoryLinkState.store_message_ins, InMemoryLinkState.get_message_ins = flower_lookup
                 delivering, in_flight = sweep_seconds(nodes, messages)
-                print(f"| {nodes} | {messages} | {lookup} | {delivering:.3f} | {in_flight:.3f} | "
-                      f"{os.getloadavg()[0]:.2f} |", flush=True)
+                print(
+                    f"| {nodes} | {messages} | {lookup} | {delivering:.3f} | {in_flight:.3f} | "
+                    f"{os.getloadavg()[0]:.2f} |",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

@@ -62,8 +62,12 @@ def fedma_cycle(model: str, dataset: str) -> int:
 
 def planned_runs(seeds: list[int], clients: tuple[int, ...]) -> list[dict[str, Any]]:
     """Run-config overrides of every federated run, seeds outermost."""
-    return [{**BASE, "strategy": strategy, "seed": seed, "_clients": k}
-            for seed in seeds for k in clients for strategy in STRATEGIES]
+    return [
+        {**BASE, "strategy": strategy, "seed": seed, "_clients": k}
+        for seed in seeds
+        for k in clients
+        for strategy in STRATEGIES
+    ]
 
 
 def run_name(run: dict[str, Any]) -> str:
@@ -73,8 +77,10 @@ def run_name(run: dict[str, Any]) -> str:
 def run_federated(args: argparse.Namespace, out: Path) -> None:
     cycle = fedma_cycle(BASE["model"], BASE["dataset"])
     if args.rounds % cycle:
-        raise SystemExit(f"--rounds must be a multiple of the FedMA cycle ({cycle} communications for "
-                         f"{BASE['model']}), got {args.rounds}")
+        raise SystemExit(
+            f"--rounds must be a multiple of the FedMA cycle ({cycle} communications for "
+            f"{BASE['model']}), got {args.rounds}"
+        )
     for run in planned_runs(args.seeds, tuple(args.clients)):
         name = run_name(run)
         if (out / name / "summary.json").exists():
@@ -93,16 +99,35 @@ def run_merges(args: argparse.Namespace, out: Path) -> None:
             if (folder / "merge.json").exists():
                 continue
             started = time.time()
-            status = analysis(["merge", "--model", BASE["model"], "--dataset", BASE["dataset"],
-                               "--clients", str(k), "--init", "different", "--epochs", str(args.merge_epochs),
-                               "--dirichlet-alpha", str(BASE["dirichlet-alpha"]), "--seed", str(seed),
-                               "--device", "cpu", "--out", str(folder)])
+            status = analysis(
+                [
+                    "merge",
+                    "--model",
+                    BASE["model"],
+                    "--dataset",
+                    BASE["dataset"],
+                    "--clients",
+                    str(k),
+                    "--init",
+                    "different",
+                    "--epochs",
+                    str(args.merge_epochs),
+                    "--dirichlet-alpha",
+                    str(BASE["dirichlet-alpha"]),
+                    "--seed",
+                    str(seed),
+                    "--device",
+                    "cpu",
+                    "--out",
+                    str(folder),
+                ]
+            )
             if status:
                 raise SystemExit(f"merge K={k} seed={seed} failed with status {status}")
             print(f"[matching-experiment] merge K={k} seed {seed} done in {time.time() - started:.0f} s", flush=True)
 
 
-def pan_measurement(config: "RunConfig", init: str) -> dict[str, Any]:
+def pan_measurement(config: RunConfig, init: str) -> dict[str, Any]:
     """Train ``PAN_CLIENTS`` models, align clients 1.. onto client 0 (``weight`` cost) and measure what it does.
 
     ``moved``: share of hidden units the matching reorders. ``aligned-client-change``:
@@ -112,11 +137,11 @@ def pan_measurement(config: "RunConfig", init: str) -> dict[str, Any]:
     """
     import torch
 
-    from fl_app.analysis.merge import train_clients
+    from core.alignment import find_permutations, matched_average, weighted_average
     from core.model_io import build_run_model
     from core.training import evaluate
+    from fl_app.analysis.merge import train_clients
     from models import permute_state
-    from core.alignment import find_permutations, matched_average, weighted_average
 
     device = torch.device("cpu")
     states, counts, dataset, _ = train_clients(config, PAN_CLIENTS, init == "same", device)
@@ -131,9 +156,15 @@ def pan_measurement(config: "RunConfig", init: str) -> dict[str, Any]:
     moved = [sum(int((p != torch.arange(len(p))).sum()) for p in found.values()) for found in perms]
     units = sum(len(p) for p in perms[0].values())
     change = [accuracy(permute_state(spec, state, found)) - accuracy(state) for state, found in zip(states[1:], perms)]
-    return {"init": init, "pan": config.pan_signature(), "seed": config.seed, "moved": statistics.mean(moved) / units,
-            "aligned-client-change": statistics.mean(change), "average": accuracy(weighted_average(states, counts)),
-            "matched-weight": accuracy(matched_average(states[0], states, counts, spec, "weight"))}
+    return {
+        "init": init,
+        "pan": config.pan_signature(),
+        "seed": config.seed,
+        "moved": statistics.mean(moved) / units,
+        "aligned-client-change": statistics.mean(change),
+        "average": accuracy(weighted_average(states, counts)),
+        "matched-weight": accuracy(matched_average(states[0], states, counts, spec, "weight")),
+    }
 
 
 def run_pan(args: argparse.Namespace, out: Path) -> None:
@@ -145,8 +176,9 @@ def run_pan(args: argparse.Namespace, out: Path) -> None:
                 path = out / f"pan__{init}__{pan.replace(' ', '_').replace('=', '')}__seed{seed}.json"
                 if path.exists():
                     continue
-                config = parse_run_config({**BASE, **keys, "local-epochs": args.pan_epochs, "seed": seed,
-                                           "device": "cpu"})
+                config = parse_run_config(
+                    {**BASE, **keys, "local-epochs": args.pan_epochs, "seed": seed, "device": "cpu"}
+                )
                 result = {**pan_measurement(config, init), "pan-name": pan, "epochs": args.pan_epochs}
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_text(json.dumps(result, indent=2) + "\n")
@@ -174,8 +206,10 @@ def federated_table(groups: dict[tuple[str, int], list[dict[str, Any]]], cycle: 
     """Accuracy after every completed FedMA cycle (equal communications), one row per K and strategy."""
     rounds = sorted({r for runs in groups.values() for run in runs for r in run["curve"] if r and r % cycle == 0})
     header = " | ".join(f"after {r} comms (%)" for r in rounds)
-    lines = [f"| K | strategy | seeds | {header} | best of all rounds (%) | run time (s) |",
-             "|---|---|---|" + "---|" * (len(rounds) + 2)]
+    lines = [
+        f"| K | strategy | seeds | {header} | best of all rounds (%) | run time (s) |",
+        "|---|---|---|" + "---|" * (len(rounds) + 2),
+    ]
     for k in sorted({k for _, k in groups}):
         for strategy in STRATEGIES:
             runs = groups.get((strategy, k), [])
@@ -183,8 +217,10 @@ def federated_table(groups: dict[tuple[str, int], list[dict[str, Any]]], cycle: 
                 continue
             cells = " | ".join(mean_std([run["curve"][r] for run in runs if r in run["curve"]]) for r in rounds)
             wall = statistics.mean(run["wall-time-s"] for run in runs)
-            lines.append(f"| {k} | {strategy} | {len(runs)} | {cells} | "
-                         f"{mean_std([run['best-accuracy'] for run in runs])} | {wall:.0f} |")
+            lines.append(
+                f"| {k} | {strategy} | {len(runs)} | {cells} | "
+                f"{mean_std([run['best-accuracy'] for run in runs])} | {wall:.0f} |"
+            )
     return "\n".join(lines)
 
 
@@ -198,12 +234,16 @@ def _merge_groups(out: Path, seeds: list[int]) -> dict[int, list[dict[str, Any]]
 
 
 def merge_table(groups: dict[int, list[dict[str, Any]]]) -> str:
-    lines = ["| K | seeds | best client (%) | mean client (%) | " + " | ".join(f"{m} (%)" for m in MERGE_KEYS) + " |",
-             "|---|---|---|---|" + "---|" * len(MERGE_KEYS)]
+    lines = [
+        "| K | seeds | best client (%) | mean client (%) | " + " | ".join(f"{m} (%)" for m in MERGE_KEYS) + " |",
+        "|---|---|---|---|" + "---|" * len(MERGE_KEYS),
+    ]
     for k, runs in sorted(groups.items()):
         cells = " | ".join(mean_std([r["merged-accuracy"][m] for r in runs]) for m in MERGE_KEYS)
-        lines.append(f"| {k} | {len(runs)} | {mean_std([max(r['client-accuracy']) for r in runs])} | "
-                     f"{mean_std([statistics.mean(r['client-accuracy']) for r in runs])} | {cells} |")
+        lines.append(
+            f"| {k} | {len(runs)} | {mean_std([max(r['client-accuracy']) for r in runs])} | "
+            f"{mean_std([statistics.mean(r['client-accuracy']) for r in runs])} | {cells} |"
+        )
     return "\n".join(lines)
 
 
@@ -213,12 +253,17 @@ def pan_table(out: Path, seeds: list[int]) -> str:
         result = json.loads(path.read_text())
         if result["seed"] in seeds:
             groups.setdefault((result["init"], result["pan-name"]), []).append(result)
-    lines = ["| init | PANs | seeds | units moved (%) | client accuracy change when reordered (points) | "
-             "plain average (%) | matched average (%) |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| init | PANs | seeds | units moved (%) | client accuracy change when reordered (points) | "
+        "plain average (%) | matched average (%) |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for (init, pan), runs in sorted(groups.items()):
-        lines.append(f"| {init} | {pan} | {len(runs)} | {mean_std([r['moved'] for r in runs])} | "
-                     f"{mean_std([r['aligned-client-change'] for r in runs])} | "
-                     f"{mean_std([r['average'] for r in runs])} | {mean_std([r['matched-weight'] for r in runs])} |")
+        lines.append(
+            f"| {init} | {pan} | {len(runs)} | {mean_std([r['moved'] for r in runs])} | "
+            f"{mean_std([r['aligned-client-change'] for r in runs])} | "
+            f"{mean_std([r['average'] for r in runs])} | {mean_std([r['matched-weight'] for r in runs])} |"
+        )
     return "\n".join(lines)
 
 
@@ -230,8 +275,11 @@ def _plot(groups: dict[tuple[str, int], list[dict[str, Any]]], rounds: int, path
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for strategy in STRATEGIES:
-        points = sorted((k, [run["curve"][rounds] for run in runs if rounds in run["curve"]])
-                        for (s, k), runs in groups.items() if s == strategy)
+        points = sorted(
+            (k, [run["curve"][rounds] for run in runs if rounds in run["curve"]])
+            for (s, k), runs in groups.items()
+            if s == strategy
+        )
         points = [(k, values) for k, values in points if values]
         if not points:
             continue
@@ -239,8 +287,12 @@ def _plot(groups: dict[tuple[str, int], list[dict[str, Any]]], rounds: int, path
         means = [100 * statistics.mean(v) for _, v in points]
         stds = [100 * statistics.stdev(v) if len(v) > 1 else 0.0 for _, v in points]
         ax.errorbar(ks, means, yerr=stds, marker="o", capsize=3, label=strategy)
-    ax.set(xscale="log", xlabel="number of clients K", ylabel=f"test accuracy after {rounds} comms (%)",
-           title="Fashion-MNIST, small-mlp, Dirichlet 0.5: equal communication")
+    ax.set(
+        xscale="log",
+        xlabel="number of clients K",
+        ylabel=f"test accuracy after {rounds} comms (%)",
+        title="Fashion-MNIST, small-mlp, Dirichlet 0.5: equal communication",
+    )
     ax.minorticks_off()
     ax.set_xticks(list(CLIENTS), [str(k) for k in CLIENTS])
     ax.grid(alpha=0.3)
@@ -255,8 +307,14 @@ def report(out: Path, seeds: list[int], rounds: int, figure: Path) -> str:
     groups = _federated_groups(out, seeds)
     _plot(groups, rounds, figure)
     cycle = fedma_cycle(BASE["model"], BASE["dataset"])
-    return (federated_table(groups, cycle) + "\n\n" + merge_table(_merge_groups(out, seeds))
-            + "\n\n" + pan_table(out, seeds) + f"\n\n(plot: {figure})")
+    return (
+        federated_table(groups, cycle)
+        + "\n\n"
+        + merge_table(_merge_groups(out, seeds))
+        + "\n\n"
+        + pan_table(out, seeds)
+        + f"\n\n(plot: {figure})"
+    )
 
 
 def main() -> None:

@@ -94,8 +94,12 @@ def client_states(name: str, clients: int, kind: str, noise: float, seed: int) -
     generator = torch.Generator().manual_seed(seed)
     states = []
     for _ in range(clients):
-        noisy = {k: v + noise * v.std() * torch.randn(v.shape, generator=generator)
-                 if v.is_floating_point() and v.numel() > 1 else v.clone() for k, v in global_state.items()}
+        noisy = {
+            k: v + noise * v.std() * torch.randn(v.shape, generator=generator)
+            if v.is_floating_point() and v.numel() > 1
+            else v.clone()
+            for k, v in global_state.items()
+        }
         states.append(permute_state(spec, noisy, random_permutations(spec, noisy, generator)))
     return spec, global_state, states
 
@@ -106,8 +110,9 @@ def time_round(name: str, clients: int, kind: str, noise: float, seed: int) -> d
     clock = Clock(time.process_time)
     with instrumented(clock):
         wall, cpu = time.perf_counter(), time.process_time()
-        alignment.matched_average(global_state, states, [1.0] * clients, spec, "weight", 1,
-                                  torch.Generator().manual_seed(seed))
+        alignment.matched_average(
+            global_state, states, [1.0] * clients, spec, "weight", 1, torch.Generator().manual_seed(seed)
+        )
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     parts = {label: clock.spent.get(label, 0.0) for label in ("cost matrices", "solver")}
     return {"wall": wall, "cpu": cpu, **parts, "elsewhere": cpu - sum(parts.values())}
@@ -123,21 +128,29 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     args = parser.parse_args()
     if args.repeats < 1 or args.threads < 1 or any(k < 1 for k in args.clients):
-        parser.error(f"--repeats, --threads and --clients must be >= 1, got {args.repeats}, {args.threads}, "
-                     f"{args.clients}")
+        parser.error(
+            f"--repeats, --threads and --clients must be >= 1, got {args.repeats}, {args.threads}, {args.clients}"
+        )
     torch.set_num_threads(args.threads)
-    print(f"torch threads {torch.get_num_threads()}, client models {args.client_models}, "
-          f"load average before {os.getloadavg()[0]:.2f}")
-    print("| model | K | wall (s) | CPU (s) | cost matrices, CPU (s) | solver, CPU (s) | elsewhere, CPU (s) "
-          "| solver share of CPU |")
+    print(
+        f"torch threads {torch.get_num_threads()}, client models {args.client_models}, "
+        f"load average before {os.getloadavg()[0]:.2f}"
+    )
+    print(
+        "| model | K | wall (s) | CPU (s) | cost matrices, CPU (s) | solver, CPU (s) | elsewhere, CPU (s) "
+        "| solver share of CPU |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for name in args.models:
         for clients in args.clients:
             runs = [time_round(name, clients, args.client_models, args.noise, seed) for seed in range(args.repeats)]
             median = {part: statistics.median(run[part] for run in runs) for part in runs[0]}
-            print(f"| {name} | {clients} | {median['wall']:.2f} | {median['cpu']:.2f} | "
-                  f"{median['cost matrices']:.2f} | {median['solver']:.2f} | {median['elsewhere']:.2f} | "
-                  f"{100 * median['solver'] / median['cpu']:.0f} % |", flush=True)
+            print(
+                f"| {name} | {clients} | {median['wall']:.2f} | {median['cpu']:.2f} | "
+                f"{median['cost matrices']:.2f} | {median['solver']:.2f} | {median['elsewhere']:.2f} | "
+                f"{100 * median['solver'] / median['cpu']:.0f} % |",
+                flush=True,
+            )
     print(f"load average after {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 

@@ -28,31 +28,49 @@ import math
 import os
 import tempfile
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import torch
+from benchutil import (
+    RoundCounter,
+    TreeSampler,
+    append_jsonl,
+    machine,
+    median,
+    read_jsonl,
+    round_seconds,
+    run_metrics,
+    simulate,
+    write_report,
+)
 from torch import nn
 
-from benchutil import (RoundCounter, TreeSampler, append_jsonl, machine, median, read_jsonl, round_seconds,
-                       run_metrics, simulate, write_report)
 from core.calibration import classification_scores
-from fl_app.config import RunConfig, parse_run_config
 from core.data import load_dataset
-from core.partitioning.partitions import client_split, partition_dataset
 from core.model_io import build_run_model, federated_state
+from core.partitioning.partitions import client_split, partition_dataset
 from core.training import evaluate, iterate_batches, round_generator, seed_everything
+from fl_app.config import RunConfig, parse_run_config
 
-EXPERIMENT = {"strategy": "fedavg", "model": "mlp", "dataset": "fashion-mnist", "local-epochs": 1,
-              "batch-size": 64, "num-server-rounds": 5, "seed": 0}
+EXPERIMENT = {
+    "strategy": "fedavg",
+    "model": "mlp",
+    "dataset": "fashion-mnist",
+    "local-epochs": 1,
+    "batch-size": 64,
+    "num-server-rounds": 5,
+    "seed": 0,
+}
 
 
 def client_tensors(config: RunConfig, num_clients: int) -> list[tuple[torch.Tensor, ...]]:
     """Each client's (train x, train y, test x, test y), sliced exactly as the ClientApp slices them."""
     dataset = load_dataset(config.dataset)
-    parts = partition_dataset(config.dataset, None, config.partitioner, num_clients, config.seed,
-                              **config.partition_options())
+    parts = partition_dataset(
+        config.dataset, None, config.partitioner, num_clients, config.seed, **config.partition_options()
+    )
     tensors = []
     for pid, part in enumerate(parts):
         train, test = client_split(part, config.test_fraction, config.seed, pid)
@@ -60,11 +78,13 @@ def client_tensors(config: RunConfig, num_clients: int) -> list[tuple[torch.Tens
     return tensors
 
 
-def local_sgd(model: nn.Module, config: RunConfig, x: torch.Tensor, y: torch.Tensor,
-              generator: torch.Generator) -> None:
+def local_sgd(
+    model: nn.Module, config: RunConfig, x: torch.Tensor, y: torch.Tensor, generator: torch.Generator
+) -> None:
     """FedAvg's local update written out: SGD on cross-entropy, the ClientApp's batches."""
-    optimizer = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum,
-                                weight_decay=config.weight_decay)
+    optimizer = torch.optim.SGD(
+        model.parameters(), lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay
+    )
     model.train()
     for _ in range(config.local_epochs):
         for xb, yb in iterate_batches(x, y, config.batch_size, generator):
@@ -97,51 +117,78 @@ def plain_fedavg(config: RunConfig, num_clients: int) -> list[dict[str, Any]]:
         local = [classification_scores(model, test_x, test_y, device) for _, _, test_x, test_y in clients]
         loss, accuracy = evaluate(model, dataset.test_x, dataset.test_y, device)
         now, cpu_now = time.time(), time.process_time()
-        rows.append({"round": server_round, "seconds": now - started, "cpu-seconds": cpu_now - cpu_started,
-                     "accuracy": accuracy, "loss": loss,
-                     "local-accuracy-mean": sum(score[0] for score in local if not math.isnan(score[0])) / len(local)})
+        rows.append(
+            {
+                "round": server_round,
+                "seconds": now - started,
+                "cpu-seconds": cpu_now - cpu_started,
+                "accuracy": accuracy,
+                "loss": loss,
+                "local-accuracy-mean": sum(score[0] for score in local if not math.isnan(score[0])) / len(local),
+            }
+        )
         started, cpu_started = now, cpu_now
     return rows
 
 
-def simulated_fedavg(config: RunConfig, num_clients: int, ray_cpus: int, results_dir: Path,
-                     run_name: str) -> list[dict[str, Any]]:
+def simulated_fedavg(
+    config: RunConfig, num_clients: int, ray_cpus: int, results_dir: Path, run_name: str
+) -> list[dict[str, Any]]:
     """The experiment through the product's Flower simulation; one row per round from its metrics.jsonl."""
-    settings = {**config.to_run_config(), "results-dir": str(results_dir), "run-name": run_name,
-                "min-available-nodes": num_clients}
+    settings = {
+        **config.to_run_config(),
+        "results-dir": str(results_dir),
+        "run-name": run_name,
+        "min-available-nodes": num_clients,
+    }
     sampler = TreeSampler(interval=0.25, tag=RoundCounter(results_dir / run_name / "metrics.jsonl"), memory=False)
     with sampler:
         simulate(settings, num_clients, ray_cpus)
     cpu_at = sampler.first_per_tag("cpu-s")  # CPU seconds of the process tree when each round began
     metrics = sorted(run_metrics(results_dir, run_name), key=lambda row: row["round"])
-    return [{"round": row["round"], "seconds": seconds, "accuracy": row["accuracy"], "loss": row["loss"],
-             "cpu-seconds": cpu_at.get(row["round"] + 1, math.nan) - cpu_at.get(row["round"], math.nan),
-             "local-accuracy-mean": row.get("local-accuracy-mean")}
-            for row, seconds in zip(metrics[1:], round_seconds(metrics))]
+    return [
+        {
+            "round": row["round"],
+            "seconds": seconds,
+            "accuracy": row["accuracy"],
+            "loss": row["loss"],
+            "cpu-seconds": cpu_at.get(row["round"] + 1, math.nan) - cpu_at.get(row["round"], math.nan),
+            "local-accuracy-mean": row.get("local-accuracy-mean"),
+        }
+        for row, seconds in zip(metrics[1:], round_seconds(metrics))
+    ]
 
 
 def steady(rows: list[dict[str, Any]], side: str, key: str = "seconds") -> list[float]:
     """Wall (or CPU) seconds of one side's rounds after each run's first round."""
-    return [round_row[key] for row in rows if row["side"] == side
-            for round_row in row["rounds"] if round_row["round"] > 1]
+    return [
+        round_row[key] for row in rows if row["side"] == side for round_row in row["rounds"] if round_row["round"] > 1
+    ]
 
 
 def report(rows: list[dict[str, Any]]) -> str:
     """A Markdown summary: per-run medians, pooled medians and the ratio."""
-    lines = ["| run | side | rounds 2+ median wall (s) | rounds 2+ median CPU (s) | round 1 wall (s) | "
-             "final accuracy | load average (1 min) |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| run | side | rounds 2+ median wall (s) | rounds 2+ median CPU (s) | round 1 wall (s) | "
+        "final accuracy | load average (1 min) |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for index, row in enumerate(rows):
         later = [r["seconds"] for r in row["rounds"] if r["round"] > 1]
         first = row["rounds"][0]["seconds"] if row["rounds"] else math.nan
         final = row["rounds"][-1]["accuracy"] if row["rounds"] else math.nan
         cpu = [r["cpu-seconds"] for r in row["rounds"] if r["round"] > 1]
-        lines.append(f"| {index} | {row['side']} | {median(later):.2f} | {median(cpu):.2f} | {first:.2f} | "
-                     f"{final:.4f} | {row['load-after'][0]:.2f} |")
+        lines.append(
+            f"| {index} | {row['side']} | {median(later):.2f} | {median(cpu):.2f} | {first:.2f} | "
+            f"{final:.4f} | {row['load-after'][0]:.2f} |"
+        )
     for key, label in (("seconds", "wall"), ("cpu-seconds", "CPU (whole process tree)")):
         simulation, plain = median(steady(rows, "simulation", key)), median(steady(rows, "plain", key))
-        lines += ["", f"median {label} seconds per round after round 1: simulation {simulation:.2f}, "
-                      f"plain PyTorch {plain:.2f}, ratio {simulation / plain:.3f} (target <= 1.05, issue 18)"]
+        lines += [
+            "",
+            f"median {label} seconds per round after round 1: simulation {simulation:.2f}, "
+            f"plain PyTorch {plain:.2f}, ratio {simulation / plain:.3f} (target <= 1.05, issue 18)",
+        ]
     return "\n".join(lines)
 
 
@@ -150,22 +197,34 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pairs", type=int, default=3, help="simulation/plain pairs, alternated (default 3)")
     parser.add_argument("--clients", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--dataset", default="fashion-mnist", help="fashion-mnist (the benchmark) or digits (a smoke test)")
+    parser.add_argument(
+        "--dataset", default="fashion-mnist", help="fashion-mnist (the benchmark) or digits (a smoke test)"
+    )
     parser.add_argument("--ray-cpus", type=int, default=1, help="CPUs Ray may use (default 1: one client at a time)")
-    parser.add_argument("--tracking", default="tensorboard", choices=("tensorboard", "none"),
-                        help="the simulation's run-config key tracking (default: the default, TensorBoard on)")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="folder for rows.jsonl and report.md (default: a new one under ~/alignfl-results); "
-                             "an existing folder is resumed: its finished runs count and are not run again")
+    parser.add_argument(
+        "--tracking",
+        default="tensorboard",
+        choices=("tensorboard", "none"),
+        help="the simulation's run-config key tracking (default: the default, TensorBoard on)",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="folder for rows.jsonl and report.md (default: a new one under ~/alignfl-results); "
+        "an existing folder is resumed: its finished runs count and are not run again",
+    )
     args = parser.parse_args(argv)
     for name in ("pairs", "clients", "rounds", "ray_cpus"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
     torch.set_num_threads(1)
-    config = parse_run_config({**EXPERIMENT, "num-server-rounds": args.rounds, "dataset": args.dataset,
-                               "tracking": args.tracking})
-    out = (args.out or Path.home() / "alignfl-results" / "benchmarks" /
-           f"overhead-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}").resolve()
+    config = parse_run_config(
+        {**EXPERIMENT, "num-server-rounds": args.rounds, "dataset": args.dataset, "tracking": args.tracking}
+    )
+    out = (
+        args.out or Path.home() / "alignfl-results" / "benchmarks" / f"overhead-{datetime.now(UTC):%Y%m%d-%H%M%S}"
+    ).resolve()
     out.mkdir(parents=True, exist_ok=True)
     rows_path = out / "rows.jsonl"
     print(f"[overhead] {machine()}; results in {out}", flush=True)
@@ -178,11 +237,20 @@ def main(argv: list[str] | None = None) -> int:
                 rounds = simulated_fedavg(config, args.clients, args.ray_cpus, Path(tmp), "run")
         else:
             rounds = plain_fedavg(config, args.clients)
-        row = {"side": side, "rounds": rounds, "load-before": load_before, "load-after": list(os.getloadavg()),
-               "machine": machine(), "ray-cpus": args.ray_cpus}
+        row = {
+            "side": side,
+            "rounds": rounds,
+            "load-before": load_before,
+            "load-after": list(os.getloadavg()),
+            "machine": machine(),
+            "ray-cpus": args.ray_cpus,
+        }
         append_jsonl(rows_path, row)
-        print(f"[overhead] run {index} ({side}): " +
-              ", ".join(f"r{r['round']} {r['seconds']:.2f}s acc {r['accuracy']:.4f}" for r in rounds), flush=True)
+        print(
+            f"[overhead] run {index} ({side}): "
+            + ", ".join(f"r{r['round']} {r['seconds']:.2f}s acc {r['accuracy']:.4f}" for r in rounds),
+            flush=True,
+        )
     return write_report(out, rows_path, report)
 
 

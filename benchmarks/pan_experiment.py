@@ -38,8 +38,15 @@ PAN_SETTINGS: dict[str, dict[str, Any]] = {
 }
 ALPHAS = (0.1, 1.0, 10.0)
 ALGORITHMS = ("fedavg", "fedprox", "fedavgm", "scaffold", "moon")
-AUTHORS: dict[str, Any] = {"local-epochs": 2, "batch-size": 64, "lr": 0.05, "momentum": 0.9, "weight-decay": 1e-5,
-                           "lr-warmup-rounds": 10, "server-weighting": "uniform"}
+AUTHORS: dict[str, Any] = {
+    "local-epochs": 2,
+    "batch-size": 64,
+    "lr": 0.05,
+    "momentum": 0.9,
+    "weight-decay": 1e-5,
+    "lr-warmup-rounds": 10,
+    "server-weighting": "uniform",
+}
 """The PANs authors' training setting (their code; ALGORITHMS.md section 1)."""
 SHUFFLE_P_SF = (0.5, 1.0)
 ALGORITHM_SETTINGS: dict[str, dict[str, Any]] = {"scaffold": {"momentum": 0.0}}
@@ -54,15 +61,35 @@ def planned_runs(part: str, seeds: list[int]) -> list[dict[str, Any]]:
     leaves complete off/on comparisons for the seeds it finished.
     """
     if part == "authors":
-        return [{"strategy": "fedavg", "dirichlet-alpha": 0.1, "seed": seed, **PAN_SETTINGS[pan], **AUTHORS,
-                 "_pan": pan, "_part": part} for seed in seeds for pan in PAN_SETTINGS]
+        return [
+            {
+                "strategy": "fedavg",
+                "dirichlet-alpha": 0.1,
+                "seed": seed,
+                **PAN_SETTINGS[pan],
+                **AUTHORS,
+                "_pan": pan,
+                "_part": part,
+            }
+            for seed in seeds
+            for pan in PAN_SETTINGS
+        ]
     if part == "alpha":
         grid = [("fedavg", pan, alpha) for alpha in ALPHAS for pan in PAN_SETTINGS]
     else:
         grid = [(algo, pan, 0.1) for algo in ALGORITHMS for pan in ("off", "mul T=1 A=0.1")]
-    return [{"strategy": algo, "dirichlet-alpha": alpha, "seed": seed, **PAN_SETTINGS[pan],
-             **ALGORITHM_SETTINGS.get(algo, {}), "_pan": pan}
-            for seed in seeds for algo, pan, alpha in grid]
+    return [
+        {
+            "strategy": algo,
+            "dirichlet-alpha": alpha,
+            "seed": seed,
+            **PAN_SETTINGS[pan],
+            **ALGORITHM_SETTINGS.get(algo, {}),
+            "_pan": pan,
+        }
+        for seed in seeds
+        for algo, pan, alpha in grid
+    ]
 
 
 def run_name(run: dict[str, Any]) -> str:
@@ -80,8 +107,10 @@ def shuffle_final_model(folder: Path) -> None:
     loaded = load_run_model(folder)
     data = loaded.dataset
     inputs = gaussian_inputs(data.input_shape, 64, 0)
-    outcomes = {str(p): shuffle_test(loaded.model, p, inputs, repeats=3, seed=0, test_data=(data.test_x, data.test_y))
-                for p in SHUFFLE_P_SF}
+    outcomes = {
+        str(p): shuffle_test(loaded.model, p, inputs, repeats=3, seed=0, test_data=(data.test_x, data.test_y))
+        for p in SHUFFLE_P_SF
+    }
     (folder / "shuffle.json").write_text(json.dumps({p: vars(o) for p, o in outcomes.items()}, indent=2) + "\n")
 
 
@@ -96,13 +125,21 @@ def simulate(run: dict[str, Any], scale: dict[str, Any], out: Path, name: str | 
     from fl_app.client_app import build_client_app
     from fl_app.server_app import build_server_app
 
-    overrides = {"num-server-rounds": scale["rounds"], "results-dir": str(out), "run-name": name or run_name(run),
-                 "min-available-nodes": scale["clients"], "fraction-train": scale["fraction"],
-                 "fraction-evaluate": scale["fraction"]}
+    overrides = {
+        "num-server-rounds": scale["rounds"],
+        "results-dir": str(out),
+        "run-name": name or run_name(run),
+        "min-available-nodes": scale["clients"],
+        "fraction-train": scale["fraction"],
+        "fraction-evaluate": scale["fraction"],
+    }
     overrides.update({k: v for k, v in run.items() if not k.startswith("_")})  # a run's own keys win
-    run_simulation(server_app=build_server_app(overrides), client_app=build_client_app(overrides),
-                   num_supernodes=scale["clients"],
-                   backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}})
+    run_simulation(
+        server_app=build_server_app(overrides),
+        client_app=build_client_app(overrides),
+        num_supernodes=scale["clients"],
+        backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}},
+    )
 
 
 def mean_std(values: list[float]) -> str:
@@ -122,19 +159,22 @@ def report(out: Path, seeds: list[int]) -> str:
         config = json.loads((summary_path.parent / "config.json").read_text())
         if config["seed"] not in seeds:
             continue
-        pan = next(name for name, keys in PAN_SETTINGS.items()
-                   if all(config[k] == v for k, v in keys.items()))
+        pan = next(name for name, keys in PAN_SETTINGS.items() if all(config[k] == v for k, v in keys.items()))
         key = (config["strategy"], pan, config["dirichlet-alpha"])
         groups.setdefault(key, []).append({**json.loads(summary_path.read_text()), "seed": config["seed"]})
-    lines = ["| algorithm | PANs | α | seeds | final accuracy (%) | best of last 5 rounds (%) | PANs − off, final (points) |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| algorithm | PANs | α | seeds | final accuracy (%) | best of last 5 rounds (%) | PANs − off, final (points) |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for (algo, pan, alpha), runs in sorted(groups.items()):
         off = {r["seed"]: r["final-accuracy"] for r in groups.get((algo, "off", alpha), [])}
         paired = [r["final-accuracy"] - off[r["seed"]] for r in runs if r["seed"] in off]
         gap = "" if pan == "off" else mean_std(paired)
-        lines.append(f"| {algo} | {pan} | {alpha} | {len(runs)} | "
-                     f"{mean_std([r['final-accuracy'] for r in runs])} | "
-                     f"{mean_std([r['last-5-best-accuracy'] for r in runs])} | {gap} |")
+        lines.append(
+            f"| {algo} | {pan} | {alpha} | {len(runs)} | "
+            f"{mean_std([r['final-accuracy'] for r in runs])} | "
+            f"{mean_std([r['last-5-best-accuracy'] for r in runs])} | {gap} |"
+        )
     _plot(groups, out / "pan_experiment.png")
     return "\n".join(lines)
 
@@ -144,11 +184,16 @@ def authors_report(out: Path, seeds: list[int]) -> str:
     rows: dict[str, list[dict[str, Any]]] = {pan: [] for pan in PAN_SETTINGS}
     for pan in PAN_SETTINGS:
         for seed in seeds:
-            folder = out / run_name({"strategy": "fedavg", "_pan": pan, "_part": "authors", "dirichlet-alpha": 0.1,
-                                     "seed": seed})
+            folder = out / run_name(
+                {"strategy": "fedavg", "_pan": pan, "_part": "authors", "dirichlet-alpha": 0.1, "seed": seed}
+            )
             if (folder / "shuffle.json").exists():
-                rows[pan].append({**json.loads((folder / "summary.json").read_text()),
-                                  "shuffle": json.loads((folder / "shuffle.json").read_text())})
+                rows[pan].append(
+                    {
+                        **json.loads((folder / "summary.json").read_text()),
+                        "shuffle": json.loads((folder / "shuffle.json").read_text()),
+                    }
+                )
     header = " | ".join(f"P_sf={p:g}: error (Eq. 8) | P_sf={p:g}: accuracy change (points)" for p in SHUFFLE_P_SF)
     lines = [f"| PANs | seeds | final accuracy (%) | {header} |", "|---|---|---|" + "---|---|" * len(SHUFFLE_P_SF)]
     for pan, runs in rows.items():
@@ -158,9 +203,13 @@ def authors_report(out: Path, seeds: list[int]) -> str:
         for p in SHUFFLE_P_SF:
             errors = [r["shuffle"][str(p)]["error"] for r in runs]
             changes = [r["shuffle"][str(p)]["accuracy_change"] for r in runs]
-            cells += [f"{statistics.mean(errors):.3g} ± {statistics.stdev(errors) if len(errors) > 1 else 0:.2g}",
-                      mean_std(changes)]
-        lines.append(f"| {pan} | {len(runs)} | {mean_std([r['final-accuracy'] for r in runs])} | " + " | ".join(cells) + " |")
+            cells += [
+                f"{statistics.mean(errors):.3g} ± {statistics.stdev(errors) if len(errors) > 1 else 0:.2g}",
+                mean_std(changes),
+            ]
+        lines.append(
+            f"| {pan} | {len(runs)} | {mean_std([r['final-accuracy'] for r in runs])} | " + " | ".join(cells) + " |"
+        )
     return "\n".join(lines)
 
 
@@ -172,12 +221,19 @@ def _plot(groups: dict[tuple[str, str, float], list[dict[str, Any]]], path: Path
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for pan in PAN_SETTINGS:
-        points = sorted((alpha, statistics.mean(r["last-5-best-accuracy"] for r in runs))
-                        for (algo, p, alpha), runs in groups.items() if algo == "fedavg" and p == pan)
+        points = sorted(
+            (alpha, statistics.mean(r["last-5-best-accuracy"] for r in runs))
+            for (algo, p, alpha), runs in groups.items()
+            if algo == "fedavg" and p == pan
+        )
         if points:
             ax.plot(*zip(*points), marker="o", label=f"FedAvg, PANs {pan}")
-    ax.set(xscale="log", xlabel="Dirichlet α", ylabel="best accuracy of last 5 rounds",
-           title="FedAvg on Fashion-MNIST (MLP): PANs off vs on")
+    ax.set(
+        xscale="log",
+        xlabel="Dirichlet α",
+        ylabel="best accuracy of last 5 rounds",
+        title="FedAvg on Fashion-MNIST (MLP): PANs off vs on",
+    )
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()

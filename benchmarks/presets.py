@@ -35,9 +35,17 @@ DEFAULT_OUT = Path.home() / "alignfl-results" / "sweeps" / "presets"
 MACHINE = ("sim.ray_cpus=2", "sim.torch_threads=1")
 SMOKE = ("seed=0", "train.num_server_rounds=1")
 #: summary.json keys shown when a sweep has them, in this order (accuracies are shown in %).
-METRICS = ("final-accuracy", "last-5-mean-accuracy", "best-accuracy", "final-local-accuracy-mean",
-           "final-personal-accuracy-mean", "final-honest-accuracy-mean", "final-oracle-accuracy-mean",
-           "final-superfed-local-trained-mean", "final-personal-trained-mean")
+METRICS = (
+    "final-accuracy",
+    "last-5-mean-accuracy",
+    "best-accuracy",
+    "final-local-accuracy-mean",
+    "final-personal-accuracy-mean",
+    "final-honest-accuracy-mean",
+    "final-oracle-accuracy-mean",
+    "final-superfed-local-trained-mean",
+    "final-personal-trained-mean",
+)
 
 
 def presets(cpu_only: bool = False) -> list[str]:
@@ -53,8 +61,18 @@ def run_sweep(name: str, folder: Path, overrides: list[str]) -> dict[str, Any]:
     """``python -m fl_app.sweep +experiment=name`` under nice, in ``folder``; returns the timing record."""
     if folder.exists() and any(folder.iterdir()):
         raise SystemExit(f"{folder} is not empty: give each sweep its own folder (--out)")
-    command = ["nice", "-n", "10", sys.executable, "-m", "fl_app.sweep", f"+experiment={name}", *MACHINE,
-               *overrides, f"hydra.sweep.dir={folder}"]
+    command = [
+        "nice",
+        "-n",
+        "10",
+        sys.executable,
+        "-m",
+        "fl_app.sweep",
+        f"+experiment={name}",
+        *MACHINE,
+        *overrides,
+        f"hydra.sweep.dir={folder}",
+    ]
     samples: list[float] = [loadavg()]
     done = threading.Event()
 
@@ -72,9 +90,16 @@ def run_sweep(name: str, folder: Path, overrides: list[str]) -> dict[str, Any]:
         status = subprocess.run(command, cwd=ROOT, env=env, stdout=stream, stderr=subprocess.STDOUT).returncode
     done.set()
     sampler.join()
-    record = {"preset": name, "command": " ".join(command[3:]), "exit-status": status,
-              "wall-time-s": round(time.time() - started, 1), "load-start": samples[0],
-              "load-mean": round(statistics.fmean(samples), 2), "load-max": max(samples), "log": str(log)}
+    record = {
+        "preset": name,
+        "command": " ".join(command[3:]),
+        "exit-status": status,
+        "wall-time-s": round(time.time() - started, 1),
+        "load-start": samples[0],
+        "load-mean": round(statistics.fmean(samples), 2),
+        "load-max": max(samples),
+        "log": str(log),
+    }
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "timing.json").write_text(json.dumps(record, indent=2) + "\n")
     return record
@@ -151,8 +176,10 @@ def main(argv: list[str] | None = None) -> int:
         jobs = sum(len(row.jobs) for row in rows)
         failed = sum(row.failed for row in rows)
         failures += record["exit-status"] != 0 or failed > 0 or jobs == 0
-        print(f"{name}: exit {record['exit-status']}, {jobs} jobs, {failed} failed, {record['wall-time-s']} s, "
-              f"load {record['load-start']} at the start, mean {record['load-mean']}, max {record['load-max']}")
+        print(
+            f"{name}: exit {record['exit-status']}, {jobs} jobs, {failed} failed, {record['wall-time-s']} s, "
+            f"load {record['load-start']} at the start, mean {record['load-mean']}, max {record['load-max']}"
+        )
     return 1 if failures else 0
 
 

@@ -21,13 +21,23 @@ from pathlib import Path
 from typing import Any
 
 from benchutil import append_jsonl, machine, round_seconds, run_metrics, write_report
+
+from fl_app.config import parse_run_config
 from fl_app.local_ray import local_ray_cluster
 from fl_app.sweep import SimSettings, simulate
-from fl_app.config import parse_run_config
 
-EXPERIMENT = {"strategy": "fedavg", "model": "mlp", "dataset": "fashion-mnist", "partitioner": "dirichlet",
-              "dirichlet-alpha": 0.3, "local-epochs": 1, "batch-size": 64, "seed": 0, "fraction-train": 0.01,
-              "fraction-evaluate": 0.01}
+EXPERIMENT = {
+    "strategy": "fedavg",
+    "model": "mlp",
+    "dataset": "fashion-mnist",
+    "partitioner": "dirichlet",
+    "dirichlet-alpha": 0.3,
+    "local-epochs": 1,
+    "batch-size": 64,
+    "seed": 0,
+    "fraction-train": 0.01,
+    "fraction-evaluate": 0.01,
+}
 CLIENTS = 1000
 OUT = Path.home() / "alignfl-results" / "benchmarks" / "ray_cluster_scale"
 
@@ -36,8 +46,8 @@ class NodeMemory:
     """Peak PSS (MiB) of each node's process tree and of this process, sampled every ``interval`` seconds."""
 
     def __init__(self, cluster: Any, interval: float = 1.0) -> None:
-        import ray  # noqa: F401  (Ray ships psutil and puts it on sys.path)
         import psutil
+        import ray  # noqa: F401  (Ray ships psutil and puts it on sys.path)
 
         self.psutil, self.cluster, self.interval = psutil, cluster, interval
         self.peaks: dict[str, float] = {}
@@ -77,8 +87,15 @@ def run_layout(layout: str, cpus: int, rounds: int, results: Path) -> dict[str, 
     name = layout.replace(" ", "-")
     with local_ray_cluster(nodes) as cluster:
         node_ids = {node.node_id: label for label, node in cluster.nodes().items()}
-        config = parse_run_config({**EXPERIMENT, "num-server-rounds": rounds, "results-dir": str(results),
-                                   "run-name": name, "min-available-nodes": CLIENTS})
+        config = parse_run_config(
+            {
+                **EXPERIMENT,
+                "num-server-rounds": rounds,
+                "results-dir": str(results),
+                "run-name": name,
+                "min-available-nodes": CLIENTS,
+            }
+        )
         sim = SimSettings(num_supernodes=CLIENTS, ray_address=cluster.address)
         started = time.time()
         with NodeMemory(cluster) as memory:
@@ -90,22 +107,34 @@ def run_layout(layout: str, cpus: int, rounds: int, results: Path) -> dict[str, 
         for client in row.get("client-ray-nodes", {}).values():
             label = node_ids.get(client["node-id"], client["node-id"])
             placed[label] = placed.get(label, 0) + 1
-    return {"layout": layout, "cpus-per-node": nodes, "rounds": rounds, "wall-s": wall,
-            "round-s": round_seconds(rows), "clients-trained": [r.get("clients-trained") for r in rows[1:]],
-            "trainings-per-node": placed, "peak-pss-mib": memory.peaks,
-            "final-accuracy": rows[-1]["accuracy"], "machine": machine()}
+    return {
+        "layout": layout,
+        "cpus-per-node": nodes,
+        "rounds": rounds,
+        "wall-s": wall,
+        "round-s": round_seconds(rows),
+        "clients-trained": [r.get("clients-trained") for r in rows[1:]],
+        "trainings-per-node": placed,
+        "peak-pss-mib": memory.peaks,
+        "final-accuracy": rows[-1]["accuracy"],
+        "machine": machine(),
+    }
 
 
 def report(rows: list[dict[str, Any]]) -> str:
-    lines = ["| layout | CPUs per node | rounds | round time (s), each round | trainings per node | "
-             "peak PSS per node (MiB) | driver peak PSS (MiB) | final accuracy | load (1/5/15 min) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| layout | CPUs per node | rounds | round time (s), each round | trainings per node | "
+        "peak PSS per node (MiB) | driver peak PSS (MiB) | final accuracy | load (1/5/15 min) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for row in rows:
         nodes = {k: v for k, v in row["peak-pss-mib"].items() if k != "driver"}
-        lines.append(f"| {row['layout']} | {row['cpus-per-node']} | {row['rounds']} | "
-                     f"{', '.join(f'{s:.1f}' for s in row['round-s'])} | {row['trainings-per-node']} | "
-                     f"{', '.join(f'{k} {v:.0f}' for k, v in nodes.items())} | {row['peak-pss-mib']['driver']:.0f} | "
-                     f"{row['final-accuracy']:.4f} | {row['machine']['load-average-1-5-15']} |")
+        lines.append(
+            f"| {row['layout']} | {row['cpus-per-node']} | {row['rounds']} | "
+            f"{', '.join(f'{s:.1f}' for s in row['round-s'])} | {row['trainings-per-node']} | "
+            f"{', '.join(f'{k} {v:.0f}' for k, v in nodes.items())} | {row['peak-pss-mib']['driver']:.0f} | "
+            f"{row['final-accuracy']:.4f} | {row['machine']['load-average-1-5-15']} |"
+        )
     return "\n".join(lines) + "\n"
 
 

@@ -24,19 +24,35 @@ import os
 import tempfile
 import time
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import torch
+from benchutil import (
+    RoundCounter,
+    TreeSampler,
+    append_jsonl,
+    machine,
+    median,
+    read_jsonl,
+    round_seconds,
+    run_metrics,
+    simulate,
+    write_report,
+)
 
-from benchutil import (RoundCounter, TreeSampler, append_jsonl, machine, median, read_jsonl, round_seconds, run_metrics,
-                       simulate, write_report)
-from fl_app.config import RunConfig, parse_run_config
 from core.partitioning.partitions import partition_dataset
+from fl_app.config import RunConfig, parse_run_config
 
-EXPERIMENT = {"strategy": "fedavg", "model": "mlp", "dataset": "fashion-mnist", "local-epochs": 1, "batch-size": 64,
-              "seed": 0}
+EXPERIMENT = {
+    "strategy": "fedavg",
+    "model": "mlp",
+    "dataset": "fashion-mnist",
+    "local-epochs": 1,
+    "batch-size": 64,
+    "seed": 0,
+}
 PARTITIONERS = {"dirichlet": {"partitioner": "dirichlet", "dirichlet-alpha": 0.3}, "iid": {"partitioner": "iid"}}
 
 
@@ -53,9 +69,16 @@ SETTINGS = {"1000": Setting(1000, 0.02, 10), "100": Setting(100, 1.0, 3), "10000
 
 def setting_config(setting: Setting, dataset: str) -> RunConfig:
     """The run config of one setting."""
-    return parse_run_config({**EXPERIMENT, **PARTITIONERS[setting.partitioner], "dataset": dataset,
-                             "num-server-rounds": setting.rounds, "fraction-train": setting.fraction,
-                             "fraction-evaluate": setting.fraction})
+    return parse_run_config(
+        {
+            **EXPERIMENT,
+            **PARTITIONERS[setting.partitioner],
+            "dataset": dataset,
+            "num-server-rounds": setting.rounds,
+            "fraction-train": setting.fraction,
+            "fraction-evaluate": setting.fraction,
+        }
+    )
 
 
 def partition_seconds(dataset: str, setting: Setting) -> float:
@@ -63,8 +86,9 @@ def partition_seconds(dataset: str, setting: Setting) -> float:
     the simulation's workers find nothing cached in this process: they are other processes anyway)."""
     config = setting_config(setting, dataset)
     started = time.perf_counter()
-    partition_dataset(dataset, None, setting.partitioner, setting.clients, 1000 + setting.clients,
-                      **config.partition_options())
+    partition_dataset(
+        dataset, None, setting.partitioner, setting.clients, 1000 + setting.clients, **config.partition_options()
+    )
     return time.perf_counter() - started
 
 
@@ -73,8 +97,12 @@ def run_setting(name: str, setting: Setting, ray_cpus: int, dataset: str) -> dic
     config = setting_config(setting, dataset)
     with tempfile.TemporaryDirectory(prefix="alignfl-scale-") as tmp:
         results = Path(tmp)
-        settings = {**config.to_run_config(), "results-dir": str(results), "run-name": "run",
-                    "min-available-nodes": setting.clients}
+        settings = {
+            **config.to_run_config(),
+            "results-dir": str(results),
+            "run-name": "run",
+            "min-available-nodes": setting.clients,
+        }
         sampler = TreeSampler(interval=1.0, tag=RoundCounter(results / "run" / "metrics.jsonl"))
         started = time.time()
         with sampler:
@@ -86,26 +114,35 @@ def run_setting(name: str, setting: Setting, ray_cpus: int, dataset: str) -> dic
         per_round[sample["tag"]] = max(per_round.get(sample["tag"], 0.0), sample["pss-mib"])
     seconds = round_seconds(metrics)
     return {
-        "setting": name, "clients": setting.clients, "fraction": setting.fraction, "rounds": setting.rounds,
-        "ray-cpus": ray_cpus, "wall-s": wall, "round-seconds": seconds,
+        "setting": name,
+        "clients": setting.clients,
+        "fraction": setting.fraction,
+        "rounds": setting.rounds,
+        "ray-cpus": ray_cpus,
+        "wall-s": wall,
+        "round-seconds": seconds,
         "median-round-s-after-first": median(seconds[1:]),
         "clients-trained": [row.get("clients-trained") for row in metrics[1:]],
         "clients-evaluated": [row.get("clients-evaluated") for row in metrics[1:]],
         "final-accuracy": metrics[-1]["accuracy"] if metrics else None,
-        "peak-rss-mib": sampler.peak("rss-mib"), "peak-pss-mib": sampler.peak("pss-mib"),
+        "peak-rss-mib": sampler.peak("rss-mib"),
+        "peak-pss-mib": sampler.peak("pss-mib"),
         "peak-processes": max((s["processes"] for s in sampler.samples), default=0),
         # round r (1-based) ran while metrics.jsonl held r rows (round 0 is the initial evaluation)
-        "peak-pss-mib-per-round": {str(rows): round(peak, 1) for rows, peak in sorted(per_round.items())
-                                   if 1 <= rows <= setting.rounds},
+        "peak-pss-mib-per-round": {
+            str(rows): round(peak, 1) for rows, peak in sorted(per_round.items()) if 1 <= rows <= setting.rounds
+        },
         "machine": machine(),
     }
 
 
 def report(rows: list[dict[str, Any]]) -> str:
-    lines = ["| clients | per round (train / evaluate) | partitioning (s) | rounds | round 1 (s) | "
-             "median round after 1 (s) | peak RSS sum (MiB) | peak PSS sum (MiB) | PSS per client (MiB) | "
-             "peak PSS per round (MiB) | load average (1 min) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| clients | per round (train / evaluate) | partitioning (s) | rounds | round 1 (s) | "
+        "median round after 1 (s) | peak RSS sum (MiB) | peak PSS sum (MiB) | PSS per client (MiB) | "
+        "peak PSS per round (MiB) | load average (1 min) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for row in rows:
         per_round = ", ".join(f"{v:.0f}" for v in row["peak-pss-mib-per-round"].values())
         trained = row["clients-trained"][-1] if row["clients-trained"] else 0
@@ -114,28 +151,40 @@ def report(rows: list[dict[str, Any]]) -> str:
             f"| {row['clients']} | {trained} / {evaluated} | {row['partition-s']:.1f} | {row['rounds']} | "
             f"{row['round-seconds'][0]:.1f} | {row['median-round-s-after-first']:.1f} | {row['peak-rss-mib']:.0f} | "
             f"{row['peak-pss-mib']:.0f} | {row['peak-pss-mib'] / row['clients']:.2f} | {per_round} | "
-            f"{row['machine']['load-average-1-5-15'][0]:.1f} |")
+            f"{row['machine']['load-average-1-5-15'][0]:.1f} |"
+        )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--setting", choices=sorted(SETTINGS), action="append",
-                        help="run only these settings (repeatable; default: all)")
+    parser.add_argument(
+        "--setting",
+        choices=sorted(SETTINGS),
+        action="append",
+        help="run only these settings (repeatable; default: all)",
+    )
     parser.add_argument("--rounds", type=int, default=None, help="override each setting's rounds")
-    parser.add_argument("--dataset", default="fashion-mnist", help="fashion-mnist (the benchmark) or digits (a smoke test)")
+    parser.add_argument(
+        "--dataset", default="fashion-mnist", help="fashion-mnist (the benchmark) or digits (a smoke test)"
+    )
     parser.add_argument("--ray-cpus", type=int, default=2, help="CPUs Ray may use (default 2, this machine's cores)")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="folder for rows.jsonl and report.md (default: a new one under ~/alignfl-results); "
-                             "an existing folder is resumed: settings already measured are not run again")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="folder for rows.jsonl and report.md (default: a new one under ~/alignfl-results); "
+        "an existing folder is resumed: settings already measured are not run again",
+    )
     args = parser.parse_args(argv)
     if args.rounds is not None and args.rounds < 2:
         parser.error(f"--rounds must be an integer >= 2 (round 1 holds the start-up), got {args.rounds}")
     if args.ray_cpus < 1:
         parser.error(f"--ray-cpus must be a positive integer, got {args.ray_cpus}")
     torch.set_num_threads(1)
-    out = (args.out or Path.home() / "alignfl-results" / "benchmarks" /
-           f"scale-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}").resolve()
+    out = (
+        args.out or Path.home() / "alignfl-results" / "benchmarks" / f"scale-{datetime.now(UTC):%Y%m%d-%H%M%S}"
+    ).resolve()
     out.mkdir(parents=True, exist_ok=True)
     rows_path = out / "rows.jsonl"
     print(f"[scale] {machine()}; results in {out}", flush=True)
@@ -147,8 +196,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.rounds is not None:
             setting = Setting(setting.clients, setting.fraction, args.rounds, setting.partitioner)
         partition_s = partition_seconds(args.dataset, setting)
-        row = {**run_setting(name, setting, args.ray_cpus, args.dataset), "partition-s": partition_s,
-               "load-after": list(os.getloadavg())}
+        row = {
+            **run_setting(name, setting, args.ray_cpus, args.dataset),
+            "partition-s": partition_s,
+            "load-after": list(os.getloadavg()),
+        }
         append_jsonl(rows_path, row)
         print(f"[scale] {name}: {row}", flush=True)
     return write_report(out, rows_path, report)

@@ -49,37 +49,60 @@ def main(argv: list[str] | None = None) -> int:
     model = build_model_for(config, (1, 28, 28), 10)
     reference = to_arrays(model)
     weights = [100.0 + index for index in range(args.clients)]
-    replies = [Reply(index, index, RecordDict({MODEL_RECORD: to_arrays(model),
-                                               METRICS_RECORD: MetricRecord({NUM_EXAMPLES: weight})}), weight)
-               for index, weight in enumerate(weights)]
+    replies = [
+        Reply(
+            index,
+            index,
+            RecordDict({MODEL_RECORD: to_arrays(model), METRICS_RECORD: MetricRecord({NUM_EXAMPLES: weight})}),
+            weight,
+        )
+        for index, weight in enumerate(weights)
+    ]
 
     def torch_mean() -> ArrayRecord:
         states = [reply.arrays.to_torch_state_dict() for reply in replies]
         total = sum(weights)
-        return ArrayRecord({key: sum(state[key] * (w / total) for state, w in zip(states, weights))
-                            for key in states[0]})
+        return ArrayRecord(
+            {key: sum(state[key] * (w / total) for state, w in zip(states, weights)) for key in states[0]}
+        )
 
     folder = Path(tempfile.mkdtemp(prefix="alignfl-server-path-"))
     rows = [{"round": r, "accuracy": 0.8, "loss": 0.5} for r in range(10)]
-    checkpoint = Checkpoint(3, config.to_run_config(), reference, {}, {"rows": rows, "extra-keys": [],
-                                                                         "elapsed-s": 1.0}, random.getstate())
+    checkpoint = Checkpoint(
+        3, config.to_run_config(), reference, {}, {"rows": rows, "extra-keys": [], "elapsed-s": 1.0}, random.getstate()
+    )
     tracking = Tracking.open(config, folder, resumed=False)
-    row = {"accuracy": 0.8, "loss": 0.5, "elapsed-s": 12.0, "clients-sampled": 10, "clients-trained": 10,
-           "clients-dropped": 0, "train-loss": 0.4, "clients-evaluated": 10, "local-accuracy-mean": 0.8,
-           "local-accuracy-weighted": 0.8, "local-ece-mean": 0.05, "local-mce-mean": 0.2,
-           "local-accuracy-per-client": {str(i): 0.8 for i in range(args.clients)}}
+    row = {
+        "accuracy": 0.8,
+        "loss": 0.5,
+        "elapsed-s": 12.0,
+        "clients-sampled": 10,
+        "clients-trained": 10,
+        "clients-dropped": 0,
+        "train-loss": 0.4,
+        "clients-evaluated": 10,
+        "local-accuracy-mean": 0.8,
+        "local-accuracy-weighted": 0.8,
+        "local-ece-mean": 0.05,
+        "local-mce-mean": 0.2,
+        "local-accuracy-per-client": {str(i): 0.8 for i in range(args.clients)},
+    }
     tracked: list[dict[str, Any]] = []
 
     def track() -> None:
         tracked.append({**row, "round": len(tracked)})
         tracking.log_rows(tracked)
 
-    print(f"MLP, {sum(p.numel() for p in model.parameters()):,} parameters, {args.clients} replies; "
-          f"CPU seconds, median of {args.repeats}")
-    steps = {"reply checks (keys, shapes, finite):  ": lambda: [arrays_problem(r.arrays, reference) for r in replies],
-             "weighted mean (Flower's arithmetic):  ": lambda: weighted_mean(replies),
-             "  the same mean in torch (plain loop):": torch_mean,
-             "checkpoint (torch.save, fsync):       ": lambda: save_checkpoint(folder, checkpoint)}
+    print(
+        f"MLP, {sum(p.numel() for p in model.parameters()):,} parameters, {args.clients} replies; "
+        f"CPU seconds, median of {args.repeats}"
+    )
+    steps = {
+        "reply checks (keys, shapes, finite):  ": lambda: [arrays_problem(r.arrays, reference) for r in replies],
+        "weighted mean (Flower's arithmetic):  ": lambda: weighted_mean(replies),
+        "  the same mean in torch (plain loop):": torch_mean,
+        "checkpoint (torch.save, fsync):       ": lambda: save_checkpoint(folder, checkpoint),
+    }
     for label, step in steps.items():
         print(f"{label} {cpu_seconds(step, args.repeats):.4f}")
     started = time.perf_counter()

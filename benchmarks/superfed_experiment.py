@@ -51,8 +51,13 @@ LAMBDAS = tuple(i / 10 for i in range(11))
 
 # The paper's settings (Appendix A, ALGORITHMS.md §4) but for R, E, B and lr (command-line options).
 COMMON: dict[str, Any] = {
-    "dataset": "fashion-mnist", "model": "twonn", "lr-decay": 0.999,
-    "momentum": 0.9, "weight-decay": 1e-4, "test-fraction": 0.2, "fraction-evaluate": 1.0,
+    "dataset": "fashion-mnist",
+    "model": "twonn",
+    "lr-decay": 0.999,
+    "momentum": 0.9,
+    "weight-decay": 1e-4,
+    "test-fraction": 0.2,
+    "fraction-evaluate": 1.0,
 }
 SUPERFED: dict[str, Any] = {"strategy": "superfed", "superfed-start": 0.4, "superfed-mu": 0.01}
 PATHOLOGICAL: dict[str, Any] = {"partitioner": "pathological", "classes-per-client": 2}
@@ -81,13 +86,32 @@ def planned_runs(part: str, seeds: list[int], noise: list[str]) -> list[dict[str
     """Run-config overrides of one part; ``_method``, ``_noise`` and ``_part`` label a run (not sent)."""
     if part == "authors":
         local_init = {"superfed": {"superfed-local-init": "authors"}}
-        return [{**COMMON, **AUTHORS, **METHODS[m], **local_init.get(METHODS[m]["strategy"], {}), "seed": seed,
-                 "_method": m, "_noise": "none", "_part": part} for seed in seeds for m in AUTHORS_METHODS]
+        return [
+            {
+                **COMMON,
+                **AUTHORS,
+                **METHODS[m],
+                **local_init.get(METHODS[m]["strategy"], {}),
+                "seed": seed,
+                "_method": m,
+                "_noise": "none",
+                "_part": part,
+            }
+            for seed in seeds
+            for m in AUTHORS_METHODS
+        ]
     if part == "pathological":
-        return [{**COMMON, **PATHOLOGICAL, **METHODS[m], "seed": seed, "_method": m, "_noise": "none", "_part": part}
-                for seed in seeds for m in METHODS]
-    return [{**COMMON, **PATHOLOGICAL, **METHODS[m], **NOISE[n], "seed": seed, "_method": m, "_noise": n, "_part": part}
-            for seed in seeds for n in noise for m in NOISE_METHODS]
+        return [
+            {**COMMON, **PATHOLOGICAL, **METHODS[m], "seed": seed, "_method": m, "_noise": "none", "_part": part}
+            for seed in seeds
+            for m in METHODS
+        ]
+    return [
+        {**COMMON, **PATHOLOGICAL, **METHODS[m], **NOISE[n], "seed": seed, "_method": m, "_noise": n, "_part": part}
+        for seed in seeds
+        for n in noise
+        for m in NOISE_METHODS
+    ]
 
 
 def run_name(run: dict[str, Any]) -> str:
@@ -120,8 +144,11 @@ def _personal_key(method: str, choice: str) -> str | None:
 
 def _trained(runs: list[dict[str, Any]], method: str) -> str:
     """How many evaluated clients had trained their personal model by the end (mean over seeds)."""
-    key = {"superfed": "superfed-local-trained-mean", "fedper": "personal-trained-mean",
-           "ditto": "personal-trained-mean"}.get(METHODS[method]["strategy"])
+    key = {
+        "superfed": "superfed-local-trained-mean",
+        "fedper": "personal-trained-mean",
+        "ditto": "personal-trained-mean",
+    }.get(METHODS[method]["strategy"])
     if key is None:
         return "—"
     counts = [r["last-round"][key] * r["last-round"]["clients-evaluated"] for r in runs]
@@ -129,27 +156,33 @@ def _trained(runs: list[dict[str, Any]], method: str) -> str:
 
 
 def pathological_table(groups: dict[tuple[str, str], list[dict[str, Any]]]) -> str:
-    lines = ["| method | seeds | global model, official test split | global model, clients' local test "
-             "(mean) | personalised, clients' local test (mean) | SuPerFed oracle λ (test split) | "
-             "new clients (global model) | clients with a trained personal model |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| method | seeds | global model, official test split | global model, clients' local test "
+        "(mean) | personalised, clients' local test (mean) | SuPerFed oracle λ (test split) | "
+        "new clients (global model) | clients with a trained personal model |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for method in METHODS:
         runs = groups.get((method, "none"), [])
         if not runs:
             continue
         personal = _personal_key(method, "honest")
         oracle = _personal_key(method, "oracle") if METHODS[method]["strategy"] == "superfed" else None
-        lines.append(f"| {method} | {len(runs)} | {_col(runs, 'final-accuracy')} | "
-                     f"{_col(runs, 'final-local-accuracy-mean')} | "
-                     f"{_col(runs, personal) + (' (honest λ)' if oracle else '') if personal else '—'} | "
-                     f"{_col(runs, oracle) if oracle else '—'} | {_col(runs, 'final-new-client-accuracy')} | "
-                     f"{_trained(runs, method)} |")
+        lines.append(
+            f"| {method} | {len(runs)} | {_col(runs, 'final-accuracy')} | "
+            f"{_col(runs, 'final-local-accuracy-mean')} | "
+            f"{_col(runs, personal) + (' (honest λ)' if oracle else '') if personal else '—'} | "
+            f"{_col(runs, oracle) if oracle else '—'} | {_col(runs, 'final-new-client-accuracy')} | "
+            f"{_trained(runs, method)} |"
+        )
     return "\n".join(lines)
 
 
 def lambda_table(groups: dict[tuple[str, str], list[dict[str, Any]]]) -> str:
-    lines = ["| method | " + " | ".join(f"λ={lam:g}" for lam in LAMBDAS) + " | honest λ (mean) |",
-             "|---|" + "---|" * (len(LAMBDAS) + 1)]
+    lines = [
+        "| method | " + " | ".join(f"λ={lam:g}" for lam in LAMBDAS) + " | honest λ (mean) |",
+        "|---|" + "---|" * (len(LAMBDAS) + 1),
+    ]
     for method in ("SuPerFed-MM", "SuPerFed-LM"):
         runs = groups.get((method, "none"), [])
         if runs:
@@ -161,7 +194,10 @@ def lambda_table(groups: dict[tuple[str, str], list[dict[str, Any]]]) -> str:
 
 def noise_table(groups: dict[tuple[str, str], list[dict[str, Any]]]) -> str:
     """Accuracy, ECE and MCE on the clients' local test splits; ``none``: the clean pathological runs."""
-    lines = ["| noise | method | seeds | model scored | accuracy (%) | ECE (%) | MCE (%) |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| noise | method | seeds | model scored | accuracy (%) | ECE (%) | MCE (%) |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for noise in ("none", *NOISE):
         for method in NOISE_METHODS:
             runs = groups.get((method, noise.replace(" ", "")), [])  # run names drop the space
@@ -169,11 +205,14 @@ def noise_table(groups: dict[tuple[str, str], list[dict[str, Any]]]) -> str:
                 continue
             scored = [("global", "final-local-accuracy-mean", "final-local-ece-mean", "final-local-mce-mean")]
             if METHODS[method]["strategy"] == "superfed":
-                scored += [(f"{c} λ", f"final-{c}-accuracy-mean", f"final-{c}-ece-mean", f"final-{c}-mce-mean")
-                           for c in ("honest", "oracle")]
+                scored += [
+                    (f"{c} λ", f"final-{c}-accuracy-mean", f"final-{c}-ece-mean", f"final-{c}-mce-mean")
+                    for c in ("honest", "oracle")
+                ]
             for label, *keys in scored:
-                lines.append(f"| {noise} | {method} | {len(runs)} | {label} | "
-                             + " | ".join(_col(runs, k) for k in keys) + " |")
+                lines.append(
+                    f"| {noise} | {method} | {len(runs)} | {label} | " + " | ".join(_col(runs, k) for k in keys) + " |"
+                )
     return "\n".join(lines)
 
 
@@ -194,10 +233,17 @@ def plot_lambda(groups: dict[tuple[str, str], list[dict[str, Any]]], path: Path)
         runs = groups.get((method, "none"), [])
         key = "final-local-accuracy-mean" if method == "FedAvg" else "final-personal-accuracy-mean"
         if runs:
-            ax.axhline(statistics.mean(r[key] for r in runs), linestyle=style, color="grey",
-                       label=f"{method} {'global' if method == 'FedAvg' else 'personal'} model")
-    ax.set(xlabel="λ (0: federated model, 1: local model)", ylabel="accuracy on the clients' local test splits",
-           title="Fashion-MNIST, TwoNN, 2 classes per client")
+            ax.axhline(
+                statistics.mean(r[key] for r in runs),
+                linestyle=style,
+                color="grey",
+                label=f"{method} {'global' if method == 'FedAvg' else 'personal'} model",
+            )
+    ax.set(
+        xlabel="λ (0: federated model, 1: local model)",
+        ylabel="accuracy on the clients' local test splits",
+        title="Fashion-MNIST, TwoNN, 2 classes per client",
+    )
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -209,8 +255,13 @@ def report(out: Path, seeds: list[int], figure: Path) -> str:
     pathological = _finished(out, "pathological", seeds)
     noise = _finished(out, "noise", seeds)
     noise_seeds = {int(p.name.rpartition("seed")[2]) for p in out.glob("noise__*")}
-    noise.update({key: runs for key, runs in _finished(out, "pathological", sorted(noise_seeds)).items()
-                  if key[0] in NOISE_METHODS})
+    noise.update(
+        {
+            key: runs
+            for key, runs in _finished(out, "pathological", sorted(noise_seeds)).items()
+            if key[0] in NOISE_METHODS
+        }
+    )
     if pathological:
         plot_lambda(pathological, figure)
     tables = [pathological_table(pathological), lambda_table(pathological), noise_table(noise)]
@@ -233,8 +284,12 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=50, help="B (the paper: 10)")
     parser.add_argument("--lr", type=float, default=0.01, help="client lr (the paper: 0.01 at B = 10)")
     parser.add_argument("--methods", nargs="+", choices=list(METHODS), help="only these methods (default: the part's)")
-    parser.add_argument("--evaluate-every", type=int, default=1,
-                        help="clients evaluate every this many rounds and in the last (the tables read the last)")
+    parser.add_argument(
+        "--evaluate-every",
+        type=int,
+        default=1,
+        help="clients evaluate every this many rounds and in the last (the tables read the last)",
+    )
     parser.add_argument("--noise", nargs="+", choices=list(NOISE), default=["pair 0.4", "symmetric 0.6"])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--figure", type=Path, default=HERE / "figures" / "superfed_lambda.png")
@@ -250,8 +305,14 @@ def main() -> None:
     for run in planned_runs(args.part, args.seeds, args.noise):
         if args.methods and run["_method"] not in args.methods:
             continue
-        run = {**run, "local-epochs": args.local_epochs, "batch-size": args.batch_size, "lr": args.lr,
-               "holdout-clients": args.holdout, "evaluate-every": args.evaluate_every}
+        run = {
+            **run,
+            "local-epochs": args.local_epochs,
+            "batch-size": args.batch_size,
+            "lr": args.lr,
+            "holdout-clients": args.holdout,
+            "evaluate-every": args.evaluate_every,
+        }
         if (out / run_name(run) / "summary.json").exists():
             continue
         started = time.time()

@@ -35,6 +35,7 @@ def timed(calls: dict[str, list[float]], name: str, method: Callable[..., Any]) 
             return method(*args, **kwargs)
         finally:
             calls[name].append(time.perf_counter() - started)
+
     return wrapper
 
 
@@ -51,19 +52,34 @@ def main(argv: list[str] | None = None) -> int:
         setattr(tracking.Tracking, name, timed(calls, name, getattr(tracking.Tracking, name)))
     tracking.Tracking.open = classmethod(timed(calls, "open", tracking.Tracking.open.__func__))  # type: ignore
     with tempfile.TemporaryDirectory(prefix="alignfl-tracking-cost-") as tmp:
-        summary = run_in_process({"dataset": args.dataset, "num-server-rounds": args.rounds, "results-dir": tmp,
-                                  "run-name": "run", "tracking": args.tracking, "device": "cpu"}, args.clients)
+        summary = run_in_process(
+            {
+                "dataset": args.dataset,
+                "num-server-rounds": args.rounds,
+                "results-dir": tmp,
+                "run-name": "run",
+                "tracking": args.tracking,
+                "device": "cpu",
+            },
+            args.clients,
+        )
         rows = [json.loads(line) for line in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()]
     rounds = [later["elapsed-s"] - earlier["elapsed-s"] for earlier, later in zip(rows, rows[1:])]
     per_round = calls["log_rows"][1:]  # the first call is the (empty) catch-up before round 1
     share = statistics.median(per_round) / statistics.median(rounds)
-    print(f"tracking={args.tracking}, {args.dataset}, {args.clients} clients, {args.rounds} rounds, "
-          f"load average {os.getloadavg()[0]:.1f}; status {summary['tracking']}")
+    print(
+        f"tracking={args.tracking}, {args.dataset}, {args.clients} clients, {args.rounds} rounds, "
+        f"load average {os.getloadavg()[0]:.1f}; status {summary['tracking']}"
+    )
     print(f"round wall time: median {statistics.median(rounds):.2f} s ({', '.join(f'{s:.2f}' for s in rounds)})")
-    print(f"tracking per round (log_rows): median {1000 * statistics.median(per_round):.1f} ms "
-          f"({', '.join(f'{1000 * s:.1f}' for s in per_round)}) = {100 * share:.2f} % of a round (target <= 1 %)")
-    print(f"once per run: open {calls['open'][0]:.2f} s, finish {calls['finish'][0]:.2f} s, "
-          f"close {1000 * calls['close'][0]:.1f} ms")
+    print(
+        f"tracking per round (log_rows): median {1000 * statistics.median(per_round):.1f} ms "
+        f"({', '.join(f'{1000 * s:.1f}' for s in per_round)}) = {100 * share:.2f} % of a round (target <= 1 %)"
+    )
+    print(
+        f"once per run: open {calls['open'][0]:.2f} s, finish {calls['finish'][0]:.2f} s, "
+        f"close {1000 * calls['close'][0]:.1f} ms"
+    )
     return 0
 
 

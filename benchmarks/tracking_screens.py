@@ -27,8 +27,17 @@ from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SWEEP = ["dataset=digits", "model=small-mlp", "sim.backend=inprocess", "sim.num_supernodes=4",
-         "train.num_server_rounds=6", "tracking=both", "pan.mode=mul", "pan.t=1,4", "pan.a=0,0.5"]
+SWEEP = [
+    "dataset=digits",
+    "model=small-mlp",
+    "sim.backend=inprocess",
+    "sim.num_supernodes=4",
+    "train.num_server_rounds=6",
+    "tracking=both",
+    "pan.mode=mul",
+    "pan.t=1,4",
+    "pan.a=0,0.5",
+]
 SHOTS = ("tensorboard-scalars", "tensorboard-hparams", "mlflow-compare")
 
 
@@ -69,9 +78,22 @@ def screenshot(url: str, path: Path, size: str = "1400,900") -> None:
     browser = shutil.which("chromium") or shutil.which("chromium-browser")
     if browser is None:
         raise SystemExit("chromium is not installed: apt-get install -y chromium")
-    subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-                    f"--window-size={size}", "--virtual-time-budget=15000", f"--screenshot={path}", url],
-                   check=True, capture_output=True, timeout=180)
+    subprocess.run(
+        [
+            browser,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--hide-scrollbars",
+            f"--window-size={size}",
+            "--virtual-time-budget=15000",
+            f"--screenshot={path}",
+            url,
+        ],
+        check=True,
+        capture_output=True,
+        timeout=180,
+    )
     print(f"[screens] {path} ({path.stat().st_size} bytes)", flush=True)
 
 
@@ -79,8 +101,12 @@ def run_sweep(sweep_dir: Path, uri: str) -> None:
     if (sweep_dir / "summary.md").is_file():
         return
     env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0", "PYTHONPATH": str(ROOT)}
-    subprocess.run([sys.executable, "-m", "fl_app.sweep", "-m", *SWEEP, f"mlflow_uri={uri}",
-                    f"hydra.sweep.dir={sweep_dir}"], cwd=ROOT, env=env, check=True)
+    subprocess.run(
+        [sys.executable, "-m", "fl_app.sweep", "-m", *SWEEP, f"mlflow_uri={uri}", f"hydra.sweep.dir={sweep_dir}"],
+        cwd=ROOT,
+        env=env,
+        check=True,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,16 +126,40 @@ def main(argv: list[str] | None = None) -> int:
 
     client = MlflowClient(uri)
     experiment = client.get_experiment_by_name("alignfl").experiment_id
-    children = [run.info.run_id for run in client.search_runs(
-        [experiment], filter_string=f"tags.mlflow.parentRunId = '{parent}'")]
+    children = [
+        run.info.run_id
+        for run in client.search_runs([experiment], filter_string=f"tags.mlflow.parentRunId = '{parent}'")
+    ]
     compare = "/#/compare-runs?" + urllib.parse.urlencode(
-        {"runs": json.dumps(children), "experiments": json.dumps([experiment])})
-    with serving([str(bin_dir / "tensorboard"), "--logdir", str(sweep_dir), "--host", "127.0.0.1", "--port",
-                  str(board)], board_url, out / "tensorboard.log"), \
-            serving([str(bin_dir / "mlflow"), "ui", "--backend-store-uri", uri, "--host", "127.0.0.1", "--port",
-                     str(ui), "--workers", "1"], ui_url + "/health", out / "mlflow.log"):
-        screenshot(f"{board_url}/?pinnedCards=&tagFilter=%5Eaccuracy%24%7Clocal-accuracy-mean%7C%5Eloss#scalars",
-                   out / "tensorboard-scalars.png")
+        {"runs": json.dumps(children), "experiments": json.dumps([experiment])}
+    )
+    with (
+        serving(
+            [str(bin_dir / "tensorboard"), "--logdir", str(sweep_dir), "--host", "127.0.0.1", "--port", str(board)],
+            board_url,
+            out / "tensorboard.log",
+        ),
+        serving(
+            [
+                str(bin_dir / "mlflow"),
+                "ui",
+                "--backend-store-uri",
+                uri,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(ui),
+                "--workers",
+                "1",
+            ],
+            ui_url + "/health",
+            out / "mlflow.log",
+        ),
+    ):
+        screenshot(
+            f"{board_url}/?pinnedCards=&tagFilter=%5Eaccuracy%24%7Clocal-accuracy-mean%7C%5Eloss#scalars",
+            out / "tensorboard-scalars.png",
+        )
         screenshot(f"{board_url}/#hparams", out / "tensorboard-hparams.png")
         screenshot(ui_url + compare, out / "mlflow-compare.png", "1400,1100")
     if args.figures is not None:

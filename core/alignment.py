@@ -146,8 +146,9 @@ def check_compatible(reference: StateDict, other: StateDict, spec: PermutationSp
         raise ValueError(f"state dicts differ in keys: missing {missing[:5]}, unexpected {extra[:5]}")
     for key, tensor in reference.items():
         if other[key].shape != tensor.shape:
-            raise ValueError(f"state entry {key!r} has shape {tuple(other[key].shape)}, "
-                             f"but {tuple(tensor.shape)} in the reference")
+            raise ValueError(
+                f"state entry {key!r} has shape {tuple(other[key].shape)}, but {tuple(tensor.shape)} in the reference"
+            )
     spec.group_sizes(reference)
 
 
@@ -227,8 +228,11 @@ class PairScores:
         cached = self._shares.get(ref)
         if cached is not None and _same(cached[0], inputs):
             return cached[1]
-        moves = [(axis, perms[name]) for name, axis in self.target.axes[ref.key]
-                 if axis.axis != ref.axis and perms.get(name) is not None]
+        moves = [
+            (axis, perms[name])
+            for name, axis in self.target.axes[ref.key]
+            if axis.axis != ref.axis and perms.get(name) is not None
+        ]
         share = self.score(self.target.rows(ref), unit_rows(self.other[ref.key], ref, moves))
         self._shares[ref] = (inputs, share)
         return share
@@ -256,12 +260,19 @@ class PairScores:
 def solved_refs(spec: PermutationSpec, group: str, solved: Iterable[str]) -> list[AxisRef]:
     """The entries of ``group`` whose other permuted axes all belong to ``solved`` groups."""
     done, axes = set(solved), spec.axes_by_key()
-    return [ref for ref in spec.groups[group]
-            if all(name in done for name, other in axes[ref.key] if other.axis != ref.axis)]
+    return [
+        ref
+        for ref in spec.groups[group]
+        if all(name in done for name, other in axes[ref.key] if other.axis != ref.axis)
+    ]
 
 
 def solve_group(
-    reference: StateDict, other: StateDict, spec: PermutationSpec, group: str, solved: Mapping[str, Tensor],
+    reference: StateDict,
+    other: StateDict,
+    spec: PermutationSpec,
+    group: str,
+    solved: Mapping[str, Tensor],
     score: Score,
 ) -> Tensor:
     """The permutation of ``group`` given the groups in ``solved`` (name -> their permutation).
@@ -381,8 +392,9 @@ def weighted_average(states: Sequence[StateDict], weights: Sequence[float]) -> d
 
 def _check_weights(states: Sequence[StateDict], weights: Sequence[float]) -> None:
     if not states or len(states) != len(weights):
-        raise ValueError(f"need one weight per state and at least one state, got {len(states)} states "
-                         f"and {len(weights)} weights")
+        raise ValueError(
+            f"need one weight per state and at least one state, got {len(states)} states and {len(weights)} weights"
+        )
     if any(not w > 0 for w in weights):
         raise ValueError(f"weights must be positive, got {list(weights)}")
 
@@ -403,8 +415,12 @@ def matched_average(
 def moved_share(permutations: Sequence[Mapping[str, Tensor]]) -> dict[str, float]:
     """Per group, the share of units a matching moved (``perm[i] != i``), averaged over the clients."""
     groups = permutations[0].keys() if permutations else ()
-    return {group: float(sum((p[group] != torch.arange(len(p[group]))).double().mean() for p in permutations)
-                         / len(permutations)) for group in groups}
+    return {
+        group: float(
+            sum((p[group] != torch.arange(len(p[group]))).double().mean() for p in permutations) / len(permutations)
+        )
+        for group in groups
+    }
 
 
 def align_and_average(
@@ -436,6 +452,7 @@ def align_and_average(
     for _ in range(iterations):
         shared = Target(target, spec)  # one set of reference rows for every state
         permutations = [dict(match(shared, state, generator)) for state in states]
-        target = weighted_average([permute_state(spec, state, perms) for state, perms in zip(states, permutations)],
-                                  weights)
+        target = weighted_average(
+            [permute_state(spec, state, perms) for state, perms in zip(states, permutations)], weights
+        )
     return dict(target), permutations

@@ -125,24 +125,43 @@ class BBPSettings:
     authors' code; ``max_width`` is the hard cap of the module notes.
     """
 
-    sigma: float = option(1.0, "BBP-MAP: variance of a client unit around its global unit", positive,
-                          "must be a finite number > 0")
-    sigma0: float = option(1.0, "BBP-MAP: prior variance of a global unit around bbp-mu0", positive,
-                           "must be a finite number > 0")
-    mu0: float = option(0.0, "BBP-MAP: prior mean of every coordinate of a global unit", math.isfinite,
-                        "must be a finite number")
-    gamma: float = option(7.0, "BBP-MAP: Indian-buffet mass (larger opens new global units more readily)", positive,
-                          "must be a finite number > 0")
-    max_width: int = option(700, "BBP-MAP: most units a matched layer may grow to (or its widest client's)",
-                            lambda v: v >= 1, "must be an integer >= 1")
-    iterations: int = option(5, "BBP-MAP: most sweeps over the clients after the first pass", lambda v: v >= 0,
-                             "must be an integer >= 0")
-    estimate: str = option("posterior", "BBP-MAP: a global unit from its members: posterior (the authors' "
-                           "posterior mean) or weighted (the clients' weighted mean)", lambda v: v in ESTIMATES,
-                           f"choose one of {list(ESTIMATES)}")
-    include_classifier: bool = option(False, "BBP-MAP: match the last hidden layer's units on their output-layer "
-                                      "weights too, which are already aligned and say what each unit votes for "
-                                      "(PFNM does; FedMA leaves them out)")
+    sigma: float = option(
+        1.0, "BBP-MAP: variance of a client unit around its global unit", positive, "must be a finite number > 0"
+    )
+    sigma0: float = option(
+        1.0, "BBP-MAP: prior variance of a global unit around bbp-mu0", positive, "must be a finite number > 0"
+    )
+    mu0: float = option(
+        0.0, "BBP-MAP: prior mean of every coordinate of a global unit", math.isfinite, "must be a finite number"
+    )
+    gamma: float = option(
+        7.0,
+        "BBP-MAP: Indian-buffet mass (larger opens new global units more readily)",
+        positive,
+        "must be a finite number > 0",
+    )
+    max_width: int = option(
+        700,
+        "BBP-MAP: most units a matched layer may grow to (or its widest client's)",
+        lambda v: v >= 1,
+        "must be an integer >= 1",
+    )
+    iterations: int = option(
+        5, "BBP-MAP: most sweeps over the clients after the first pass", lambda v: v >= 0, "must be an integer >= 0"
+    )
+    estimate: str = option(
+        "posterior",
+        "BBP-MAP: a global unit from its members: posterior (the authors' "
+        "posterior mean) or weighted (the clients' weighted mean)",
+        lambda v: v in ESTIMATES,
+        f"choose one of {list(ESTIMATES)}",
+    )
+    include_classifier: bool = option(
+        False,
+        "BBP-MAP: match the last hidden layer's units on their output-layer "
+        "weights too, which are already aligned and say what each unit votes for "
+        "(PFNM does; FedMA leaves them out)",
+    )
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -178,8 +197,9 @@ class BBPResult(NamedTuple):
 # --- the cost and one client's assignment -------------------------------------------------
 
 
-def extended_cost(rows: Tensor, natural: Tensor, counts: Tensor, clients: int, settings: BBPSettings,
-                  new_columns: int) -> Tensor:
+def extended_cost(
+    rows: Tensor, natural: Tensor, counts: Tensor, clients: int, settings: BBPSettings, new_columns: int
+) -> Tensor:
     """The ``J x (L + new_columns)`` score of every client unit on every atom, then on new atoms.
 
     ``rows`` are one client's unit vectors (``J x D``), ``natural`` the atoms'
@@ -194,11 +214,17 @@ def extended_cost(rows: Tensor, natural: Tensor, counts: Tensor, clients: int, s
     atom_norms = torch.linalg.vector_norm(natural, dim=1).square()
     precision = prior + counts * obs
     popular = counts.clamp(max=POPULARITY_CAP)
-    existing = ((row_norms[:, None] + (2.0 * obs) * (rows @ natural.T) + atom_norms) / (precision + obs)
-                - atom_norms / precision + torch.log(popular / (clients - popular)))
+    existing = (
+        (row_norms[:, None] + (2.0 * obs) * (rows @ natural.T) + atom_norms) / (precision + obs)
+        - atom_norms / precision
+        + torch.log(popular / (clients - popular))
+    )
     opened = row_norms + (2.0 * prior_mean * obs) * rows.sum(1) if prior_mean else row_norms
-    opened = ((opened + dims * prior_mean**2) / (prior + obs) - dims * prior_mean**2 / prior
-              + 2.0 * math.log(settings.gamma / clients))
+    opened = (
+        (opened + dims * prior_mean**2) / (prior + obs)
+        - dims * prior_mean**2 / prior
+        + 2.0 * math.log(settings.gamma / clients)
+    )
     order = torch.arange(1, new_columns + 1, dtype=rows.dtype)
     return torch.cat([existing, opened[:, None] - 2.0 * torch.log(order)], dim=1)
 
@@ -256,8 +282,8 @@ class _Atoms:
         opened = chosen >= width
         chosen[opened] = width + torch.arange(int(opened.sum()))
         self.width = width + int(opened.sum())
-        self._natural[width: self.width] = self.prior_mean
-        self._counts[width: self.width] = 0.0
+        self._natural[width : self.width] = self.prior_mean
+        self._counts[width : self.width] = 0.0
         self.natural.index_add_(0, chosen, rows, alpha=1.0 / self.settings.sigma)
         self.counts.index_add_(0, chosen, self.counts.new_ones(chosen.shape))
         self.assignments[client] = chosen
@@ -283,8 +309,9 @@ class _Atoms:
     def units(self, weights: Sequence[float]) -> Tensor:
         """The global unit vectors in float64: posterior means, or the members' weighted means."""
         posterior = self.settings.estimate == "posterior"
-        sums = torch.full((self.width, self.rows[0].shape[1]), self.prior_mean if posterior else 0.0,
-                          dtype=torch.float64)
+        sums = torch.full(
+            (self.width, self.rows[0].shape[1]), self.prior_mean if posterior else 0.0, dtype=torch.float64
+        )
         totals = torch.full((self.width,), 1.0 / self.settings.sigma0 if posterior else 0.0, dtype=torch.float64)
         for rows, assignment, weight in zip(self.rows, self.assignments, weights):
             scale = 1.0 / self.settings.sigma if posterior else float(weight)
@@ -293,8 +320,9 @@ class _Atoms:
         return sums / totals[:, None]
 
 
-def match_units(rows: Sequence[Tensor], weights: Sequence[float], settings: BBPSettings,
-                generator: torch.Generator | int = 0) -> GroupMatch:
+def match_units(
+    rows: Sequence[Tensor], weights: Sequence[float], settings: BBPSettings, generator: torch.Generator | int = 0
+) -> GroupMatch:
     """BBP-MAP over the unit vectors of K clients (``rows[k]``: ``J_k x D``).
 
     At most ``max(settings.max_width, widest J_k)`` atoms. Widest client first,
@@ -328,20 +356,32 @@ def match_units(rows: Sequence[Tensor], weights: Sequence[float], settings: BBPS
 def aligned_refs(spec: PermutationSpec, group: str, solved: Collection[str]) -> list[AxisRef]:
     """The entries of ``group`` whose other permuted axes all belong to ``solved`` groups (already global)."""
     axes = spec.axes_by_key()
-    return [ref for ref in spec.groups[group]
-            if all(name in solved for name, other in axes[ref.key] if other.axis != ref.axis)]
+    return [
+        ref
+        for ref in spec.groups[group]
+        if all(name in solved for name, other in axes[ref.key] if other.axis != ref.axis)
+    ]
 
 
 def output_keys(spec: PermutationSpec, state: StateDict) -> set[str]:
     """Floating entries with an axis 0 no group permutes (the classifier): never matched, averaged."""
     touched = {ref.key for refs in spec.groups.values() for ref in refs if ref.axis == 0}
-    return {key for key, tensor in state.items()
-            if key not in touched and tensor.is_floating_point() and tensor.dim() >= 1}
+    return {
+        key for key, tensor in state.items() if key not in touched and tensor.is_floating_point() and tensor.dim() >= 1
+    }
 
 
-def match_group(states: Sequence[StateDict], weights: Sequence[float], spec: PermutationSpec, group: str,
-                solved: Collection[str], settings: BBPSettings, generator: torch.Generator | int = 0, *,
-                head: Collection[str]) -> GroupMatch:
+def match_group(
+    states: Sequence[StateDict],
+    weights: Sequence[float],
+    spec: PermutationSpec,
+    group: str,
+    solved: Collection[str],
+    settings: BBPSettings,
+    generator: torch.Generator | int = 0,
+    *,
+    head: Collection[str],
+) -> GroupMatch:
     """BBP-MAP of one group across K client states whose ``solved`` groups are already in global indexing.
 
     A unit's vector concatenates its row of :func:`~models.permutation.unit_view`
@@ -356,8 +396,10 @@ def match_group(states: Sequence[StateDict], weights: Sequence[float], spec: Per
         raise ValueError(f"group {group!r} and solved groups {sorted(solved)} must be among {list(spec.groups)}")
     refs = [ref for ref in aligned_refs(spec, group, solved) if settings.include_classifier or ref.key not in head]
     if not refs:
-        raise ValueError(f"group {group!r} has no entry aligned on its other axes outside the output layer "
-                         f"{sorted(head)}; solve {sorted(solved)} first")
+        raise ValueError(
+            f"group {group!r} has no entry aligned on its other axes outside the output layer "
+            f"{sorted(head)}; solve {sorted(solved)} first"
+        )
     views = [[unit_view(state[ref.key], ref) for ref in refs] for state in states]
     match = match_units([torch.cat(parts, dim=1) for parts in views], weights, settings, generator)
     return GroupMatch(match.assignments, match.units, tuple(refs), tuple(view.shape[1] for view in views[0]))
@@ -374,23 +416,24 @@ def units_to_entries(match: GroupMatch, spec: PermutationSpec, state: StateDict)
         if ref.key in outputs:
             continue
         template = state[ref.key]
-        shape = template.shape[:ref.axis] + (match.width * ref.block,) + template.shape[ref.axis + 1:]
-        layout = (match.width,) + template.shape[:ref.axis] + (ref.block,) + template.shape[ref.axis + 1:]
+        shape = template.shape[: ref.axis] + (match.width * ref.block,) + template.shape[ref.axis + 1 :]
+        layout = (match.width,) + template.shape[: ref.axis] + (ref.block,) + template.shape[ref.axis + 1 :]
         entries[ref.key] = columns.reshape(layout).movedim(0, ref.axis).reshape(shape).to(template.dtype)
     return entries
 
 
 def scatter_units(tensor: Tensor, ref: AxisRef, assignment: Tensor, width: int) -> Tensor:
     """``tensor`` with the units of ``ref`` moved to their global positions among ``width`` (zeros elsewhere)."""
-    before, after = tensor.shape[:ref.axis], tensor.shape[ref.axis + 1:]
+    before, after = tensor.shape[: ref.axis], tensor.shape[ref.axis + 1 :]
     split = tensor.reshape(before + (tensor.shape[ref.axis] // ref.block, ref.block) + after)
     grown = split.new_zeros(before + (width, ref.block) + after)
     grown.index_copy_(ref.axis, assignment.to(tensor.device), split)
     return grown.reshape(before + (width * ref.block,) + after)
 
 
-def scatter_group(state: StateDict, spec: PermutationSpec, group: str, assignment: Tensor,
-                  width: int) -> dict[str, Tensor]:
+def scatter_group(
+    state: StateDict, spec: PermutationSpec, group: str, assignment: Tensor, width: int
+) -> dict[str, Tensor]:
     """A client's state with every axis of ``group`` moved onto the global units (PFNM's weight patching).
 
     Entries of the group that ``state`` lacks are skipped, so a caller can drop the ones it is done with.
@@ -405,10 +448,16 @@ def scatter_group(state: StateDict, spec: PermutationSpec, group: str, assignmen
 # --- the whole model --------------------------------------------------------------------------
 
 
-def bbp_matched_average(states: Sequence[StateDict], weights: Sequence[float], spec: PermutationSpec,
-                        settings: BBPSettings | None = None, generator: torch.Generator | int = 0,
-                        class_counts: Tensor | Sequence[Sequence[float]] | None = None, *,
-                        head: Collection[str]) -> BBPResult:
+def bbp_matched_average(
+    states: Sequence[StateDict],
+    weights: Sequence[float],
+    spec: PermutationSpec,
+    settings: BBPSettings | None = None,
+    generator: torch.Generator | int = 0,
+    class_counts: Tensor | Sequence[Sequence[float]] | None = None,
+    *,
+    head: Collection[str],
+) -> BBPResult:
     """Match every group of ``spec`` by BBP-MAP, in spec order, and build the grown global state.
 
     ``head`` is the output layer's keys (:func:`models.protocol.head_of`); see :func:`match_group`.
@@ -436,27 +485,39 @@ def bbp_matched_average(states: Sequence[StateDict], weights: Sequence[float], s
     for group in spec.groups:
         match = match_group(clients, weights, spec, group, widths, settings, rng, head=head)
         merged.update(units_to_entries(match, spec, clients[0]))
-        clients = [scatter_group({key: value for key, value in client.items() if key not in merged}, spec, group,
-                                 assignment, match.width) for client, assignment in zip(clients, match.assignments)]
+        clients = [
+            scatter_group(
+                {key: value for key, value in client.items() if key not in merged}, spec, group, assignment, match.width
+            )
+            for client, assignment in zip(clients, match.assignments)
+        ]
         widths[group], assignments[group] = match.width, match.assignments
     merged.update(_averaged(clients, share, mixes))
     return BBPResult({key: merged[key] for key in states[0]}, widths, assignments)
 
 
-def _output_mixes(spec: PermutationSpec, state: StateDict, share: Tensor,
-                  class_counts: Tensor | Sequence[Sequence[float]]) -> dict[str, Tensor]:
+def _output_mixes(
+    spec: PermutationSpec, state: StateDict, share: Tensor, class_counts: Tensor | Sequence[Sequence[float]]
+) -> dict[str, Tensor]:
     """``K x C`` averaging weights for each output entry with one row per class: each class's share of the
     clients' counts (the clients' ``share`` for a class nobody holds)."""
     counts = torch.as_tensor(class_counts, dtype=torch.float64)
-    if counts.dim() != 2 or counts.shape[0] != share.numel() or not bool(torch.isfinite(counts).all()) \
-            or bool((counts < 0).any()):
-        raise ValueError(f"class_counts must be a K x C matrix of finite counts >= 0 with K = {share.numel()}, "
-                         f"got shape {tuple(counts.shape)}")
+    if (
+        counts.dim() != 2
+        or counts.shape[0] != share.numel()
+        or not bool(torch.isfinite(counts).all())
+        or bool((counts < 0).any())
+    ):
+        raise ValueError(
+            f"class_counts must be a K x C matrix of finite counts >= 0 with K = {share.numel()}, "
+            f"got shape {tuple(counts.shape)}"
+        )
     outputs = output_keys(spec, state)
     keys = [key for key in outputs if state[key].shape[0] == counts.shape[1]]
     if not keys:
-        raise ValueError(f"class_counts has {counts.shape[1]} classes, but no output entry "
-                         f"({sorted(outputs)}) has that many rows")
+        raise ValueError(
+            f"class_counts has {counts.shape[1]} classes, but no output entry ({sorted(outputs)}) has that many rows"
+        )
     totals = counts.sum(0)
     mix = torch.where(totals > 0, counts / totals.clamp(min=1e-300), share[:, None])
     return dict.fromkeys(keys, mix)
@@ -478,8 +539,9 @@ def _averaged(clients: Sequence[StateDict], share: Tensor, mixes: Mapping[str, T
 
 def _check_weights(clients: int, weights: Sequence[float]) -> None:
     if clients < 1 or len(weights) != clients:
-        raise ValueError(f"need one weight per client and at least one client, got {clients} clients and "
-                         f"{len(weights)} weights")
+        raise ValueError(
+            f"need one weight per client and at least one client, got {clients} clients and {len(weights)} weights"
+        )
     if any(not (math.isfinite(float(w)) and float(w) > 0) for w in weights):
         raise ValueError(f"weights must be finite and > 0, got {list(weights)}")
 
@@ -490,8 +552,9 @@ def _check_states(states: Sequence[StateDict], weights: Sequence[float], spec: P
     first = states[0]
     for index, state in enumerate(states):
         if set(state) != set(first):
-            raise ValueError(f"client {index}'s state has other keys than client 0's: "
-                             f"{sorted(set(state) ^ set(first))[:5]}")
+            raise ValueError(
+                f"client {index}'s state has other keys than client 0's: {sorted(set(state) ^ set(first))[:5]}"
+            )
         odd = [key for key, tensor in first.items() if state[key].shape != tensor.shape]
         if odd:
             raise ValueError(f"client {index}'s entries {odd[:5]} have other shapes than client 0's")

@@ -18,8 +18,9 @@ from core.training import iterate_batches
 CALIBRATION_BINS = 15
 
 
-def calibration_errors(probabilities: torch.Tensor, labels: torch.Tensor,
-                       bins: int = CALIBRATION_BINS) -> tuple[float, float]:
+def calibration_errors(
+    probabilities: torch.Tensor, labels: torch.Tensor, bins: int = CALIBRATION_BINS
+) -> tuple[float, float]:
     """``(ECE, MCE)`` of class probabilities ``(n, C)`` against integer labels ``(n,)``; NaN for n = 0."""
     if len(labels) == 0:
         return math.nan, math.nan
@@ -39,8 +40,9 @@ def calibration_errors(probabilities: torch.Tensor, labels: torch.Tensor,
 
 
 @torch.no_grad()
-def classification_scores(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
-                          device: torch.device) -> tuple[float, float, float, float]:
+def classification_scores(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, device: torch.device
+) -> tuple[float, float, float, float]:
     """(accuracy, ECE, MCE, mean cross-entropy) of ``model`` on (x, y) in eval mode; NaNs when empty."""
     if len(y) == 0:
         return math.nan, math.nan, math.nan, math.nan

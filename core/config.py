@@ -27,6 +27,7 @@ from core.data import dataset_info, list_datasets
 from core.label_noise import LABEL_NOISE_KINDS
 from core.partitioning.partitioners import PARTITIONERS, Split, check_partitioning, list_partitioners
 from models.init import INITS
+from models.pan import PanSettings
 from plugins.options import (
     NoOptions,
     Setting,
@@ -40,7 +41,6 @@ from plugins.options import (
     source_settings,
     unit_interval,
 )
-from models.pan import PanSettings
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 SERVER_WEIGHTINGS = ("examples", "uniform")
@@ -62,8 +62,10 @@ def _mlflow_uri(value: str) -> bool:
 
 
 def _absolute_or_empty(what: str) -> dict[str, Any]:
-    return {"check": lambda value: not value or Path(value).is_absolute(),
-            "allowed": f"must be an absolute path ({what}), or empty"}
+    return {
+        "check": lambda value: not value or Path(value).is_absolute(),
+        "allowed": f"must be an absolute path ({what}), or empty",
+    }
 
 
 @dataclass(frozen=True)
@@ -72,29 +74,55 @@ class RunSection:
 
     strategy: str = option("fedavg", "the federated algorithm (listed below the tables)")
     model: str = option("mlp", "the network (listed below the tables)")
-    dataset: str = option("fashion-mnist", "the data set", lambda v: v in list_datasets(),
-                          "choose a registered data set")
-    seed: int = option(0, "seeds data splits, initialisation, sampling and every client's batches",
-                       lambda v: v >= 0, "must be >= 0")
-    device: str = option("auto", "where clients and the server compute: auto (CUDA when present), cpu, cuda, "
-                         "cuda:<index>", lambda v: v in DEVICE_CHOICES or v.startswith("cuda:"),
-                         f"one of {list(DEVICE_CHOICES)} or 'cuda:<index>'")
-    init: str = option("default", "weight init after the model is built (default: as built; he: He-normal)",
-                       lambda v: v in INITS, f"choose one of {sorted(INITS)}")
+    dataset: str = option(
+        "fashion-mnist", "the data set", lambda v: v in list_datasets(), "choose a registered data set"
+    )
+    seed: int = option(
+        0, "seeds data splits, initialisation, sampling and every client's batches", lambda v: v >= 0, "must be >= 0"
+    )
+    device: str = option(
+        "auto",
+        "where clients and the server compute: auto (CUDA when present), cpu, cuda, cuda:<index>",
+        lambda v: v in DEVICE_CHOICES or v.startswith("cuda:"),
+        f"one of {list(DEVICE_CHOICES)} or 'cuda:<index>'",
+    )
+    init: str = option(
+        "default",
+        "weight init after the model is built (default: as built; he: He-normal)",
+        lambda v: v in INITS,
+        f"choose one of {sorted(INITS)}",
+    )
     log_divergence: bool = option(False, "log per-layer weight divergence of the clients' models every round")
-    results_dir: str = option("", "where run folders go (absolute; empty: ~/alignfl-results)",
-                              **_absolute_or_empty("the app runs from a copy in another directory"))
-    run_name: str = option("", "the run folder's name (empty: strategy-model-dataset-time)",
-                           lambda v: "/" not in v and v not in (".", ".."), "must be a plain folder name")
-    resume_from: str = option("", "an earlier run's folder (absolute) to continue from its checkpoint.pt",
-                              **_absolute_or_empty("the folder holding checkpoint.pt"))
-    tracking: str = option("tensorboard", "where each round's metrics also go: tensorboard (event files in the run "
-                           "folder), mlflow (an MLflow run; needs pip install 'alignfl[mlflow]'), both, or none",
-                           **_one_of(TRACKING_CHOICES))
-    mlflow_uri: str = option("", "MLflow tracking URI for tracking=mlflow or both: sqlite:////abs/file.db, "
-                             "http://host:port, ... (empty: sqlite under the results folder)", _mlflow_uri,
-                             "must be an MLflow tracking URI with a scheme (sqlite:////absolute/path.db, "
-                             "http(s)://host:port, postgresql://..., databricks), or empty")
+    results_dir: str = option(
+        "",
+        "where run folders go (absolute; empty: ~/alignfl-results)",
+        **_absolute_or_empty("the app runs from a copy in another directory"),
+    )
+    run_name: str = option(
+        "",
+        "the run folder's name (empty: strategy-model-dataset-time)",
+        lambda v: "/" not in v and v not in (".", ".."),
+        "must be a plain folder name",
+    )
+    resume_from: str = option(
+        "",
+        "an earlier run's folder (absolute) to continue from its checkpoint.pt",
+        **_absolute_or_empty("the folder holding checkpoint.pt"),
+    )
+    tracking: str = option(
+        "tensorboard",
+        "where each round's metrics also go: tensorboard (event files in the run "
+        "folder), mlflow (an MLflow run; needs pip install 'alignfl[mlflow]'), both, or none",
+        **_one_of(TRACKING_CHOICES),
+    )
+    mlflow_uri: str = option(
+        "",
+        "MLflow tracking URI for tracking=mlflow or both: sqlite:////abs/file.db, "
+        "http://host:port, ... (empty: sqlite under the results folder)",
+        _mlflow_uri,
+        "must be an MLflow tracking URI with a scheme (sqlite:////absolute/path.db, "
+        "http(s)://host:port, postgresql://..., databricks), or empty",
+    )
 
 
 @dataclass(frozen=True)
@@ -105,49 +133,95 @@ class TrainSection:
     local_epochs: int = option(1, "local epochs per round", positive, "must be a positive integer")
     batch_size: int = option(64, "local mini-batch size", positive, "must be a positive integer")
     lr: float = option(0.05, "client learning rate", positive, "must be a finite number > 0")
-    lr_decay: float = option(1.0, "client lr is lr * lr-decay^(round - 1)", unit_interval,
-                             "must lie in (0, 1] (1 is no decay)")
-    lr_warmup_rounds: int = option(0, "rounds of linear lr warm-up: round r trains at lr * min(1, r / this) "
-                                   "(0: none; the PANs authors warm up)", lambda v: v >= 0, "must be an integer >= 0")
+    lr_decay: float = option(
+        1.0, "client lr is lr * lr-decay^(round - 1)", unit_interval, "must lie in (0, 1] (1 is no decay)"
+    )
+    lr_warmup_rounds: int = option(
+        0,
+        "rounds of linear lr warm-up: round r trains at lr * min(1, r / this) (0: none; the PANs authors warm up)",
+        lambda v: v >= 0,
+        "must be an integer >= 0",
+    )
     momentum: float = option(0.9, "client SGD momentum", lambda v: 0 <= v < 1, "must lie in [0, 1)")
     weight_decay: float = option(1e-5, "client SGD weight decay", non_negative, "must be a finite number >= 0")
-    server_weighting: str = option("examples", "how the server weighs client models: by their example counts "
-                                   "(FedAvg) or uniformly (the PANs authors' unweighted mean)",
-                                   **_one_of(SERVER_WEIGHTINGS))
-    fraction_train: float = option(1.0, "share of the clients sampled for training each round", unit_interval,
-                                   "must lie in (0, 1]")
-    fraction_evaluate: float = option(1.0, "share of the clients sampled for local evaluation each round",
-                                      unit_interval, "must lie in (0, 1]")
-    evaluate_every: int = option(1, "rounds between the clients' local evaluations (the last round always has one)",
-                                 positive, "must be a positive integer")
-    min_available_nodes: int = option(2, "nodes the first round waits for (later rounds use whoever is online)",
-                                      positive, "must be a positive integer")
-    node_wait_timeout: float = option(300.0, "seconds the first round waits for min-available-nodes before it "
-                                      "starts with the nodes connected", positive, "must be a finite number > 0")
-    round_timeout: float = option(3600.0, "seconds to wait for clients' replies each round; late ones are dropped",
-                                  positive, "must be a finite number of seconds > 0")
+    server_weighting: str = option(
+        "examples",
+        "how the server weighs client models: by their example counts "
+        "(FedAvg) or uniformly (the PANs authors' unweighted mean)",
+        **_one_of(SERVER_WEIGHTINGS),
+    )
+    fraction_train: float = option(
+        1.0, "share of the clients sampled for training each round", unit_interval, "must lie in (0, 1]"
+    )
+    fraction_evaluate: float = option(
+        1.0, "share of the clients sampled for local evaluation each round", unit_interval, "must lie in (0, 1]"
+    )
+    evaluate_every: int = option(
+        1,
+        "rounds between the clients' local evaluations (the last round always has one)",
+        positive,
+        "must be a positive integer",
+    )
+    min_available_nodes: int = option(
+        2,
+        "nodes the first round waits for (later rounds use whoever is online)",
+        positive,
+        "must be a positive integer",
+    )
+    node_wait_timeout: float = option(
+        300.0,
+        "seconds the first round waits for min-available-nodes before it starts with the nodes connected",
+        positive,
+        "must be a finite number > 0",
+    )
+    round_timeout: float = option(
+        3600.0,
+        "seconds to wait for clients' replies each round; late ones are dropped",
+        positive,
+        "must be a finite number of seconds > 0",
+    )
 
 
 @dataclass(frozen=True)
 class DataSection:
     """How the data set is split over clients."""
 
-    data_root: str = option("", "where the data set lives (absolute; empty: its default location)",
-                            **_absolute_or_empty("a torchvision-style root"))
-    partitioner: str = option("dirichlet", "how the training set is split over clients",
-                              lambda v: v in list_partitioners(), "choose a registered partitioner")
-    train_size: int = option(0, "training samples partitioned, a seeded random subset (0: all)", lambda v: v >= 0,
-                             "must be an integer >= 0 (0: the whole training set)")
-    test_fraction: float = option(0.2, "share of each client's data kept for its local test split",
-                                  lambda v: 0 < v < 1, "must lie in (0, 1)")
-    data_fraction: float = option(1.0, "share of each client's partition it keeps (before the test split)",
-                                  unit_interval, "must lie in (0, 1] (1 keeps all)")
-    holdout_clients: int = option(0, "the last partitions never train; they score the global model as new clients",
-                                  lambda v: v >= 0, "must be an integer >= 0")
-    label_noise: str = option("none", "kind of noise put on clients' training labels",
-                              **_one_of(LABEL_NOISE_KINDS))
-    label_noise_rate: float = option(0.0, "share of training labels changed", lambda v: 0 <= v < 1,
-                                     "must lie in [0, 1)")
+    data_root: str = option(
+        "",
+        "where the data set lives (absolute; empty: its default location)",
+        **_absolute_or_empty("a torchvision-style root"),
+    )
+    partitioner: str = option(
+        "dirichlet",
+        "how the training set is split over clients",
+        lambda v: v in list_partitioners(),
+        "choose a registered partitioner",
+    )
+    train_size: int = option(
+        0,
+        "training samples partitioned, a seeded random subset (0: all)",
+        lambda v: v >= 0,
+        "must be an integer >= 0 (0: the whole training set)",
+    )
+    test_fraction: float = option(
+        0.2, "share of each client's data kept for its local test split", lambda v: 0 < v < 1, "must lie in (0, 1)"
+    )
+    data_fraction: float = option(
+        1.0,
+        "share of each client's partition it keeps (before the test split)",
+        unit_interval,
+        "must lie in (0, 1] (1 keeps all)",
+    )
+    holdout_clients: int = option(
+        0,
+        "the last partitions never train; they score the global model as new clients",
+        lambda v: v >= 0,
+        "must be an integer >= 0",
+    )
+    label_noise: str = option("none", "kind of noise put on clients' training labels", **_one_of(LABEL_NOISE_KINDS))
+    label_noise_rate: float = option(
+        0.0, "share of training labels changed", lambda v: 0 <= v < 1, "must lie in [0, 1)"
+    )
 
 
 @dataclass(frozen=True)
@@ -201,8 +275,11 @@ class RunConfig(RunSection, TrainSection, DataSection, PanSection):
     def items(self) -> list[tuple[Setting, Any]]:
         """Every setting of the run with its value: common, then the algorithm's, the model's, the partitioner's."""
         common = [(s, getattr(self, s.name)) for s in common_settings()]
-        own = [(s, getattr(part, s.name)) for part in (self.settings, self.model_options, self.partitioner_settings)
-               for s in settings_fields(type(part))]
+        own = [
+            (s, getattr(part, s.name))
+            for part in (self.settings, self.model_options, self.partitioner_settings)
+            for s in settings_fields(type(part))
+        ]
         return common + own
 
     def replace(self, **changes: Any) -> RunConfig:
@@ -214,11 +291,15 @@ class RunConfig(RunSection, TrainSection, DataSection, PanSection):
     def check(self) -> None:
         """Checks across fields (each field's own check has run)."""
         if self.holdout_clients >= self.min_available_nodes:
-            raise refuse("holdout-clients", self.holdout_clients, f"must be an integer in [0, min-available-nodes = "
-                         f"{self.min_available_nodes}): some node must train")
+            raise refuse(
+                "holdout-clients",
+                self.holdout_clients,
+                f"must be an integer in [0, min-available-nodes = {self.min_available_nodes}): some node must train",
+            )
         if not isinstance(self.partitioner_settings, PARTITIONERS.get(self.partitioner).settings):
-            raise TypeError(f"partitioner_settings {self.partitioner_settings!r} are not those of partitioner "
-                            f"'{self.partitioner}'")
+            raise TypeError(
+                f"partitioner_settings {self.partitioner_settings!r} are not those of partitioner '{self.partitioner}'"
+            )
         _, num_classes = dataset_info(self.dataset)
         check_partitioning(self.partitioner, self.partitioner_settings, Split(self.dataset, num_classes))
 

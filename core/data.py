@@ -190,8 +190,9 @@ def _read_tensor_cache(path: Path, name: str, num_classes: int) -> ImageDataset 
     """The cached tensors (memory-mapped, copy on write), or None when absent or unreadable."""
     try:
         tensors = torch.load(path, mmap=True, weights_only=True)
-        return ImageDataset(name, tensors["train_x"], tensors["train_y"], tensors["test_x"], tensors["test_y"],
-                            num_classes)
+        return ImageDataset(
+            name, tensors["train_x"], tensors["train_y"], tensors["test_x"], tensors["test_y"], num_classes
+        )
     except (OSError, RuntimeError, KeyError, TypeError, ValueError, EOFError):
         return None  # absent, truncated or from another format: loaded from the source again
 
@@ -293,11 +294,7 @@ def _fashion_mnist_folders(data_root: Path | None) -> list[Path]:
 
 def _fashion_mnist_folder(data_root: Path | None) -> Path | None:
     return next(
-        (
-            folder
-            for folder in _fashion_mnist_folders(data_root)
-            if all(_idx_file(folder, stem) for stem in _IDX_STEMS)
-        ),
+        (folder for folder in _fashion_mnist_folders(data_root) if all(_idx_file(folder, stem) for stem in _IDX_STEMS)),
         None,
     )
 
@@ -305,11 +302,7 @@ def _fashion_mnist_folder(data_root: Path | None) -> Path | None:
 def _fashion_mnist_missing(data_root: Path | None) -> list[Path]:
     if _fashion_mnist_folder(data_root) is not None:
         return []
-    return [
-        folder / f"{stem}[.gz]"
-        for folder in _fashion_mnist_folders(data_root)
-        for stem in _IDX_STEMS
-    ]
+    return [folder / f"{stem}[.gz]" for folder in _fashion_mnist_folders(data_root) for stem in _IDX_STEMS]
 
 
 _FASHION_MNIST_HOW = (
@@ -340,13 +333,14 @@ def _load_fashion_mnist(data_root: Path | None) -> ImageDataset:
     if folder is None:
         raise _missing("fashion-mnist", _fashion_mnist_missing(data_root), _FASHION_MNIST_HOW)
     train, test = _read_idx_splits(folder)
-    return _to_image_dataset(
-        "fashion-mnist", train, test, num_classes=10, mean=(0.2860,), std=(0.3530,)
+    return _to_image_dataset("fashion-mnist", train, test, num_classes=10, mean=(0.2860,), std=(0.3530,))
+
+
+DATASETS.register(
+    DataSource(
+        "fashion-mnist", _load_fashion_mnist, (1, 28, 28), 10, _fashion_mnist_missing, _fashion_mnist_fingerprint
     )
-
-
-DATASETS.register(DataSource("fashion-mnist", _load_fashion_mnist, (1, 28, 28), 10, _fashion_mnist_missing,
-                             _fashion_mnist_fingerprint))
+)
 
 
 def _digits_fingerprint(data_root: Path | None) -> str:
@@ -385,8 +379,9 @@ def _load_majority_tokens(data_root: Path | None) -> ImageDataset:
     return ImageDataset("majority-tokens", train_x, train_y, test_x, test_y, tokens.VOCABULARY)
 
 
-DATASETS.register(DataSource("majority-tokens", _load_majority_tokens, (1, tokens.LENGTH, tokens.VOCABULARY),
-                             tokens.VOCABULARY))
+DATASETS.register(
+    DataSource("majority-tokens", _load_majority_tokens, (1, tokens.LENGTH, tokens.VOCABULARY), tokens.VOCABULARY)
+)
 
 
 # --- torchvision datasets ----------------------------------------------------
@@ -491,9 +486,7 @@ def _register_torchvision(
 
             return arrays(_open_torchvision(name, root, make, [root / path for path in files], how))
 
-        return _to_image_dataset(
-            name, open_split(True), open_split(False), num_classes=num_classes, mean=mean, std=std
-        )
+        return _to_image_dataset(name, open_split(True), open_split(False), num_classes=num_classes, mean=mean, std=std)
 
     def fingerprint(data_root: Path | None) -> str | None:
         root = _torchvision_root(data_root)

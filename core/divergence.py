@@ -81,11 +81,13 @@ def normalised_weights(weights: Sequence[float] | None, count: int) -> list[floa
 
 def _check_same_layout(first: Mapping[str, Tensor], other: Mapping[str, Tensor], keys: list[str], index: int) -> None:
     missing = [key for key in keys if key not in other]
-    extra = [key for key, value in other.items()
-             if key not in first and torch.is_floating_point(torch.as_tensor(value))]
+    extra = [
+        key for key, value in other.items() if key not in first and torch.is_floating_point(torch.as_tensor(value))
+    ]
     if missing or extra:
         raise ValueError(f"state {index} differs from state 0: missing keys {missing[:5]}, extra keys {extra[:5]}")
     for key in keys:
         if tuple(other[key].shape) != tuple(first[key].shape):
-            raise ValueError(f"state {index}: '{key}' has shape {tuple(other[key].shape)}, "
-                                f"state 0 has {tuple(first[key].shape)}")
+            raise ValueError(
+                f"state {index}: '{key}' has shape {tuple(other[key].shape)}, state 0 has {tuple(first[key].shape)}"
+            )

@@ -58,8 +58,9 @@ def arrays_mismatch(expected: dict[str, torch.Tensor], arrays: ArrayRecord) -> s
     return None
 
 
-_SIZE_ATTRIBUTES = {"weight": (("out_features", 0), ("in_features", 1), ("out_channels", 0), ("in_channels", 1),
-                               ("num_features", 0))}
+_SIZE_ATTRIBUTES = {
+    "weight": (("out_features", 0), ("in_features", 1), ("out_channels", 0), ("in_channels", 1), ("num_features", 0))
+}
 
 
 def resize_to(model: nn.Module, state: Mapping[str, torch.Tensor], spec: PermutationSpec) -> None:
@@ -73,8 +74,10 @@ def resize_to(model: nn.Module, state: Mapping[str, torch.Tensor], spec: Permuta
             continue
         axes = [axis for axis, (a, b) in enumerate(zip(current[key].shape, tensor.shape)) if a != b]
         if current[key].dim() != tensor.dim() or any((key, axis) not in grown_axes for axis in axes):
-            raise ValueError(f"'{key}' has shape {tuple(tensor.shape)}, the model {tuple(current[key].shape)}: only "
-                             "the widths of permutation groups may change")
+            raise ValueError(
+                f"'{key}' has shape {tuple(tensor.shape)}, the model {tuple(current[key].shape)}: only "
+                "the widths of permutation groups may change"
+            )
         module_name, _, name = key.rpartition(".")
         module = model.get_submodule(module_name)
         fresh = torch.zeros(tensor.shape, dtype=current[key].dtype, device=current[key].device)

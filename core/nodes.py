@@ -100,8 +100,13 @@ class NodeDirectory:
             witness = listed[0]
             self._ask([witness])
             if self.partitions.get(witness) != table[witness]:
-                log(WARNING, "[alignfl] node %d says partition %s, the runtime's partition table %d: asking every "
-                    "node instead", witness, self.partitions.get(witness), table[witness])
+                log(
+                    WARNING,
+                    "[alignfl] node %d says partition %s, the runtime's partition table %d: asking every node instead",
+                    witness,
+                    self.partitions.get(witness),
+                    table[witness],
+                )
                 self.partition_table = None
                 return
         assert self.num_partitions is not None
@@ -120,8 +125,13 @@ class NodeDirectory:
         queries = [Message(RecordDict(), dst_node_id=node, message_type=MessageType.QUERY) for node in nodes]
         timeout = PARTITION_QUERY_TIMEOUT + PARTITION_QUERY_S_PER_NODE * len(nodes)
         replies = send_and_receive(self.grid, queries, timeout)
-        log(INFO, "[alignfl] asked %d nodes for their partition in %.1f s; %d answered", len(nodes),
-            time.monotonic() - started, len(replies))
+        log(
+            INFO,
+            "[alignfl] asked %d nodes for their partition in %.1f s; %d answered",
+            len(nodes),
+            time.monotonic() - started,
+            len(replies),
+        )
         for reply in replies:
             metrics = {} if reply.has_error() else reply.content.get(METRICS_RECORD, {})
             if "partition-id" in metrics:
@@ -156,8 +166,14 @@ def wait_for_nodes(grid: Grid, count: int, timeout: float) -> int:
             last_log = time.monotonic()
         time.sleep(1.0)
     if connected < count:
-        log(WARNING, "[alignfl] %d of min-available-nodes=%d nodes connected after %.0f s (node-wait-timeout); "
-            "starting with them", connected, count, timeout)
+        log(
+            WARNING,
+            "[alignfl] %d of min-available-nodes=%d nodes connected after %.0f s (node-wait-timeout); "
+            "starting with them",
+            connected,
+            count,
+            timeout,
+        )
     elif last_log:
         log(INFO, "[alignfl] %d nodes connected; starting", connected)
     return connected

@@ -86,6 +86,10 @@ def odd_metric_keys(contents: Sequence[RecordDict]) -> list[str | None]:
         return []
     counts = Counter(key_sets)
     common = max(key_sets, key=lambda keys: counts[keys])  # max keeps the first of equal counts
-    return [None if keys == common else
-            f"metric keys differ from the other replies': extra {sorted(keys - common)[:5]}, "
-            f"missing {sorted(common - keys)[:5]}" for keys in key_sets]
+    return [
+        None
+        if keys == common
+        else f"metric keys differ from the other replies': extra {sorted(keys - common)[:5]}, "
+        f"missing {sorted(common - keys)[:5]}"
+        for keys in key_sets
+    ]

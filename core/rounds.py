@@ -21,8 +21,15 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 
 from core.nodes import NodeDirectory, PartitionTable, send_and_receive, wait_for_nodes
-from core.replies import (CONFIG_RECORD, METRICS_RECORD, MODEL_RECORD, NUM_EXAMPLES, arrays_problem,
-                          evaluate_reply_problem, odd_metric_keys)
+from core.replies import (
+    CONFIG_RECORD,
+    METRICS_RECORD,
+    MODEL_RECORD,
+    NUM_EXAMPLES,
+    arrays_problem,
+    evaluate_reply_problem,
+    odd_metric_keys,
+)
 from core.strategy import Reply, ServerStrategy
 
 MetricsAggregator = Callable[[list[RecordDict], str], MetricRecord]
@@ -41,8 +48,12 @@ class Participation:
 
     def metrics(self) -> dict[str, Any]:
         """The round's ``metrics.jsonl`` entries."""
-        return {"clients-sampled": self.sampled, "clients-trained": self.trained,
-                "clients-dropped": len(self.dropped), "clients-dropped-reasons": dict(self.dropped)}
+        return {
+            "clients-sampled": self.sampled,
+            "clients-trained": self.trained,
+            "clients-dropped": len(self.dropped),
+            "clients-dropped-reasons": dict(self.dropped),
+        }
 
 
 @dataclass(frozen=True)
@@ -72,8 +83,13 @@ class RoundRunner:
       not finite is refused and the global model kept.
     """
 
-    def __init__(self, strategy: ServerStrategy, grid: Grid, metrics: MetricAggregation,
-                 partition_table: PartitionTable | None = None) -> None:
+    def __init__(
+        self,
+        strategy: ServerStrategy,
+        grid: Grid,
+        metrics: MetricAggregation,
+        partition_table: PartitionTable | None = None,
+    ) -> None:
         config = strategy.context.config
         self.strategy = strategy
         self.grid = grid
@@ -91,9 +107,13 @@ class RoundRunner:
     def sampling_state(self, state: Any) -> None:
         self.sampling.setstate(state)
 
-    def run(self, initial_arrays: ArrayRecord, first_round: int = 1,
-            evaluate_fn: Callable[[int, ArrayRecord], Any] | None = None,
-            on_round_end: Callable[[int, ArrayRecord], None] | None = None) -> ArrayRecord:
+    def run(
+        self,
+        initial_arrays: ArrayRecord,
+        first_round: int = 1,
+        evaluate_fn: Callable[[int, ArrayRecord], Any] | None = None,
+        on_round_end: Callable[[int, ArrayRecord], None] | None = None,
+    ) -> ArrayRecord:
         """Rounds ``first_round .. num-server-rounds``; returns the final global model. Each round trains,
         evaluates on clients, calls ``evaluate_fn(round, arrays)`` then ``on_round_end(round, arrays)``; round
         0 (``evaluate_fn`` on the initial arrays) runs only when ``first_round`` is 1."""
@@ -132,8 +152,13 @@ class RoundRunner:
         replies = send_and_receive(self.grid, messages, self.config.round_timeout)
         return replies, {m.metadata.message_id: m.metadata.dst_node_id for m in messages if m.metadata.message_id}
 
-    def _checked(self, replies: list[Message], destinations: dict[str, int],
-                 problem_of: Callable[[RecordDict], str | None], dropped: dict[str, str]) -> list[Reply]:
+    def _checked(
+        self,
+        replies: list[Message],
+        destinations: dict[str, int],
+        problem_of: Callable[[RecordDict], str | None],
+        dropped: dict[str, str],
+    ) -> list[Reply]:
         """The replies in partition order without errors, malformed contents or odd metric keys; the others'
         reasons go to ``dropped``."""
         well_formed = []
@@ -163,20 +188,24 @@ class RoundRunner:
 
     def train_round(self, server_round: int, arrays: ArrayRecord) -> ArrayRecord:
         """One training round; returns the new global model, or ``arrays`` when nothing was aggregated."""
-        contents = self.strategy.plan_train(server_round, arrays, self._config(server_round),
-                                            lambda: self._sample(self.nodes.trainable(), self.config.fraction_train),
-                                            self.nodes)
+        contents = self.strategy.plan_train(
+            server_round,
+            arrays,
+            self._config(server_round),
+            lambda: self._sample(self.nodes.trainable(), self.config.fraction_train),
+            self.nodes,
+        )
         log(INFO, "configure_train: %d nodes", len(contents))
         replies, destinations = self._send(contents, MessageType.TRAIN)
         answered = {destinations.get(m.metadata.reply_to_message_id, m.metadata.src_node_id) for m in replies}
-        dropped = {self.nodes.name(node): "no reply within the round's timeout"
-                   for node in contents if node not in answered}
+        dropped = {
+            self.nodes.name(node): "no reply within the round's timeout" for node in contents if node not in answered
+        }
         usable = self._checked(replies, destinations, lambda c: self.strategy.reply_problem(c, arrays), dropped)
         for client, reason in dropped.items():
             log(WARNING, "round %d: dropped client %s: %s", server_round, client, reason)
         if self.metrics.participation is not None:
-            self.metrics.participation(server_round, Participation(len(answered | set(contents)), len(usable),
-                                                                   dropped))
+            self.metrics.participation(server_round, Participation(len(answered | set(contents)), len(usable), dropped))
         if not usable:
             log(WARNING, "round %d: no usable training reply; the global model is unchanged", server_round)
             self.strategy.on_empty_round(server_round)
@@ -189,8 +218,12 @@ class RoundRunner:
             return arrays
         problem = self._aggregate_problem(aggregated, arrays)
         if problem is not None:
-            log(WARNING, "round %d: the aggregated model is refused (%s); the global model is unchanged",
-                server_round, problem)
+            log(
+                WARNING,
+                "round %d: the aggregated model is refused (%s); the global model is unchanged",
+                server_round,
+                problem,
+            )
             return arrays
         return aggregated
 

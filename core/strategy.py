@@ -55,8 +55,10 @@ class Reply:
 
 def weighted_mean(replies: Sequence[Reply]) -> ArrayRecord:
     """FedAvg: the models weighted by :attr:`Reply.weight` (Flower's own arithmetic, in the order given)."""
-    return aggregate_arrayrecords([RecordDict({MODEL_RECORD: r.arrays, METRICS_RECORD: MetricRecord({NUM_EXAMPLES: r.weight})})
-                                   for r in replies], NUM_EXAMPLES)
+    return aggregate_arrayrecords(
+        [RecordDict({MODEL_RECORD: r.arrays, METRICS_RECORD: MetricRecord({NUM_EXAMPLES: r.weight})}) for r in replies],
+        NUM_EXAMPLES,
+    )
 
 
 class ServerStrategy:
@@ -87,8 +89,14 @@ class ServerStrategy:
         values = [f"{s.key}={getattr(self.settings, s.name)!r}" for s in settings_fields(type(self.settings))]
         return f"{self.context.config.strategy} ({', '.join(values) or 'no settings of its own'})"
 
-    def plan_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
-                   sample: Callable[[], list[int]], nodes: NodeDirectory) -> dict[int, RecordDict]:
+    def plan_train(
+        self,
+        server_round: int,
+        arrays: ArrayRecord,
+        config: ConfigRecord,
+        sample: Callable[[], list[int]],
+        nodes: NodeDirectory,
+    ) -> dict[int, RecordDict]:
         """Node id → training message content; by default the global model to each sampled node."""
         return {node: RecordDict({MODEL_RECORD: arrays, CONFIG_RECORD: config}) for node in sample()}
 

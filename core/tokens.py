@@ -50,5 +50,9 @@ def majority_tokens() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.T
     rng = np.random.default_rng(SEED)
     train_tokens, train_y = majority_sequences(TRAIN_SIZE, rng)
     test_tokens, test_y = majority_sequences(TEST_SIZE, rng)
-    return (one_hot(train_tokens), torch.from_numpy(train_y).long(),
-            one_hot(test_tokens), torch.from_numpy(test_y).long())
+    return (
+        one_hot(train_tokens),
+        torch.from_numpy(train_y).long(),
+        one_hot(test_tokens),
+        torch.from_numpy(test_y).long(),
+    )

@@ -53,8 +53,9 @@ class PlainSGD:
     tensors, the same formula). Why not torch's: building any ``torch.optim`` optimizer imports
     ``torch._dynamo``, 1.8 s of CPU in a fresh process, and a deployment starts one process per message."""
 
-    def __init__(self, params: Iterable[torch.Tensor], lr: float, momentum: float = 0.0,
-                 weight_decay: float = 0.0) -> None:
+    def __init__(
+        self, params: Iterable[torch.Tensor], lr: float, momentum: float = 0.0, weight_decay: float = 0.0
+    ) -> None:
         self.params = list(params)
         self.lr, self.momentum, self.weight_decay = lr, momentum, weight_decay
         self.momentum_buffers: list[torch.Tensor | None] = [None] * len(self.params)

@@ -32,10 +32,22 @@ from plugins.options import ConfigError
 
 CHECKPOINT = "checkpoint.pt"
 FORMAT = 1
-RESUMABLE_CHANGES = frozenset({
-    "resume-from", "num-server-rounds", "round-timeout", "device", "min-available-nodes", "results-dir",
-    "run-name", "data-root", "log-divergence", "node-wait-timeout", "tracking", "mlflow-uri",
-})
+RESUMABLE_CHANGES = frozenset(
+    {
+        "resume-from",
+        "num-server-rounds",
+        "round-timeout",
+        "device",
+        "min-available-nodes",
+        "results-dir",
+        "run-name",
+        "data-root",
+        "log-divergence",
+        "node-wait-timeout",
+        "tracking",
+        "mlflow-uri",
+    }
+)
 """Run-config keys a resumed run may set differently: where and how long it runs, not what it computes
 (``num-server-rounds`` may grow to extend a run; SuPerFed's mixing start, a fraction of it, moves then)."""
 
@@ -53,11 +65,18 @@ class Checkpoint:
     """:attr:`core.rounds.RoundRunner.sampling_state`: a ``random.getstate()`` tuple."""
 
 
-def capture(server_round: int, config: RunConfig, arrays: ArrayRecord, runner: RoundRunner,
-            recorder_state: dict[str, Any]) -> Checkpoint:
+def capture(
+    server_round: int, config: RunConfig, arrays: ArrayRecord, runner: RoundRunner, recorder_state: dict[str, Any]
+) -> Checkpoint:
     """A checkpoint of the server as it is now."""
-    return Checkpoint(server_round, config.to_run_config(), arrays, runner.strategy.state_dict(), recorder_state,
-                      runner.sampling_state)
+    return Checkpoint(
+        server_round,
+        config.to_run_config(),
+        arrays,
+        runner.strategy.state_dict(),
+        recorder_state,
+        runner.sampling_state,
+    )
 
 
 def save_checkpoint(folder: Path, checkpoint: Checkpoint) -> Path:
@@ -84,23 +103,34 @@ def save_checkpoint(folder: Path, checkpoint: Checkpoint) -> Path:
 def load_checkpoint(folder: Path) -> Checkpoint:
     """Read a run folder's checkpoint; refuses a missing folder or file, or one this version cannot read."""
     if not folder.is_dir():
-        raise ConfigError(f"run-config key 'resume-from' = {str(folder)!r}: no such folder; give the folder of "
-                          "an earlier run")
+        raise ConfigError(
+            f"run-config key 'resume-from' = {str(folder)!r}: no such folder; give the folder of an earlier run"
+        )
     path = folder / CHECKPOINT
     if not path.is_file():
-        raise ConfigError(f"run-config key 'resume-from' = {str(folder)!r}: the folder holds no {CHECKPOINT} "
-                          "(a run writes one when it completes round 1)")
+        raise ConfigError(
+            f"run-config key 'resume-from' = {str(folder)!r}: the folder holds no {CHECKPOINT} "
+            "(a run writes one when it completes round 1)"
+        )
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # a truncated or foreign file
-        raise ConfigError(f"run-config key 'resume-from' = {str(folder)!r}: {CHECKPOINT} cannot be read "
-                          f"({type(error).__name__}: {error})") from None
+        raise ConfigError(
+            f"run-config key 'resume-from' = {str(folder)!r}: {CHECKPOINT} cannot be read "
+            f"({type(error).__name__}: {error})"
+        ) from None
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
-        raise ConfigError(f"run-config key 'resume-from' = {str(folder)!r}: {CHECKPOINT} is not a format-{FORMAT} "
-                          "alignfl checkpoint")
-    return Checkpoint(int(payload["round"]), dict(payload["config"]), ArrayRecord(dict(payload["arrays"])),
-                      dict(payload["strategy"]), dict(payload["recorder"]),
-                      _as_random_state(payload["sampling-random"]))
+        raise ConfigError(
+            f"run-config key 'resume-from' = {str(folder)!r}: {CHECKPOINT} is not a format-{FORMAT} alignfl checkpoint"
+        )
+    return Checkpoint(
+        int(payload["round"]),
+        dict(payload["config"]),
+        ArrayRecord(dict(payload["arrays"])),
+        dict(payload["strategy"]),
+        dict(payload["recorder"]),
+        _as_random_state(payload["sampling-random"]),
+    )
 
 
 def _as_random_state(state: Any) -> tuple[Any, ...]:
@@ -125,12 +155,16 @@ def resume_checkpoint(config: RunConfig) -> Checkpoint:
     differences = config_differences(checkpoint.config, config)
     if differences:
         listed = ", ".join(f"'{key}': checkpoint {old!r}, now {new!r}" for key, (old, new) in differences.items())
-        raise ConfigError(f"run-config key 'resume-from' = {config.resume_from!r}: the run config differs from the "
-                          f"checkpoint's in keys a resumed run must keep ({listed}); only "
-                          f"{sorted(RESUMABLE_CHANGES)} may change")
+        raise ConfigError(
+            f"run-config key 'resume-from' = {config.resume_from!r}: the run config differs from the "
+            f"checkpoint's in keys a resumed run must keep ({listed}); only "
+            f"{sorted(RESUMABLE_CHANGES)} may change"
+        )
     if checkpoint.round > config.num_server_rounds:
-        raise ConfigError(f"run-config key 'num-server-rounds' = {config.num_server_rounds}: the run to resume has "
-                          f"already completed round {checkpoint.round}; set at least {checkpoint.round}")
+        raise ConfigError(
+            f"run-config key 'num-server-rounds' = {config.num_server_rounds}: the run to resume has "
+            f"already completed round {checkpoint.round}; set at least {checkpoint.round}"
+        )
     return checkpoint
 
 

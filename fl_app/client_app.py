@@ -17,12 +17,12 @@ from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from torch import nn
 
+from core.config import RunConfig
 from core.data import DatasetMissingError, load_dataset
-from core.partitioning.partitions import client_split, partition_dataset
 from core.label_noise import noisy_labels
 from core.model_io import build_run_model, load_arrays
-from core.config import RunConfig
 from core.nodes import is_holdout
+from core.partitioning.partitions import client_split, partition_dataset
 from core.replies import MODEL_RECORD, NEW_CLIENT, NUM_EXAMPLES
 from core.training import round_generator, select_device
 from fl_app.config import parse_run_config
@@ -47,8 +47,9 @@ def node_partition(context: Context) -> tuple[int, int]:
         partition_id = int(context.node_config["partition-id"])
         num_partitions = int(context.node_config["num-partitions"])
     except KeyError as missing:
-        raise ValueError(f"node config lacks {missing}; start the SuperNode with "
-                         "--node-config 'partition-id=<i> num-partitions=<n>'") from None
+        raise ValueError(
+            f"node config lacks {missing}; start the SuperNode with --node-config 'partition-id=<i> num-partitions=<n>'"
+        ) from None
     if not 0 <= partition_id < num_partitions:
         raise ValueError(f"node config partition-id={partition_id} must lie in [0, num-partitions={num_partitions})")
     return partition_id, num_partitions
@@ -60,8 +61,10 @@ def check_pan_agreement(config: RunConfig, server_config: ConfigRecord) -> None:
     mine = config.pan_signature()
     theirs = {key: server_config.get(key) for key in mine}
     if theirs != mine:
-        raise ValueError(f"PAN settings differ: server {theirs}, this node {mine}; run every node with the same "
-                         "pan-mode, pan-t and pan-a")
+        raise ValueError(
+            f"PAN settings differ: server {theirs}, this node {mine}; run every node with the same "
+            "pan-mode, pan-t and pan-a"
+        )
 
 
 @lru_cache(maxsize=8)
@@ -78,19 +81,33 @@ def client_data(config: RunConfig, partition_id: int, num_partitions: int) -> Cl
     """Slice this client's data out of the process-wide dataset and partition caches."""
     root = config.data_root or None
     dataset = load_dataset(config.dataset, root)
-    partitions = partition_dataset(config.dataset, root, config.partitioner, num_partitions, config.seed,
-                                   **config.partition_options())
-    train_idx, test_idx = client_split(partitions[partition_id], config.test_fraction, config.seed, partition_id,
-                                       config.data_fraction)
+    partitions = partition_dataset(
+        config.dataset, root, config.partitioner, num_partitions, config.seed, **config.partition_options()
+    )
+    train_idx, test_idx = client_split(
+        partitions[partition_id], config.test_fraction, config.seed, partition_id, config.data_fraction
+    )
     if len(train_idx) == 0:
-        raise ValueError(f"partition {partition_id} of {num_partitions} has no training examples; use fewer "
-                         "clients, a larger dirichlet-alpha or another partitioner")
+        raise ValueError(
+            f"partition {partition_id} of {num_partitions} has no training examples; use fewer "
+            "clients, a larger dirichlet-alpha or another partitioner"
+        )
     train, test = torch.as_tensor(train_idx, dtype=torch.long), torch.as_tensor(test_idx, dtype=torch.long)
-    train_y = noisy_labels(dataset.train_y.index_select(0, train), dataset.num_classes, config.label_noise,
-                           config.label_noise_rate, config.seed, partition_id)  # test labels stay clean
+    train_y = noisy_labels(
+        dataset.train_y.index_select(0, train),
+        dataset.num_classes,
+        config.label_noise,
+        config.label_noise_rate,
+        config.seed,
+        partition_id,
+    )  # test labels stay clean
     # index_select with a tensor: numpy-array indexing of a tensor is several times slower (every message pays it)
-    return ClientData(dataset.train_x.index_select(0, train), train_y, dataset.train_x.index_select(0, test),
-                      dataset.train_y.index_select(0, test))
+    return ClientData(
+        dataset.train_x.index_select(0, train),
+        train_y,
+        dataset.train_x.index_select(0, test),
+        dataset.train_y.index_select(0, test),
+    )
 
 
 @lru_cache(maxsize=4)
@@ -128,18 +145,22 @@ def build_client_app(overrides: Mapping[str, Any] | None = None) -> ClientApp:
     def train(message: Message, context: Context) -> Message:
         config, partition_id, data, model, device = _receive(message, context, overrides)
         if is_holdout(partition_id, int(context.node_config["num-partitions"]), config.holdout_clients):
-            raise ValueError(f"partition {partition_id} is held out (holdout-clients={config.holdout_clients}) "
-                             "and must not train; run the server with the same holdout-clients")
+            raise ValueError(
+                f"partition {partition_id} is held out (holdout-clients={config.holdout_clients}) "
+                "and must not train; run the server with the same holdout-clients"
+            )
         server_round = int(message.content["config"]["server-round"])
         generator = round_generator(config.seed, server_round, partition_id)
         torch.manual_seed(int(torch.randint(0, 2**62, (1,), generator=generator)))
         update = get_strategy(config.strategy).client(config, context, message.content)
         metrics = update.train(model, data.train_x, data.train_y, generator, device)
-        reply = RecordDict({
-            MODEL_RECORD: update.model_record(model),
-            **update.reply_records(),
-            "metrics": MetricRecord({**metrics, NUM_EXAMPLES: len(data.train_y), "partition-id": partition_id}),
-        })
+        reply = RecordDict(
+            {
+                MODEL_RECORD: update.model_record(model),
+                **update.reply_records(),
+                "metrics": MetricRecord({**metrics, NUM_EXAMPLES: len(data.train_y), "partition-id": partition_id}),
+            }
+        )
         placement = ray_placement()
         if placement is not None:  # the Ray node this client ran on, for the round's metrics
             reply[RAY_NODE_RECORD] = ConfigRecord(placement)
@@ -155,8 +176,9 @@ def build_client_app(overrides: Mapping[str, Any] | None = None) -> ClientApp:
         # are the global model's, which is all the server reads from it (its personal scores, if any, are of
         # a model that never trained).
         scores = update.evaluate(model, data.train_x, data.train_y, data.test_x, data.test_y, device)
-        metrics = MetricRecord({**scores, NUM_EXAMPLES: len(data.test_y), "partition-id": partition_id,
-                                NEW_CLIENT: int(new_client)})
+        metrics = MetricRecord(
+            {**scores, NUM_EXAMPLES: len(data.test_y), "partition-id": partition_id, NEW_CLIENT: int(new_client)}
+        )
         return Message(content=RecordDict({"metrics": metrics}), reply_to=message)
 
     @app.query()

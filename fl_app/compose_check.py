@@ -173,20 +173,46 @@ class Stack:
         if not fashion.is_dir():  # digits needs none; mount an empty one
             fashion = self.work / "no-fashion-mnist"
             fashion.mkdir(parents=True, exist_ok=True)
-        return {**os.environ, "ALIGNFL_RESULTS": str(self.work / "results"), "ALIGNFL_DATA": str(self.work / "data"),
-                "ALIGNFL_CERTS": str(self.certs), "SUPERLINK_PUBLISH": f"127.0.0.1:{PORT}",
-                "FASHION_MNIST_DIR": str(fashion)}
+        return {
+            **os.environ,
+            "ALIGNFL_RESULTS": str(self.work / "results"),
+            "ALIGNFL_DATA": str(self.work / "data"),
+            "ALIGNFL_CERTS": str(self.certs),
+            "SUPERLINK_PUBLISH": f"127.0.0.1:{PORT}",
+            "FASHION_MNIST_DIR": str(fashion),
+        }
 
     def compose(self, *args: str, limit_s: float = 300.0, log: Path | None = None) -> subprocess.CompletedProcess:
         """``docker compose -f FILES... ARGS``; output captured, or written to ``log``."""
-        command = ["docker", "compose", "--project-directory", str(PROJECT_ROOT),
-                   *(part for file in self.files for part in ("-f", str(file))), *args]
+        command = [
+            "docker",
+            "compose",
+            "--project-directory",
+            str(PROJECT_ROOT),
+            *(part for file in self.files for part in ("-f", str(file))),
+            *args,
+        ]
         if log is None:
-            return subprocess.run(command, env=self.environment(), text=True, capture_output=True, timeout=limit_s,
-                                  stdin=subprocess.DEVNULL, check=False)
+            return subprocess.run(
+                command,
+                env=self.environment(),
+                text=True,
+                capture_output=True,
+                timeout=limit_s,
+                stdin=subprocess.DEVNULL,
+                check=False,
+            )
         with log.open("w") as stream:
-            return subprocess.run(command, env=self.environment(), text=True, stdout=stream,
-                                  stderr=subprocess.STDOUT, timeout=limit_s, stdin=subprocess.DEVNULL, check=False)
+            return subprocess.run(
+                command,
+                env=self.environment(),
+                text=True,
+                stdout=stream,
+                stderr=subprocess.STDOUT,
+                timeout=limit_s,
+                stdin=subprocess.DEVNULL,
+                check=False,
+            )
 
     @property
     def cli_environment(self) -> dict[str, str]:
@@ -212,17 +238,24 @@ class Stack:
             (self.work / folder).mkdir(parents=True, exist_ok=True)
             (self.work / folder).chmod(0o777)
         if self.compose("up", "-d", "--no-build", limit_s=600, log=self.log("up")).returncode != 0:
-            raise StepFailed(f"compose up failed: {log_tail(self.log('up'), 5)}; services: "
-                             f"{log_tail(self.save_logs(), 20)}")
+            raise StepFailed(
+                f"compose up failed: {log_tail(self.log('up'), 5)}; services: {log_tail(self.save_logs(), 20)}"
+            )
         url, verify, env = health_url(f"127.0.0.1:{PORT}", self.ca), trust(self.ca), self.cli_environment
         try:
             wait_until(lambda: healthy(url, verify), 180, f"the SuperLink's health endpoint {url}", interval_s=2.0)
             wait_until(lambda: online_supernodes(env) >= NODES, 300, f"{NODES} SuperNodes online", interval_s=2.0)
         except TimeoutError as error:
             raise StepFailed(f"{error}; services: {log_tail(self.save_logs(), 20)}") from None
-        published = sorted({mapping.strip() for mapping in docker("ps", "--filter", f"label={LABEL}", "--format",
-                                                                   "{{.Ports}}").replace("\n", ",").split(",")
-                            if "->" in mapping})
+        published = sorted(
+            {
+                mapping.strip()
+                for mapping in docker("ps", "--filter", f"label={LABEL}", "--format", "{{.Ports}}")
+                .replace("\n", ",")
+                .split(",")
+                if "->" in mapping
+            }
+        )
         containers = len(self.compose("ps", "-q").stdout.split())
         note = f"{containers} containers; {NODES} SuperNodes online; published: {' '.join(published)}"
         if any("0.0.0.0" in mapping or ":::" in mapping for mapping in published):
@@ -238,10 +271,14 @@ class Stack:
         parents = sum(line.startswith("superexec-clientapp-") and WARM_READY in line for line in logs.splitlines())
         children = len(WARM_ENDED.findall(logs))
         if polling < NODES or parents < NODES or not children:
-            raise StepFailed(f"{polling} of {NODES} SuperNodes polling faster, {parents} warm parents ready, "
-                             f"{children} warm ClientApp processes ended with code 0")
-        return (f"{polling} SuperNodes asking every 0.5 s, {parents} warm ClientApp parents, {children} warm "
-                "ClientApp processes ended with code 0")
+            raise StepFailed(
+                f"{polling} of {NODES} SuperNodes polling faster, {parents} warm parents ready, "
+                f"{children} warm ClientApp processes ended with code 0"
+            )
+        return (
+            f"{polling} SuperNodes asking every 0.5 s, {parents} warm ClientApp parents, {children} warm "
+            "ClientApp processes ended with code 0"
+        )
 
     def down(self) -> str:
         """``down -v``; nothing of the project may be left."""
@@ -265,16 +302,23 @@ colours of Flower's log levels)."""
 
 def docker(*args: str) -> str:
     """``docker ARGS``'s output (empty when it fails)."""
-    done = subprocess.run(["docker", *args], text=True, capture_output=True, timeout=120, check=False,
-                          stdin=subprocess.DEVNULL)
+    done = subprocess.run(
+        ["docker", *args], text=True, capture_output=True, timeout=120, check=False, stdin=subprocess.DEVNULL
+    )
     return done.stdout if done.returncode == 0 else ""
 
 
 def project_leftovers() -> list[str]:
     """Every container, network and volume of the project still there."""
-    return [f"{kind}:{name}" for kind, listing in (("container", ("ps", "-aq")), ("network", ("network", "ls", "-q")),
-                                                   ("volume", ("volume", "ls", "-q")))
-            for name in docker(*listing, "--filter", f"label={LABEL}").split()]
+    return [
+        f"{kind}:{name}"
+        for kind, listing in (
+            ("container", ("ps", "-aq")),
+            ("network", ("network", "ls", "-q")),
+            ("volume", ("volume", "ls", "-q")),
+        )
+        for name in docker(*listing, "--filter", f"label={LABEL}").split()
+    ]
 
 
 # --- runs ---
@@ -282,8 +326,14 @@ def project_leftovers() -> list[str]:
 
 def run_config(name: str, min_nodes: int, rounds: int, seed: int) -> dict[str, Any]:
     """The run config of every run here, the same but for these values."""
-    return {"dataset": "digits", "model": "mlp", "num-server-rounds": rounds, "seed": seed,
-            "min-available-nodes": min_nodes, "run-name": name}
+    return {
+        "dataset": "digits",
+        "model": "mlp",
+        "num-server-rounds": rounds,
+        "seed": seed,
+        "min-available-nodes": min_nodes,
+        "run-name": name,
+    }
 
 
 def metric_rows(folder: Path) -> list[dict[str, Any]]:
@@ -326,11 +376,14 @@ class Run:
             status, details = run_status(self.run_id, self.env, timeout_s=timeout_s, interval_s=2.0)
             if not status.startswith("finished"):
                 flwr_cli(["stop", self.run_id], self.env)
-                raise StepFailed(f"HUNG: run {self.name} ({self.run_id}) not finished after {timeout_s:.0f} s (last "
-                                 f"status: {status}); stopped with flwr stop")
+                raise StepFailed(
+                    f"HUNG: run {self.name} ({self.run_id}) not finished after {timeout_s:.0f} s (last "
+                    f"status: {status}); stopped with flwr stop"
+                )
             if status != "finished:completed":
-                raise StepFailed(f"run {self.name} ended {status}: {details[:200]}; its log ends: "
-                                 f"{log_tail(self.log, 10)}")
+                raise StepFailed(
+                    f"run {self.name} ended {status}: {details[:200]}; its log ends: {log_tail(self.log, 10)}"
+                )
         finally:
             stop_processes([self.stream], grace_s=5.0)
 
@@ -344,8 +397,9 @@ def start_run(stack: Stack, config: dict[str, Any]) -> Run:
         raise StepFailed(f"flwr run failed: {str(error)[-300:]}") from None
     log = stack.work / "logs" / f"run-{config['run-name']}.log"
     with log.open("w") as stream:
-        tree = start_process(["flwr", "log", run_id, "--stream"], env, PROJECT_ROOT, stdout=stream,
-                             stderr=subprocess.STDOUT)
+        tree = start_process(
+            ["flwr", "log", run_id, "--stream"], env, PROJECT_ROOT, stdout=stream, stderr=subprocess.STDOUT
+        )
     run = Run(run_id, config["run-name"], env, log, tree)
     print(f"[compose-check] run {run.name} submitted: run id {run_id} (log: {log})", flush=True)
     return run
@@ -385,16 +439,22 @@ class ComposeCheck:
         rounds = [row["round"] for row in metric_rows(folder)]
         if rounds != list(range(self.settings.rounds + 1)):
             raise StepFailed(f"rounds in metrics.jsonl: {rounds}")
-        return (f"run {run.run_id} completed; rounds {rounds}, clients trained per round {clients_trained(folder)}; "
-                f"final accuracy {self.plain_accuracy:.4f}; {stack.served_by_warm_processes()}")
+        return (
+            f"run {run.run_id} completed; rounds {rounds}, clients trained per round {clients_trained(folder)}; "
+            f"final accuracy {self.plain_accuracy:.4f}; {stack.served_by_warm_processes()}"
+        )
 
     def kill_supernode(self) -> str:
         stack, settings = self.stack("plain"), self.settings
         run = self.start_run(stack, "compose-kill", settings.kill_min_nodes, settings.kill_rounds)
         folder = self.work / "results" / run.name
         try:
-            wait_until(lambda: len(metric_rows(folder)) >= 2 or run.status()[0].startswith("finished"),
-                       settings.run_timeout_s, "round 1's metrics", interval_s=2.0)
+            wait_until(
+                lambda: len(metric_rows(folder)) >= 2 or run.status()[0].startswith("finished"),
+                settings.run_timeout_s,
+                "round 1's metrics",
+                interval_s=2.0,
+            )
         except TimeoutError as error:
             raise StepFailed(str(error)) from None
         status = run.status()[0]
@@ -412,20 +472,33 @@ class ComposeCheck:
         trained = clients_trained(folder)
         expected = [NODES] + [NODES - 1] * (settings.kill_rounds - 1)
         if trained != expected:
-            raise StepFailed(f"clients trained per round {trained}: expected {NODES} in round 1, {NODES - 1} in "
-                             f"rounds 2-{settings.kill_rounds}")
+            raise StepFailed(
+                f"clients trained per round {trained}: expected {NODES} in round 1, {NODES - 1} in "
+                f"rounds 2-{settings.kill_rounds}"
+            )
         dropped = str(metric_rows(folder)[2].get("clients-dropped-reasons"))[:100]
-        return (f"node 2 killed after round 1; run {run.run_id} ({settings.kill_rounds} rounds, min-available-nodes="
-                f"{settings.kill_min_nodes}) completed {time.monotonic() - killed_at:.0f} s later; clients trained "
-                f"per round {trained}; round 2 dropped: {dropped}")
+        return (
+            f"node 2 killed after round 1; run {run.run_id} ({settings.kill_rounds} rounds, min-available-nodes="
+            f"{settings.kill_min_nodes}) completed {time.monotonic() - killed_at:.0f} s later; clients trained "
+            f"per round {trained}; round 2 dropped: {dropped}"
+        )
 
     def loopback(self) -> str:
         """The same topology as local processes, with the same run config: ``python -m fl_app.deploy``."""
         name, results = "loopback-plain", self.work / "results-loopback"
         config = {**run_config(name, NODES, self.settings.rounds, self.settings.seed), "results-dir": str(results)}
         log = self.work / "logs" / "deploy-loopback.log"
-        command = [sys.executable, "-m", "fl_app.deploy", "--num-supernodes", str(NODES),
-                   "--work-dir", str(self.work / "loopback"), "--run-config", to_toml_pairs(config)]
+        command = [
+            sys.executable,
+            "-m",
+            "fl_app.deploy",
+            "--num-supernodes",
+            str(NODES),
+            "--work-dir",
+            str(self.work / "loopback"),
+            "--run-config",
+            to_toml_pairs(config),
+        ]
         with log.open("w") as stream:
             deploy = start_process(command, dict(os.environ), PROJECT_ROOT, stdout=stream, stderr=subprocess.STDOUT)
         try:
@@ -440,8 +513,10 @@ class ComposeCheck:
         if self.plain_accuracy is None:
             raise StepFailed(f"loopback final accuracy {loopback:.4f}, but the compose run has none to compare")
         diff = abs(self.plain_accuracy - loopback)
-        note = (f"final accuracy: compose {self.plain_accuracy:.4f}, loopback {loopback:.4f} (|diff| {diff:.4f}, "
-                f"accepted up to {self.settings.compare_tol})")
+        note = (
+            f"final accuracy: compose {self.plain_accuracy:.4f}, loopback {loopback:.4f} (|diff| {diff:.4f}, "
+            f"accepted up to {self.settings.compare_tol})"
+        )
         if diff > self.settings.compare_tol:
             raise StepFailed(note)
         return note
@@ -464,24 +539,41 @@ class ComposeCheck:
         stack = self.stack("tls")
         topology = compose_topology(tls=True, num_supernodes=NODES + 1)
         keys = f"/app/certs/supernode-{NODES}"
-        command = supernode_command(topology, NODES)[len(supernode_entry_point(topology)):]  # the service's own
+        command = supernode_command(topology, NODES)[len(supernode_entry_point(topology)) :]  # the service's own
         log = stack.log("unregistered")
         try:
-            done = stack.compose("run", "--rm", "--no-deps", "-T", "-v", f"{stack.certs}/supernode-{NODES}:{keys}:ro",
-                                 "supernode-0", *command, limit_s=300, log=log)
+            done = stack.compose(
+                "run",
+                "--rm",
+                "--no-deps",
+                "-T",
+                "-v",
+                f"{stack.certs}/supernode-{NODES}:{keys}:ro",
+                "supernode-0",
+                *command,
+                limit_s=300,
+                log=log,
+            )
         except subprocess.TimeoutExpired:
             raise StepFailed("the unregistered SuperNode was still running after 300 s") from None
         if done.returncode == 0:
             raise StepFailed("the unregistered SuperNode exited 0")
-        refusal = next((line for line in log.read_text(errors="replace").splitlines()
-                        if "[code: 2004] Failed to activate SuperNode" in line), None)
+        refusal = next(
+            (
+                line
+                for line in log.read_text(errors="replace").splitlines()
+                if "[code: 2004] Failed to activate SuperNode" in line
+            ),
+            None,
+        )
         if refusal is None:
-            raise StepFailed(f"exit {done.returncode} without '[code: 2004] Failed to activate SuperNode': "
-                             f"{log_tail(log, 5)}")
+            raise StepFailed(
+                f"exit {done.returncode} without '[code: 2004] Failed to activate SuperNode': {log_tail(log, 5)}"
+            )
         online = online_supernodes(stack.cli_environment)
         if online != NODES:
             raise StepFailed(f"{online} SuperNodes online, expected {NODES}")
-        refused = refusal[refusal.index("[code: 2004]"):][:80]
+        refused = refusal[refusal.index("[code: 2004]") :][:80]
         return f"refused by the SuperLink: exit {done.returncode}, '{refused}'; still {online} online"
 
     def tls_run(self) -> str:
@@ -489,8 +581,10 @@ class ComposeCheck:
         run.finish(self.settings.run_timeout_s)
         accuracy = final_accuracy(self.work / "results" / run.name)
         plain = f"{self.plain_accuracy:.4f}" if self.plain_accuracy is not None else "?"
-        return (f"run {run.run_id} completed over TLS; final accuracy {accuracy:.4f} (plain stack: {plain}); "
-                f"{self.stack('tls').served_by_warm_processes()}")
+        return (
+            f"run {run.run_id} completed over TLS; final accuracy {accuracy:.4f} (plain stack: {plain}); "
+            f"{self.stack('tls').served_by_warm_processes()}"
+        )
 
     def run(self) -> None:
         """Every scenario in order; the stacks are down and the log streams stopped however it ends."""
@@ -501,12 +595,17 @@ class ComposeCheck:
             step(f"plain stack: up, {NODES} SuperNodes online", self.stack("plain").up, critical=True)
             step(f"plain stack: run, {settings.rounds} rounds on digits (MLP), seed {settings.seed}", self.plain_run)
             if "kill" not in settings.skip:
-                step(f"plain stack: SuperNode killed after round 1 of {settings.kill_rounds}, run still completes",
-                     self.kill_supernode)
+                step(
+                    f"plain stack: SuperNode killed after round 1 of {settings.kill_rounds}, run still completes",
+                    self.kill_supernode,
+                )
             step("plain stack: down -v", self.stack("plain").down, critical=True)
             if "loopback" not in settings.skip:
-                step("loopback python -m fl_app.deploy (./scripts/deploy.sh), same seed and run config: accuracy "
-                     "compared", self.loopback)
+                step(
+                    "loopback python -m fl_app.deploy (./scripts/deploy.sh), same seed and run config: accuracy "
+                    "compared",
+                    self.loopback,
+                )
             if "tls" not in settings.skip:
                 step(f"TLS + SuperNode auth stack: up, {NODES} SuperNodes online", self.tls_up, critical=True)
                 step("TLS stack: SuperNode with an unregistered key is refused", self.tls_unregistered)
@@ -522,35 +621,65 @@ class ComposeCheck:
         stop_processes([run.stream for run in self.runs], grace_s=5.0)
         if project_leftovers():
             start = time.monotonic()
-            self.stack("tls").compose("down", "-v", "--remove-orphans", "--timeout", "10",
-                                      log=self.work / "logs" / "down-cleanup.log")
+            self.stack("tls").compose(
+                "down", "-v", "--remove-orphans", "--timeout", "10", log=self.work / "logs" / "down-cleanup.log"
+            )
             left = project_leftovers()
-            self.recorder.record(Step("FAIL" if left else "PASS", round(time.monotonic() - start), "cleanup: down -v",
-                                      f"left: {' '.join(left)}" if left else "stacks removed after an early end"))
+            self.recorder.record(
+                Step(
+                    "FAIL" if left else "PASS",
+                    round(time.monotonic() - start),
+                    "cleanup: down -v",
+                    f"left: {' '.join(left)}" if left else "stacks removed after an early end",
+                )
+            )
 
 
 def parse_args(argv: Sequence[str] | None) -> Settings:
     parser = argparse.ArgumentParser(prog="python -m fl_app.compose_check", description=__doc__.split("\n\n")[0])
     parser.add_argument("--work-dir", type=Path, required=True, help="logs, results and keys go here")
-    parser.add_argument("--rounds", type=int, default=Settings.rounds,
-                        help=f"rounds of the plain, loopback and TLS runs (default {Settings.rounds})")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=Settings.rounds,
+        help=f"rounds of the plain, loopback and TLS runs (default {Settings.rounds})",
+    )
     parser.add_argument("--seed", type=int, default=Settings.seed)
-    parser.add_argument("--run-timeout", type=float, default=Settings.run_timeout_s,
-                        help=f"seconds a run may take before it is stopped as hung (default {Settings.run_timeout_s})")
-    parser.add_argument("--kill-min-nodes", type=int, default=Settings.kill_min_nodes,
-                        help=f"min-available-nodes of the node-kill run (default {Settings.kill_min_nodes})")
-    parser.add_argument("--kill-rounds", type=int, default=Settings.kill_rounds,
-                        help=f"rounds of the node-kill run, at least 2 (default {Settings.kill_rounds})")
-    parser.add_argument("--compare-tol", type=float, default=Settings.compare_tol,
-                        help=f"largest accepted |compose - loopback| final accuracy (default {Settings.compare_tol})")
+    parser.add_argument(
+        "--run-timeout",
+        type=float,
+        default=Settings.run_timeout_s,
+        help=f"seconds a run may take before it is stopped as hung (default {Settings.run_timeout_s})",
+    )
+    parser.add_argument(
+        "--kill-min-nodes",
+        type=int,
+        default=Settings.kill_min_nodes,
+        help=f"min-available-nodes of the node-kill run (default {Settings.kill_min_nodes})",
+    )
+    parser.add_argument(
+        "--kill-rounds",
+        type=int,
+        default=Settings.kill_rounds,
+        help=f"rounds of the node-kill run, at least 2 (default {Settings.kill_rounds})",
+    )
+    parser.add_argument(
+        "--compare-tol",
+        type=float,
+        default=Settings.compare_tol,
+        help=f"largest accepted |compose - loopback| final accuracy (default {Settings.compare_tol})",
+    )
     parser.add_argument("--skip", default="", help=f"step groups to leave out, any of: {' '.join(STEP_GROUPS)}")
     args = parser.parse_args(argv)
     skip = frozenset(args.skip.split())
     checks = [
         (args.rounds >= 1, f"--rounds={args.rounds}: must be at least 1"),
         (args.run_timeout > 0, f"--run-timeout={args.run_timeout}: must be positive"),
-        (1 <= args.kill_min_nodes <= NODES, f"--kill-min-nodes={args.kill_min_nodes}: must lie in 1..{NODES} (round 1 "
-                                            "waits for them; later rounds go on without the killed node)"),
+        (
+            1 <= args.kill_min_nodes <= NODES,
+            f"--kill-min-nodes={args.kill_min_nodes}: must lie in 1..{NODES} (round 1 "
+            "waits for them; later rounds go on without the killed node)",
+        ),
         (args.kill_rounds >= 2, f"--kill-rounds={args.kill_rounds}: must be at least 2 (a round after the kill)"),
         (args.compare_tol >= 0, f"--compare-tol={args.compare_tol}: must be >= 0"),
         (skip <= set(STEP_GROUPS), f"--skip={args.skip!r}: allowed are {', '.join(STEP_GROUPS)}"),
@@ -558,8 +687,16 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
     problems = [message for ok, message in checks if not ok]
     if problems:
         parser.error("; ".join(problems))
-    return Settings(args.work_dir.resolve(), args.rounds, args.seed, args.run_timeout, args.kill_min_nodes,
-                    args.kill_rounds, args.compare_tol, skip)
+    return Settings(
+        args.work_dir.resolve(),
+        args.rounds,
+        args.seed,
+        args.run_timeout,
+        args.kill_min_nodes,
+        args.kill_rounds,
+        args.compare_tol,
+        skip,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

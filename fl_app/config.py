@@ -35,13 +35,20 @@ from core.partitioning.partitioners import PARTITIONERS, list_partitioners
 from core.strategy import RunContext, ServerStrategy
 from fl_app.tracking import check_tracking
 from models import list_models
-from plugins.options import ConfigError, Setting, build_settings, coerce, refuse, settings_fields
 from models.protocol import head_of
 from models.registry import model_options
+from plugins.options import ConfigError, Setting, build_settings, coerce, refuse, settings_fields
 from strategies import get_strategy, list_strategies
 
-__all__ = ["ConfigError", "RunConfig", "check_run", "default_run_config", "parse_run_config", "results_root",
-           "validate_run"]
+__all__ = [
+    "ConfigError",
+    "RunConfig",
+    "check_run",
+    "default_run_config",
+    "parse_run_config",
+    "results_root",
+    "validate_run",
+]
 
 PYPROJECT = Path(__file__).resolve().parent.parent / "pyproject.toml"
 
@@ -57,9 +64,11 @@ class OwnedSetting:
 
 def _owned_classes() -> list[tuple[str, str, type]]:
     """(kind, name, settings class) of every algorithm, model and partitioner."""
-    return [*(("strategy", name, get_strategy(name).settings) for name in list_strategies()),
-            *(("model", name, model_options(name)) for name in list_models()),
-            *(("partitioner", name, PARTITIONERS.get(name).settings) for name in list_partitioners())]
+    return [
+        *(("strategy", name, get_strategy(name).settings) for name in list_strategies()),
+        *(("model", name, model_options(name)) for name in list_models()),
+        *(("partitioner", name, PARTITIONERS.get(name).settings) for name in list_partitioners()),
+    ]
 
 
 def owned_settings() -> dict[str, OwnedSetting]:
@@ -71,8 +80,10 @@ def owned_settings() -> dict[str, OwnedSetting]:
         for setting in settings_fields(settings):
             known = owned.get(setting.key)
             if known is not None and known.setting.default != setting.default:
-                raise ValueError(f"key '{setting.key}' has default {setting.default!r} in {kind} '{name}' but "
-                                 f"{known.setting.default!r} in {known.kind} {list(known.owners)}")
+                raise ValueError(
+                    f"key '{setting.key}' has default {setting.default!r} in {kind} '{name}' but "
+                    f"{known.setting.default!r} in {known.kind} {list(known.owners)}"
+                )
             owners = (*known.owners, name) if known is not None else (name,)
             owned[setting.key] = OwnedSetting(setting, owners, kind)
     return owned
@@ -100,10 +111,19 @@ def parse_run_config(values: Mapping[str, Any] | None = None) -> RunConfig:
     model or partitioner that is not chosen, set away from their default, raise :class:`ConfigError`.
     """
     values = dict(values or {})
-    choices = {kind: _choice(values, kind, allowed) for kind, allowed in
-               (("strategy", list_strategies()), ("model", list_models()), ("partitioner", list_partitioners()))}
-    parts = {"settings": get_strategy(choices["strategy"]).settings, "model_options": model_options(choices["model"]),
-             "partitioner_settings": PARTITIONERS.get(choices["partitioner"]).settings}
+    choices = {
+        kind: _choice(values, kind, allowed)
+        for kind, allowed in (
+            ("strategy", list_strategies()),
+            ("model", list_models()),
+            ("partitioner", list_partitioners()),
+        )
+    }
+    parts = {
+        "settings": get_strategy(choices["strategy"]).settings,
+        "model_options": model_options(choices["model"]),
+        "partitioner_settings": PARTITIONERS.get(choices["partitioner"]).settings,
+    }
     chosen = {s.key for s in common_settings()} | {s.key for part in parts.values() for s in settings_fields(part)}
     owned = owned_settings()
     unknown = sorted(key for key in values if key not in chosen and key not in owned)
@@ -114,16 +134,19 @@ def parse_run_config(values: Mapping[str, Any] | None = None) -> RunConfig:
     common = {key: value for key, value in values.items() if key in chosen}
     partitioning = build_settings(parts["partitioner_settings"], values)
     base = build_settings(RunConfig, common, partitioner_settings=partitioning)
-    return base.replace(settings=build_settings(parts["settings"], values),
-                        model_options=build_settings(parts["model_options"], values))
+    return base.replace(
+        settings=build_settings(parts["settings"], values), model_options=build_settings(parts["model_options"], values)
+    )
 
 
 def _refuse_if_changed(key: str, value: Any, owned: OwnedSetting, chosen: str) -> None:
     if coerce(key, value, owned.setting.kind) == owned.setting.default:
         return  # `flwr run` passes every key of pyproject.toml, at its default
     owners = ", ".join(f"'{name}'" for name in owned.owners)
-    raise ConfigError(f"run-config key '{key}' = {value!r} belongs to {owned.kind} {owners}, not to the chosen "
-                      f"{owned.kind} '{chosen}': set {owned.kind}={owned.owners[0]} or leave '{key}' out")
+    raise ConfigError(
+        f"run-config key '{key}' = {value!r} belongs to {owned.kind} {owners}, not to the chosen "
+        f"{owned.kind} '{chosen}': set {owned.kind}={owned.owners[0]} or leave '{key}' out"
+    )
 
 
 def build_context(config: RunConfig, model: Any) -> RunContext:
@@ -234,25 +257,31 @@ def pyproject_problem() -> str | None:
     problems = []
     missing = [key for key in declared if key not in table]
     if missing:
-        named = ", ".join(f"'{key}'" + (f" (of {owned[key].kind} {', '.join(map(repr, owned[key].owners))})"
-                                          if key in owned else "") for key in missing)
-        problems.append(f"it lacks {named}, which `flwr run` refuses with only '[code: 15] Invalid run "
-                        "configuration'")
+        named = ", ".join(
+            f"'{key}'" + (f" (of {owned[key].kind} {', '.join(map(repr, owned[key].owners))})" if key in owned else "")
+            for key in missing
+        )
+        problems.append(f"it lacks {named}, which `flwr run` refuses with only '[code: 15] Invalid run configuration'")
     stale = {key: (table[key], value) for key, value in declared.items() if key in table and table[key] != value}
     if stale:
-        problems.append("its defaults differ from the settings classes' for " + ", ".join(
-            f"'{key}' ({old!r}, declared {new!r})" for key, (old, new) in stale.items()))
+        problems.append(
+            "its defaults differ from the settings classes' for "
+            + ", ".join(f"'{key}' ({old!r}, declared {new!r})" for key, (old, new) in stale.items())
+        )
     unknown = [key for key in table if key not in declared]
     if unknown:
         problems.append(f"it holds key(s) {unknown} that no setting declares")
     if not problems:
         return None
-    return (f"{PYPROJECT}'s [tool.flwr.app.config] is not the table the registered strategies, models and "
-            f"partitioners make: {'; '.join(problems)}. Regenerate it with `{REGENERATE}`.")
+    return (
+        f"{PYPROJECT}'s [tool.flwr.app.config] is not the table the registered strategies, models and "
+        f"partitioners make: {'; '.join(problems)}. Regenerate it with `{REGENERATE}`."
+    )
 
 
 def keys_markdown() -> str:
     """The README's run-config key tables, generated from the settings classes' defaults and help."""
+
     def rows(settings: list[Setting]) -> list[str]:
         return [f"| `{s.key}` | `{_toml(s.default)}` | {s.help} |" for s in settings]
 
@@ -268,20 +297,29 @@ def keys_markdown() -> str:
 def names_markdown() -> str:
     """The README's lists of what ``strategy``, ``model``, ``dataset`` and ``partitioner`` may be, from the
     registries, so that a newly registered one is listed by ``python -m fl_app.config --write``."""
+
     def listed(names: list[str]) -> str:
         return ", ".join(f"`{name}`" for name in names)
 
     lines = ["| strategy | what it does |", "|---|---|"]
     lines += [f"| `{name}` | {get_strategy(name).summary} |" for name in list_strategies()]
-    lines += ["", f"Models: {listed(list_models())}.", "", f"Datasets: {listed(list_datasets())}.", "",
-              f"Partitioners: {listed(list_partitioners())}."]
+    lines += [
+        "",
+        f"Models: {listed(list_models())}.",
+        "",
+        f"Datasets: {listed(list_datasets())}.",
+        "",
+        f"Partitioners: {listed(list_partitioners())}.",
+    ]
     return "\n".join(lines) + "\n"
 
 
 README = PYPROJECT.parent / "README.md"
 KEYS_BEGIN, KEYS_END = "<!-- run-config keys: generated by python -m fl_app.config --write -->", "<!-- end of keys -->"
-NAMES_BEGIN, NAMES_END = ("<!-- registered names: generated by python -m fl_app.config --write -->",
-                          "<!-- end of names -->")
+NAMES_BEGIN, NAMES_END = (
+    "<!-- registered names: generated by python -m fl_app.config --write -->",
+    "<!-- end of names -->",
+)
 
 
 def write_readme(path: Path = README) -> bool:
@@ -301,8 +339,10 @@ def write_readme(path: Path = README) -> bool:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="Print or write the generated run-config tables (pyproject.toml's "
-                                     "[tool.flwr.app.config], the README's key tables and registered names).")
+    parser = argparse.ArgumentParser(
+        description="Print or write the generated run-config tables (pyproject.toml's "
+        "[tool.flwr.app.config], the README's key tables and registered names)."
+    )
     parser.add_argument("--write", action="store_true", help="rewrite pyproject.toml and the README in place")
     args = parser.parse_args()
     if args.write:

@@ -30,6 +30,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from core.data import DatasetMissingError
 from fl_app import register
 from fl_app.config import ConfigError, RunConfig, path_problem
 from fl_app.deployment import deployment, resume_advice
@@ -44,15 +45,15 @@ from fl_app.topology import (
     loopback_topology,
     make_certificates,
 )
-from core.data import DatasetMissingError
 
 
 def check_folder(option: str, folder: Path) -> None:
     """Refuse a folder the deployment must write to but cannot, naming the option."""
     problem = path_problem(folder, writable=True)
     if problem is not None:
-        raise ConfigError(f"{option} {str(folder)!r} is not allowed: it must be a folder this user can write to "
-                          f"({problem})")
+        raise ConfigError(
+            f"{option} {str(folder)!r} is not allowed: it must be a folder this user can write to ({problem})"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,18 +65,29 @@ def main(argv: list[str] | None = None) -> int:
 
         return role_main(argv[0], argv[1:])
     parser = argparse.ArgumentParser(prog="python -m fl_app.deploy", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--num-supernodes", type=int, default=COMPOSE_NUM_SUPERNODES,
-                        help=f"SuperNodes, one partition each (default {COMPOSE_NUM_SUPERNODES}, as in the compose file)")
+    parser.add_argument(
+        "--num-supernodes",
+        type=int,
+        default=COMPOSE_NUM_SUPERNODES,
+        help=f"SuperNodes, one partition each (default {COMPOSE_NUM_SUPERNODES}, as in the compose file)",
+    )
     parser.add_argument("--run-config", default="", help="'key=value ...' overrides of [tool.flwr.app.config]")
     parser.add_argument("--rounds", type=int, help="shorthand for the run-config key num-server-rounds")
-    parser.add_argument("--tls", action="store_true",
-                        help="TLS on every API and SuperNode authentication (keys registered before nodes start)")
-    parser.add_argument("--certs", type=Path,
-                        help="make_certs.sh's output folder for --tls (default: made afresh in the work folder)")
+    parser.add_argument(
+        "--tls",
+        action="store_true",
+        help="TLS on every API and SuperNode authentication (keys registered before nodes start)",
+    )
+    parser.add_argument(
+        "--certs", type=Path, help="make_certs.sh's output folder for --tls (default: made afresh in the work folder)"
+    )
     add_node_options(parser)
     add_superlink_db_option(parser)
-    parser.add_argument("--work-dir", type=Path,
-                        help="where the services' logs, Flower homes and state go (default: a new temporary folder)")
+    parser.add_argument(
+        "--work-dir",
+        type=Path,
+        help="where the services' logs, Flower homes and state go (default: a new temporary folder)",
+    )
     args = parser.parse_args(argv)
     config = None
     try:
@@ -90,8 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         advice = ""
         if config is not None:
             advice = f"; {resume_advice(config, args.num_supernodes, args.tls, args.executor, args.node_poll)}"
-        print(f"[alignfl] stopped by {stop}: every process of the deployment has been stopped{advice}",
-              file=sys.stderr)
+        print(f"[alignfl] stopped by {stop}: every process of the deployment has been stopped{advice}", file=sys.stderr)
         return stop.exit_code
 
 
@@ -99,8 +110,11 @@ def prepare(args: argparse.Namespace) -> RunConfig:
     """Check the options and the run config before anything starts."""
     if args.certs is not None and not args.tls:
         raise ValueError("--certs is only used with --tls")
-    for option, folder in (("--work-dir", args.work_dir), ("--certs", args.certs),
-                           ("--superlink-db", args.superlink_db.parent if args.superlink_db else None)):
+    for option, folder in (
+        ("--work-dir", args.work_dir),
+        ("--certs", args.certs),
+        ("--superlink-db", args.superlink_db.parent if args.superlink_db else None),
+    ):
         if folder is not None:
             check_folder(option, folder.resolve())
     if args.rounds is not None and args.rounds < 1:  # named as the user wrote it, not as num-server-rounds
@@ -118,12 +132,21 @@ def deploy_and_run(config: RunConfig, args: argparse.Namespace) -> int:
     certs = None
     if args.tls:
         certs = make_certificates((args.certs or work / "certs").resolve(), args.num_supernodes)
-    print(f"[alignfl] deployment on 127.0.0.1: {args.num_supernodes} SuperNodes, "
-          f"{'TLS + SuperNode authentication' if args.tls else 'plaintext'}, {args.executor} ClientApp executor, "
-          f"SuperNodes polling every {args.node_poll or FLOWER_NODE_POLL_S:g} s; logs in {work / 'logs'}", flush=True)
+    print(
+        f"[alignfl] deployment on 127.0.0.1: {args.num_supernodes} SuperNodes, "
+        f"{'TLS + SuperNode authentication' if args.tls else 'plaintext'}, {args.executor} ClientApp executor, "
+        f"SuperNodes polling every {args.node_poll or FLOWER_NODE_POLL_S:g} s; logs in {work / 'logs'}",
+        flush=True,
+    )
     try:
-        topology = loopback_topology(args.num_supernodes, work, certs, args.executor, args.node_poll,
-                                     args.superlink_db.resolve() if args.superlink_db else None)
+        topology = loopback_topology(
+            args.num_supernodes,
+            work,
+            certs,
+            args.executor,
+            args.node_poll,
+            args.superlink_db.resolve() if args.superlink_db else None,
+        )
         with deployment(topology, work) as running:
             status, details = running.run(config)
     except (RuntimeError, TimeoutError) as error:
@@ -131,9 +154,12 @@ def deploy_and_run(config: RunConfig, args: argparse.Namespace) -> int:
         return 1
     code = report_outcome(config, status, details)
     if running.exited and status != "aborted":
-        print("[alignfl] services that exited during the run: "
-              + ", ".join(f"{name} ({how})" for name, how in running.exited.items())
-              + f"; their logs are in {work / 'logs'}", file=sys.stderr)
+        print(
+            "[alignfl] services that exited during the run: "
+            + ", ".join(f"{name} ({how})" for name, how in running.exited.items())
+            + f"; their logs are in {work / 'logs'}",
+            file=sys.stderr,
+        )
     return code
 
 

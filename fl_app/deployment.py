@@ -65,29 +65,47 @@ def partner_of(service: str) -> str | None:
     return None
 
 
-def resume_command(config: RunConfig, num_supernodes: int, tls: bool, executor: str = DEFAULT_EXECUTOR,
-                   node_poll_s: float | None = DEFAULT_NODE_POLL_S) -> str:
+def resume_command(
+    config: RunConfig,
+    num_supernodes: int,
+    tls: bool,
+    executor: str = DEFAULT_EXECUTOR,
+    node_poll_s: float | None = DEFAULT_NODE_POLL_S,
+) -> str:
     """The ``deploy.sh`` command that continues ``config``'s run from its checkpoint on a new deployment of
     the same shape (with TLS, on keys made afresh): the run's keys that differ from their defaults, and
     ``resume-from`` its folder."""
     defaults = default_run_config()
-    values = {key: value for key, value in config.to_run_config().items()
-              if key not in ("run-name", "resume-from") and value != defaults.get(key)}
+    values = {
+        key: value
+        for key, value in config.to_run_config().items()
+        if key not in ("run-name", "resume-from") and value != defaults.get(key)
+    }
     values["resume-from"] = str(run_folder(config))
     command = [str(PROJECT_ROOT / "scripts" / "deploy.sh"), "--num-supernodes", str(num_supernodes)]
-    options = [*(["--tls"] if tls else []), *(["--executor", executor] if executor != DEFAULT_EXECUTOR else []),
-               *(["--node-poll", node_poll_option(node_poll_s)] if node_poll_s != DEFAULT_NODE_POLL_S else [])]
+    options = [
+        *(["--tls"] if tls else []),
+        *(["--executor", executor] if executor != DEFAULT_EXECUTOR else []),
+        *(["--node-poll", node_poll_option(node_poll_s)] if node_poll_s != DEFAULT_NODE_POLL_S else []),
+    ]
     return shlex.join([*command, *options, "--run-config", to_toml_pairs(values)])
 
 
-def resume_advice(config: RunConfig, num_supernodes: int, tls: bool, executor: str = DEFAULT_EXECUTOR,
-                  node_poll_s: float | None = DEFAULT_NODE_POLL_S) -> str:
+def resume_advice(
+    config: RunConfig,
+    num_supernodes: int,
+    tls: bool,
+    executor: str = DEFAULT_EXECUTOR,
+    node_poll_s: float | None = DEFAULT_NODE_POLL_S,
+) -> str:
     """How to continue a run that stopped early, from its last checkpoint."""
     done = checkpointed_round(config)
     if done is None:
         return "the run checkpointed no round, so it must start again"
-    return (f"rounds up to {done} are checkpointed in {run_folder(config)}; continue the run with:\n  "
-            f"{resume_command(config, num_supernodes, tls, executor, node_poll_s)}")
+    return (
+        f"rounds up to {done} are checkpointed in {run_folder(config)}; continue the run with:\n  "
+        f"{resume_command(config, num_supernodes, tls, executor, node_poll_s)}"
+    )
 
 
 @dataclass
@@ -120,8 +138,7 @@ class Deployment:
     def start_service(self, name: str, command: list[str]) -> ProcessTree:
         self.log_file(name).parent.mkdir(parents=True, exist_ok=True)
         with self.log_file(name).open("wb") as log_file:
-            tree = start_process(command, self.environment(name), self.work, stdout=log_file,
-                                 stderr=subprocess.STDOUT)
+            tree = start_process(command, self.environment(name), self.work, stdout=log_file, stderr=subprocess.STDOUT)
         self.services[name] = tree
         return tree
 
@@ -130,12 +147,16 @@ class Deployment:
 
     def running_and(self, condition: Callable[[], bool]) -> Callable[[], bool]:
         """``condition`` for :func:`wait_until`, but first an error with the log of a service that died."""
+
         def check() -> bool:
             for name, tree in self.services.items():
                 if tree.process.poll() is not None:
-                    raise RuntimeError(f"{name} exited with {exit_description(tree.process.returncode)}; the end "
-                                       f"of its log ({self.log_file(name)}):\n{self.log_tail(name)}")
+                    raise RuntimeError(
+                        f"{name} exited with {exit_description(tree.process.returncode)}; the end "
+                        f"of its log ({self.log_file(name)}):\n{self.log_tail(name)}"
+                    )
             return condition()
+
         return check
 
     def start(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
@@ -156,8 +177,10 @@ class Deployment:
         wait_until(self.running_and(lambda: healthy(url, verify)), timeout_s, f"the SuperLink at {url}")
         self.start_service("superexec-serverapp", serverapp_executor_command(topology))
         if topology.certificates is not None:
-            register_supernodes([topology.certificates.auth_public_key(node) for node in range(topology.num_supernodes)],
-                                self.cli_environment)
+            register_supernodes(
+                [topology.certificates.auth_public_key(node) for node in range(topology.num_supernodes)],
+                self.cli_environment,
+            )
 
     def start_supernodes(self, nodes: Iterable[int]) -> None:
         """These SuperNodes and their executors, against ``topology.superlink_address``."""
@@ -182,8 +205,7 @@ class Deployment:
     def run(self, config: RunConfig) -> tuple[str, str]:
         """Submit one experiment, stream its log while watching the services (:meth:`watch`), return its final
         ``(status, details)``: ``aborted`` when the SuperLink exited."""
-        return submit_and_follow(config.to_run_config(), self.cli_environment, [CONNECTION],
-                                 lambda: self.watch(config))
+        return submit_and_follow(config.to_run_config(), self.cli_environment, [CONNECTION], lambda: self.watch(config))
 
     def watch(self, config: RunConfig) -> str | None:
         """Report each service that exited since the last call; stop the other half of a node that lost one;
@@ -191,8 +213,13 @@ class Deployment:
         self.report_exits()
         if "superlink" not in self.exited:
             return None
-        advice = resume_advice(config, self.topology.num_supernodes, self.topology.certificates is not None,
-                               self.topology.executor, self.topology.node_poll_s)
+        advice = resume_advice(
+            config,
+            self.topology.num_supernodes,
+            self.topology.certificates is not None,
+            self.topology.executor,
+            self.topology.node_poll_s,
+        )
         reason = f"the SuperLink exited with {self.exited['superlink']}; {advice}"
         print(f"[alignfl] {reason}", file=sys.stderr, flush=True)
         return reason
@@ -204,8 +231,11 @@ class Deployment:
             tree.refresh(table)
             if name not in self.exited and tree.process.poll() is not None:
                 self.exited[name] = exit_description(tree.process.returncode)
-                print(f"[alignfl] {name} exited with {self.exited[name]}; its log: {self.log_file(name)}",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"[alignfl] {name} exited with {self.exited[name]}; its log: {self.log_file(name)}",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 self.stop_partner(name)
 
     def stop_partner(self, name: str) -> None:
@@ -214,8 +244,12 @@ class Deployment:
         partner = partner_of(name)
         if partner is None or partner not in self.services or partner in self.exited:
             return
-        print(f"[alignfl] stopping {partner} too; the run goes on with the other SuperNodes (the SuperLink drops "
-              "this one within about a minute)", file=sys.stderr, flush=True)
+        print(
+            f"[alignfl] stopping {partner} too; the run goes on with the other SuperNodes (the SuperLink drops "
+            "this one within about a minute)",
+            file=sys.stderr,
+            flush=True,
+        )
         stop_processes([self.services[partner]], grace_s=10.0)
         self.exited[partner] = f"stopped with {name}"
 

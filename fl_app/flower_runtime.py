@@ -76,8 +76,9 @@ def store_message_ins(state: InMemoryLinkState, message: Message) -> str | None:
         return message_id
 
 
-def get_message_ins(state: InMemoryLinkState, node_id: int, limit: int | None, *,
-                    run_id: int | None = None) -> list[Message]:
+def get_message_ins(
+    state: InMemoryLinkState, node_id: int, limit: int | None, *, run_id: int | None = None
+) -> list[Message]:
     """Up to ``limit`` undelivered messages for ``node_id`` (of ``run_id`` if given), oldest first, now marked
     delivered: Flower's answer, looking only at this node's messages."""
     if limit is not None and limit < 1:
@@ -111,9 +112,14 @@ def checked_flower() -> bool:
     flower = version("flwr")
     checked = flower in CHECKED_FLOWER and MISSING_INTERNALS is None
     if not checked:
-        log(WARNING, "[alignfl] Flower %s: its simulation keeps its own message lookup (nodes × messages per sweep) "
-            "and every node is asked for its partition (checked on %s%s)", flower, ", ".join(sorted(CHECKED_FLOWER)),
-            f"; {MISSING_INTERNALS}" if MISSING_INTERNALS else "")
+        log(
+            WARNING,
+            "[alignfl] Flower %s: its simulation keeps its own message lookup (nodes × messages per sweep) "
+            "and every node is asked for its partition (checked on %s%s)",
+            flower,
+            ", ".join(sorted(CHECKED_FLOWER)),
+            f"; {MISSING_INTERNALS}" if MISSING_INTERNALS else "",
+        )
     return checked
 
 
@@ -124,8 +130,8 @@ def index_message_lookup() -> bool:
         return False
     if InMemoryLinkState.get_message_ins is get_message_ins:
         return True
-    setattr(InMemoryLinkState, "store_message_ins", store_message_ins)
-    setattr(InMemoryLinkState, "get_message_ins", get_message_ins)
+    InMemoryLinkState.store_message_ins = store_message_ins
+    InMemoryLinkState.get_message_ins = get_message_ins
     return True
 
 

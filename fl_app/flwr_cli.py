@@ -50,8 +50,10 @@ def parse_overrides(text: str) -> dict[str, Any]:
             overrides[key.strip()] = tomllib.loads(f"v = {value.strip()}")["v"]
         except tomllib.TOMLDecodeError as error:
             if '"' in value or "'" in value:  # a broken string, never a bare word
-                raise ConfigError(f"run-config override {item!r}: {value.strip()!r} is not a TOML value ({error}); "
-                                  'write strings in double quotes, e.g. run-name="abc"') from None
+                raise ConfigError(
+                    f"run-config override {item!r}: {value.strip()!r} is not a TOML value ({error}); "
+                    'write strings in double quotes, e.g. run-name="abc"'
+                ) from None
             overrides[key.strip()] = value.strip()
     return overrides
 
@@ -80,8 +82,16 @@ def to_toml_pairs(values: Mapping[str, Any]) -> str:
 
 def flwr_cli(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
     """Run ``flwr ARGS`` from the project root (``flwr run .`` builds the app from there), its output captured."""
-    return subprocess.run(["flwr", *args], env=env, cwd=PROJECT_ROOT, text=True, capture_output=True, check=False,
-                          stdin=subprocess.DEVNULL, start_new_session=True)
+    return subprocess.run(
+        ["flwr", *args],
+        env=env,
+        cwd=PROJECT_ROOT,
+        text=True,
+        capture_output=True,
+        check=False,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
 
 
 def write_connection(flwr_home: Path, address: str, root_certificates: str | None) -> None:
@@ -90,7 +100,8 @@ def write_connection(flwr_home: Path, address: str, root_certificates: str | Non
     security = f'root-certificates = "{root_certificates}"' if root_certificates else "insecure = true"
     flwr_home.mkdir(parents=True, exist_ok=True)
     (flwr_home / "config.toml").write_text(
-        f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\naddress = "{address}"\n{security}\n')
+        f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\naddress = "{address}"\n{security}\n'
+    )
 
 
 def online_supernodes(env: dict[str, str]) -> int:
@@ -123,8 +134,9 @@ def never_give_up() -> str | None:
 def submit(run_config: Mapping[str, Any], env: dict[str, str], run_args: Sequence[str]) -> str:
     """Submit the project with ``flwr run PROJECT RUN_ARGS --run-config ...`` (``run_args``: a SuperLink connection
     name, federation settings); its run id. :class:`SubmitError` with ``flwr``'s output when it was not submitted."""
-    submitted = flwr_cli(["run", str(PROJECT_ROOT), *run_args, "--format", "json", "--run-config",
-                          to_toml_pairs(run_config)], env)
+    submitted = flwr_cli(
+        ["run", str(PROJECT_ROOT), *run_args, "--format", "json", "--run-config", to_toml_pairs(run_config)], env
+    )
     try:
         reply = json.loads(submitted.stdout)
     except json.JSONDecodeError:
@@ -134,8 +146,13 @@ def submit(run_config: Mapping[str, Any], env: dict[str, str], run_args: Sequenc
     return str(reply["run-id"])
 
 
-def run_status(run_id: str, env: dict[str, str], watch: Watch = never_give_up,
-               timeout_s: float = STATUS_TIMEOUT_S, interval_s: float = 1.0) -> tuple[str, str]:
+def run_status(
+    run_id: str,
+    env: dict[str, str],
+    watch: Watch = never_give_up,
+    timeout_s: float = STATUS_TIMEOUT_S,
+    interval_s: float = 1.0,
+) -> tuple[str, str]:
     """``(status, details)`` of a run, waiting until it is finished (the status may lag the log) or ``timeout_s``
     passed (then the last status seen); ``aborted`` with watch's reason when it gives up first."""
     deadline = time.monotonic() + timeout_s
@@ -168,8 +185,9 @@ def follow_log(run_id: str, env: dict[str, str], watch: Watch) -> str | None:
         stop_processes([stream], grace_s=5.0)
 
 
-def submit_and_follow(run_config: Mapping[str, Any], env: dict[str, str], run_args: Sequence[str],
-                      watch: Watch = never_give_up) -> tuple[str, str]:
+def submit_and_follow(
+    run_config: Mapping[str, Any], env: dict[str, str], run_args: Sequence[str], watch: Watch = never_give_up
+) -> tuple[str, str]:
     """:func:`submit` the run, stream its log to this terminal, and return its final status (``not-submitted``
     with ``flwr``'s output; ``aborted`` with the reason when ``watch`` gives up on it)."""
     try:

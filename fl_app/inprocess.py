@@ -41,9 +41,13 @@ class InProcessGrid:
         set_task_identity()
         self.app = app
         self.contexts = {
-            first_node_id + NODE_ID_STRIDE * p: Context(run_id=1, node_id=first_node_id + NODE_ID_STRIDE * p,
-                                                        node_config={"partition-id": p, "num-partitions": num_nodes},
-                                                        state=RecordDict(), run_config={})
+            first_node_id + NODE_ID_STRIDE * p: Context(
+                run_id=1,
+                node_id=first_node_id + NODE_ID_STRIDE * p,
+                node_config={"partition-id": p, "num-partitions": num_nodes},
+                state=RecordDict(),
+                run_config={},
+            )
             for p in range(num_nodes)
         }
 
@@ -60,8 +64,9 @@ class InProcessGrid:
         try:
             return self.app(copy.deepcopy(message), context)
         except Exception as error:
-            return Message(Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, f"{type(error).__name__}: {error}"),
-                           reply_to=message)
+            return Message(
+                Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, f"{type(error).__name__}: {error}"), reply_to=message
+            )
 
 
 def run_in_process(values: Mapping[str, Any], num_nodes: int) -> dict[str, Any]:

@@ -25,8 +25,8 @@ from pathlib import Path
 
 from fl_app.flwr_cli import PROJECT_ROOT
 from fl_app.processes import ProcessTree, log_tail, start_process, stop_processes
-from fl_app.superlink import free_port
 from fl_app.ray_cluster import RayNode, cluster_nodes
+from fl_app.superlink import free_port
 
 START_TIMEOUT_S = 90.0
 OBJECT_STORE_BYTES = 200 * 1024**2
@@ -39,8 +39,14 @@ def _ray_cli() -> str:
 
 def _ports(head: bool) -> list[str]:
     """Free ports for everything a node listens on (Ray's defaults collide with any other Ray on the machine)."""
-    flags = ["--node-manager-port", "--object-manager-port", "--metrics-export-port",
-             "--dashboard-agent-listen-port", "--dashboard-agent-grpc-port", "--runtime-env-agent-port"]
+    flags = [
+        "--node-manager-port",
+        "--object-manager-port",
+        "--metrics-export-port",
+        "--dashboard-agent-listen-port",
+        "--dashboard-agent-grpc-port",
+        "--runtime-env-agent-port",
+    ]
     if head:
         flags += ["--ray-client-server-port", "--dashboard-port"]
     return [item for flag in flags for item in (flag, str(free_port()))]
@@ -58,24 +64,48 @@ class LocalRayCluster:
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    def start_node(self, num_cpus: int, object_store_bytes: int = OBJECT_STORE_BYTES,
-                   hidden: Sequence[Path] = ()) -> ProcessTree:
+    def start_node(
+        self, num_cpus: int, object_store_bytes: int = OBJECT_STORE_BYTES, hidden: Sequence[Path] = ()
+    ) -> ProcessTree:
         """Start the head (first call) or one more node joined to it; returns once it is up. ``hidden``: folders
         this node's processes see empty (an empty folder mounted over each, in a mount namespace of the node's
         own: root only), as on a machine that lacks them."""
         index = len(self.trees)
         head = index == 0
-        command = [_ray_cli(), "start", "--num-cpus", str(num_cpus), "--num-gpus", "0",
-                   "--resources", f'{{"node{index}": 1}}', "--object-store-memory", str(object_store_bytes),
-                   "--disable-usage-stats", *_ports(head)]
-        command += (["--head", "--port", str(self.port), "--temp-dir", str(self.temp_dir),
-                     "--include-dashboard=false"] if head else ["--address", self.address])
+        command = [
+            _ray_cli(),
+            "start",
+            "--num-cpus",
+            str(num_cpus),
+            "--num-gpus",
+            "0",
+            "--resources",
+            f'{{"node{index}": 1}}',
+            "--object-store-memory",
+            str(object_store_bytes),
+            "--disable-usage-stats",
+            *_ports(head),
+        ]
+        command += (
+            ["--head", "--port", str(self.port), "--temp-dir", str(self.temp_dir), "--include-dashboard=false"]
+            if head
+            else ["--address", self.address]
+        )
         if hidden:
             empty = self.temp_dir / "empty"
             empty.mkdir(exist_ok=True)
             mounts = " && ".join(f"mount --bind {shlex.quote(str(empty))} {shlex.quote(str(path))}" for path in hidden)
-            command = ["unshare", "--mount", "--propagation", "private", "sh", "-c", f'{mounts} && exec "$@"', "sh",
-                       *command]
+            command = [
+                "unshare",
+                "--mount",
+                "--propagation",
+                "private",
+                "sh",
+                "-c",
+                f'{mounts} && exec "$@"',
+                "sh",
+                *command,
+            ]
         env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
         env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
         log = self.temp_dir / f"ray-start-node{index}.log"
@@ -86,8 +116,9 @@ class LocalRayCluster:
         while tree.process.poll() is None:  # its daemons are found while `ray start` still leads their session
             tree.refresh()
             if time.monotonic() > deadline:
-                raise RuntimeError(f"`ray start` for node{index} did not finish in {START_TIMEOUT_S:.0f} s:\n"
-                                   f"{log_tail(log)}")
+                raise RuntimeError(
+                    f"`ray start` for node{index} did not finish in {START_TIMEOUT_S:.0f} s:\n{log_tail(log)}"
+                )
             time.sleep(0.1)
         tree.refresh()
         if tree.process.returncode != 0:
@@ -96,8 +127,12 @@ class LocalRayCluster:
 
     def nodes(self) -> dict[str, RayNode]:
         """``node<i>`` → that live node."""
-        return {name: node for node in cluster_nodes(self.address)
-                for name in node.resources if name.startswith("node") and name[4:].isdigit()}
+        return {
+            name: node
+            for node in cluster_nodes(self.address)
+            for name in node.resources
+            if name.startswith("node") and name[4:].isdigit()
+        }
 
     def kill_raylet(self, index: int) -> int:
         """SIGKILL node ``index``'s raylet, as when its machine is lost; returns the pid killed."""
@@ -118,8 +153,9 @@ class LocalRayCluster:
 
 
 @contextmanager
-def local_ray_cluster(cpus_per_node: list[int], hidden: dict[int, Sequence[Path]] | None = None
-                      ) -> Iterator[LocalRayCluster]:
+def local_ray_cluster(
+    cpus_per_node: list[int], hidden: dict[int, Sequence[Path]] | None = None
+) -> Iterator[LocalRayCluster]:
     """A cluster of ``len(cpus_per_node)`` nodes on this machine (node 0 the head), stopped after the block;
     ``hidden``: node index → folders that node sees empty."""
     # Ray's socket paths live under the temp dir and must stay short (108 bytes in all).

@@ -51,8 +51,10 @@ def state_root(context: Context) -> Path:
     if configured is None:
         return default_state_root()
     if not isinstance(configured, str) or not Path(configured).is_absolute():
-        raise ValueError(f"node-config key '{STATE_DIR_KEY}' = {configured!r} must be an absolute path "
-                         "(where this node keeps client state between runs)")
+        raise ValueError(
+            f"node-config key '{STATE_DIR_KEY}' = {configured!r} must be an absolute path "
+            "(where this node keeps client state between runs)"
+        )
     return Path(configured)
 
 
@@ -109,8 +111,13 @@ class StateStore:
             try:
                 return found, self.load(snapshots[found])
             except Exception as error:  # a truncated or foreign file: try the one before
-                log(WARNING, "[alignfl] client state %s cannot be read (%s: %s); trying an older one",
-                    snapshots[found], type(error).__name__, error)
+                log(
+                    WARNING,
+                    "[alignfl] client state %s cannot be read (%s: %s); trying an older one",
+                    snapshots[found],
+                    type(error).__name__,
+                    error,
+                )
         return None
 
     def clear(self) -> None:
@@ -143,8 +150,11 @@ def begin_message(context: Context, config: RunConfig, partition_id: int, server
     context.state[MARKER] = ConfigRecord({"run-folder": run_folder_name(config)})
     store = state_store(context, config, partition_id)
     if store is None:
-        log(INFO, "[alignfl] the run has no run-name: client state is not written to disk, so a resumed run "
-            "cannot restore it")
+        log(
+            INFO,
+            "[alignfl] the run has no run-name: client state is not written to disk, so a resumed run "
+            "cannot restore it",
+        )
         return
     try:
         if not config.resume_from:
@@ -155,8 +165,13 @@ def begin_message(context: Context, config: RunConfig, partition_id: int, server
         log(WARNING, "[alignfl] client state in %s: %s; this client starts without it", store.folder, error)
         return
     if restored is None:
-        log(INFO, "[alignfl] resumed run: no client state before round %d in %s (the client had not trained, or "
-            "its state was kept elsewhere); it starts without it", server_round, store.folder)
+        log(
+            INFO,
+            "[alignfl] resumed run: no client state before round %d in %s (the client had not trained, or "
+            "its state was kept elsewhere); it starts without it",
+            server_round,
+            store.folder,
+        )
     elif empty:
         found, state = restored
         for key, record in state.items():
@@ -173,5 +188,9 @@ def end_train(context: Context, config: RunConfig, partition_id: int, server_rou
     try:
         store.save(server_round, state)
     except OSError as error:
-        log(WARNING, "[alignfl] cannot write client state to %s (%s); a resumed run will not have it",
-            store.folder, error)
+        log(
+            WARNING,
+            "[alignfl] cannot write client state to %s (%s); a resumed run will not have it",
+            store.folder,
+            error,
+        )

@@ -21,7 +21,7 @@ from __future__ import annotations
 import importlib
 from importlib.metadata import version
 
-CHECKED_FLOWER = frozenset({"1.41.0"})
+CHECKED_FLOWER = frozenset({"1.41.0", "1.42.0"})
 """Flower releases whose object pulls (``pull_objects`` and ``pull_and_inflate_object_from_tree``, keyword-only
 ``initial_backoff``) this was checked against."""
 PULLS_MODULE = "flwr.supercore.inflatable.inflatable_utils"

@@ -32,7 +32,7 @@ from flwr.supernode.cli import flower_supernode
 from fl_app.object_pulls import retry_object_pulls_sooner
 from fl_app.topology import DEFAULT_NODE_POLL_S, FLOWER_NODE_POLL_S, node_poll_interval
 
-CHECKED_FLOWER = frozenset({"1.41.0"})
+CHECKED_FLOWER = frozenset({"1.41.0", "1.42.0"})
 """Flower releases whose SuperNode loop (``start_client_internal``: pull, else sleep 3 s; push) this was checked
 against."""
 LOOP_MODULE = "flwr.supernode.start_client_internal"
@@ -58,11 +58,19 @@ def unusable() -> str | None:
 
 def parse(argv: list[str]) -> tuple[float | None, list[str]]:
     """This entry point's poll interval (None: Flower's own) and Flower's arguments."""
-    parser = argparse.ArgumentParser(prog="python -m fl_app.polling_supernode", add_help=False, allow_abbrev=False,
-                                     description=__doc__.split("\n\n")[0])
-    parser.add_argument("--poll-interval", type=node_poll_interval, default=DEFAULT_NODE_POLL_S,
-                        help=f"seconds between an idle node's requests for a message, or 'flower' for Flower's "
-                             f"own {FLOWER_NODE_POLL_S:g} s (default {DEFAULT_NODE_POLL_S:g})")
+    parser = argparse.ArgumentParser(
+        prog="python -m fl_app.polling_supernode",
+        add_help=False,
+        allow_abbrev=False,
+        description=__doc__.split("\n\n")[0],
+    )
+    parser.add_argument(
+        "--poll-interval",
+        type=node_poll_interval,
+        default=DEFAULT_NODE_POLL_S,
+        help=f"seconds between an idle node's requests for a message, or 'flower' for Flower's "
+        f"own {FLOWER_NODE_POLL_S:g} s (default {DEFAULT_NODE_POLL_S:g})",
+    )
     ours, flower_args = parser.parse_known_args(argv)
     return ours.poll_interval, flower_args
 

@@ -133,14 +133,20 @@ class ProcessTree:
         table = table if table is not None else process_table()
         own = {os.getpid(), os.getsid(0), os.getpgrp()}
         found = {pid for pid, start in self.members.items() if pid in table and table[pid].start == start}
-        self.leaders = {leader for leader in self.leaders if any(
-            table[pid].sid == leader or table[pid].pgid == leader for pid in found)}
+        self.leaders = {
+            leader
+            for leader in self.leaders
+            if any(table[pid].sid == leader or table[pid].pgid == leader for pid in found)
+        }
         if self.process.poll() is None and self.process.pid in table:
             found.add(self.process.pid)
         while True:
             self.leaders |= {pid for pid in found if pid not in own and pid in (table[pid].sid, table[pid].pgid)}
-            grown = found | {pid for pid, stat in table.items() if pid not in own and (
-                stat.ppid in found or stat.sid in self.leaders or stat.pgid in self.leaders)}
+            grown = found | {
+                pid
+                for pid, stat in table.items()
+                if pid not in own and (stat.ppid in found or stat.sid in self.leaders or stat.pgid in self.leaders)
+            }
             if grown == found:
                 break
             found = grown
@@ -184,8 +190,9 @@ def _signal(pid: int, start: int, signum: int) -> None:
 def start_process(command: list[str], env: dict[str, str], cwd: Path, **streams: Any) -> ProcessTree:
     """Start ``command`` in a session of its own (a Ctrl-C in the terminal reaches only this program, which
     stops it), as a :class:`ProcessTree`."""
-    return ProcessTree(subprocess.Popen(command, env=env, cwd=cwd, stdin=subprocess.DEVNULL,
-                                        start_new_session=True, **streams))
+    return ProcessTree(
+        subprocess.Popen(command, env=env, cwd=cwd, stdin=subprocess.DEVNULL, start_new_session=True, **streams)
+    )
 
 
 def log_tail(path: Path, lines: int = 15) -> str:

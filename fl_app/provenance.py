@@ -19,8 +19,9 @@ UNKNOWN = "unknown"
 def checkout_commit(folder: Path = Path(__file__).parent) -> str:
     """The commit checked out where ``folder`` is, or ``unknown`` outside a git checkout (or without git)."""
     try:
-        done = subprocess.run(["git", "-C", str(folder), "rev-parse", "HEAD"], capture_output=True, text=True,
-                              timeout=10, check=False)
+        done = subprocess.run(
+            ["git", "-C", str(folder), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=False
+        )
     except (OSError, subprocess.TimeoutExpired):
         return UNKNOWN
     return done.stdout.strip() if done.returncode == 0 else UNKNOWN

@@ -20,8 +20,10 @@ from plugins.options import ConfigError
 RAY_NODE_RECORD = "ray-node"
 """The ConfigRecord of a training reply that says on which Ray node the client ran (``node-id``, ``address``)."""
 GCS_TIMEOUT_S = 5.0
-START_HINT = ("start a cluster with `ray start --head --port 6379` on one machine and `ray start --address "
-              "HEAD_IP:6379` on each other one, then pass HEAD_IP:6379 (or `auto` on the head)")
+START_HINT = (
+    "start a cluster with `ray start --head --port 6379` on one machine and `ray start --address "
+    "HEAD_IP:6379` on each other one, then pass HEAD_IP:6379 (or `auto` on the head)"
+)
 
 
 @dataclass(frozen=True)
@@ -65,9 +67,11 @@ def cluster_nodes(address: str, timeout_s: float = GCS_TIMEOUT_S) -> list[RayNod
         nodes = GcsClient(address=address).get_all_node_info(timeout=timeout_s)
     except Exception as error:  # Ray raises its own RpcError
         raise ConnectionError(f"its GCS did not answer: {error}") from None
-    return [RayNode(node_id.hex(), f"{info.node_manager_address}:{info.node_manager_port}",
-                    dict(info.resources_total))
-            for node_id, info in nodes.items() if info.state == GcsNodeInfo.GcsNodeState.ALIVE]
+    return [
+        RayNode(node_id.hex(), f"{info.node_manager_address}:{info.node_manager_port}", dict(info.resources_total))
+        for node_id, info in nodes.items()
+        if info.state == GcsNodeInfo.GcsNodeState.ALIVE
+    ]
 
 
 def check_ray_address(address: str, option: str) -> tuple[str, list[RayNode]]:
@@ -110,12 +114,15 @@ def where_this_runs() -> str:
 
 def check_client_fits(nodes: list[RayNode], num_cpus: float, num_gpus: float, option: str) -> None:
     """Refuse per-client resources that no live node can hold: Flower's actor pool would be empty."""
-    if not any(node.resources.get("CPU", 0.0) >= num_cpus and node.resources.get("GPU", 0.0) >= num_gpus
-               for node in nodes):
+    if not any(
+        node.resources.get("CPU", 0.0) >= num_cpus and node.resources.get("GPU", 0.0) >= num_gpus for node in nodes
+    ):
         largest = max(nodes, key=lambda node: (node.resources.get("GPU", 0.0), node.resources.get("CPU", 0.0)))
-        raise ConfigError(f"{option}: a client needs {num_cpus:g} CPUs and {num_gpus:g} GPUs, and no live node of "
-                          f"the Ray cluster has them (the largest has {largest.resources.get('CPU', 0.0):g} CPUs, "
-                          f"{largest.resources.get('GPU', 0.0):g} GPUs); ask for less per client or add a node")
+        raise ConfigError(
+            f"{option}: a client needs {num_cpus:g} CPUs and {num_gpus:g} GPUs, and no live node of "
+            f"the Ray cluster has them (the largest has {largest.resources.get('CPU', 0.0):g} CPUs, "
+            f"{largest.resources.get('GPU', 0.0):g} GPUs); ask for less per client or add a node"
+        )
 
 
 def attach_to_cluster(address: str, option: str, client_cpus: float, client_gpus: float) -> str:

@@ -137,8 +137,10 @@ def process_message(backend: RayBackend, message: Message, context: Context) -> 
         remaining = _retire(pool, actor, node_id)
         where = f"Ray node {node_id} ({address})" if node_id else "its Ray node"
         log(WARNING, "[alignfl] lost %s (actor %s); %d ClientApp actor(s) left", where, state or "unknown", remaining)
-        raise RayNodeLost(f"the client's actor was lost with {where} ({type(error).__name__}); it left the actor "
-                          f"pool, {remaining} actor(s) remain and the next rounds train on them") from None
+        raise RayNodeLost(
+            f"the client's actor was lost with {where} ({type(error).__name__}); it left the actor "
+            f"pool, {remaining} actor(s) remain and the next rounds train on them"
+        ) from None
     except BaseException:
         _give_back(pool, actor)
         raise
@@ -151,8 +153,12 @@ def checked_flower() -> bool:
     """Whether the installed Flower is one whose Ray backend this module was read against (warns once)."""
     flower = version("flwr")
     if flower not in CHECKED_FLOWER:
-        log(WARNING, "[alignfl] Flower %s: its Ray actor pool keeps actors whose node was lost (checked on %s)",
-            flower, ", ".join(sorted(CHECKED_FLOWER)))
+        log(
+            WARNING,
+            "[alignfl] Flower %s: its Ray actor pool keeps actors whose node was lost (checked on %s)",
+            flower,
+            ", ".join(sorted(CHECKED_FLOWER)),
+        )
     return flower in CHECKED_FLOWER
 
 
@@ -163,5 +169,5 @@ def drop_lost_actors() -> bool:
         return True
     if not checked_flower():
         return False
-    setattr(RayBackend, "process_message", process_message)
+    RayBackend.process_message = process_message
     return True

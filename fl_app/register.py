@@ -20,13 +20,17 @@ from fl_app.superlink import flower_environment, health_url, healthy, trust, wai
 def main(argv: list[str] | None = None) -> int:
     """``--superlink HOST:PORT --root-certificates CA KEY.pub ...``: waits for the SuperLink, registers the keys;
     exit code 0 (registered, or registered before), 1 (failed) or 2 (a file is missing)."""
-    parser = argparse.ArgumentParser(prog="python -m fl_app.register",
-                                     description="Register SuperNode public keys with a SuperLink that authenticates "
-                                                 "SuperNodes; waits for the SuperLink first.")
+    parser = argparse.ArgumentParser(
+        prog="python -m fl_app.register",
+        description="Register SuperNode public keys with a SuperLink that authenticates "
+        "SuperNodes; waits for the SuperLink first.",
+    )
     parser.add_argument("--superlink", required=True, help="the SuperLink's address, host:port")
     parser.add_argument("--root-certificates", required=True, help="the CA certificate the SuperLink's is signed by")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the SuperLink")
-    parser.add_argument("public_keys", nargs="+", help="SuperNode public keys (OpenSSH format, make_certs.sh's auth.pub)")
+    parser.add_argument(
+        "public_keys", nargs="+", help="SuperNode public keys (OpenSSH format, make_certs.sh's auth.pub)"
+    )
     args = parser.parse_args(argv)
     missing = [key for key in [args.root_certificates, *args.public_keys] if not Path(key).is_file()]
     if missing:

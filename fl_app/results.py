@@ -12,7 +12,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from logging import INFO
 from pathlib import Path
 from typing import Any
@@ -22,8 +22,8 @@ from flwr.app import ArrayRecord, MetricRecord, RecordDict
 from flwr.common.logger import log
 from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 
-from core.divergence import divergence_by_layer, weight_divergence
 from core.config import RunConfig, results_root
+from core.divergence import divergence_by_layer, weight_divergence
 from core.replies import MODEL_RECORD, NEW_CLIENT
 from core.rounds import Participation
 from fl_app.provenance import git_commit
@@ -35,7 +35,7 @@ GlobalEvaluation = Callable[[ArrayRecord], tuple[float, float]]
 def make_run_folder(config: RunConfig) -> Path:
     """Create the run's folder (absolute), named by ``run-name`` or by time, algorithm, model, data and seed."""
     name = config.run_name or (
-        f"{datetime.now(timezone.utc):%Y%m%d-%H%M%S-%f}_{config.strategy}_{config.model}_"
+        f"{datetime.now(UTC):%Y%m%d-%H%M%S-%f}_{config.strategy}_{config.model}_"
         f"{config.dataset}_{config.partitioner}_seed{config.seed}"
     )
     folder = (results_root(config) / name).resolve()
@@ -67,8 +67,9 @@ def _ray_nodes(records: list[RecordDict]) -> dict[str, dict[str, str]]:
     for record in records:
         metrics = next(iter(record.metric_records.values()))
         if RAY_NODE_RECORD in record.config_records and "partition-id" in metrics:
-            nodes[str(int(metrics["partition-id"]))] = {key: str(value) for key, value in
-                                                         record.config_records[RAY_NODE_RECORD].items()}
+            nodes[str(int(metrics["partition-id"]))] = {
+                key: str(value) for key, value in record.config_records[RAY_NODE_RECORD].items()
+            }
     return dict(sorted(nodes.items(), key=lambda item: int(item[0])))
 
 
@@ -157,30 +158,43 @@ class RoundRecorder:
         per_client = _client_values(scored, "local-accuracy")
         extra = _unweighted_means(scored, {weight_key, "partition-id", NEW_CLIENT, "local-accuracy", "local-loss"})
         self.extra_keys.update(dict.fromkeys(extra))
-        self._pending.update({
-            **extra,
-            "clients-evaluated": len(scored),
-            "local-accuracy-weighted": float(aggregated.get("local-accuracy", math.nan)),
-            "local-accuracy-mean": sum(per_client.values()) / len(per_client) if per_client else math.nan,
-            "local-accuracy-per-client": per_client,
-        })
+        self._pending.update(
+            {
+                **extra,
+                "clients-evaluated": len(scored),
+                "local-accuracy-weighted": float(aggregated.get("local-accuracy", math.nan)),
+                "local-accuracy-mean": sum(per_client.values()) / len(per_client) if per_client else math.nan,
+                "local-accuracy-per-client": per_client,
+            }
+        )
         return aggregated
 
     def evaluate(self, server_round: int, arrays: ArrayRecord) -> MetricRecord:
         """Flower's ``evaluate_fn``: score the global model, then write the round's line."""
         loss, accuracy = self.evaluate_global(arrays)
-        row = {"round": server_round, "accuracy": accuracy, "loss": loss,
-               "elapsed-s": time.time() - self.started, **self._pending}
+        row = {
+            "round": server_round,
+            "accuracy": accuracy,
+            "loss": loss,
+            "elapsed-s": time.time() - self.started,
+            **self._pending,
+        }
         self._pending = {}
         self.rows.append(row)
         with (self.folder / "metrics.jsonl").open("a") as stream:
             stream.write(json.dumps(row, sort_keys=True) + "\n")
         local = row.get("local-accuracy-mean")
         new = row.get("new-client-accuracy")
-        log(INFO, "[alignfl] round %d: global accuracy %.4f, loss %.4f%s%s%s", server_round, accuracy, loss,
+        log(
+            INFO,
+            "[alignfl] round %d: global accuracy %.4f, loss %.4f%s%s%s",
+            server_round,
+            accuracy,
+            loss,
             f", clients' local accuracy {local:.4f}" if local is not None else "",
             f", new clients' accuracy {new:.4f}" if new is not None else "",
-            f" | {self.progress(server_round, row['elapsed-s'])}" if self.progress is not None else "")
+            f" | {self.progress(server_round, row['elapsed-s'])}" if self.progress is not None else "",
+        )
         return MetricRecord({"accuracy": accuracy, "loss": loss})
 
     def record_participation(self, server_round: int, participation: Participation) -> None:
@@ -224,8 +238,9 @@ class RoundRecorder:
             "last-5-best-accuracy": max(tail),
             "wall-time-s": time.time() - self.started,
             "clients-per-round": [r.get("clients-trained", 0) for r in self.rows if r["round"] > 0],
-            "dropped-reasons": dict(Counter(reason for r in self.rows
-                                            for reason in r.get("clients-dropped-reasons", {}).values())),
+            "dropped-reasons": dict(
+                Counter(reason for r in self.rows for reason in r.get("clients-dropped-reasons", {}).values())
+            ),
             **{f"final-{key}": last.get(key) for key in self.extra_keys},
         }
 

@@ -79,8 +79,11 @@ def subject_names(addresses: list[str]) -> str:
 
 def certificate_names(certificate: Path) -> set[str]:
     """The DNS names and IP addresses a certificate is valid for."""
-    names = x509.load_pem_x509_certificate(certificate.read_bytes()).extensions.get_extension_for_class(
-        x509.SubjectAlternativeName).value
+    names = (
+        x509.load_pem_x509_certificate(certificate.read_bytes())
+        .extensions.get_extension_for_class(x509.SubjectAlternativeName)
+        .value
+    )
     return {*names.get_values_for_type(x509.DNSName), *(str(ip) for ip in names.get_values_for_type(x509.IPAddress))}
 
 
@@ -91,9 +94,11 @@ def superlink_certificates(folder: Path, num_supernodes: int, addresses: list[st
     named = certificate_names(folder / "superlink.crt")
     missing = [address for address in addresses if _canonical(address) not in named]
     if missing:
-        raise ConfigError(f"--certs {str(folder)!r}: its superlink.crt (kept from before) does not name "
-                          f"{', '.join(missing)} (it names {', '.join(sorted(named))}); remove superlink.crt and "
-                          "superlink.key there to make a new one, or give another --certs folder")
+        raise ConfigError(
+            f"--certs {str(folder)!r}: its superlink.crt (kept from before) does not name "
+            f"{', '.join(missing)} (it names {', '.join(sorted(named))}); remove superlink.crt and "
+            "superlink.key there to make a new one, or give another --certs folder"
+        )
     return folder
 
 
@@ -115,13 +120,17 @@ def tls_problem(address: str, ca: str, timeout_s: float = REACH_TIMEOUT_S) -> st
     host, port = split_address(address, "--superlink")
     context = ssl.create_default_context(cafile=ca)
     try:
-        with socket.create_connection((host, port), timeout=timeout_s) as connection:
-            with context.wrap_socket(connection, server_hostname=host):
-                return None
+        with (
+            socket.create_connection((host, port), timeout=timeout_s) as connection,
+            context.wrap_socket(connection, server_hostname=host),
+        ):
+            return None
     except ssl.SSLCertVerificationError as error:
-        return (f"the SuperLink at {address} presents a certificate this node does not accept: "
-                f"{error.verify_message}; the SuperLink's certificate must name the address the nodes dial "
-                "(its --address) and be signed by the CA in --certs")
+        return (
+            f"the SuperLink at {address} presents a certificate this node does not accept: "
+            f"{error.verify_message}; the SuperLink's certificate must name the address the nodes dial "
+            "(its --address) and be signed by the CA in --certs"
+        )
     except (OSError, ssl.SSLError) as error:
         raise Unreachable(f"the SuperLink at {address} cannot be reached: {error}") from None
 
@@ -142,61 +151,100 @@ def wait_for_tls(address: str, ca: str, timeout_s: float) -> str | None:
 def superlink_topology(args: argparse.Namespace, work: Path, certs: Path | None) -> Topology:
     """The SuperLink side bound to ``--host``; its own executor and CLI dial it locally."""
     local = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
-    return Topology(num_supernodes=args.num_supernodes, superlink_host=args.host, superlink_port=args.port,
-                    superlink_address=f"{local}:{args.port}", runtime_ports=(0,) * args.num_supernodes,
-                    database=str(args.superlink_db.resolve()) if args.superlink_db else None,
-                    certificates=Certificates(str(certs)) if certs is not None else None)
+    return Topology(
+        num_supernodes=args.num_supernodes,
+        superlink_host=args.host,
+        superlink_port=args.port,
+        superlink_address=f"{local}:{args.port}",
+        runtime_ports=(0,) * args.num_supernodes,
+        database=str(args.superlink_db.resolve()) if args.superlink_db else None,
+        certificates=Certificates(str(certs)) if certs is not None else None,
+    )
 
 
 def supernodes_topology(args: argparse.Namespace, certs: Path | None) -> Topology:
     """This machine's SuperNodes (their Runtime APIs on free loopback ports) against ``--superlink``."""
     host, port = split_address(args.superlink, "--superlink")
     ports = tuple(free_port() if node in args.nodes else 0 for node in range(args.num_supernodes))
-    return Topology(num_supernodes=args.num_supernodes, superlink_host=host, superlink_port=port,
-                    superlink_address=args.superlink, runtime_ports=ports, database=None,
-                    certificates=Certificates(str(certs)) if certs is not None else None, executor=args.executor,
-                    node_poll_s=args.node_poll)
+    return Topology(
+        num_supernodes=args.num_supernodes,
+        superlink_host=host,
+        superlink_port=port,
+        superlink_address=args.superlink,
+        runtime_ports=ports,
+        database=None,
+        certificates=Certificates(str(certs)) if certs is not None else None,
+        executor=args.executor,
+        node_poll_s=args.node_poll,
+    )
 
 
 def node_files_missing(certs: Certificates, nodes: list[int]) -> list[str]:
     """The files a node machine's SuperNodes read with TLS that ``certs`` lacks."""
-    needed = [certs.ca] + [path for node in nodes for path in
-                           (certs.auth_key(node), certs.runtime_cert(node), certs.runtime_key(node))]
+    needed = [certs.ca] + [
+        path for node in nodes for path in (certs.auth_key(node), certs.runtime_cert(node), certs.runtime_key(node))
+    ]
     return [path for path in needed if not Path(path).is_file()]
 
 
 def parser_for(role: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=f"python -m fl_app.deploy {role}", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--num-supernodes", type=int, required=True,
-                        help="SuperNodes of the whole deployment (num-partitions); with --tls, each one's key")
+    parser.add_argument(
+        "--num-supernodes",
+        type=int,
+        required=True,
+        help="SuperNodes of the whole deployment (num-partitions); with --tls, each one's key",
+    )
     parser.add_argument("--tls", action="store_true", help="TLS on every API and SuperNode authentication")
-    parser.add_argument("--certs", type=Path, help="make_certs.sh's folder (superlink: made or completed there, "
-                                                   "default in the work folder; supernodes: required with --tls)")
+    parser.add_argument(
+        "--certs",
+        type=Path,
+        help="make_certs.sh's folder (superlink: made or completed there, "
+        "default in the work folder; supernodes: required with --tls)",
+    )
     parser.add_argument("--work-dir", type=Path, help="logs, Flower homes and state (default: a new temporary folder)")
     if role == "superlink":
         parser.add_argument("--host", default="0.0.0.0", help="the interface the SuperLink listens on (default all)")
-        parser.add_argument("--port", type=int, default=COMPOSE_SUPERLINK_PORT,
-                            help=f"its port (default {COMPOSE_SUPERLINK_PORT})")
-        parser.add_argument("--address", action="append", default=[],
-                            help="a host name or address the SuperNodes dial (repeatable; with --tls the "
-                                 "SuperLink's certificate names each)")
-        parser.add_argument("--serve", action="store_true",
-                            help="keep the SuperLink up until stopped (run experiments with flwr run) instead of "
-                                 "running one experiment")
+        parser.add_argument(
+            "--port", type=int, default=COMPOSE_SUPERLINK_PORT, help=f"its port (default {COMPOSE_SUPERLINK_PORT})"
+        )
+        parser.add_argument(
+            "--address",
+            action="append",
+            default=[],
+            help="a host name or address the SuperNodes dial (repeatable; with --tls the "
+            "SuperLink's certificate names each)",
+        )
+        parser.add_argument(
+            "--serve",
+            action="store_true",
+            help="keep the SuperLink up until stopped (run experiments with flwr run) instead of "
+            "running one experiment",
+        )
         parser.add_argument("--run-config", default="", help="'key=value ...' overrides of [tool.flwr.app.config]")
         parser.add_argument("--rounds", type=int, help="shorthand for the run-config key num-server-rounds")
         add_superlink_db_option(parser)
-        parser.add_argument("--node-wait", type=float, default=600.0,
-                            help="seconds to wait for --num-supernodes SuperNodes before the run (default 600)")
+        parser.add_argument(
+            "--node-wait",
+            type=float,
+            default=600.0,
+            help="seconds to wait for --num-supernodes SuperNodes before the run (default 600)",
+        )
     else:
-        parser.add_argument("--superlink", required=True, help="the SuperLink's address as this machine dials it, "
-                                                               "host:port")
-        parser.add_argument("--nodes", type=int, nargs="+", required=True,
-                            help="the partition ids of this machine's SuperNodes")
-        parser.add_argument("--superlink-wait", type=float, default=600.0,
-                            help="with --tls: seconds to wait for the SuperLink to answer and to accept these "
-                                 "nodes' keys before giving up (a certificate that does not name --superlink stops "
-                                 "the nodes at once); default 600")
+        parser.add_argument(
+            "--superlink", required=True, help="the SuperLink's address as this machine dials it, host:port"
+        )
+        parser.add_argument(
+            "--nodes", type=int, nargs="+", required=True, help="the partition ids of this machine's SuperNodes"
+        )
+        parser.add_argument(
+            "--superlink-wait",
+            type=float,
+            default=600.0,
+            help="with --tls: seconds to wait for the SuperLink to answer and to accept these "
+            "nodes' keys before giving up (a certificate that does not name --superlink stops "
+            "the nodes at once); default 600",
+        )
         add_node_options(parser)
     return parser
 
@@ -208,8 +256,11 @@ def check(role: str, args: argparse.Namespace) -> RunConfig | None:
     if args.certs is not None and not args.tls:
         raise ConfigError("--certs is only used with --tls")
     superlink_db = getattr(args, "superlink_db", None)
-    for option, folder in (("--work-dir", args.work_dir), ("--certs", args.certs if role == "superlink" else None),
-                           ("--superlink-db", superlink_db.parent if superlink_db else None)):
+    for option, folder in (
+        ("--work-dir", args.work_dir),
+        ("--certs", args.certs if role == "superlink" else None),
+        ("--superlink-db", superlink_db.parent if superlink_db else None),
+    ):
         if folder is not None:
             check_folder(option, folder.resolve())
     if role == "supernodes":
@@ -218,12 +269,16 @@ def check(role: str, args: argparse.Namespace) -> RunConfig | None:
             raise ConfigError(f"--superlink-wait {args.superlink_wait} is not allowed: seconds > 0")
         wrong = [node for node in args.nodes if not 0 <= node < args.num_supernodes]
         if wrong or len(set(args.nodes)) != len(args.nodes):
-            raise ConfigError(f"--nodes {args.nodes} is not allowed: distinct partition ids in "
-                              f"[0, --num-supernodes={args.num_supernodes})")
+            raise ConfigError(
+                f"--nodes {args.nodes} is not allowed: distinct partition ids in "
+                f"[0, --num-supernodes={args.num_supernodes})"
+            )
         if args.tls:
             if args.certs is None:
-                raise ConfigError("--tls on a node machine needs --certs: a folder with the deployment's ca.crt and "
-                                  "supernode-<i>/ (auth, runtime.crt, runtime.key) of its nodes")
+                raise ConfigError(
+                    "--tls on a node machine needs --certs: a folder with the deployment's ca.crt and "
+                    "supernode-<i>/ (auth, runtime.crt, runtime.key) of its nodes"
+                )
             missing = node_files_missing(Certificates(str(args.certs.resolve())), args.nodes)
             if missing:
                 raise ConfigError(f"--certs {str(args.certs)!r} lacks {', '.join(missing)}")
@@ -231,8 +286,10 @@ def check(role: str, args: argparse.Namespace) -> RunConfig | None:
     if not 0 < args.port < 65536:
         raise ConfigError(f"--port {args.port} is not allowed: 1-65535")
     if args.tls and not args.address:
-        raise ConfigError("--tls needs --address: the names or addresses the SuperNodes dial, which the "
-                          "SuperLink's certificate must name")
+        raise ConfigError(
+            "--tls needs --address: the names or addresses the SuperNodes dial, which the "
+            "SuperLink's certificate must name"
+        )
     if args.node_wait <= 0:
         raise ConfigError(f"--node-wait {args.node_wait} is not allowed: seconds > 0")
     if args.serve:
@@ -261,8 +318,7 @@ def role_main(role: str, argv: list[str]) -> int:
                 return run_superlink_side(args, config, work)
             return run_supernodes(args, work)
     except Stopped as stop:
-        print(f"[alignfl] stopped by {stop}: every process this {role} role started has been stopped",
-              file=sys.stderr)
+        print(f"[alignfl] stopped by {stop}: every process this {role} role started has been stopped", file=sys.stderr)
         return stop.exit_code
     except ConfigError as error:
         print(f"[alignfl] refused: {error}", file=sys.stderr)
@@ -279,9 +335,12 @@ def run_superlink_side(args: argparse.Namespace, config: RunConfig | None, work:
         dialled = args.address[0] if args.address else "<this host>"
         security = f" --tls --certs <a copy of ca.crt and supernode-<i>/ from {certs}>" if certs else ""
         mode = "TLS + SuperNode authentication" if certs else "plaintext"
-        print(f"[alignfl] SuperLink on {args.host}:{args.port} ({mode}); logs in {work / 'logs'}. On each node "
-              f"machine:\n  python -m fl_app.deploy supernodes --superlink "
-              f"{dialled}:{args.port} --nodes <i ...> --num-supernodes {args.num_supernodes}{security}", flush=True)
+        print(
+            f"[alignfl] SuperLink on {args.host}:{args.port} ({mode}); logs in {work / 'logs'}. On each node "
+            f"machine:\n  python -m fl_app.deploy supernodes --superlink "
+            f"{dialled}:{args.port} --nodes <i ...> --num-supernodes {args.num_supernodes}{security}",
+            flush=True,
+        )
         if config is None:
             return serve(running)
         running.wait_for_supernodes(args.num_supernodes, args.node_wait)
@@ -315,13 +374,20 @@ class RefusedKeys:
             public_key = certs.auth_public_key(node) if certs is not None else f"supernode-{node}/auth.pub"
             if time.monotonic() > self.deadline:
                 self.given_up.add(node)
-                print(f"[alignfl] the SuperLink still refuses supernode-{node}'s key; gave up (--superlink-wait). "
-                      f"Register {public_key} on the SuperLink's machine (python -m fl_app.deploy superlink "
-                      f"--num-supernodes N registers supernode-0 ... N-1), then start this machine again",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"[alignfl] the SuperLink still refuses supernode-{node}'s key; gave up (--superlink-wait). "
+                    f"Register {public_key} on the SuperLink's machine (python -m fl_app.deploy superlink "
+                    f"--num-supernodes N registers supernode-0 ... N-1), then start this machine again",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 continue
-            print(f"[alignfl] the SuperLink does not accept supernode-{node}'s key (not registered yet?); starting "
-                  f"it again in {REJOIN_INTERVAL_S:.0f} s", file=sys.stderr, flush=True)
+            print(
+                f"[alignfl] the SuperLink does not accept supernode-{node}'s key (not registered yet?); starting "
+                f"it again in {REJOIN_INTERVAL_S:.0f} s",
+                file=sys.stderr,
+                flush=True,
+            )
             time.sleep(REJOIN_INTERVAL_S)
             self.running.restart_node(node)
 
@@ -339,9 +405,12 @@ def run_supernodes(args: argparse.Namespace, work: Path) -> int:
     running = Deployment(topology, work)
     try:
         running.start_supernodes(sorted(args.nodes))
-        print(f"[alignfl] SuperNodes {', '.join(map(str, sorted(args.nodes)))} of {args.num_supernodes} dialling "
-              f"{args.superlink} ({args.executor} executor, polling every "
-              f"{args.node_poll or FLOWER_NODE_POLL_S:g} s); logs in {work / 'logs'}; Ctrl-C stops them", flush=True)
+        print(
+            f"[alignfl] SuperNodes {', '.join(map(str, sorted(args.nodes)))} of {args.num_supernodes} dialling "
+            f"{args.superlink} ({args.executor} executor, polling every "
+            f"{args.node_poll or FLOWER_NODE_POLL_S:g} s); logs in {work / 'logs'}; Ctrl-C stops them",
+            flush=True,
+        )
         return serve(running, RefusedKeys(running, sorted(args.nodes), time.monotonic() + args.superlink_wait))
     finally:
         running.stop()

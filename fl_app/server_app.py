@@ -43,8 +43,9 @@ def _initial_arrays(model: nn.Module, model_arrays: ArrayRecord, checkpoint: Che
     try:
         load_arrays(model, checkpoint.arrays)
     except ValueError as error:
-        raise ConfigError(f"run-config key 'resume-from': the checkpoint's global model does not fit this run's "
-                          f"model: {error}") from None
+        raise ConfigError(
+            f"run-config key 'resume-from': the checkpoint's global model does not fit this run's model: {error}"
+        ) from None
     return checkpoint.arrays
 
 
@@ -66,8 +67,15 @@ def run_experiment(grid: Grid, config: RunConfig, partition_table: PartitionTabl
 
     folder = _run_folder(config, checkpoint)
     write_json(folder / "config.json", config.to_run_config())
-    log(INFO, "[alignfl] %s on %s (%s), run folder: %s%s", config.strategy, config.dataset, config.model, folder,
-        f" (resumed after round {checkpoint.round})" if checkpoint is not None else "")
+    log(
+        INFO,
+        "[alignfl] %s on %s (%s), run folder: %s%s",
+        config.strategy,
+        config.dataset,
+        config.model,
+        folder,
+        f" (resumed after round {checkpoint.round})" if checkpoint is not None else "",
+    )
 
     def evaluate_global(arrays: ArrayRecord) -> tuple[float, float]:
         load_arrays(model, arrays)
@@ -77,11 +85,23 @@ def run_experiment(grid: Grid, config: RunConfig, partition_table: PartitionTabl
     tracking = Tracking.open(config, folder, resumed=checkpoint is not None)  # before the clock starts
     failed = True
     try:
-        recorder = RoundRecorder(folder, evaluate_global, log_divergence=config.log_divergence,
-                                 progress=RoundProgress(config.num_server_rounds, first_round).describe)
-        runner = RoundRunner(strategy, grid, MetricAggregation(recorder.aggregate_train, recorder.aggregate_evaluate,
-                                                               recorder.record_participation, recorder.record_round),
-                             partition_table)
+        recorder = RoundRecorder(
+            folder,
+            evaluate_global,
+            log_divergence=config.log_divergence,
+            progress=RoundProgress(config.num_server_rounds, first_round).describe,
+        )
+        runner = RoundRunner(
+            strategy,
+            grid,
+            MetricAggregation(
+                recorder.aggregate_train,
+                recorder.aggregate_evaluate,
+                recorder.record_participation,
+                recorder.record_round,
+            ),
+            partition_table,
+        )
         if checkpoint is not None:
             recorder.restore(checkpoint.recorder_state)
             strategy.load_state_dict(checkpoint.strategy_state)
@@ -92,18 +112,27 @@ def run_experiment(grid: Grid, config: RunConfig, partition_table: PartitionTabl
             save_checkpoint(folder, capture(server_round, config, arrays, runner, recorder.state()))
             tracking.log_rows(recorder.rows)  # once the round is durable, so a resumed run tracks it once
 
-        final = runner.run(initial_arrays, first_round=first_round, evaluate_fn=recorder.evaluate,
-                           on_round_end=end_round)
+        final = runner.run(
+            initial_arrays, first_round=first_round, evaluate_fn=recorder.evaluate, on_round_end=end_round
+        )
         if not any(row.get("clients-trained") for row in recorder.rows if row["round"] > 0):
-            raise RuntimeError(f"no round produced a usable client update; see the log and "
-                               f"{folder / 'metrics.jsonl'}")
-        summary = tracking.finish(finish_run(folder, recorder, final, f"{config.strategy} · {config.model} · "
-                                             f"{config.dataset} ({config.partitioner})"), folder)
+            raise RuntimeError(f"no round produced a usable client update; see the log and {folder / 'metrics.jsonl'}")
+        summary = tracking.finish(
+            finish_run(
+                folder, recorder, final, f"{config.strategy} · {config.model} · {config.dataset} ({config.partitioner})"
+            ),
+            folder,
+        )
         failed = False
     finally:
         tracking.close(failed)
-    log(INFO, "[alignfl] finished: final accuracy %.4f, best %.4f; results in %s",
-        summary["final-accuracy"], summary["best-accuracy"], folder)
+    log(
+        INFO,
+        "[alignfl] finished: final accuracy %.4f, best %.4f; results in %s",
+        summary["final-accuracy"],
+        summary["best-accuracy"],
+        folder,
+    )
     return summary
 
 

@@ -22,23 +22,33 @@ import math
 import shutil
 import subprocess
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
-from collections.abc import Sequence
 
 from hydra.core.config_store import ConfigStore
 from hydra.core.utils import JobReturn, JobStatus, filter_overrides, run_job, setup_globals
+from omegaconf import OmegaConf, open_dict
+
 from hydra_plugins.hydra_submitit_launcher import submitit_launcher
 from hydra_plugins.hydra_submitit_launcher.config import SlurmQueueConf
-from omegaconf import OmegaConf, open_dict
 
 log = logging.getLogger(__name__)
 
 JOBS_RECORD = "slurm-jobs.json"
 """Written into the sweep folder once every job has ended: one entry per job (:class:`SlurmJob`)."""
-ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL",
-         "DEADLINE")
+ENDED = (
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "PREEMPTED",
+    "BOOT_FAIL",
+    "DEADLINE",
+)
 """SLURM's job states after which a job runs no more."""
 POLL_S = 2.0
 
@@ -58,8 +68,9 @@ def job_gpus(client_gpus: float, ray_gpus: float | None) -> int | None:
 def register_launcher() -> None:
     """The launcher config ``conf/hydra/launcher/slurm.yaml`` builds on, and the resolvers it maps the ``sim.*``
     keys with."""
-    ConfigStore.instance().store(group="hydra/launcher", name="alignfl_slurm", node=AlignflSlurmConf,
-                                 provider="alignfl")
+    ConfigStore.instance().store(
+        group="hydra/launcher", name="alignfl_slurm", node=AlignflSlurmConf, provider="alignfl"
+    )
     for name, function in (("alignfl_slurm_cpus", job_cpus), ("alignfl_slurm_gpus", job_gpus)):
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, function)
@@ -72,7 +83,6 @@ class AlignflSlurmConf(SlurmQueueConf):
     _target_: str = "hydra_plugins.alignfl_slurm.SlurmLauncher"
     sim_backend: str | None = "inprocess"
     """``sim.backend`` of every job that does not set it (null: the config's)."""
-
 
 
 @dataclass(frozen=True)
@@ -97,13 +107,15 @@ def slurm_state(job_id: str, stdout: Path) -> str:
     for item in shown.stdout.split():
         if item.startswith("JobState="):
             return item.split("=", 1)[1]
-    queued = subprocess.run(["squeue", "-h", "-r", "-o", "%T", "-j", job_id], capture_output=True, text=True,
-                            check=False)
+    queued = subprocess.run(
+        ["squeue", "-h", "-r", "-o", "%T", "-j", job_id], capture_output=True, text=True, check=False
+    )
     if queued.stdout.strip():
         return queued.stdout.split()[0]
     if shutil.which("sacct"):
-        listed = subprocess.run(["sacct", "-n", "-P", "-X", "-o", "State", "-j", job_id], capture_output=True,
-                                text=True, check=False)
+        listed = subprocess.run(
+            ["sacct", "-n", "-P", "-X", "-o", "State", "-j", job_id], capture_output=True, text=True, check=False
+        )
         states = listed.stdout.split()
         if listed.returncode == 0 and states:
             return states[0]  # "CANCELLED by 0" names who: its first word is the state
@@ -117,8 +129,9 @@ class SlurmLauncher(submitit_launcher.SlurmLauncher):
         super().__init__(**params)
         self.sim_backend = sim_backend
 
-    def __call__(self, sweep_overrides: list[str], job_dir_key: str, job_num: int, job_id: str,
-                 singleton_state: dict) -> JobReturn:
+    def __call__(
+        self, sweep_overrides: list[str], job_dir_key: str, job_num: int, job_id: str, singleton_state: dict
+    ) -> JobReturn:
         """On the compute node: Hydra's job, with ``sim.backend`` set to :attr:`sim_backend` unless the job sets
         it (in its config, not its overrides: its folder and its row in the report stay those of a local run)."""
         import submitit
@@ -132,8 +145,13 @@ class SlurmLauncher(submitit_launcher.SlurmLauncher):
             job.num = job_num
         if self.sim_backend is not None and not any(o.lstrip("+~").startswith("sim.backend=") for o in sweep_overrides):
             config.sim.backend = self.sim_backend
-        return run_job(hydra_context=self.hydra_context, task_function=self.task_function, config=config,
-                       job_dir_key=job_dir_key, job_subdir_key="hydra.sweep.subdir")
+        return run_job(
+            hydra_context=self.hydra_context,
+            task_function=self.task_function,
+            config=config,
+            job_dir_key=job_dir_key,
+            job_subdir_key="hydra.sweep.subdir",
+        )
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         """Submit the jobs as one array, wait until every one has ended, record them; a job SLURM ended badly
@@ -143,24 +161,44 @@ class SlurmLauncher(submitit_launcher.SlurmLauncher):
         assert self.config is not None
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
         sweep_dir.mkdir(parents=True, exist_ok=True)
-        executor = submitit.AutoExecutor(cluster=self._EXECUTOR, folder=self.params["submitit_folder"],
-                                         slurm_max_num_timeout=self.params.get("max_num_timeout", 0))
+        executor = submitit.AutoExecutor(
+            cluster=self._EXECUTOR,
+            folder=self.params["submitit_folder"],
+            slurm_max_num_timeout=self.params.get("max_num_timeout", 0),
+        )
         base = set(OmegaConf.structured(submitit_launcher.BaseQueueConf).keys())
-        executor.update_parameters(**{key if key in base else f"{self._EXECUTOR}_{key}": value
-                                      for key, value in self.params.items()
-                                      if key not in ("submitit_folder", "max_num_timeout")})
+        executor.update_parameters(
+            **{
+                key if key in base else f"{self._EXECUTOR}_{key}": value
+                for key, value in self.params.items()
+                if key not in ("submitit_folder", "max_num_timeout")
+            }
+        )
         arguments = []
         for number, overrides in enumerate(job_overrides, start=initial_job_idx):
             log.info("\t#%d : %s", number, " ".join(filter_overrides(overrides)))
-            arguments.append((list(overrides), "hydra.sweep.dir", number, f"job_id_for_{number}",
-                              submitit_launcher.Singleton.get_state()))
+            arguments.append(
+                (
+                    list(overrides),
+                    "hydra.sweep.dir",
+                    number,
+                    f"job_id_for_{number}",
+                    submitit_launcher.Singleton.get_state(),
+                )
+            )
         jobs = executor.map_array(self, *zip(*arguments))
-        log.info("submitted SLURM job array %s (%d jobs); waiting for every job to end",
-                 jobs[0].job_id.split("_")[0] if jobs else "-", len(jobs))
+        log.info(
+            "submitted SLURM job array %s (%d jobs); waiting for every job to end",
+            jobs[0].job_id.split("_")[0] if jobs else "-",
+            len(jobs),
+        )
         states = wait_for_jobs(jobs)
-        records = [SlurmJob(number, list(overrides), job.job_id, states[job.job_id], str(job.paths.stdout),
-                            str(job.paths.stderr))
-                   for (overrides, _, number, _, _), job in zip(arguments, jobs)]
+        records = [
+            SlurmJob(
+                number, list(overrides), job.job_id, states[job.job_id], str(job.paths.stdout), str(job.paths.stderr)
+            )
+            for (overrides, _, number, _, _), job in zip(arguments, jobs)
+        ]
         write_jobs_record(sweep_dir, records)
         return [self._job_return(job, record) for job, record in zip(jobs, records)]
 
@@ -171,8 +209,13 @@ class SlurmLauncher(submitit_launcher.SlurmLauncher):
                 return job.results()[0]
             except Exception as error:  # the job's Python raised: its log says why
                 log.error("SLURM job %s: %s", record.slurm_job_id, error)
-        log.error("SLURM job %s (%s) ended %s; its log: %s", record.slurm_job_id, " ".join(record.overrides),
-                  record.state, record.stderr)
+        log.error(
+            "SLURM job %s (%s) ended %s; its log: %s",
+            record.slurm_job_id,
+            " ".join(record.overrides),
+            record.state,
+            record.stderr,
+        )
         returned = JobReturn(overrides=record.overrides, status=JobStatus.COMPLETED)
         returned.return_value = "failed"
         return returned

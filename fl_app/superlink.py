@@ -39,18 +39,20 @@ def free_port() -> int:
 def flower_environment(flwr_home: Path) -> dict[str, str]:
     """Environment for a private local SuperLink and the ``flwr`` commands that talk to it."""
     env = dict(os.environ)
-    env.update({
-        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
-        "FLWR_HOME": str(flwr_home),
-        "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(free_port()),
-        "FLWR_LOCAL_CONTROL_API_PORT": str(free_port()),
-        "FLWR_TELEMETRY_ENABLED": "0",
-        "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-        "FLWR_DISABLE_UPDATE_CHECK": "1",
-        "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": SUPEREXEC_POLL_S,
-        COMMIT_ENV: git_commit(),  # the ServerApp runs from an installed FAB, outside this checkout
-        "RAY_DEDUP_LOGS": "0",
-    })
+    env.update(
+        {
+            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
+            "FLWR_HOME": str(flwr_home),
+            "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(free_port()),
+            "FLWR_LOCAL_CONTROL_API_PORT": str(free_port()),
+            "FLWR_TELEMETRY_ENABLED": "0",
+            "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+            "FLWR_DISABLE_UPDATE_CHECK": "1",
+            "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": SUPEREXEC_POLL_S,
+            COMMIT_ENV: git_commit(),  # the ServerApp runs from an installed FAB, outside this checkout
+            "RAY_DEDUP_LOGS": "0",
+        }
+    )
     return env
 
 
@@ -92,11 +94,21 @@ def local_superlink(env: dict[str, str], startup_timeout_s: float = 60.0) -> Ite
     port = env["FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"]
     log_file = home / "local-superlink" / "superlink.log"
     command = [
-        "flower-superlink", "--insecure", "--simulation", "--isolation", "subprocess",
-        "--control-api-address", f"127.0.0.1:{env['FLWR_LOCAL_CONTROL_API_PORT']}",
-        "--host", "127.0.0.1", "--port", port,
-        "--log-file", str(log_file),
-        "--database", str(home / "local-superlink" / "state.db"),
+        "flower-superlink",
+        "--insecure",
+        "--simulation",
+        "--isolation",
+        "subprocess",
+        "--control-api-address",
+        f"127.0.0.1:{env['FLWR_LOCAL_CONTROL_API_PORT']}",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        port,
+        "--log-file",
+        str(log_file),
+        "--database",
+        str(home / "local-superlink" / "state.db"),
     ]
     tree = start_process(command, env, PROJECT_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
@@ -104,8 +116,10 @@ def local_superlink(env: dict[str, str], startup_timeout_s: float = 60.0) -> Ite
         tree.refresh()
         if tree.process.poll() is None:
             return None
-        return (f"flower-superlink exited with {exit_description(tree.process.returncode)}; the end of its "
-                f"log:\n{log_tail(log_file)}")
+        return (
+            f"flower-superlink exited with {exit_description(tree.process.returncode)}; the end of its "
+            f"log:\n{log_tail(log_file)}"
+        )
 
     try:
         deadline = time.monotonic() + startup_timeout_s

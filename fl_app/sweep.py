@@ -45,21 +45,28 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from core.config import PARTITIONER_SECTION, SECTIONS, hydra_leaf, key_of_path
-from core.partitioning.partitioners import PARTITIONERS, list_partitioners
 from core.data import DatasetMissingError, check_dataset_available
+from core.partitioning.partitioners import PARTITIONERS, list_partitioners
 from fl_app.client_app import build_client_app
-from fl_app.config import (ConfigError, RunConfig, owned_settings, parse_run_config, pyproject_problem, results_root,
-                           validate_run)
+from fl_app.config import (
+    ConfigError,
+    RunConfig,
+    owned_settings,
+    parse_run_config,
+    pyproject_problem,
+    results_root,
+    validate_run,
+)
 from fl_app.inprocess import run_in_process
 from fl_app.progress import start_sweep, sweep_progress
 from fl_app.ray_cluster import attach_to_cluster
-from fl_app.slurm import register_launcher
 from fl_app.results import write_json
 from fl_app.server_app import build_server_app
+from fl_app.slurm import register_launcher
 from fl_app.sweep_tracking import sweep_child, sweep_store
 from models import list_models
-from plugins.options import non_negative, option, positive, settings_fields
 from models.registry import model_options
+from plugins.options import non_negative, option, positive, settings_fields
 from strategies import get_strategy, list_strategies
 
 log = logging.getLogger(__name__)
@@ -87,27 +94,56 @@ def _none_or(check: Any) -> Any:
 class SimSettings:
     """How one job's simulation uses the machine (``sim.*``; not run-config keys)."""
 
-    backend: str = option("ray", "ray: Flower's simulation engine, clients in parallel on Ray; inprocess: the same "
-                          "apps in the job's process, one client at a time (no start-up cost)",
-                          lambda v: v in ("ray", "inprocess"), "choose one of ['inprocess', 'ray']")
-    num_supernodes: int = option(10, "clients; the job also sets run-config min-available-nodes to this",
-                                 lambda v: isinstance(v, int) and v > 0, "must be a positive integer")
-    client_cpus: float = option(1.0, "Ray CPUs per client: at most ray_cpus / client_cpus clients train at once",
-                                positive, "must be a positive number")
-    client_gpus: float = option(0.0, "Ray GPUs per client (e.g. 0.25: four clients share one GPU)", non_negative,
-                                "must be a non-negative number")
-    ray_cpus: int | None = option(None, "CPUs this job's Ray may use (null: every core); cap it when jobs run in "
-                                  "parallel", _none_or(lambda v: isinstance(v, int) and v > 0),
-                                  "must be a positive integer or null")
-    ray_gpus: float | None = option(None, "GPUs this job's Ray may use (null: every visible GPU)",
-                                    _none_or(non_negative), "must be a non-negative number or null")
-    ray_address: str | None = option(None, "a running Ray cluster the job's clients run on (HOST:PORT of its head, "
-                                     "or auto); its nodes' resources decide where; null: a Ray of the job's own",
-                                     _none_or(lambda v: isinstance(v, str) and v != ""),
-                                     "must be a non-empty string (HOST:PORT or auto) or null")
-    torch_threads: int | None = option(None, "torch threads of the job's own process (server-side evaluation); "
-                                       "null: torch's default", _none_or(lambda v: isinstance(v, int) and v > 0),
-                                       "must be a positive integer or null")
+    backend: str = option(
+        "ray",
+        "ray: Flower's simulation engine, clients in parallel on Ray; inprocess: the same "
+        "apps in the job's process, one client at a time (no start-up cost)",
+        lambda v: v in ("ray", "inprocess"),
+        "choose one of ['inprocess', 'ray']",
+    )
+    num_supernodes: int = option(
+        10,
+        "clients; the job also sets run-config min-available-nodes to this",
+        lambda v: isinstance(v, int) and v > 0,
+        "must be a positive integer",
+    )
+    client_cpus: float = option(
+        1.0,
+        "Ray CPUs per client: at most ray_cpus / client_cpus clients train at once",
+        positive,
+        "must be a positive number",
+    )
+    client_gpus: float = option(
+        0.0,
+        "Ray GPUs per client (e.g. 0.25: four clients share one GPU)",
+        non_negative,
+        "must be a non-negative number",
+    )
+    ray_cpus: int | None = option(
+        None,
+        "CPUs this job's Ray may use (null: every core); cap it when jobs run in parallel",
+        _none_or(lambda v: isinstance(v, int) and v > 0),
+        "must be a positive integer or null",
+    )
+    ray_gpus: float | None = option(
+        None,
+        "GPUs this job's Ray may use (null: every visible GPU)",
+        _none_or(non_negative),
+        "must be a non-negative number or null",
+    )
+    ray_address: str | None = option(
+        None,
+        "a running Ray cluster the job's clients run on (HOST:PORT of its head, "
+        "or auto); its nodes' resources decide where; null: a Ray of the job's own",
+        _none_or(lambda v: isinstance(v, str) and v != ""),
+        "must be a non-empty string (HOST:PORT or auto) or null",
+    )
+    torch_threads: int | None = option(
+        None,
+        "torch threads of the job's own process (server-side evaluation); null: torch's default",
+        _none_or(lambda v: isinstance(v, int) and v > 0),
+        "must be a positive integer or null",
+    )
 
     @classmethod
     def from_config(cls, sim: Mapping[str, Any]) -> SimSettings:
@@ -115,26 +151,36 @@ class SimSettings:
         known = set(cls.__dataclass_fields__)
         unknown = sorted(set(sim) - known)
         if unknown:
-            raise ConfigError(f"sim has key(s) {['sim.' + k for k in unknown]} it does not know; "
-                              f"the keys are {sorted('sim.' + k for k in known)}")
+            raise ConfigError(
+                f"sim has key(s) {['sim.' + k for k in unknown]} it does not know; "
+                f"the keys are {sorted('sim.' + k for k in known)}"
+            )
         settings = cls(**sim)
         for name, spec in cls.__dataclass_fields__.items():
             value = getattr(settings, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float, str, type(None))) \
-                    or (isinstance(value, str) and name not in STRING_SETTINGS) \
-                    or not spec.metadata["check"](value):
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float, str, type(None)))
+                or (isinstance(value, str) and name not in STRING_SETTINGS)
+                or not spec.metadata["check"](value)
+            ):
                 raise ConfigError(f"'sim.{name}' = {value!r} is not allowed: {spec.metadata['allowed']}")
         if settings.ray_cpus is not None and settings.client_cpus > settings.ray_cpus:
-            raise ConfigError(f"sim.client_cpus = {settings.client_cpus} is not allowed: must be at most "
-                              f"sim.ray_cpus = {settings.ray_cpus}, or no client could ever be scheduled")
+            raise ConfigError(
+                f"sim.client_cpus = {settings.client_cpus} is not allowed: must be at most "
+                f"sim.ray_cpus = {settings.ray_cpus}, or no client could ever be scheduled"
+            )
         if settings.ray_address is not None:
             if settings.backend != "ray":
-                raise ConfigError(f"sim.ray_address = {settings.ray_address!r} needs sim.backend=ray, got "
-                                  f"{settings.backend!r}")
+                raise ConfigError(
+                    f"sim.ray_address = {settings.ray_address!r} needs sim.backend=ray, got {settings.backend!r}"
+                )
             given = [f"sim.{name}" for name in ("ray_cpus", "ray_gpus") if getattr(settings, name) is not None]
             if given:
-                raise ConfigError(f"{given} must be null with sim.ray_address: Ray refuses resource counts when it "
-                                  "joins a running cluster, whose nodes declared theirs when they were started")
+                raise ConfigError(
+                    f"{given} must be null with sim.ray_address: Ray refuses resource counts when it "
+                    "joins a running cluster, whose nodes declared theirs when they were started"
+                )
         return settings
 
     def attach(self) -> SimSettings:
@@ -147,10 +193,15 @@ class SimSettings:
 
     def backend_config(self) -> dict[str, Any]:
         """Flower's ``backend_config``: resources per client, and a cap on this job's Ray or the cluster to join."""
-        init_args = {key: value for key, value in (("num_cpus", self.ray_cpus), ("num_gpus", self.ray_gpus),
-                                                   ("address", self.ray_address)) if value is not None}
-        return {"client_resources": {"num_cpus": self.client_cpus, "num_gpus": self.client_gpus},
-                "init_args": init_args}
+        init_args = {
+            key: value
+            for key, value in (("num_cpus", self.ray_cpus), ("num_gpus", self.ray_gpus), ("address", self.ray_address))
+            if value is not None
+        }
+        return {
+            "client_resources": {"num_cpus": self.client_cpus, "num_gpus": self.client_gpus},
+            "init_args": init_args,
+        }
 
 
 def _section_node(section: str, settings: type, skip: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -168,11 +219,13 @@ def register_configs() -> None:
     for section, settings in SECTIONS.items():
         if section:
             node = _section_node(section, settings, SET_PER_JOB)
-            store.store(group=section, name="default",
-                        node={**node, **partitioners} if section == PARTITIONER_SECTION else node)
+            store.store(
+                group=section, name="default", node={**node, **partitioners} if section == PARTITIONER_SECTION else node
+            )
     register_launcher()
-    store.store(group="sim", name="default", node={f: spec.default for f, spec in
-                                                    SimSettings.__dataclass_fields__.items()})
+    store.store(
+        group="sim", name="default", node={f: spec.default for f, spec in SimSettings.__dataclass_fields__.items()}
+    )
     for name in list_strategies():
         store.store(group="strategy", name=name, node=_section_node("", get_strategy(name).settings))
     for name in list_models():
@@ -207,16 +260,22 @@ def hydra_to_run_config(cfg: DictConfig, choices: Mapping[str, Any]) -> dict[str
         else:
             values[key] = value
     if unmapped:
-        raise ConfigError(f"Hydra key(s) {sorted(unmapped)} map to no run-config key; a path is "
-                          "<section>.<key with _ for ->, e.g. train.lr or data.dirichlet_alpha")
+        raise ConfigError(
+            f"Hydra key(s) {sorted(unmapped)} map to no run-config key; a path is "
+            "<section>.<key with _ for ->, e.g. train.lr or data.dirichlet_alpha"
+        )
     return values
 
 
 def job_settings(cfg: DictConfig, choices: Mapping[str, Any], results_dir: Path) -> tuple[RunConfig, SimSettings]:
     """The validated run config (its run folder in ``results_dir``) and simulation settings of one job."""
     sim = SimSettings.from_config(OmegaConf.to_container(cfg.sim, resolve=True))  # type: ignore[arg-type]
-    values = {**hydra_to_run_config(cfg, choices), "min-available-nodes": sim.num_supernodes,
-              "results-dir": str(results_dir.resolve()), "run-name": RUN_NAME}
+    values = {
+        **hydra_to_run_config(cfg, choices),
+        "min-available-nodes": sim.num_supernodes,
+        "results-dir": str(results_dir.resolve()),
+        "run-name": RUN_NAME,
+    }
     config = parse_run_config(values)
     validate_run(config)
     return config, sim
@@ -284,7 +343,9 @@ class ValidateSweep(Callback):
             refuse(f"invalid sweep, no job was started: {error}")
         except Exception as error:  # a sweep that cannot be checked is not started either
             log.error("validating the sweep failed:\n%s", traceback.format_exc())
-            raise SystemExit(f"could not validate the sweep, no job was started: {type(error).__name__}: {error}") from None
+            raise SystemExit(
+                f"could not validate the sweep, no job was started: {type(error).__name__}: {error}"
+            ) from None
         log.info("all %d jobs of the sweep passed the run-config schema", count)
         start_sweep(Path(config.hydra.sweep.dir), count)
 
@@ -299,17 +360,26 @@ def simulate(config: RunConfig, sim: SimSettings) -> None:
     if sim.backend == "inprocess":
         run_in_process(values, sim.num_supernodes)
         return
-    run_simulation(server_app=build_server_app(values), client_app=build_client_app(values),
-                   num_supernodes=sim.num_supernodes, backend_config=sim.backend_config())
+    run_simulation(
+        server_app=build_server_app(values),
+        client_app=build_client_app(values),
+        num_supernodes=sim.num_supernodes,
+        backend_config=sim.backend_config(),
+    )
 
 
-def run_job(cfg: DictConfig, choices: Mapping[str, Any], job_dir: Path,
-            sweep_dir: Path | None = None) -> dict[str, Any]:
+def run_job(
+    cfg: DictConfig, choices: Mapping[str, Any], job_dir: Path, sweep_dir: Path | None = None
+) -> dict[str, Any]:
     """Validate, simulate and record one job; an error is logged and recorded, never raised. ``sweep_dir``: the
     multirun's folder, whose MLflow parent run the job's run joins (:func:`fl_app.sweep_tracking.sweep_child`)."""
     started = time.time()
-    record: dict[str, Any] = {"status": FAILED, "error": None, "run-folder": None,
-                              "slurm-job-id": os.environ.get("SLURM_JOB_ID")}  # where SLURM ran it
+    record: dict[str, Any] = {
+        "status": FAILED,
+        "error": None,
+        "run-folder": None,
+        "slurm-job-id": os.environ.get("SLURM_JOB_ID"),
+    }  # where SLURM ran it
     try:
         config, sim = job_settings(cfg, choices, job_dir)
         config = sweep_store(config, sweep_dir)
@@ -377,8 +447,10 @@ def unowned_override(arguments: list[str]) -> str | None:
         if not owners:
             return f"override {group}.{leaf}: no {group} has a setting '{key}'"
         if strays:
-            return (f"override {group}.{leaf}: '{key}' belongs to {group} {owners}, not to {group} {strays}; "
-                    f"set {group}={owners[0]} or leave the override out")
+            return (
+                f"override {group}.{leaf}: '{key}' belongs to {group} {owners}, not to {group} {strays}; "
+                f"set {group}={owners[0]} or leave the override out"
+            )
     return None
 
 

@@ -140,13 +140,21 @@ def with_slurm_jobs(jobs: list[JobResult], sweep_dir: Path) -> list[JobResult]:
     for job in jobs:
         record = slurm.pop(tuple(_overrides(job.folder)), None)
         if record is not None and job.summary is None:
-            job = replace(job, error=f"SLURM job {record.slurm_job_id} {record.state}, log {record.stderr}: {job.error}")
+            job = replace(
+                job, error=f"SLURM job {record.slurm_job_id} {record.state}, log {record.stderr}: {job.error}"
+            )
         found.append(job)
     for record in slurm.values():
         settings = tuple(_split_override(o) for o in record.overrides)
-        found.append(JobResult(Path(record.stderr).parent, tuple((k, v) for k, v in settings if k != SEED_KEY),
-                               None, None, f"SLURM job {record.slurm_job_id} {record.state} before it started, "
-                                           f"log {record.stderr}"))
+        found.append(
+            JobResult(
+                Path(record.stderr).parent,
+                tuple((k, v) for k, v in settings if k != SEED_KEY),
+                None,
+                None,
+                f"SLURM job {record.slurm_job_id} {record.state} before it started, log {record.stderr}",
+            )
+        )
     return found
 
 
@@ -179,17 +187,25 @@ def write_csv(rows: list[ConfigRow], keys: list[str], path: Path) -> None:
         writer.writerow(columns)
         for row in rows:
             numbers = [value for metric in (*TABLE_METRICS, "job-time-s") for value in row.stats(metric)]
-            writer.writerow([*(row.settings[k] for k in keys), len(row.completed), row.failed,
-                             *("" if math.isnan(v) else f"{v:.10g}" for v in numbers)])
+            writer.writerow(
+                [
+                    *(row.settings[k] for k in keys),
+                    len(row.completed),
+                    row.failed,
+                    *("" if math.isnan(v) else f"{v:.10g}" for v in numbers),
+                ]
+            )
 
 
 def markdown_table(rows: list[ConfigRow], keys: list[str], varying: list[str]) -> str:
     """The table, with the settings every configuration shares in a line above it."""
     shown = varying or keys
     fixed = [f"{key}={rows[0].settings[key]}" for key in keys if key not in shown] if rows else []
-    lines = [f"Settings shared by every row: `{' '.join(fixed)}`.\n" if fixed else "",
-             "| " + " | ".join([*shown, "seeds", "failed", "final accuracy", "best accuracy", "job time (s)"]) + " |",
-             "|" + "---|" * (len(shown) + 5)]
+    lines = [
+        f"Settings shared by every row: `{' '.join(fixed)}`.\n" if fixed else "",
+        "| " + " | ".join([*shown, "seeds", "failed", "final accuracy", "best accuracy", "job time (s)"]) + " |",
+        "|" + "---|" * (len(shown) + 5),
+    ]
     for row in rows:
         cells = [row.settings[key] for key in shown] + [str(len(row.completed)), str(row.failed)]
         cells += [_format(*row.stats(metric), 4) for metric in TABLE_METRICS] + [_format(*row.stats("job-time-s"), 0)]
@@ -224,17 +240,35 @@ def plot_heatmap(rows: list[ConfigRow], varying: list[str], x: str, y: str, metr
     finite = [mean for mean, _ in means.values() if not math.isnan(mean)]
     vmin, vmax = (min(finite), max(finite)) if finite else (0.0, 1.0)
 
-    fig, axes = plt.subplots(1, len(panels), figsize=(1.2 + 1.3 * len(xs) * len(panels), 1.4 + 0.75 * len(ys)),
-                             squeeze=False, constrained_layout=True)
+    fig, axes = plt.subplots(
+        1,
+        len(panels),
+        figsize=(1.2 + 1.3 * len(xs) * len(panels), 1.4 + 0.75 * len(ys)),
+        squeeze=False,
+        constrained_layout=True,
+    )
     for ax, panel in zip(axes[0], panels):
         grid = [[means.get((*panel, xv, yv), (math.nan, math.nan)) for xv in xs] for yv in ys]
-        image = ax.imshow([[mean for mean, _ in line] for line in grid], cmap="viridis", vmin=vmin, vmax=vmax,
-                          origin="lower", aspect="auto")
+        image = ax.imshow(
+            [[mean for mean, _ in line] for line in grid],
+            cmap="viridis",
+            vmin=vmin,
+            vmax=vmax,
+            origin="lower",
+            aspect="auto",
+        )
         for i, line in enumerate(grid):
             for j, (mean, std) in enumerate(line):
                 text = "n/a" if math.isnan(mean) else f"{mean:.3f}" + ("" if math.isnan(std) else f"\n±{std:.3f}")
-                ax.text(j, i, text, ha="center", va="center", fontsize=7,
-                        color="black" if not math.isnan(mean) and mean > (vmin + vmax) / 2 else "white")
+                ax.text(
+                    j,
+                    i,
+                    text,
+                    ha="center",
+                    va="center",
+                    fontsize=7,
+                    color="black" if not math.isnan(mean) and mean > (vmin + vmax) / 2 else "white",
+                )
         ax.set_xticks(range(len(xs)), xs)
         ax.set_yticks(range(len(ys)), ys)
         ax.set(xlabel=x, ylabel=y, title=", ".join(f"{k}={v}" for k, v in zip(others, panel)) or None)
@@ -263,8 +297,15 @@ def write_report(sweep_dir: Path, x: str = "pan.a", y: str = "pan.t", metric: st
     else:
         log.info("no heatmap: fewer than two swept keys vary (%s)", varying)
     swept = varying or keys
-    write_hparams(sweep_dir, [(Path(job.summary["run-folder"]), {key: row.settings[key] for key in swept}, job.summary)
-                              for row in rows for job in row.completed if "run-folder" in job.summary])
+    write_hparams(
+        sweep_dir,
+        [
+            (Path(job.summary["run-folder"]), {key: row.settings[key] for key in swept}, job.summary)
+            for row in rows
+            for job in row.completed
+            if "run-folder" in job.summary
+        ],
+    )
     report = Report(rows, keys, varying, csv_path, markdown_path, heatmap_path)
     for row in rows:
         for job in row.jobs:
@@ -282,12 +323,21 @@ class ReportSweep(Callback):
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         report = write_report(Path(config.hydra.sweep.dir), self.heatmap_x, self.heatmap_y, self.metric)
         files = [report.markdown_path, report.csv_path, *([report.heatmap_path] if report.heatmap_path else [])]
-        finish_sweep_run(report.markdown_path.parent, {key: sorted({row.settings[key] for row in report.rows},
-                                                                   key=_sort_key)
-                                                       for key in report.varying or report.keys},
-                         report.jobs, report.failed, files)
-        print(f"[alignfl] sweep done: {report.jobs - report.failed} of {report.jobs} jobs completed; summary: "
-              f"{report.markdown_path} (also {', '.join(str(path) for path in files[1:])})", flush=True)
+        finish_sweep_run(
+            report.markdown_path.parent,
+            {
+                key: sorted({row.settings[key] for row in report.rows}, key=_sort_key)
+                for key in report.varying or report.keys
+            },
+            report.jobs,
+            report.failed,
+            files,
+        )
+        print(
+            f"[alignfl] sweep done: {report.jobs - report.failed} of {report.jobs} jobs completed; summary: "
+            f"{report.markdown_path} (also {', '.join(str(path) for path in files[1:])})",
+            flush=True,
+        )
         if report.failed:
             # Hydra turns a callback's exception into a warning; exiting gives the sweep a non-zero status.
             raise SystemExit(f"{report.failed} of {report.jobs} sweep jobs failed; see {report.markdown_path}")
@@ -298,8 +348,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("sweep_dir", type=Path, help="the multirun's folder (hydra.sweep.dir)")
     parser.add_argument("--x", default="pan.a", help="heatmap columns: a swept key (default: pan.a)")
     parser.add_argument("--y", default="pan.t", help="heatmap rows: a swept key (default: pan.t)")
-    parser.add_argument("--metric", default="final-accuracy",
-                        help="heatmap value: a summary.json key, e.g. best-accuracy (default: final-accuracy)")
+    parser.add_argument(
+        "--metric",
+        default="final-accuracy",
+        help="heatmap value: a summary.json key, e.g. best-accuracy (default: final-accuracy)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
     try:
@@ -308,8 +361,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(error, file=sys.stderr)
         return 1
     print(report.markdown_path.read_text())
-    print(f"{report.jobs} jobs, {report.failed} failed; wrote {report.csv_path}, {report.markdown_path}"
-          + (f", {report.heatmap_path}" if report.heatmap_path else ""))
+    print(
+        f"{report.jobs} jobs, {report.failed} failed; wrote {report.csv_path}, {report.markdown_path}"
+        + (f", {report.heatmap_path}" if report.heatmap_path else "")
+    )
     return 0
 
 

@@ -28,8 +28,16 @@ from flwr.common.logger import log
 from core.config import RunConfig
 from fl_app.provenance import git_commit
 from fl_app.results import write_json
-from fl_app.tracking import (PARENT_RUN_ENV, RUN_NAME_ENV, TENSORBOARD_ON, experiment_id,
-                             log_in_batches, mlflow_client, mlflow_uri, wants_mlflow)
+from fl_app.tracking import (
+    PARENT_RUN_ENV,
+    RUN_NAME_ENV,
+    TENSORBOARD_ON,
+    experiment_id,
+    log_in_batches,
+    mlflow_client,
+    mlflow_uri,
+    wants_mlflow,
+)
 
 PARENT_FILE = "mlflow-sweep.json"
 HPARAMS_SUFFIX = ".alignfl-hparams"
@@ -69,13 +77,19 @@ def _write_hparams(sweep_dir: Path, sessions: list[tuple[Path, Mapping[str, str]
         if config.get("tracking") not in TENSORBOARD_ON:
             continue
         values = {**{key: _value(value) for key, value in settings.items()}, "seed": float(config["seed"])}
-        metrics = {f"hparams/{name}": float(summary[name]) for name in HPARAMS_METRICS
-                   if isinstance(summary.get(name), (int, float))}
+        metrics = {
+            f"hparams/{name}": float(summary[name])
+            for name in HPARAMS_METRICS
+            if isinstance(summary.get(name), (int, float))
+        }
         table.append((run_folder, values, metrics))
     if not table:
         return
-    domains = {key: sorted({values[key] for _, values, _ in table if key in values}, key=str)
-               for key in table[0][1] if all(isinstance(values.get(key), str) for _, values, _ in table)}
+    domains = {
+        key: sorted({values[key] for _, values, _ in table if key in values}, key=str)
+        for key in table[0][1]
+        if all(isinstance(values.get(key), str) for _, values, _ in table)
+    }
     metric_names = {name: 0.0 for _, _, metrics in table for name in metrics}
     experiment, _, _ = hparams(table[0][1], metric_names, domains)
     with _fresh_writer(sweep_dir) as writer:  # the experiment: which hyper-parameters and metrics the view has
@@ -118,9 +132,15 @@ def _parent_run(config: RunConfig, sweep_dir: Path) -> str:
             if kept["tracking-uri"] == uri:
                 return str(kept["run-id"])
         client = mlflow_client(uri)
-        run = client.create_run(experiment_id(client, uri), run_name=f"sweep {sweep_dir.name}",
-                                tags={"sweep-dir": str(sweep_dir), "mlflow.source.git.commit": git_commit(),
-                                      "flwr-version": flwr.__version__})
+        run = client.create_run(
+            experiment_id(client, uri),
+            run_name=f"sweep {sweep_dir.name}",
+            tags={
+                "sweep-dir": str(sweep_dir),
+                "mlflow.source.git.commit": git_commit(),
+                "flwr-version": flwr.__version__,
+            },
+        )
         write_json(record, {"tracking-uri": uri, "run-id": run.info.run_id})
         return str(run.info.run_id)
 
@@ -134,8 +154,12 @@ def sweep_child(config: RunConfig, sweep_dir: Path | None, job_dir: Path) -> Ite
     try:
         parent: str | None = _parent_run(config, sweep_dir)
     except Exception as error:  # tracking never costs a run: the job's own run reports its tracking
-        log(WARNING, "[alignfl] the sweep's MLflow parent run could not be made (%s: %s); the job's run is not "
-            "nested", type(error).__name__, error)
+        log(
+            WARNING,
+            "[alignfl] the sweep's MLflow parent run could not be made (%s: %s); the job's run is not nested",
+            type(error).__name__,
+            error,
+        )
         parent = None
     names = {PARENT_RUN_ENV: parent, RUN_NAME_ENV: str(job_dir.resolve().relative_to(sweep_dir.resolve()))}
     saved = {name: os.environ.get(name) for name in names}
@@ -150,8 +174,9 @@ def sweep_child(config: RunConfig, sweep_dir: Path | None, job_dir: Path) -> Ite
                 os.environ[name] = value
 
 
-def finish_sweep_run(sweep_dir: Path, swept: Mapping[str, list[str]], jobs: int, failed: int,
-                     files: list[Path]) -> None:
+def finish_sweep_run(
+    sweep_dir: Path, swept: Mapping[str, list[str]], jobs: int, failed: int, files: list[Path]
+) -> None:
     """Close the sweep's MLflow parent run (if it has one): swept values as parameters, the report as artifacts."""
     record = sweep_dir / PARENT_FILE
     if not record.is_file():
@@ -162,12 +187,20 @@ def finish_sweep_run(sweep_dir: Path, swept: Mapping[str, list[str]], jobs: int,
 
         client = mlflow_client(kept["tracking-uri"])
         now = int(time.time() * 1000)
-        log_in_batches(client, kept["run-id"], params=[Param(f"swept.{key}", ",".join(values))
-                                                        for key, values in swept.items()],
-                       metrics=[Metric("jobs", jobs, now, 0), Metric("jobs-failed", failed, now, 0)])
+        log_in_batches(
+            client,
+            kept["run-id"],
+            params=[Param(f"swept.{key}", ",".join(values)) for key, values in swept.items()],
+            metrics=[Metric("jobs", jobs, now, 0), Metric("jobs-failed", failed, now, 0)],
+        )
         for path in files:
             client.log_artifact(kept["run-id"], str(path))
         client.set_terminated(kept["run-id"], "FAILED" if failed else "FINISHED")
     except Exception as error:  # the report on disk is the record
-        log(WARNING, "[alignfl] the sweep's MLflow parent run could not be closed (%s: %s); %s holds the report",
-            type(error).__name__, error, sweep_dir)
+        log(
+            WARNING,
+            "[alignfl] the sweep's MLflow parent run could not be closed (%s: %s); %s holds the report",
+            type(error).__name__,
+            error,
+            sweep_dir,
+        )

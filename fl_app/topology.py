@@ -55,30 +55,44 @@ def node_poll_interval(text: str) -> float | None:
     except ValueError:
         seconds = float("nan")
     if not 0 < seconds <= FLOWER_NODE_POLL_S:
-        raise argparse.ArgumentTypeError(f"{text!r} is not allowed: seconds in (0, {FLOWER_NODE_POLL_S:g}], or "
-                                         f"'flower' for Flower's own SuperNode")
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not allowed: seconds in (0, {FLOWER_NODE_POLL_S:g}], or 'flower' for Flower's own SuperNode"
+        )
     return seconds
 
 
 def add_node_options(parser: argparse.ArgumentParser) -> None:
     """``--executor`` and ``--node-poll``: how the SuperNodes of a deployment (or of one machine) run."""
-    parser.add_argument("--executor", choices=list(EXECUTORS), default=DEFAULT_EXECUTOR,
-                        help="how each SuperNode starts its ClientApp processes: warm (forked from a process that "
-                             "imported Flower, torch and the app's dependencies once) or flower (Flower's own: a "
-                             f"fresh flwr-clientapp process per message); default {DEFAULT_EXECUTOR}")
-    parser.add_argument("--node-poll", type=node_poll_interval, default=DEFAULT_NODE_POLL_S, metavar="S|flower",
-                        help="seconds between an idle SuperNode's requests for a message: a wave of messages waits "
-                             "half of it on average, for 1/S requests a second per idle node (default "
-                             f"{DEFAULT_NODE_POLL_S:g}); flower: Flower's own SuperNode, every "
-                             f"{FLOWER_NODE_POLL_S:g} s")
+    parser.add_argument(
+        "--executor",
+        choices=list(EXECUTORS),
+        default=DEFAULT_EXECUTOR,
+        help="how each SuperNode starts its ClientApp processes: warm (forked from a process that "
+        "imported Flower, torch and the app's dependencies once) or flower (Flower's own: a "
+        f"fresh flwr-clientapp process per message); default {DEFAULT_EXECUTOR}",
+    )
+    parser.add_argument(
+        "--node-poll",
+        type=node_poll_interval,
+        default=DEFAULT_NODE_POLL_S,
+        metavar="S|flower",
+        help="seconds between an idle SuperNode's requests for a message: a wave of messages waits "
+        "half of it on average, for 1/S requests a second per idle node (default "
+        f"{DEFAULT_NODE_POLL_S:g}); flower: Flower's own SuperNode, every "
+        f"{FLOWER_NODE_POLL_S:g} s",
+    )
 
 
 def add_superlink_db_option(parser: argparse.ArgumentParser) -> None:
     """``--superlink-db``: where the SuperLink keeps its state, if not in memory."""
-    parser.add_argument("--superlink-db", type=Path, metavar="FILE",
-                        help="keep the SuperLink's state (run history, registered SuperNodes) in this SQLite file, "
-                             "to outlive the SuperLink (default: in its memory, which costs it about a third of the "
-                             "CPU per round)")
+    parser.add_argument(
+        "--superlink-db",
+        type=Path,
+        metavar="FILE",
+        help="keep the SuperLink's state (run history, registered SuperNodes) in this SQLite file, "
+        "to outlive the SuperLink (default: in its memory, which costs it about a third of the "
+        "CPU per round)",
+    )
 
 
 def node_poll_option(seconds: float | None) -> str:
@@ -121,8 +135,12 @@ def make_certificates(folder: Path, num_supernodes: int, superlink_sans: str = "
     """``scripts/make_certs.sh`` into ``folder`` (existing files are kept): a CA, the SuperLink's certificate and,
     per SuperNode, its Runtime API certificate and authentication key pair, as :class:`Certificates` names them.
     ``superlink_sans``: more names for the SuperLink's certificate (``IP:10.0.0.1,DNS:fl.example.org``)."""
-    subprocess.run(["bash", str(MAKE_CERTS), str(folder), str(num_supernodes)], check=True, stdout=subprocess.DEVNULL,
-                   env={**os.environ, "SUPERLINK_SANS": superlink_sans})
+    subprocess.run(
+        ["bash", str(MAKE_CERTS), str(folder), str(num_supernodes)],
+        check=True,
+        stdout=subprocess.DEVNULL,
+        env={**os.environ, "SUPERLINK_SANS": superlink_sans},
+    )
     return folder
 
 
@@ -160,29 +178,48 @@ class Topology:
             raise ValueError(f"{len(self.runtime_ports)} runtime ports for {self.num_supernodes} SuperNodes")
 
 
-def compose_topology(tls: bool = False, num_supernodes: int = COMPOSE_NUM_SUPERNODES,
-                     executor: str = DEFAULT_EXECUTOR, node_poll_s: float | None = DEFAULT_NODE_POLL_S) -> Topology:
+def compose_topology(
+    tls: bool = False,
+    num_supernodes: int = COMPOSE_NUM_SUPERNODES,
+    executor: str = DEFAULT_EXECUTOR,
+    node_poll_s: float | None = DEFAULT_NODE_POLL_S,
+) -> Topology:
     """The values docker-compose.yml (and, with ``tls``, compose.tls.yml) uses."""
     return Topology(
-        num_supernodes=num_supernodes, superlink_host="0.0.0.0", superlink_port=COMPOSE_SUPERLINK_PORT,
+        num_supernodes=num_supernodes,
+        superlink_host="0.0.0.0",
+        superlink_port=COMPOSE_SUPERLINK_PORT,
         superlink_address=f"superlink:{COMPOSE_SUPERLINK_PORT}",
         runtime_ports=tuple(COMPOSE_RUNTIME_PORT + node for node in range(num_supernodes)),
-        database="/app/state/superlink.db", certificates=Certificates(COMPOSE_CERTS) if tls else None,
-        executor=executor, node_poll_s=node_poll_s)
+        database="/app/state/superlink.db",
+        certificates=Certificates(COMPOSE_CERTS) if tls else None,
+        executor=executor,
+        node_poll_s=node_poll_s,
+    )
 
 
-def loopback_topology(num_supernodes: int, work: Path, certificates: Path | None = None,
-                      executor: str = DEFAULT_EXECUTOR, node_poll_s: float | None = DEFAULT_NODE_POLL_S,
-                      superlink_db: Path | None = None) -> Topology:
+def loopback_topology(
+    num_supernodes: int,
+    work: Path,
+    certificates: Path | None = None,
+    executor: str = DEFAULT_EXECUTOR,
+    node_poll_s: float | None = DEFAULT_NODE_POLL_S,
+    superlink_db: Path | None = None,
+) -> Topology:
     """Free ports on 127.0.0.1 and files under ``work``; the SuperLink's state in memory unless ``superlink_db``
     (the deployment lives for one run, whose checkpoints, not the SuperLink's state, resume it)."""
     port = free_port()
     return Topology(
-        num_supernodes=num_supernodes, superlink_host="127.0.0.1", superlink_port=port,
-        superlink_address=f"127.0.0.1:{port}", runtime_ports=tuple(free_port() for _ in range(num_supernodes)),
+        num_supernodes=num_supernodes,
+        superlink_host="127.0.0.1",
+        superlink_port=port,
+        superlink_address=f"127.0.0.1:{port}",
+        runtime_ports=tuple(free_port() for _ in range(num_supernodes)),
         database=str(superlink_db) if superlink_db is not None else None,
-        certificates=Certificates(str(certificates)) if certificates is not None else None, executor=executor,
-        node_poll_s=node_poll_s)
+        certificates=Certificates(str(certificates)) if certificates is not None else None,
+        executor=executor,
+        node_poll_s=node_poll_s,
+    )
 
 
 def _client_security(topology: Topology) -> list[str]:
@@ -195,13 +232,29 @@ def _client_security(topology: Topology) -> list[str]:
 def superlink_command(topology: Topology) -> list[str]:
     """The SuperLink: one HTTP(S) port for the Fleet, Control and Runtime APIs; apps run elsewhere."""
     state = ["--database", topology.database] if topology.database else []
-    command = ["flower-superlink", "--isolation", "process", "--host", topology.superlink_host,
-               "--port", str(topology.superlink_port), *state]
+    command = [
+        "flower-superlink",
+        "--isolation",
+        "process",
+        "--host",
+        topology.superlink_host,
+        "--port",
+        str(topology.superlink_port),
+        *state,
+    ]
     certs = topology.certificates
     if certs is None:
         return [*command, "--insecure"]
-    return [*command, "--ssl-ca-certfile", certs.ca, "--ssl-certfile", certs.superlink_cert,
-            "--ssl-keyfile", certs.superlink_key, "--enable-supernode-auth"]
+    return [
+        *command,
+        "--ssl-ca-certfile",
+        certs.ca,
+        "--ssl-certfile",
+        certs.superlink_cert,
+        "--ssl-keyfile",
+        certs.superlink_key,
+        "--enable-supernode-auth",
+    ]
 
 
 def serverapp_executor_command(topology: Topology) -> list[str]:
@@ -217,21 +270,46 @@ def supernode_entry_point(topology: Topology) -> list[str]:
 def supernode_command(topology: Topology, node: int) -> list[str]:
     """SuperNode ``node``: partition ``node`` of ``num_supernodes``; its Runtime API only on 127.0.0.1."""
     poll = [] if topology.node_poll_s is None else ["--poll-interval", node_poll_option(topology.node_poll_s)]
-    command = [*supernode_entry_point(topology), *poll, "--superlink", topology.superlink_address, "--isolation", "process",
-               "--host", "127.0.0.1", "--port", str(topology.runtime_ports[node]),
-               "--node-config", f"partition-id={node} num-partitions={topology.num_supernodes}"]
+    command = [
+        *supernode_entry_point(topology),
+        *poll,
+        "--superlink",
+        topology.superlink_address,
+        "--isolation",
+        "process",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(topology.runtime_ports[node]),
+        "--node-config",
+        f"partition-id={node} num-partitions={topology.num_supernodes}",
+    ]
     certs = topology.certificates
     if certs is None:
         return [*command, "--insecure"]
-    return [*command, "--root-certificates", certs.ca, "--auth-supernode-private-key", certs.auth_key(node),
-            "--ssl-ca-certfile", certs.ca, "--ssl-certfile", certs.runtime_cert(node),
-            "--ssl-keyfile", certs.runtime_key(node)]
+    return [
+        *command,
+        "--root-certificates",
+        certs.ca,
+        "--auth-supernode-private-key",
+        certs.auth_key(node),
+        "--ssl-ca-certfile",
+        certs.ca,
+        "--ssl-certfile",
+        certs.runtime_cert(node),
+        "--ssl-keyfile",
+        certs.runtime_key(node),
+    ]
 
 
 def clientapp_executor_command(topology: Topology, node: int) -> list[str]:
     """The SuperExec beside SuperNode ``node`` that starts its ClientApp processes (as ``topology.executor``)."""
-    return [*EXECUTORS[topology.executor], "--runtime-api-address", f"127.0.0.1:{topology.runtime_ports[node]}",
-            *_client_security(topology)]
+    return [
+        *EXECUTORS[topology.executor],
+        "--runtime-api-address",
+        f"127.0.0.1:{topology.runtime_ports[node]}",
+        *_client_security(topology),
+    ]
 
 
 def register_command(topology: Topology) -> list[str]:
@@ -239,6 +317,14 @@ def register_command(topology: Topology) -> list[str]:
     certs = topology.certificates
     if certs is None:
         raise ValueError("SuperNode registration needs a topology with certificates (TLS)")
-    return ["python", "-m", "fl_app.deploy", "register", "--superlink", topology.superlink_address,
-            "--root-certificates", certs.ca,
-            *(certs.auth_public_key(node) for node in range(topology.num_supernodes))]
+    return [
+        "python",
+        "-m",
+        "fl_app.deploy",
+        "register",
+        "--superlink",
+        topology.superlink_address,
+        "--root-certificates",
+        certs.ca,
+        *(certs.auth_public_key(node) for node in range(topology.num_supernodes)),
+    ]

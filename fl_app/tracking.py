@@ -53,8 +53,11 @@ RUN_NAME_ENV = "ALIGNFL_MLFLOW_RUN_NAME"
 """Set by a sweep job: the child run's name (its overrides)."""
 ARTIFACTS = ("config.json", "metrics.jsonl", "model.pt")
 """Run-folder files logged as MLflow artifacts, besides every plot and (last) ``summary.json``."""
-HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
-                 "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
+HTTP_DEFAULTS = {
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
+}
 """A remote store that stops answering costs seconds, not MLflow's default minutes of retries (set only where
 the user has not set them)."""
 TENSORBOARD_ON = ("tensorboard", "both")
@@ -78,8 +81,11 @@ def mlflow_uri(config: RunConfig) -> str:
 def check_tracking(config: RunConfig) -> None:
     """Refuse ``tracking=mlflow|both`` where MLflow is not installed, before anything starts."""
     if wants_mlflow(config) and importlib.util.find_spec("mlflow") is None:
-        raise refuse("tracking", config.tracking, f"needs MLflow, which is not installed here: {INSTALL_MLFLOW} "
-                     "(or choose tensorboard or none)")
+        raise refuse(
+            "tracking",
+            config.tracking,
+            f"needs MLflow, which is not installed here: {INSTALL_MLFLOW} (or choose tensorboard or none)",
+        )
 
 
 def scalars(row: Mapping[str, Any]) -> dict[str, float]:
@@ -137,8 +143,9 @@ class TensorBoardSink:
         # A resumed run writes everything again after a purge marker at step 0: TensorBoard then hides what the
         # earlier session wrote (flushed or not, past its last checkpoint or not), so every round shows once.
         self.writer = SummaryWriter(str(folder), purge_step=0 if resumed else None, flush_secs=30)
-        self.config_text = "\n".join(["| key | value |", "|---|---|"] +
-                                     [f"| {key} | {value} |" for key, value in config.to_run_config().items()])
+        self.config_text = "\n".join(
+            ["| key | value |", "|---|---|"] + [f"| {key} | {value} |" for key, value in config.to_run_config().items()]
+        )
         self.last_round = -1
 
     def log_rows(self, rows: list[dict[str, Any]]) -> None:
@@ -167,7 +174,7 @@ class TensorBoardSink:
 def _probe(uri: str) -> None:
     """Fail fast when an HTTP tracking server does not answer (before MLflow's retries would wait)."""
     if uri.startswith(("http://", "https://")):
-        with urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=5) as reply:  # noqa: S310 (user's URI)
+        with urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=5) as reply:
             reply.read()
 
 
@@ -201,9 +208,9 @@ def log_in_batches(client: Any, run_id: str, *, metrics: Iterable[Any] = (), par
     """``log_batch`` within MLflow's limits (1000 metrics, 100 parameters a call)."""
     metrics, params = list(metrics), list(params)
     for start in range(0, len(metrics), 1000):
-        client.log_batch(run_id, metrics=metrics[start:start + 1000])
+        client.log_batch(run_id, metrics=metrics[start : start + 1000])
     for start in range(0, len(params), 100):
-        client.log_batch(run_id, params=params[start:start + 100])
+        client.log_batch(run_id, params=params[start : start + 100])
 
 
 class MlflowSink:
@@ -222,8 +229,11 @@ class MlflowSink:
         if self.run_id is None:
             self.last_round = -1
             self.run_id = self._new_run(folder, config)
-            log_in_batches(self.client, self.run_id, params=[
-                Param(key, str(value)) for key, value in config.to_run_config().items()])
+            log_in_batches(
+                self.client,
+                self.run_id,
+                params=[Param(key, str(value)) for key, value in config.to_run_config().items()],
+            )
         write_json(folder / TRACKING_FILE, {"mlflow": {"tracking-uri": self.uri, "run-id": self.run_id}})
 
     def _continued(self, kept: Mapping[str, Any]) -> str | None:
@@ -242,9 +252,16 @@ class MlflowSink:
     def _new_run(self, folder: Path, config: RunConfig) -> str:
         import flwr
 
-        tags = {"strategy": config.strategy, "model": config.model, "dataset": config.dataset,
-                "partitioner": config.partitioner, "seed": str(config.seed), "flwr-version": flwr.__version__,
-                "mlflow.source.git.commit": git_commit(), "run-folder": str(folder)}
+        tags = {
+            "strategy": config.strategy,
+            "model": config.model,
+            "dataset": config.dataset,
+            "partitioner": config.partitioner,
+            "seed": str(config.seed),
+            "flwr-version": flwr.__version__,
+            "mlflow.source.git.commit": git_commit(),
+            "run-folder": str(folder),
+        }
         if os.environ.get(PARENT_RUN_ENV):
             tags["mlflow.parentRunId"] = os.environ[PARENT_RUN_ENV]
         name = os.environ.get(RUN_NAME_ENV) or folder.name
@@ -256,8 +273,13 @@ class MlflowSink:
 
         now = int(time.time() * 1000)
         fresh = [row for row in rows if row["round"] > self.last_round]
-        log_in_batches(self.client, self.run_id, metrics=[
-            Metric(key, value, now, int(row["round"])) for row in fresh for key, value in scalars(row).items()])
+        log_in_batches(
+            self.client,
+            self.run_id,
+            metrics=[
+                Metric(key, value, now, int(row["round"])) for row in fresh for key, value in scalars(row).items()
+            ],
+        )
         if fresh:
             self.last_round = fresh[-1]["round"]
 
@@ -266,8 +288,11 @@ class MlflowSink:
 
         now, step = int(time.time() * 1000), int(summary.get("rounds", 0))
         figures = {k: v for k, v in summary.items() if k != "clients-per-round"}
-        log_in_batches(self.client, self.run_id, metrics=[
-            Metric(key, value, now, step) for key, value in scalars(figures).items() if math.isfinite(value)])
+        log_in_batches(
+            self.client,
+            self.run_id,
+            metrics=[Metric(key, value, now, step) for key, value in scalars(figures).items() if math.isfinite(value)],
+        )
         for path in [*sorted(folder.glob("*.png")), *(folder / name for name in ARTIFACTS)]:
             if path.is_file():
                 self.client.log_artifact(self.run_id, str(path))
@@ -309,8 +334,13 @@ class Tracking:
     def _fail(self, name: str, when: str, error: BaseException) -> None:
         reason = f"{when}: {type(error).__name__}: {error}".strip()
         self.problems[name] = reason
-        log(WARNING, "[alignfl] %s tracking is off for the rest of this run (%s); the run goes on and "
-            "metrics.jsonl keeps every round", name, reason)
+        log(
+            WARNING,
+            "[alignfl] %s tracking is off for the rest of this run (%s); the run goes on and "
+            "metrics.jsonl keeps every round",
+            name,
+            reason,
+        )
 
     def _each(self, when: str, call: Callable[[Sink], None]) -> None:
         for sink in list(self.sinks):

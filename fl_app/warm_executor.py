@@ -42,8 +42,16 @@ class ParentProcess:
         requests_r, self.requests = os.pipe()
         self.events, events_w = os.pipe()
         os.set_blocking(self.events, False)
-        command = [sys.executable, "-m", PARENT_MODULE, "--requests-fd", str(requests_r),
-                   "--events-fd", str(events_w), *options]
+        command = [
+            sys.executable,
+            "-m",
+            PARENT_MODULE,
+            "--requests-fd",
+            str(requests_r),
+            "--events-fd",
+            str(events_w),
+            *options,
+        ]
         try:
             self.process = subprocess.Popen(command, pass_fds=(requests_r, events_w), stdin=subprocess.DEVNULL)
         finally:
@@ -109,16 +117,25 @@ class WarmExecutor:
         self.given_up = False
         self.parent: ParentProcess | None = ParentProcess(self.options)
 
-    def get_eligible_capacity(self, supported_task_types: set[TaskType], *, insecure: bool = False,
-                              root_certificates_path: str | None = None) -> tuple[set[TaskType], set[str]]:
+    def get_eligible_capacity(
+        self, supported_task_types: set[TaskType], *, insecure: bool = False, root_certificates_path: str | None = None
+    ) -> tuple[set[TaskType], set[str]]:
         """Like Flower's subprocess executor: every task type, no wait."""
-        return self.fallback.get_eligible_capacity(supported_task_types, insecure=insecure,
-                                                   root_certificates_path=root_certificates_path)
+        return self.fallback.get_eligible_capacity(
+            supported_task_types, insecure=insecure, root_certificates_path=root_certificates_path
+        )
 
-    def wait_for_capacity(self, task_type: TaskType | None = None, *, fab_hash: str | None = None,
-                          insecure: bool = False, root_certificates_path: str | None = None) -> None:
-        self.fallback.wait_for_capacity(task_type, fab_hash=fab_hash, insecure=insecure,
-                                        root_certificates_path=root_certificates_path)
+    def wait_for_capacity(
+        self,
+        task_type: TaskType | None = None,
+        *,
+        fab_hash: str | None = None,
+        insecure: bool = False,
+        root_certificates_path: str | None = None,
+    ) -> None:
+        self.fallback.wait_for_capacity(
+            task_type, fab_hash=fab_hash, insecure=insecure, root_certificates_path=root_certificates_path
+        )
 
     def launch(self, spec: ExecutionSpec) -> LaunchResult:
         """A ClientApp task to the warm parent (it forks at once once ready); others to Flower's executor."""
@@ -147,14 +164,23 @@ class WarmExecutor:
         parent.stop()
         how = parent.process.returncode
         if not parent.ready:
-            log(WARNING, "[alignfl] the warm ClientApp parent exited (code %s) before it was ready; Flower's own "
-                "executor starts this node's ClientApp processes from now on", how)
+            log(
+                WARNING,
+                "[alignfl] the warm ClientApp parent exited (code %s) before it was ready; Flower's own "
+                "executor starts this node's ClientApp processes from now on",
+                how,
+            )
             self.given_up, self.parent = True, None
             for spec in self.take_pending():
                 self.fallback.launch(spec)
             return
-        log(WARNING, "[alignfl] the warm ClientApp parent (pid %d) exited (code %s); its running ClientApp "
-            "processes were stopped with it; starting a new one", parent.process.pid, how)
+        log(
+            WARNING,
+            "[alignfl] the warm ClientApp parent (pid %d) exited (code %s); its running ClientApp "
+            "processes were stopped with it; starting a new one",
+            parent.process.pid,
+            how,
+        )
         self.children.clear()
         self.parent = ParentProcess(self.options)
         for spec in self.take_pending():
@@ -172,14 +198,22 @@ class WarmExecutor:
         if kind == "ready":
             assert self.parent is not None
             self.parent.ready = True
-            log(INFO, "[alignfl] warm ClientApp parent pid %d ready after %.1f s; the app's own packages are "
-                "imported afresh by each ClientApp process (%s)", event["pid"], event["import_s"],
-                ", ".join(event["forgotten"]) or "none were imported")
+            log(
+                INFO,
+                "[alignfl] warm ClientApp parent pid %d ready after %.1f s; the app's own packages are "
+                "imported afresh by each ClientApp process (%s)",
+                event["pid"],
+                event["import_s"],
+                ", ".join(event["forgotten"]) or "none were imported",
+            )
             if event["problem"]:
                 log(WARNING, "[alignfl] the warm ClientApp parent cannot fork: %s", event["problem"])
             if event["pulls_problem"]:
-                log(WARNING, "[alignfl] ClientApp processes retry object pulls after Flower's 1 s: %s",
-                    event["pulls_problem"])
+                log(
+                    WARNING,
+                    "[alignfl] ClientApp processes retry object pulls after Flower's 1 s: %s",
+                    event["pulls_problem"],
+                )
             return
         task = event["task_id"]
         if kind == "started":
@@ -189,19 +223,36 @@ class WarmExecutor:
         elif kind == "refused":
             self.pending.pop(task, None)
             self.outcomes[task] = f"refused: {event['reason']}"
-            log(WARNING, "[alignfl] task %d: the warm parent refused to fork (%s); the SuperNode answers the "
-                "message as for a lost ClientApp process", task, event["reason"])
+            log(
+                WARNING,
+                "[alignfl] task %d: the warm parent refused to fork (%s); the SuperNode answers the "
+                "message as for a lost ClientApp process",
+                task,
+                event["reason"],
+            )
         elif kind == "killed":
-            log(WARNING, "[alignfl] task %d: ClientApp process pid %d ran past --message-timeout (%.0f s) and "
-                "was killed; the SuperNode answers its message as for a lost ClientApp process", task,
-                event["pid"], event["after_s"])
+            log(
+                WARNING,
+                "[alignfl] task %d: ClientApp process pid %d ran past --message-timeout (%.0f s) and "
+                "was killed; the SuperNode answers its message as for a lost ClientApp process",
+                task,
+                event["pid"],
+                event["after_s"],
+            )
         elif kind == "ended":
             self.children.pop(task, None)
             self.outcomes[task] = event["how"]
             self.cpu_s[task] = event["cpu_s"]
             level = INFO if event["how"] == "code 0" else WARNING
-            log(level, "[alignfl] task %d: ClientApp process pid %d ended with %s after %.2f s, %.2f CPU-s",
-                task, event["pid"], event["how"], event["seconds"], event["cpu_s"])
+            log(
+                level,
+                "[alignfl] task %d: ClientApp process pid %d ended with %s after %.2f s, %.2f CPU-s",
+                task,
+                event["pid"],
+                event["how"],
+                event["seconds"],
+                event["cpu_s"],
+            )
 
     def wait_idle(self, timeout_s: float) -> bool:
         """Poll until no task is pending or running (tests, benchmarks); whether that happened in time."""

@@ -77,9 +77,13 @@ def run_clientapp_task(spec: dict[str, Any]) -> None:
     from flwr.supernode.runtime.run_clientapp import run_clientapp
 
     run_clientapp(
-        runtime_api_address=spec["runtime_api_address"], token=spec["token"], insecure=spec["insecure"],
+        runtime_api_address=spec["runtime_api_address"],
+        token=spec["token"],
+        insecure=spec["insecure"],
         certificates=validate_and_resolve_root_certificates(spec["root_certificates_path"], spec["insecure"]),
-        parent_pid=spec["parent_pid"], runtime_dependency_install=spec["runtime_dependency_install"])
+        parent_pid=spec["parent_pid"],
+        runtime_dependency_install=spec["runtime_dependency_install"],
+    )
 
 
 def load_target(reference: str) -> Target:
@@ -268,9 +272,15 @@ class WarmParent:
                 continue
             code = os.waitstatus_to_exitcode(status)
             how = f"signal {signal.Signals(-code).name}" if code < 0 else f"code {code}"
-            self.emit("ended", task_id=child.task_id, pid=pid, how=how, killed=child.killed,
-                      seconds=round(time.monotonic() - child.started, 3),
-                      cpu_s=round(usage.ru_utime + usage.ru_stime, 3))
+            self.emit(
+                "ended",
+                task_id=child.task_id,
+                pid=pid,
+                how=how,
+                killed=child.killed,
+                seconds=round(time.monotonic() - child.started, 3),
+                cpu_s=round(usage.ru_utime + usage.ru_stime, 3),
+            )
 
     def enforce_timeout(self) -> None:
         if self.message_timeout is None:
@@ -322,12 +332,21 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fl_app.warm_parent", description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests-fd", type=int, required=True, help="the pipe tasks arrive on")
     parser.add_argument("--events-fd", type=int, required=True, help="the pipe events leave on")
-    parser.add_argument("--app", default=DEFAULT_APP,
-                        help="module imported for its dependencies; its project's packages are then forgotten")
-    parser.add_argument("--target", help="module:function a child runs for a task (default: Flower's ClientApp "
-                        "runner, as flwr-clientapp)")
-    parser.add_argument("--message-timeout", type=positive_seconds, default=None,
-                        help="seconds after which a child is killed (default: no limit)")
+    parser.add_argument(
+        "--app",
+        default=DEFAULT_APP,
+        help="module imported for its dependencies; its project's packages are then forgotten",
+    )
+    parser.add_argument(
+        "--target",
+        help="module:function a child runs for a task (default: Flower's ClientApp runner, as flwr-clientapp)",
+    )
+    parser.add_argument(
+        "--message-timeout",
+        type=positive_seconds,
+        default=None,
+        help="seconds after which a child is killed (default: no limit)",
+    )
     args = parser.parse_args(argv)
     _set_parent_death_signal(signal.SIGTERM)  # the executor's process died: stop too
     started = time.monotonic()
@@ -336,16 +355,24 @@ def main(argv: list[str] | None = None) -> int:
     try:
         importlib.import_module(args.app)
     except Exception as error:  # pylint: disable=broad-exception-caught
-        print(f"[alignfl] warm parent: could not import {args.app} ({error!r}); its children import it "
-              "themselves", file=sys.stderr, flush=True)
+        print(
+            f"[alignfl] warm parent: could not import {args.app} ({error!r}); its children import it themselves",
+            file=sys.stderr,
+            flush=True,
+        )
     forgotten = forget(project_packages(args.app))
     pulls_problem = retry_object_pulls_sooner()  # the children inherit it
     parent = WarmParent(target, args.requests_fd, args.events_fd, args.message_timeout)
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(signum, parent.stop)
-    parent.emit("ready", pid=os.getpid(), import_s=round(time.monotonic() - started, 3),
-                forgotten=sorted({name.partition(".")[0] for name in forgotten}), problem=fork_problem(),
-                pulls_problem=pulls_problem)
+    parent.emit(
+        "ready",
+        pid=os.getpid(),
+        import_s=round(time.monotonic() - started, 3),
+        forgotten=sorted({name.partition(".")[0] for name in forgotten}),
+        problem=fork_problem(),
+        pulls_problem=pulls_problem,
+    )
     parent.serve()
     return 0
 

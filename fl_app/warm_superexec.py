@@ -32,7 +32,7 @@ from flwr.supercore.superexec.executor import Executor
 from fl_app.warm_executor import WarmExecutor
 from fl_app.warm_parent import DEFAULT_APP, positive_seconds
 
-CHECKED_FLOWER = frozenset({"1.41.0"})
+CHECKED_FLOWER = frozenset({"1.41.0", "1.42.0"})
 """Flower releases whose SuperExec loop (``run_superexec``), executor protocol and ClientApp runner
 (``run_clientapp``) this was checked against."""
 DEFAULT_MESSAGE_TIMEOUT_S = 3600.0
@@ -41,14 +41,21 @@ DEFAULT_MESSAGE_TIMEOUT_S = 3600.0
 LOOP_MODULE = "flwr.supercore.superexec.run_superexec"
 
 
-def warm_get_executor(flower_get_executor: Callable[..., Executor], options: list[str],
-                      executor_type: ExecutorType, executor_config: Any = None, *, insecure: bool = False,
-                      root_certificates_path: str | None = None) -> Executor:
+def warm_get_executor(
+    flower_get_executor: Callable[..., Executor],
+    options: list[str],
+    executor_type: ExecutorType,
+    executor_config: Any = None,
+    *,
+    insecure: bool = False,
+    root_certificates_path: str | None = None,
+) -> Executor:
     """Flower's ``get_executor``, but the subprocess executor is the warm one."""
     if executor_type == ExecutorType.SUBPROCESS and executor_config is None:
         return WarmExecutor(options)
-    return flower_get_executor(executor_type, executor_config, insecure=insecure,
-                               root_certificates_path=root_certificates_path)
+    return flower_get_executor(
+        executor_type, executor_config, insecure=insecure, root_certificates_path=root_certificates_path
+    )
 
 
 def unusable(flower_args: list[str]) -> str | None:
@@ -68,13 +75,21 @@ def unusable(flower_args: list[str]) -> str | None:
 
 def parse(argv: list[str]) -> tuple[list[str], list[str]]:
     """This entry point's options (as :mod:`fl_app.warm_parent` options) and Flower's arguments."""
-    parser = argparse.ArgumentParser(prog="python -m fl_app.warm_superexec", add_help=False,
-                                     allow_abbrev=False, description=__doc__.split("\n\n")[0])
-    parser.add_argument("--message-timeout", type=positive_seconds, default=DEFAULT_MESSAGE_TIMEOUT_S,
-                        help="seconds after which a ClientApp process is killed so its node can take the next "
-                             f"message, or 'none' (default {DEFAULT_MESSAGE_TIMEOUT_S:.0f})")
-    parser.add_argument("--app", default=DEFAULT_APP,
-                        help=f"the ClientApp module whose dependencies the warm parent imports (default {DEFAULT_APP})")
+    parser = argparse.ArgumentParser(
+        prog="python -m fl_app.warm_superexec", add_help=False, allow_abbrev=False, description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument(
+        "--message-timeout",
+        type=positive_seconds,
+        default=DEFAULT_MESSAGE_TIMEOUT_S,
+        help="seconds after which a ClientApp process is killed so its node can take the next "
+        f"message, or 'none' (default {DEFAULT_MESSAGE_TIMEOUT_S:.0f})",
+    )
+    parser.add_argument(
+        "--app",
+        default=DEFAULT_APP,
+        help=f"the ClientApp module whose dependencies the warm parent imports (default {DEFAULT_APP})",
+    )
     ours, flower_args = parser.parse_known_args(argv)
     timeout = "none" if ours.message_timeout is None else repr(ours.message_timeout)
     return ["--app", ours.app, "--message-timeout", timeout], flower_args
@@ -86,11 +101,15 @@ def main(argv: list[str] | None = None) -> None:
     sys.argv = ["flower-superexec", *flower_args]
     problem = unusable(flower_args)
     if problem is not None:
-        log(WARNING, "[alignfl] warm ClientApp processes are off: %s; Flower's own executor starts a fresh "
-            "flwr-clientapp process per message", problem)
+        log(
+            WARNING,
+            "[alignfl] warm ClientApp processes are off: %s; Flower's own executor starts a fresh "
+            "flwr-clientapp process per message",
+            problem,
+        )
     else:
         loop = importlib.import_module(LOOP_MODULE)
-        setattr(loop, "get_executor", functools.partial(warm_get_executor, loop.get_executor, options))
+        loop.get_executor = functools.partial(warm_get_executor, loop.get_executor, options)
     flower_superexec()
 
 

@@ -5,7 +5,6 @@ Importing this package registers every network (``mlp``, ``small-mlp``, ``twonn`
 ``psi-vgg9``, ``psi-vgg11``); build one with :func:`build_model`.
 """
 
-from models.registry import build_model, list_models  # first: model modules import it
 from models import cnn, mlp, mobilenet, psinet, resnet, transformer, vgg  # noqa: F401  (importing registers the networks)
 from models.pan import PanSettings, PositionEncoding
 from models.permutation import (
@@ -19,6 +18,7 @@ from models.permutation import (
     random_permutations,
     unit_view,
 )
+from models.registry import build_model, list_models  # first: model modules import it
 
 __all__ = [
     "AxisRef",

@@ -14,10 +14,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from models.options import BiasOptions
-from plugins.options import option
 from models.pan import PanSettings, PositionEncoding
 from models.permutation import PermutationSpec, inputs_of, outputs_of
 from models.registry import MODELS, InputShape, Model
+from plugins.options import option
 
 
 class MLP(nn.Module):
@@ -37,8 +37,9 @@ class MLP(nn.Module):
         Whether every linear layer has a bias (the SuPerFed authors' TwoNN has none).
     """
 
-    def __init__(self, input_shape: InputShape, num_classes: int, hidden: tuple[int, ...], pan: PanSettings,
-                 bias: bool = True) -> None:
+    def __init__(
+        self, input_shape: InputShape, num_classes: int, hidden: tuple[int, ...], pan: PanSettings, bias: bool = True
+    ) -> None:
         super().__init__()
         widths = (math.prod(input_shape),) + tuple(hidden)
         self.bias = bias
@@ -63,7 +64,9 @@ class MLP(nn.Module):
 
     def _build_spec(self) -> PermutationSpec:
         names = [f"hidden.{i}" for i in range(len(self.hidden))] + ["classifier"]
-        return PermutationSpec({name: outputs_of(name, self.bias) + inputs_of(nxt) for name, nxt in zip(names, names[1:])})
+        return PermutationSpec(
+            {name: outputs_of(name, self.bias) + inputs_of(nxt) for name, nxt in zip(names, names[1:])}
+        )
 
 
 def mlp(input_shape: InputShape, num_classes: int, pan: PanSettings) -> MLP:
@@ -84,8 +87,12 @@ MODELS.register(Model("small-mlp", small_mlp))
 
 @dataclass(frozen=True)
 class TwoNNOptions(BiasOptions):
-    hidden_layers: int = option(2, "hidden layers of 200 units (2: FedAvg's 2NN; 3: the SuPerFed authors' TwoNN)",
-                                lambda v: v >= 1, "must be an integer >= 1")
+    hidden_layers: int = option(
+        2,
+        "hidden layers of 200 units (2: FedAvg's 2NN; 3: the SuPerFed authors' TwoNN)",
+        lambda v: v >= 1,
+        "must be an integer >= 1",
+    )
 
 
 def twonn(input_shape: InputShape, num_classes: int, pan: PanSettings, bias: bool, hidden_layers: int) -> MLP:

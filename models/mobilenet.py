@@ -75,8 +75,19 @@ from models.registry import MODELS, InputShape, Model
 
 STEM_WIDTH = 32
 BLOCKS: tuple[tuple[int, int], ...] = (
-    (64, 1), (128, 2), (128, 1), (256, 2), (256, 1), (512, 2),
-    (512, 1), (512, 1), (512, 1), (512, 1), (512, 1), (1024, 2), (1024, 1),
+    (64, 1),
+    (128, 2),
+    (128, 1),
+    (256, 2),
+    (256, 1),
+    (512, 2),
+    (512, 1),
+    (512, 1),
+    (512, 1),
+    (512, 1),
+    (512, 1),
+    (1024, 2),
+    (1024, 1),
 )
 """``(pointwise width, depthwise stride)`` of the 13 depthwise-separable blocks (Howard et al., Table 1)."""
 
@@ -142,8 +153,9 @@ def _stem(in_channels: int, width: int, pan: PanSettings) -> ConvUnit:
 
 
 def _shared_block(c_in: int, c_out: int, stride: int, pan: PanSettings) -> SeparableBlock:
-    return SeparableBlock(_shared_unit(_depthwise(c_in, stride), pan),
-                          _shared_unit(nn.Conv2d(c_in, c_out, 1, bias=False), pan))
+    return SeparableBlock(
+        _shared_unit(_depthwise(c_in, stride), pan), _shared_unit(nn.Conv2d(c_in, c_out, 1, bias=False), pan)
+    )
 
 
 class SeparableNet(nn.Module):
@@ -211,8 +223,11 @@ class MobileNet(SeparableNet):
         last = len(self.blocks)
         groups: dict[str, tuple[AxisRef, ...]] = {}
         for i, name in enumerate(["stem"] + [f"blocks.{i}.pw" for i in range(last)]):
-            reads = (inputs_of("classifier") if i == last else
-                     _unit_outputs(f"blocks.{i}.dw", self.blocks[i].dw) + inputs_of(f"blocks.{i}.pw.conv"))
+            reads = (
+                inputs_of("classifier")
+                if i == last
+                else _unit_outputs(f"blocks.{i}.dw", self.blocks[i].dw) + inputs_of(f"blocks.{i}.pw.conv")
+            )
             groups[name] = _unit_outputs(name, self.get_submodule(name)) + reads
         return PermutationSpec(groups)
 
@@ -231,12 +246,20 @@ class PsiMobileNet(SeparableNet):
         the classifier is always grouped.
     """
 
-    def __init__(self, input_shape: InputShape, num_classes: int, widths: Sequence[int], pan: PanSettings,
-                 num_groups: int, depth: int) -> None:
+    def __init__(
+        self,
+        input_shape: InputShape,
+        num_classes: int,
+        widths: Sequence[int],
+        pan: PanSettings,
+        num_groups: int,
+        depth: int,
+    ) -> None:
         super().__init__()
         if isinstance(depth, bool) or not isinstance(depth, int) or not 0 <= depth <= len(BLOCKS):
-            raise ValueError(f"psi-depth must be an int in [0, {len(BLOCKS)}] (the blocks of MobileNetV1), "
-                             f"got {depth!r}")
+            raise ValueError(
+                f"psi-depth must be an int in [0, {len(BLOCKS)}] (the blocks of MobileNetV1), got {depth!r}"
+            )
         groups = num_classes if num_groups == 0 else num_groups
         self.class_groups = contiguous_class_groups(num_classes, groups)
         self.num_groups, self.depth = groups, depth
@@ -258,10 +281,15 @@ class PsiMobileNet(SeparableNet):
         if index == self.depth:
             dw = _shared_unit(_depthwise(c_in, stride), pan)
         else:
-            dw = ConvUnit(GroupedDepthwise(c_in // groups, groups, stride), GroupedNorm(c_in // groups, groups),
-                          c_in, pan)
-        pw = ConvUnit(GroupedConv2d(c_in, width, groups, 1, branching=index == self.depth),
-                      GroupedNorm(width, groups), width * groups, pan)
+            dw = ConvUnit(
+                GroupedDepthwise(c_in // groups, groups, stride), GroupedNorm(c_in // groups, groups), c_in, pan
+            )
+        pw = ConvUnit(
+            GroupedConv2d(c_in, width, groups, 1, branching=index == self.depth),
+            GroupedNorm(width, groups),
+            width * groups,
+            pan,
+        )
         return SeparableBlock(dw, pw)
 
     def layout(self) -> GroupLayout:
@@ -282,9 +310,12 @@ class PsiMobileNet(SeparableNet):
                 spec[name] = _unit_outputs(name, unit) + through + tuple(r for c in readers for r in inputs_of(c))
                 continue
             for g in range(self.num_groups):
-                reads = (inputs_of(f"classifier.groups.{g}") if i == last else
-                         _group_outputs(f"blocks.{i}.dw", self.blocks[i].dw, g)
-                         + inputs_of(f"blocks.{i}.pw.conv.groups.{g}"))
+                reads = (
+                    inputs_of(f"classifier.groups.{g}")
+                    if i == last
+                    else _group_outputs(f"blocks.{i}.dw", self.blocks[i].dw, g)
+                    + inputs_of(f"blocks.{i}.pw.conv.groups.{g}")
+                )
                 spec[f"{name}.groups.{g}"] = _group_outputs(name, unit, g) + reads
         return PermutationSpec(spec)
 
@@ -302,8 +333,9 @@ def mobilenet(input_shape: InputShape, num_classes: int, pan: PanSettings, width
 MODELS.register(Model("mobilenet", mobilenet, WidthOptions))
 
 
-def psi_mobilenet(input_shape: InputShape, num_classes: int, pan: PanSettings, psi_groups: int, psi_depth: int,
-                  width_factor: float) -> PsiMobileNet:
+def psi_mobilenet(
+    input_shape: InputShape, num_classes: int, pan: PanSettings, psi_groups: int, psi_depth: int, width_factor: float
+) -> PsiMobileNet:
     """MobileNetV1 in Ψ-Net form: stem and the first ``psi_depth`` blocks shared, the rest in ``psi_groups`` groups."""
     return PsiMobileNet(input_shape, num_classes, _widths(width_factor), pan, psi_groups, psi_depth)
 

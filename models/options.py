@@ -11,13 +11,15 @@ from plugins.options import option, positive
 class WidthOptions:
     """Models whose hidden widths scale."""
 
-    width_factor: float = option(1.0, "every hidden width times this (1: the published widths)", positive,
-                                 "must be a finite number > 0")
+    width_factor: float = option(
+        1.0, "every hidden width times this (1: the published widths)", positive, "must be a finite number > 0"
+    )
 
 
 @dataclasses.dataclass(frozen=True)
 class BiasOptions:
     """Nets the SuPerFed authors use without biases."""
 
-    bias: bool = option(True, "whether every conv and linear layer has a bias (the SuPerFed authors' TwoNN and "
-                        "TwoCNN have none)")
+    bias: bool = option(
+        True, "whether every conv and linear layer has a bias (the SuPerFed authors' TwoNN and TwoCNN have none)"
+    )

@@ -39,8 +39,9 @@ class PanSettings:
     """
 
     mode: str = option("off", "off | add | mul", lambda v: v in PAN_MODES, f"choose one of {sorted(PAN_MODES)}")
-    period: float = option(1.0, "period T: sine periods across a layer's units", non_negative,
-                           "must be a finite number >= 0")
+    period: float = option(
+        1.0, "period T: sine periods across a layer's units", non_negative, "must be a finite number >= 0"
+    )
     amplitude: float = option(0.0, "amplitude A", non_negative, "must be a finite number >= 0")
 
     def __post_init__(self) -> None:

@@ -144,9 +144,7 @@ def permute_axis(tensor: Tensor, ref: AxisRef, perm: Tensor) -> Tensor:
     return moved.reshape(tensor.shape)
 
 
-def permute_state(
-    spec: PermutationSpec, state: Mapping[str, Tensor], perms: Mapping[str, Tensor]
-) -> dict[str, Tensor]:
+def permute_state(spec: PermutationSpec, state: Mapping[str, Tensor], perms: Mapping[str, Tensor]) -> dict[str, Tensor]:
     """Apply ``perms`` (group name -> permutation) to a state dict.
 
     Returns a new dict of new tensors; keys the spec does not touch are cloned

@@ -47,22 +47,29 @@ from torch import Tensor, nn
 
 from models.cnn import ConvStack, conv_plan, pooling_plan, scale_widths
 from models.options import WidthOptions
-from plugins.options import option
 from models.pan import PanSettings, PositionEncoding
 from models.permutation import AxisRef, PermutationSpec, batchnorm_of, inputs_of, outputs_of
 from models.registry import MODELS, InputShape, Model
 from models.vgg import VGG9_CONFIG, VGG9_HIDDEN, VGG11_CONFIG
-
+from plugins.options import option
 
 
 @dataclass(frozen=True)
 class PsiOptions(WidthOptions):
     """A Ψ-Net's grouping (its depth's upper bound depends on the net and is checked when it is built)."""
 
-    psi_groups: int = option(0, "class groups of the Psi-Net (0: one group per class)", lambda v: v >= 0,
-                             "must be an integer >= 0 (0: one group per class)")
-    psi_depth: int = option(2, "hidden layers shared by every group (the first two convs: VGG's low-level layers)",
-                            lambda v: v >= 0, "must be an integer >= 0")
+    psi_groups: int = option(
+        0,
+        "class groups of the Psi-Net (0: one group per class)",
+        lambda v: v >= 0,
+        "must be an integer >= 0 (0: one group per class)",
+    )
+    psi_depth: int = option(
+        2,
+        "hidden layers shared by every group (the first two convs: VGG's low-level layers)",
+        lambda v: v >= 0,
+        "must be an integer >= 0",
+    )
 
 
 _GROUP_KEY = re.compile(r"(?:^|\.)groups\.(\d+)\.")
@@ -71,8 +78,9 @@ _GROUP_KEY = re.compile(r"(?:^|\.)groups\.(\d+)\.")
 def contiguous_class_groups(num_classes: int, num_groups: int) -> tuple[int, ...]:
     """Class ``c`` -> group ``c * G // C``: contiguous blocks, every group non-empty when ``G <= C``."""
     if not 1 <= num_groups <= num_classes:
-        raise ValueError(f"psi-groups must lie in [1, num_classes={num_classes}] (0 means one per class), "
-                         f"got {num_groups}")
+        raise ValueError(
+            f"psi-groups must lie in [1, num_classes={num_classes}] (0 means one per class), got {num_groups}"
+        )
     return tuple(c * num_groups // num_classes for c in range(num_classes))
 
 
@@ -130,8 +138,7 @@ class GroupedConv2d(nn.Module):
     otherwise group ``g`` reads only input group ``g``.
     """
 
-    def __init__(self, in_channels: int, group_width: int, num_groups: int, kernel_size: int,
-                 branching: bool) -> None:
+    def __init__(self, in_channels: int, group_width: int, num_groups: int, kernel_size: int, branching: bool) -> None:
         super().__init__()
         group_in = in_channels if branching else in_channels // num_groups
         self.branching = branching
@@ -217,16 +224,25 @@ class PsiNet(ConvStack):
         ``[0, len(convs) + len(hidden)]``; the classifier is always grouped.
     """
 
-    def __init__(self, input_shape: InputShape, num_classes: int, config: Sequence[int | str],
-                 hidden: tuple[int, ...], kernel_size: int, pan: PanSettings, num_groups: int,
-                 depth: int) -> None:
+    def __init__(
+        self,
+        input_shape: InputShape,
+        num_classes: int,
+        config: Sequence[int | str],
+        hidden: tuple[int, ...],
+        kernel_size: int,
+        pan: PanSettings,
+        num_groups: int,
+        depth: int,
+    ) -> None:
         super().__init__()
         channels, height, width = input_shape
         plan = conv_plan(config)
         layers = len(plan) + len(hidden)
         if isinstance(depth, bool) or not isinstance(depth, int) or not 0 <= depth <= layers:
-            raise ValueError(f"psi-depth must be an int in [0, {layers}] (the hidden layers of this net), "
-                             f"got {depth!r}")
+            raise ValueError(
+                f"psi-depth must be an int in [0, {layers}] (the hidden layers of this net), got {depth!r}"
+            )
         groups = num_classes if num_groups == 0 else num_groups
         self.class_groups = contiguous_class_groups(num_classes, groups)
         self.num_groups, self.depth = groups, depth
@@ -288,19 +304,26 @@ class PsiNet(ConvStack):
             norm = f"norms.{i}" if i < len(self.convs) else None
             if i < self.depth:
                 branches = [f"{consumer}.groups.{g}" for g in range(self.num_groups)]
-                reads = (inputs_of(consumer, block) if i + 1 < self.depth else
-                         tuple(ref for branch in branches for ref in inputs_of(branch, block)))
+                reads = (
+                    inputs_of(consumer, block)
+                    if i + 1 < self.depth
+                    else tuple(ref for branch in branches for ref in inputs_of(branch, block))
+                )
                 spec[name] = outputs_of(name) + (batchnorm_of(norm) if norm else ()) + reads
             else:
                 for g in range(self.num_groups):
                     norm_refs = (AxisRef(f"{norm}.groups.{g}.weight", 0), AxisRef(f"{norm}.groups.{g}.bias", 0))
-                    spec[f"{name}.groups.{g}"] = (outputs_of(f"{name}.groups.{g}") + (norm_refs if norm else ())
-                                                  + inputs_of(f"{consumer}.groups.{g}", block))
+                    spec[f"{name}.groups.{g}"] = (
+                        outputs_of(f"{name}.groups.{g}")
+                        + (norm_refs if norm else ())
+                        + inputs_of(f"{consumer}.groups.{g}", block)
+                    )
         return PermutationSpec(spec)
 
 
-def psi_vgg9(input_shape: InputShape, num_classes: int, pan: PanSettings, psi_groups: int,
-             psi_depth: int, width_factor: float) -> PsiNet:
+def psi_vgg9(
+    input_shape: InputShape, num_classes: int, pan: PanSettings, psi_groups: int, psi_depth: int, width_factor: float
+) -> PsiNet:
     """VGG-9 (convs 32, 64, M, 128, 128, M, 256, 256, M; FC 512, 512, each times ``width_factor``) in Ψ-Net form."""
     config, hidden = scale_widths(VGG9_CONFIG, width_factor), scale_widths(VGG9_HIDDEN, width_factor)
     return PsiNet(input_shape, num_classes, config, hidden, 3, pan, psi_groups, psi_depth)
@@ -309,11 +332,11 @@ def psi_vgg9(input_shape: InputShape, num_classes: int, pan: PanSettings, psi_gr
 MODELS.register(Model("psi-vgg9", psi_vgg9, PsiOptions))
 
 
-def psi_vgg11(input_shape: InputShape, num_classes: int, pan: PanSettings, psi_groups: int,
-              psi_depth: int, width_factor: float) -> PsiNet:
+def psi_vgg11(
+    input_shape: InputShape, num_classes: int, pan: PanSettings, psi_groups: int, psi_depth: int, width_factor: float
+) -> PsiNet:
     """VGG-11 convs (times ``width_factor``) with a single classifier (heads) in Ψ-Net form."""
-    return PsiNet(input_shape, num_classes, scale_widths(VGG11_CONFIG, width_factor), (), 3, pan, psi_groups,
-                  psi_depth)
+    return PsiNet(input_shape, num_classes, scale_widths(VGG11_CONFIG, width_factor), (), 3, pan, psi_groups, psi_depth)
 
 
 MODELS.register(Model("psi-vgg11", psi_vgg11, PsiOptions))

@@ -11,9 +11,9 @@ from typing import Any
 
 from torch import nn
 
+from models.pan import PanSettings
 from plugins.options import NoOptions, check_settings
 from plugins.registry import Registry
-from models.pan import PanSettings
 
 InputShape = tuple[int, int, int]
 ModelBuilder = Callable[..., nn.Module]
@@ -53,7 +53,10 @@ def list_models() -> list[str]:
 
 
 def build_model(
-    name: str, input_shape: tuple[int, int, int], num_classes: int, pan: PanSettings | None = None,
+    name: str,
+    input_shape: tuple[int, int, int],
+    num_classes: int,
+    pan: PanSettings | None = None,
     **options: Any,
 ) -> nn.Module:
     """Build a fresh model.

@@ -120,8 +120,16 @@ class Transformer1(nn.Module):
         Applied to the MLP's hidden units.
     """
 
-    def __init__(self, input_shape: InputShape, num_classes: int, width: int, head_width: int, hidden: int,
-                 norm_first: bool, pan: PanSettings) -> None:
+    def __init__(
+        self,
+        input_shape: InputShape,
+        num_classes: int,
+        width: int,
+        head_width: int,
+        hidden: int,
+        norm_first: bool,
+        pan: PanSettings,
+    ) -> None:
         super().__init__()
         channels, length, features = input_shape
         self.norm_first = norm_first
@@ -168,12 +176,14 @@ class Transformer1(nn.Module):
             *inputs_of("mlp.fc1"),
             *inputs_of("classifier"),
         ]
-        return PermutationSpec({
-            "stream": tuple(stream),
-            "attn.qk": outputs_of("attn.query") + outputs_of("attn.key"),
-            "attn.v": outputs_of("attn.value") + inputs_of("attn.out"),
-            "mlp": outputs_of("mlp.fc1") + inputs_of("mlp.fc2"),
-        })
+        return PermutationSpec(
+            {
+                "stream": tuple(stream),
+                "attn.qk": outputs_of("attn.query") + outputs_of("attn.key"),
+                "attn.v": outputs_of("attn.value") + inputs_of("attn.out"),
+                "mlp": outputs_of("mlp.fc1") + inputs_of("mlp.fc2"),
+            }
+        )
 
 
 def transformer_1(input_shape: InputShape, num_classes: int, pan: PanSettings) -> Transformer1:

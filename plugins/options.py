@@ -44,9 +44,13 @@ def unit_interval(value: float) -> bool:
 def require_int(name: str, value: object, low: int, high: int | None = None) -> int:
     """``value`` as an int in [low, high], or a ValueError naming ``name`` and what is allowed: for arguments
     that no settings class declares (a partition's id, the number of partitions)."""
-    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
-        if low <= int(value) and (high is None or int(value) <= high):
-            return int(value)
+    if (
+        isinstance(value, numbers.Integral)
+        and not isinstance(value, bool)
+        and low <= int(value)
+        and (high is None or int(value) <= high)
+    ):
+        return int(value)
     allowed = f"an integer >= {low}" if high is None else f"an integer in [{low}, {high}]"
     raise ValueError(f"{name} must be {allowed}, got {value!r}")
 
@@ -79,9 +83,17 @@ _KINDS = {"int": int, "float": float, "str": str, "bool": bool}
 def settings_fields(settings: type) -> list[Setting]:
     """The fields of a settings class made with :func:`option`, in declaration order."""
     hints = get_type_hints(settings)
-    return [Setting(key_of(settings, f.name), f.name, _KINDS[getattr(hints[f.name], "__name__", str(hints[f.name]))],
-                    f.default, f.metadata["help"])
-            for f in dataclasses.fields(settings) if "help" in f.metadata]
+    return [
+        Setting(
+            key_of(settings, f.name),
+            f.name,
+            _KINDS[getattr(hints[f.name], "__name__", str(hints[f.name]))],
+            f.default,
+            f.metadata["help"],
+        )
+        for f in dataclasses.fields(settings)
+        if "help" in f.metadata
+    ]
 
 
 def is_kind(value: Any, kind: type) -> bool:
@@ -142,15 +154,19 @@ def option_from(source: type, name: str) -> Any:
     declared = {f.name: f for f in dataclasses.fields(source)}
     if name not in declared or "help" not in declared[name].metadata:
         raise ValueError(f"{source.__name__} has no option {name!r}")
-    return dataclasses.field(default=declared[name].default, metadata={**declared[name].metadata,
-                                                                       "source": (source, name)})
+    return dataclasses.field(
+        default=declared[name].default, metadata={**declared[name].metadata, "source": (source, name)}
+    )
 
 
 def source_settings(settings: Any, source: type) -> Any:
     """The ``source`` settings object that the :func:`option_from` fields of ``settings`` describe (fields of
     ``source`` that ``settings`` does not carry keep their defaults)."""
-    values = {f.metadata["source"][1]: getattr(settings, f.name) for f in dataclasses.fields(settings)
-              if f.metadata.get("source", (None,))[0] is source}
+    values = {
+        f.metadata["source"][1]: getattr(settings, f.name)
+        for f in dataclasses.fields(settings)
+        if f.metadata.get("source", (None,))[0] is source
+    }
     return source(**values)
 
 

@@ -6,7 +6,7 @@
 #      (scripts/setup.sh) for the flwr CLI, unless PYTHON names an interpreter that has them
 #   2. daemon: a running one is used; else `dockerd --iptables=false --ip-masq=false --ip-forward=false
 #      --bridge=none` (niced, own log file, stopped by its pid at the end, also on failure or Ctrl-C)
-#   3. base image: Flower's flwr/superexec:1.41.0-py3.11-ubuntu24.04 where it can be had; else a stand-in
+#   3. base image: Flower's flwr/superexec:1.42.0-py3.11-ubuntu24.04 where it can be had; else a stand-in
 #      with its layout (docker/base.Dockerfile on a debootstrap minbase bookworm rootfs), reused once built
 #   4. the project image (Dockerfile) on that base: host network, this machine's CA bundle as build secret
 #   5. python -m fl_app.compose_check: plain stack (docker-compose.yml), 3 SuperNodes online, a run of $ROUNDS
@@ -32,9 +32,9 @@ ROOT=$PWD
 . scripts/check_options.sh
 parse_check_options "$0" "$@"
 
-IMAGE=alignfl:flwr-1.41.0                                  # docker-compose.yml's image
-UPSTREAM_IMAGE=flwr/superexec:1.41.0-py3.11-ubuntu24.04      # the Dockerfile's default FLWR_IMAGE
-STANDIN_IMAGE=alignfl-base:flwr-1.41.0-py3.11-bookworm
+IMAGE=alignfl:flwr-1.42.0                                  # docker-compose.yml's image
+UPSTREAM_IMAGE=flwr/superexec:1.42.0-py3.11-ubuntu24.04      # the Dockerfile's default FLWR_IMAGE
+STANDIN_IMAGE=alignfl-base:flwr-1.42.0-py3.11-bookworm
 ROOTFS_IMAGE=alignfl-rootfs:bookworm-minbase
 TORCH_INDEX_DEFAULT=https://download.pytorch.org/whl/cpu     # the Dockerfile's default TORCH_INDEX
 DEBIAN_MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}

@@ -54,8 +54,10 @@ class LocalUpdate:
             return config.lr
         server_round = self.received["config"].get("server-round") if "config" in self.received else None
         if not isinstance(server_round, int) or server_round < 1:
-            raise ValueError(f"lr-decay={config.lr_decay} and lr-warmup-rounds={config.lr_warmup_rounds} need the "
-                             f"training message's config to hold 'server-round' (an integer >= 1), got {server_round!r}")
+            raise ValueError(
+                f"lr-decay={config.lr_decay} and lr-warmup-rounds={config.lr_warmup_rounds} need the "
+                f"training message's config to hold 'server-round' (an integer >= 1), got {server_round!r}"
+            )
         warmup = min(1.0, server_round / config.lr_warmup_rounds) if config.lr_warmup_rounds else 1.0
         return config.lr * config.lr_decay ** (server_round - 1) * warmup
 
@@ -69,7 +71,11 @@ class LocalUpdate:
         return self.sgd(model.parameters())
 
     def train(
-        self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, generator: torch.Generator,
+        self,
+        model: nn.Module,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        generator: torch.Generator,
         device: torch.device,
     ) -> dict[str, float]:
         """Run the local epochs; returns the mean training loss."""
@@ -90,8 +96,13 @@ class LocalUpdate:
 
     @torch.no_grad()
     def evaluate(
-        self, model: nn.Module, train_x: torch.Tensor, train_y: torch.Tensor, test_x: torch.Tensor,
-        test_y: torch.Tensor, device: torch.device,
+        self,
+        model: nn.Module,
+        train_x: torch.Tensor,
+        train_y: torch.Tensor,
+        test_x: torch.Tensor,
+        test_y: torch.Tensor,
+        device: torch.device,
     ) -> dict[str, Any]:
         """The client's evaluate reply metrics for the received global ``model``: its loss and accuracy on
         the local test split, with ECE and MCE (15 bins). Personalised algorithms override it to score their

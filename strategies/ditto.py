@@ -31,8 +31,9 @@ PERSONAL_MODEL = "ditto-personal"
 
 @dataclass(frozen=True)
 class DittoSettings:
-    ditto_lambda: float = option(0.1, "pull of each personal model towards the global one", non_negative,
-                                 "must be a finite number >= 0")
+    ditto_lambda: float = option(
+        0.1, "pull of each personal model towards the global one", non_negative, "must be a finite number >= 0"
+    )
 
 
 class _PersonalStep(LocalUpdate):
@@ -60,22 +61,38 @@ def stored_personal(context: Any, model: nn.Module) -> nn.Module | None:
 class DittoUpdate(LocalUpdate):
     """FedAvg's local update of the global model, then the personal model's proximal update."""
 
-    def train(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, generator: torch.Generator,
-              device: torch.device) -> dict[str, float]:
+    def train(
+        self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, generator: torch.Generator, device: torch.device
+    ) -> dict[str, float]:
         personal = stored_personal(self.context, model)
         if personal is None:
             personal = copy.deepcopy(model)
         anchor = [p.detach().clone() for p in model.parameters()]
         metrics = super().train(model, x, y, generator, device)
         personal_metrics = _PersonalStep(self.config, anchor, self.received).train(personal, x, y, generator, device)
-        self.context.state[PERSONAL_MODEL] = ArrayRecord({k: v.detach().cpu()
-                                                          for k, v in federated_state(personal).items()})
+        self.context.state[PERSONAL_MODEL] = ArrayRecord(
+            {k: v.detach().cpu() for k, v in federated_state(personal).items()}
+        )
         return {**metrics, "personal-train-loss": personal_metrics["train-loss"]}
 
-    def evaluate(self, model: nn.Module, train_x: torch.Tensor, train_y: torch.Tensor, test_x: torch.Tensor,
-                 test_y: torch.Tensor, device: torch.device) -> dict[str, Any]:
+    def evaluate(
+        self,
+        model: nn.Module,
+        train_x: torch.Tensor,
+        train_y: torch.Tensor,
+        test_x: torch.Tensor,
+        test_y: torch.Tensor,
+        device: torch.device,
+    ) -> dict[str, Any]:
         return personal_scores(model, stored_personal(self.context, model), test_x, test_y, device)
 
 
-STRATEGIES.register(Algorithm("ditto", ServerStrategy, DittoUpdate, "Ditto: FedAvg plus a personal model pulled "
-                            "towards the global one (ditto-lambda)", DittoSettings))
+STRATEGIES.register(
+    Algorithm(
+        "ditto",
+        ServerStrategy,
+        DittoUpdate,
+        "Ditto: FedAvg plus a personal model pulled towards the global one (ditto-lambda)",
+        DittoSettings,
+    )
+)

@@ -20,14 +20,14 @@ from strategies.registry import STRATEGIES, Algorithm
 class ServerStepSettings:
     """The server's step towards the clients' average (shared by FedAvgM and SCAFFOLD)."""
 
-    server_lr: float = option(1.0, "step size of the server's update of the global model", non_negative,
-                              "must be a finite number >= 0")
+    server_lr: float = option(
+        1.0, "step size of the server's update of the global model", non_negative, "must be a finite number >= 0"
+    )
 
 
 @dataclass(frozen=True)
 class FedAvgMSettings(ServerStepSettings):
-    server_momentum: float = option(0.9, "momentum of the server's update", lambda v: 0 <= v < 1,
-                                    "must lie in [0, 1)")
+    server_momentum: float = option(0.9, "momentum of the server's update", lambda v: 0 <= v < 1, "must lie in [0, 1)")
 
 
 class FedAvgM(ServerStrategy):
@@ -60,5 +60,8 @@ class FedAvgM(ServerStrategy):
         self.momentum = None if momentum is None else {k: v.numpy() for k, v in momentum.items()}
 
 
-STRATEGIES.register(Algorithm("fedavgm", FedAvgM, LocalUpdate,
-                            "FedAvg with server momentum (server-lr, server-momentum)", FedAvgMSettings))
+STRATEGIES.register(
+    Algorithm(
+        "fedavgm", FedAvgM, LocalUpdate, "FedAvg with server momentum (server-lr, server-momentum)", FedAvgMSettings
+    )
+)

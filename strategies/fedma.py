@@ -82,8 +82,8 @@ from core.nodes import NodeDirectory
 from core.replies import CONFIG_RECORD, MODEL_RECORD
 from core.strategy import Reply, RunContext, ServerStrategy
 from models import PermutationSpec, permute_state
-from plugins.options import option, option_from, source_settings
 from models.protocol import head_of
+from plugins.options import option, option_from, source_settings
 from strategies.base import LocalUpdate
 from strategies.matched import ReferenceSettings, permutation_spec
 from strategies.registry import STRATEGIES, Algorithm
@@ -98,11 +98,16 @@ FEDMA_MATCHINGS = ("bbp", *list_costs())
 
 @dataclass(frozen=True)
 class FedMASettings(ReferenceSettings):
-    fedma_matching: str = option("bbp", "bbp: FedMA's Bayesian non-parametric matching (the global layer may grow); "
-                                 "weight or l1: one-to-one matching onto the reference (match-reference)",
-                                 lambda v: v in FEDMA_MATCHINGS, f"choose one of {list(FEDMA_MATCHINGS)}")
-    retrain_epochs: int = option(1, "local epochs after each layer is matched", lambda v: v >= 1,
-                                 "must be an integer >= 1")
+    fedma_matching: str = option(
+        "bbp",
+        "bbp: FedMA's Bayesian non-parametric matching (the global layer may grow); "
+        "weight or l1: one-to-one matching onto the reference (match-reference)",
+        lambda v: v in FEDMA_MATCHINGS,
+        f"choose one of {list(FEDMA_MATCHINGS)}",
+    )
+    retrain_epochs: int = option(
+        1, "local epochs after each layer is matched", lambda v: v >= 1, "must be an integer >= 1"
+    )
     bbp_sigma: float = option_from(BBPSettings, "sigma")
     bbp_sigma0: float = option_from(BBPSettings, "sigma0")
     bbp_mu0: float = option_from(BBPSettings, "mu0")
@@ -187,23 +192,33 @@ class FedMA(ServerStrategy):
         self._restored_models: dict[int, dict[str, Tensor]] = {}  # partition id → model, from a checkpoint
 
     def describe(self) -> str:
-        matching = "BBP-MAP" if self.bbp else f"one-to-one '{self.settings.fedma_matching}', {self.settings.passes} pass(es)"
+        matching = (
+            "BBP-MAP" if self.bbp else f"one-to-one '{self.settings.fedma_matching}', {self.settings.passes} pass(es)"
+        )
         return f"{super().describe()}: {len(self.groups)} groups + output layer per cycle, {matching}"
 
     def round_metrics(self) -> dict[str, Any]:
         """The share of units the stage's matching moved (mean over clients) and the global width per group."""
         return {"units-moved": self.moved, "global-width": self.widths}
 
-    def plan_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
-                   sample: Callable[[], list[int]], nodes: NodeDirectory) -> dict[int, RecordDict]:
+    def plan_train(
+        self,
+        server_round: int,
+        arrays: ArrayRecord,
+        config: ConfigRecord,
+        sample: Callable[[], list[int]],
+        nodes: NodeDirectory,
+    ) -> dict[int, RecordDict]:
         config[STAGE] = self.stage
         if self.stage == 0:
             self.cycle_start = arrays.to_torch_state_dict()
             return super().plan_train(server_round, arrays, config, sample, nodes)
         # Later stages go to the cycle's clients only, each with its own partly matched model.
         self._place_restored_models(nodes)
-        return {node: RecordDict({MODEL_RECORD: ArrayRecord(state), CONFIG_RECORD: config})
-                for node, state in self.client_models.items()}
+        return {
+            node: RecordDict({MODEL_RECORD: ArrayRecord(state), CONFIG_RECORD: config})
+            for node, state in self.client_models.items()
+        }
 
     def _place_restored_models(self, nodes: NodeDirectory) -> None:
         """After a resume, give the cycle's client models (kept by partition) to the nodes now holding those
@@ -213,10 +228,13 @@ class FedMA(ServerStrategy):
         by_partition = nodes.by_partition()
         missing = sorted(set(self._restored_models) - set(by_partition))
         if missing:
-            log(WARNING, "FedMA resumes stage %d without partitions %s: no connected node holds them",
-                self.stage, missing)
-        self.client_models = {by_partition[p]: state for p, state in self._restored_models.items()
-                              if p in by_partition}
+            log(
+                WARNING,
+                "FedMA resumes stage %d without partitions %s: no connected node holds them",
+                self.stage,
+                missing,
+            )
+        self.client_models = {by_partition[p]: state for p, state in self._restored_models.items() if p in by_partition}
         self.client_partitions = {by_partition[p]: p for p in self._restored_models if p in by_partition}
         self._restored_models = {}
 
@@ -225,10 +243,18 @@ class FedMA(ServerStrategy):
         unnamed = [node for node in self.client_models if self.client_partitions.get(node) is None]
         if unnamed:
             log(WARNING, "FedMA checkpoint leaves out nodes %s: their partition is unknown", unnamed)
-        return {"stage": self.stage, "cycle-start": dict(self.cycle_start),
-                "client-models": {**{self.client_partitions[node]: dict(state)
-                                     for node, state in self.client_models.items() if node not in unnamed},
-                                  **self._restored_models}}
+        return {
+            "stage": self.stage,
+            "cycle-start": dict(self.cycle_start),
+            "client-models": {
+                **{
+                    self.client_partitions[node]: dict(state)
+                    for node, state in self.client_models.items()
+                    if node not in unnamed
+                },
+                **self._restored_models,
+            },
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.check_state(state)
@@ -267,47 +293,78 @@ class FedMA(ServerStrategy):
             merged = {**states[0], **per_class_average(states, counts, weights, plan[-1])}
             self.stage, self.client_models = 0, {}
         self.widths = self.spec.group_sizes(merged)
-        log(INFO, "round %d: FedMA stage %s done for %d clients in %.2f s; global widths %s", server_round,
-            self.groups[self.stage - 1] if self.stage else "output layer", len(replies), time.perf_counter() - started,
-            self.widths)
+        log(
+            INFO,
+            "round %d: FedMA stage %s done for %d clients in %.2f s; global widths %s",
+            server_round,
+            self.groups[self.stage - 1] if self.stage else "output layer",
+            len(replies),
+            time.perf_counter() - started,
+            self.widths,
+        )
         return ArrayRecord(merged)
 
-    def _bbp_stage(self, server_round: int, replies: list[Reply], states: list[dict[str, Tensor]],
-                   weights: list[float], completed: frozenset[str]) -> dict[str, Tensor]:
+    def _bbp_stage(
+        self,
+        server_round: int,
+        replies: list[Reply],
+        states: list[dict[str, Tensor]],
+        weights: list[float],
+        completed: frozenset[str],
+    ) -> dict[str, Tensor]:
         """BBP-MAP of the current group (its layer may grow); each client's model gets the group's global
         entries and its own other entries of the group moved onto the global units (zeros for units it lacks),
         so the next stage's inputs are in global indexing; returns the global model."""
         group = self.groups[self.stage]
         generator = torch.Generator().manual_seed(self.context.config.seed * 10_007 + server_round)
-        match = match_group(states, weights, self.spec, group, self.groups[: self.stage], self.settings.bbp(),
-                            generator, head=self.head)
+        match = match_group(
+            states, weights, self.spec, group, self.groups[: self.stage], self.settings.bbp(), generator, head=self.head
+        )
         entries = units_to_entries(match, self.spec, states[0])
-        clients = [{**scatter_group({k: v for k, v in state.items() if k not in entries}, self.spec, group,
-                                    assignment, match.width), **entries}
-                   for state, assignment in zip(states, match.assignments)]
+        clients = [
+            {
+                **scatter_group(
+                    {k: v for k, v in state.items() if k not in entries}, self.spec, group, assignment, match.width
+                ),
+                **entries,
+            }
+            for state, assignment in zip(states, match.assignments)
+        ]
         target = {**weighted_average(clients, weights), **entries}
-        self.moved = {group: float(sum((a != torch.arange(len(a))).double().mean() for a in match.assignments)
-                                   / len(match.assignments))}
-        self.client_models = {reply.node: {**client, **{key: target[key] for key in completed}}
-                              for reply, client in zip(replies, clients)}
+        self.moved = {
+            group: float(
+                sum((a != torch.arange(len(a))).double().mean() for a in match.assignments) / len(match.assignments)
+            )
+        }
+        self.client_models = {
+            reply.node: {**client, **{key: target[key] for key in completed}} for reply, client in zip(replies, clients)
+        }
         self.client_partitions = {reply.node: reply.partition for reply in replies}
         return target
 
-    def _match_stage(self, server_round: int, replies: list[Reply], states: list[dict[str, Tensor]],
-                     weights: list[float], completed: frozenset[str]) -> dict[str, Tensor]:
+    def _match_stage(
+        self,
+        server_round: int,
+        replies: list[Reply],
+        states: list[dict[str, Tensor]],
+        weights: list[float],
+        completed: frozenset[str],
+    ) -> dict[str, Tensor]:
         """Match the current group, keep each client's aligned model for the next stage, return the global."""
         group = self.groups[self.stage]
         sizes = self.spec.group_sizes(self.cycle_start)
         solved = {name: torch.arange(sizes[name]) for name in self.groups[: self.stage]}  # already in global order
         target: Mapping[str, Tensor] = self.cycle_start
         for _ in range(self.settings.passes):
-            permutations = [{group: solve_group(target, state, self.spec, group, solved, self.score)}
-                            for state in states]
+            permutations = [
+                {group: solve_group(target, state, self.spec, group, solved, self.score)} for state in states
+            ]
             aligned = [permute_state(self.spec, state, perms) for state, perms in zip(states, permutations)]
             target = weighted_average(aligned, weights)
         self.moved = moved_share(permutations)
-        self.client_models = {reply.node: {**state, **{key: target[key] for key in completed}}
-                              for reply, state in zip(replies, aligned)}
+        self.client_models = {
+            reply.node: {**state, **{key: target[key] for key in completed}} for reply, state in zip(replies, aligned)
+        }
         self.client_partitions = {reply.node: reply.partition for reply in replies}
         return dict(target)
 
@@ -316,7 +373,12 @@ class FedMAUpdate(LocalUpdate):
     """Train the entries not yet matched in this cycle; report class counts for the output layer's average."""
 
     def train(
-        self, model: nn.Module, x: Tensor, y: Tensor, generator: torch.Generator, device: torch.device,
+        self,
+        model: nn.Module,
+        x: Tensor,
+        y: Tensor,
+        generator: torch.Generator,
+        device: torch.device,
     ) -> dict[str, float]:
         stage = int(self.received["config"][STAGE])
         state = federated_state(model)
@@ -343,5 +405,12 @@ class FedMAUpdate(LocalUpdate):
         return {CLASS_COUNTS: ArrayRecord({"counts": self.class_counts})}
 
 
-STRATEGIES.register(Algorithm("fedma", FedMA, FedMAUpdate, "FedMA's layer-wise schedule: match one group per round, "
-                            "freeze, retrain the rest", FedMASettings))
+STRATEGIES.register(
+    Algorithm(
+        "fedma",
+        FedMA,
+        FedMAUpdate,
+        "FedMA's layer-wise schedule: match one group per round, freeze, retrain the rest",
+        FedMASettings,
+    )
+)

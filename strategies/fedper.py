@@ -48,15 +48,23 @@ class FedPerUpdate(LocalUpdate):
         if stored is not None:
             load_head(model, stored.to_torch_state_dict())
 
-    def train(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, generator: torch.Generator,
-              device: torch.device) -> dict[str, float]:
+    def train(
+        self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, generator: torch.Generator, device: torch.device
+    ) -> dict[str, float]:
         metrics = super().train(model, x, y, generator, device)
         self.context.state[PERSONAL_HEAD] = ArrayRecord(head_state(model))
         load_head(model, self.received_head)  # the reply carries the body and the unchanged global head
         return metrics
 
-    def evaluate(self, model: nn.Module, train_x: torch.Tensor, train_y: torch.Tensor, test_x: torch.Tensor,
-                 test_y: torch.Tensor, device: torch.device) -> dict[str, Any]:
+    def evaluate(
+        self,
+        model: nn.Module,
+        train_x: torch.Tensor,
+        train_y: torch.Tensor,
+        test_x: torch.Tensor,
+        test_y: torch.Tensor,
+        device: torch.device,
+    ) -> dict[str, Any]:
         """The global model, and the received body under this client's head."""
         stored = self.context.state.get(PERSONAL_HEAD)
         personal = None
@@ -66,5 +74,11 @@ class FedPerUpdate(LocalUpdate):
         return personal_scores(model, personal, test_x, test_y, device)
 
 
-STRATEGIES.register(Algorithm("fedper", ServerStrategy, FedPerUpdate,
-                            "FedPer: federated body, personal classifier head kept by each client (server: FedAvg)"))
+STRATEGIES.register(
+    Algorithm(
+        "fedper",
+        ServerStrategy,
+        FedPerUpdate,
+        "FedPer: federated body, personal classifier head kept by each client (server: FedAvg)",
+    )
+)

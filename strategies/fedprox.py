@@ -15,8 +15,9 @@ from strategies.registry import STRATEGIES, Algorithm
 
 @dataclass(frozen=True)
 class FedProxSettings:
-    proximal_mu: float = option(0.01, "weight of the proximal term (mu / 2) * ||w - w_global||^2", non_negative,
-                                "must be a finite number >= 0")
+    proximal_mu: float = option(
+        0.01, "weight of the proximal term (mu / 2) * ||w - w_global||^2", non_negative, "must be a finite number >= 0"
+    )
 
 
 class FedProxUpdate(LocalUpdate):
@@ -30,5 +31,12 @@ class FedProxUpdate(LocalUpdate):
         return super().loss(model, x, y) + 0.5 * self.settings.proximal_mu * proximal
 
 
-STRATEGIES.register(Algorithm("fedprox", ServerStrategy, FedProxUpdate,
-                            "FedAvg with a proximal term (proximal-mu) in the client loss", FedProxSettings))
+STRATEGIES.register(
+    Algorithm(
+        "fedprox",
+        ServerStrategy,
+        FedProxUpdate,
+        "FedAvg with a proximal term (proximal-mu) in the client loss",
+        FedProxSettings,
+    )
+)

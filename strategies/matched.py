@@ -56,11 +56,15 @@ MATCH_REFERENCES = ("global", "iterative")
 class ReferenceSettings:
     """What client units are matched to (shared by ``matched`` and ``fedma``'s one-to-one matching)."""
 
-    match_reference: str = option("global", "what clients' units are matched to (global: the round's global "
-                                  "model; iterative: the running matched mean)", lambda v: v in MATCH_REFERENCES,
-                                  f"choose one of {list(MATCH_REFERENCES)}")
-    match_iterations: int = option(3, "passes when match-reference is iterative", lambda v: v >= 1,
-                                   "must be an integer >= 1")
+    match_reference: str = option(
+        "global",
+        "what clients' units are matched to (global: the round's global model; iterative: the running matched mean)",
+        lambda v: v in MATCH_REFERENCES,
+        f"choose one of {list(MATCH_REFERENCES)}",
+    )
+    match_iterations: int = option(
+        3, "passes when match-reference is iterative", lambda v: v >= 1, "must be an integer >= 1"
+    )
 
     @property
     def passes(self) -> int:
@@ -69,21 +73,28 @@ class ReferenceSettings:
 
 @dataclass(frozen=True)
 class MatchSettings(ReferenceSettings):
-    match_cost: str = option("weight", "how the cost of pairing two units is measured (weight: Git Re-Basin "
-                             "weight matching; l1: Simple-FedMA)", lambda v: v in list_costs(),
-                             f"choose one of {list_costs()}")
+    match_cost: str = option(
+        "weight",
+        "how the cost of pairing two units is measured (weight: Git Re-Basin weight matching; l1: Simple-FedMA)",
+        lambda v: v in list_costs(),
+        f"choose one of {list_costs()}",
+    )
 
 
 def permutation_spec(context: RunContext, strategy: str) -> PermutationSpec:
     """The run model's permutation description; refuses a model without one, or one that names entries the
     model's state lacks."""
     if context.spec is None:
-        raise ConfigError(f"run-config key 'model' = {context.config.model!r} is not allowed with strategy "
-                          f"'{strategy}': the model has no permutation description to match units with")
+        raise ConfigError(
+            f"run-config key 'model' = {context.config.model!r} is not allowed with strategy "
+            f"'{strategy}': the model has no permutation description to match units with"
+        )
     missing = sorted(set(context.spec.axes_by_key()) - set(context.initial_arrays.keys()))
     if missing:
-        raise ConfigError(f"model {context.config.model!r}: its permutation description names entries the model "
-                          f"does not have ({missing[:5]}); strategy '{strategy}' cannot match it")
+        raise ConfigError(
+            f"model {context.config.model!r}: its permutation description names entries the model "
+            f"does not have ({missing[:5]}); strategy '{strategy}' cannot match it"
+        )
     return context.spec
 
 
@@ -112,11 +123,25 @@ class Matched(ServerStrategy):
             torch.Generator().manual_seed(self.context.config.seed * 10_007 + server_round),
         )
         self.moved = moved_share(permutations)
-        log(INFO, "round %d: matched %d client models (%s cost, %d pass(es)) in %.2f s; %.1f %% of units moved",
-            server_round, len(replies), self.settings.match_cost, self.settings.passes, time.perf_counter() - started,
-            100 * sum(self.moved.values()) / max(len(self.moved), 1))
+        log(
+            INFO,
+            "round %d: matched %d client models (%s cost, %d pass(es)) in %.2f s; %.1f %% of units moved",
+            server_round,
+            len(replies),
+            self.settings.match_cost,
+            self.settings.passes,
+            time.perf_counter() - started,
+            100 * sum(self.moved.values()) / max(len(self.moved), 1),
+        )
         return ArrayRecord(matched)
 
 
-STRATEGIES.register(Algorithm("matched", Matched, LocalUpdate, "align client units onto a reference (match-cost, "
-                            "match-reference), then average", MatchSettings))
+STRATEGIES.register(
+    Algorithm(
+        "matched",
+        Matched,
+        LocalUpdate,
+        "align client units onto a reference (match-cost, match-reference), then average",
+        MatchSettings,
+    )
+)

@@ -92,16 +92,30 @@ class MoonUpdate(LocalUpdate):
         return cross_entropy + self.settings.moon_mu * contrastive
 
     def train(
-        self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, generator: torch.Generator,
+        self,
+        model: nn.Module,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        generator: torch.Generator,
         device: torch.device,
     ) -> dict[str, float]:
         """Train, then keep the local model in ``context.state`` as the next round's negative."""
         metrics = super().train(model, x, y, generator, device)
         had_previous = self.previous_model is not None
         self.context.state[STATE_KEY] = to_arrays(model)
-        return {**metrics, "has-previous-model": float(had_previous),
-                "contrastive-loss": self.contrastive_total / self.batches if self.batches else 0.0}
+        return {
+            **metrics,
+            "has-previous-model": float(had_previous),
+            "contrastive-loss": self.contrastive_total / self.batches if self.batches else 0.0,
+        }
 
 
-STRATEGIES.register(Algorithm("moon", ServerStrategy, MoonUpdate, "model-contrastive local loss against the global "
-                            "and previous models (moon-mu, moon-tau); the server is FedAvg", MoonSettings))
+STRATEGIES.register(
+    Algorithm(
+        "moon",
+        ServerStrategy,
+        MoonUpdate,
+        "model-contrastive local loss against the global and previous models (moon-mu, moon-tau); the server is FedAvg",
+        MoonSettings,
+    )
+)

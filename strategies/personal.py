@@ -16,13 +16,27 @@ from torch import nn
 from core.calibration import classification_scores
 
 
-def personal_scores(global_model: nn.Module, personal_model: nn.Module | None, test_x: torch.Tensor,
-                    test_y: torch.Tensor, device: torch.device) -> dict[str, Any]:
+def personal_scores(
+    global_model: nn.Module,
+    personal_model: nn.Module | None,
+    test_x: torch.Tensor,
+    test_y: torch.Tensor,
+    device: torch.device,
+) -> dict[str, Any]:
     """Global and personal accuracy, ECE, MCE on the local test split (personal = global when None)."""
     accuracy, ece, mce, loss = classification_scores(global_model, test_x, test_y, device)
-    personal = (accuracy, ece, mce) if personal_model is None else \
-        classification_scores(personal_model, test_x, test_y, device)[:3]
-    return {"local-loss": loss, "local-accuracy": accuracy, "local-ece": ece, "local-mce": mce,
-            "personal-accuracy": personal[0],
-            "personal-ece": personal[1], "personal-mce": personal[2],
-            "personal-trained": int(personal_model is not None)}
+    personal = (
+        (accuracy, ece, mce)
+        if personal_model is None
+        else classification_scores(personal_model, test_x, test_y, device)[:3]
+    )
+    return {
+        "local-loss": loss,
+        "local-accuracy": accuracy,
+        "local-ece": ece,
+        "local-mce": mce,
+        "personal-accuracy": personal[0],
+        "personal-ece": personal[1],
+        "personal-mce": personal[2],
+        "personal-trained": int(personal_model is not None),
+    }

@@ -37,11 +37,11 @@ from flwr.app import Array, ArrayRecord, RecordDict
 from torch import nn
 
 from core.model_io import federated_state
-from core.training import PlainSGD
 from core.replies import reply_problem
 from core.strategy import Reply, RunContext, ServerStrategy
-from plugins.options import ConfigError
+from core.training import PlainSGD
 from models.psinet import GroupLayout, held_groups
+from plugins.options import ConfigError
 from strategies.base import LocalUpdate
 from strategies.registry import STRATEGIES, Algorithm
 
@@ -56,7 +56,11 @@ class PsiNetUpdate(LocalUpdate):
     held: tuple[int, ...] = ()
 
     def train(
-        self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, generator: torch.Generator,
+        self,
+        model: nn.Module,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        generator: torch.Generator,
         device: torch.device,
     ) -> dict[str, float]:
         if not isinstance(getattr(model, "layout", lambda: None)(), GroupLayout):
@@ -123,9 +127,11 @@ class PsiNetStrategy(ServerStrategy):
 
     def __init__(self, context: RunContext) -> None:
         if not isinstance(context.layout, GroupLayout):
-            raise ConfigError(f"run-config key 'model' = {context.config.model!r} is not allowed with strategy "
-                              "'psinet': it needs a Ψ-Net model (one whose state splits into shared and per-group "
-                              "keys, e.g. psi-vgg9)")
+            raise ConfigError(
+                f"run-config key 'model' = {context.config.model!r} is not allowed with strategy "
+                "'psinet': it needs a Ψ-Net model (one whose state splits into shared and per-group "
+                "keys, e.g. psi-vgg9)"
+            )
         super().__init__(context)
         self.layout: GroupLayout = context.layout
 
@@ -141,6 +147,12 @@ class PsiNetStrategy(ServerStrategy):
         return masked_average(reference, [reply.arrays for reply in replies], [reply.weight for reply in replies])
 
 
-STRATEGIES.register(Algorithm("psinet", PsiNetStrategy, PsiNetUpdate,
-                            "Ψ-Net: shared layers averaged over all, each group over its holders; "
-                            "clients trim groups they hold no class of"))
+STRATEGIES.register(
+    Algorithm(
+        "psinet",
+        PsiNetStrategy,
+        PsiNetUpdate,
+        "Ψ-Net: shared layers averaged over all, each group over its holders; "
+        "clients trim groups they hold no class of",
+    )
+)

@@ -79,8 +79,14 @@ class Scaffold(ServerStrategy):
         self.control = ArrayRecord()  # c; zeros shaped like the model from the first round on
         self.num_nodes = 0  # N: nodes that may train, connected when the round was planned
 
-    def plan_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
-                   sample: Callable[[], list[int]], nodes: NodeDirectory) -> dict[int, RecordDict]:
+    def plan_train(
+        self,
+        server_round: int,
+        arrays: ArrayRecord,
+        config: ConfigRecord,
+        sample: Callable[[], list[int]],
+        nodes: NodeDirectory,
+    ) -> dict[int, RecordDict]:
         contents = super().plan_train(server_round, arrays, config, sample, nodes)
         self.num_nodes = len(nodes.trainable())
         if not len(self.control):
@@ -104,15 +110,19 @@ class Scaffold(ServerStrategy):
         average = weighted_mean(replies)
         updates = [reply.content[CONTROL] for reply in replies]
         clients = max(self.num_nodes, len(updates))
-        self.control = ArrayRecord({
-            key: Array(np.asarray(c.numpy() + sum(update[key].numpy() for update in updates) / clients))
-            for key, c in self.control.items()
-        })
+        self.control = ArrayRecord(
+            {
+                key: Array(np.asarray(c.numpy() + sum(update[key].numpy() for update in updates) / clients))
+                for key, c in self.control.items()
+            }
+        )
         lr = self.settings.server_lr
-        return ArrayRecord({
-            key: Array(np.asarray(x.numpy() + lr * (average[key].numpy() - x.numpy())))
-            for key, x in reference.items()
-        })
+        return ArrayRecord(
+            {
+                key: Array(np.asarray(x.numpy() + lr * (average[key].numpy() - x.numpy())))
+                for key, x in reference.items()
+            }
+        )
 
 
 class ScaffoldUpdate(LocalUpdate):
@@ -120,8 +130,10 @@ class ScaffoldUpdate(LocalUpdate):
 
     def begin(self, model: nn.Module) -> None:
         if CONTROL not in self.received.array_records:
-            raise ValueError(f"the training message has no '{CONTROL}' record (it holds "
-                             f"{sorted(self.received)}); run the server with strategy=scaffold too")
+            raise ValueError(
+                f"the training message has no '{CONTROL}' record (it holds "
+                f"{sorted(self.received)}); run the server with strategy=scaffold too"
+            )
         problem = arrays_mismatch(federated_state(model), self.received[CONTROL])
         if problem is not None:
             raise ValueError(f"the server's control variate does not fit the model: {problem}")
@@ -131,8 +143,9 @@ class ScaffoldUpdate(LocalUpdate):
         params = dict(model.named_parameters())
         self.start = {name: p.detach().clone() for name, p in params.items()}
         self.server_control = {name: server[name].to(p.device) for name, p in params.items()}
-        self.local_control = {name: local[name].to(p.device) if name in local else torch.zeros_like(p)
-                              for name, p in params.items()}
+        self.local_control = {
+            name: local[name].to(p.device) if name in local else torch.zeros_like(p) for name, p in params.items()
+        }
         self.correction = {name: self.server_control[name] - self.local_control[name] for name in params}
         self.steps = 0
         self.control_update = ArrayRecord()
@@ -147,29 +160,50 @@ class ScaffoldUpdate(LocalUpdate):
         self.steps += 1
 
     def train(
-        self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, generator: torch.Generator,
+        self,
+        model: nn.Module,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        generator: torch.Generator,
         device: torch.device,
     ) -> dict[str, float]:
         """Train, then c_i⁺ = c_i − c + (x − y_i)/(η·momentum_step_sum(K, β)), kept in ``context.state``."""
         metrics = super().train(model, x, y, generator, device)
         scale = 1.0 / (self.learning_rate() * momentum_step_sum(self.steps, self.config.momentum))
         with torch.no_grad():
-            updated = {name: self.local_control[name] - self.server_control[name] + (self.start[name] - p) * scale
-                       for name, p in model.named_parameters()}
+            updated = {
+                name: self.local_control[name] - self.server_control[name] + (self.start[name] - p) * scale
+                for name, p in model.named_parameters()
+            }
             delta = {name: updated[name] - self.local_control[name] for name in updated}
 
         def like_the_model(values: dict[str, torch.Tensor]) -> ArrayRecord:
-            return ArrayRecord({key: values[key].detach().cpu() if key in values else torch.zeros_like(t).cpu()
-                                for key, t in federated_state(model).items()})
+            return ArrayRecord(
+                {
+                    key: values[key].detach().cpu() if key in values else torch.zeros_like(t).cpu()
+                    for key, t in federated_state(model).items()
+                }
+            )
 
         self.context.state[STATE_KEY] = like_the_model(updated)
         self.control_update = like_the_model(delta)
-        return {**metrics, "local-steps": float(self.steps),
-                "control-norm-start": _norm(self.local_control), "control-norm-end": _norm(updated)}
+        return {
+            **metrics,
+            "local-steps": float(self.steps),
+            "control-norm-start": _norm(self.local_control),
+            "control-norm-end": _norm(updated),
+        }
 
     def reply_records(self) -> dict[str, ArrayRecord]:
         return {CONTROL: self.control_update}
 
 
-STRATEGIES.register(Algorithm("scaffold", Scaffold, ScaffoldUpdate,
-                            "control variates correct client drift (option II; server-lr)", ServerStepSettings))
+STRATEGIES.register(
+    Algorithm(
+        "scaffold",
+        Scaffold,
+        ScaffoldUpdate,
+        "control variates correct client drift (option II; server-lr)",
+        ServerStepSettings,
+    )
+)

@@ -33,9 +33,8 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Any
-
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -62,19 +61,36 @@ LOCAL_INFO = "superfed-local-info"
 
 @dataclass(frozen=True)
 class SuPerFedSettings:
-    superfed_mode: str = option("mm", "model mixing (mm: one lambda per batch) or layer mixing (lm: one per layer)",
-                                lambda v: v in SUPERFED_MODES, f"choose one of {list(SUPERFED_MODES)}")
-    superfed_nu: float = option(1.0, "weight of the connectivity regulariser cos^2(w_f, w_l)", non_negative,
-                                "must be a finite number >= 0")
+    superfed_mode: str = option(
+        "mm",
+        "model mixing (mm: one lambda per batch) or layer mixing (lm: one per layer)",
+        lambda v: v in SUPERFED_MODES,
+        f"choose one of {list(SUPERFED_MODES)}",
+    )
+    superfed_nu: float = option(
+        1.0, "weight of the connectivity regulariser cos^2(w_f, w_l)", non_negative, "must be a finite number >= 0"
+    )
     superfed_mu: float = option(0.01, "weight of the proximal term", non_negative, "must be a finite number >= 0")
-    superfed_start: float = option(0.5, "share of num-server-rounds before mixing starts", lambda v: 0 <= v <= 1,
-                                   "must lie in [0, 1] (the fraction of num-server-rounds before mixing starts)")
-    superfed_val_fraction: float = option(0.1, "share of each client's training data held out to choose lambda "
-                                          "honestly (0: none, and no honest-* figures)", lambda v: 0 <= v < 1,
-                                          "must lie in [0, 1)")
-    superfed_local_init: str = option("seeded", "how the local model starts: seeded (by run seed and client) or "
-                                      "authors (every weight from a stream seeded by the client id, as the "
-                                      "authors' code)", lambda v: v in LOCAL_INITS, f"choose one of {list(LOCAL_INITS)}")
+    superfed_start: float = option(
+        0.5,
+        "share of num-server-rounds before mixing starts",
+        lambda v: 0 <= v <= 1,
+        "must lie in [0, 1] (the fraction of num-server-rounds before mixing starts)",
+    )
+    superfed_val_fraction: float = option(
+        0.1,
+        "share of each client's training data held out to choose lambda honestly (0: none, and no honest-* figures)",
+        lambda v: 0 <= v < 1,
+        "must lie in [0, 1)",
+    )
+    superfed_local_init: str = option(
+        "seeded",
+        "how the local model starts: seeded (by run seed and client) or "
+        "authors (every weight from a stream seeded by the client id, as the "
+        "authors' code)",
+        lambda v: v in LOCAL_INITS,
+        f"choose one of {list(LOCAL_INITS)}",
+    )
 
 
 def start_round(config: RunConfig) -> int:
@@ -90,7 +106,9 @@ def layer_groups(model: nn.Module) -> list[list[str]]:
     return list(groups.values())
 
 
-def initial_local_model(model: nn.Module, seed: int, partition_id: int, init: str = "seeded") -> dict[str, torch.Tensor]:
+def initial_local_model(
+    model: nn.Module, seed: int, partition_id: int, init: str = "seeded"
+) -> dict[str, torch.Tensor]:
     """w_l's first parameters: Xavier-normal weights, zero biases, unit scales for 1-D weights (normalisation
     layers). ``seeded``: one random stream seeded by (run seed, partition id), so runs with other seeds draw other
     local models. ``authors``: as the authors' code, every weight drawn from a stream freshly seeded with the
@@ -112,18 +130,24 @@ def initial_local_model(model: nn.Module, seed: int, partition_id: int, init: st
     return local
 
 
-def mixed_parameters(federated: dict[str, torch.Tensor], local: dict[str, torch.Tensor],
-                     groups: list[list[str]], lambdas: list[float]) -> dict[str, torch.Tensor]:
+def mixed_parameters(
+    federated: dict[str, torch.Tensor], local: dict[str, torch.Tensor], groups: list[list[str]], lambdas: list[float]
+) -> dict[str, torch.Tensor]:
     """W(λ) = (1 − λ)·w_f + λ·w_l, with ``lambdas[g]`` for every parameter of group ``g``."""
-    return {name: (1.0 - lam) * federated[name] + lam * local[name]
-            for group, lam in zip(groups, lambdas, strict=True) for name in group}
+    return {
+        name: (1.0 - lam) * federated[name] + lam * local[name]
+        for group, lam in zip(groups, lambdas, strict=True)
+        for name in group
+    }
 
 
-def proximal_term(federated: dict[str, torch.Tensor], global_: dict[str, torch.Tensor],
-                  groups: list[list[str]]) -> torch.Tensor:
+def proximal_term(
+    federated: dict[str, torch.Tensor], global_: dict[str, torch.Tensor], groups: list[list[str]]
+) -> torch.Tensor:
     """Σ over layers of the unsquared L2 norm ‖w_f − w_g‖₂ (the layer's parameters flattened together)."""
-    return sum(torch.linalg.vector_norm(torch.cat([(federated[n] - global_[n]).flatten() for n in group]))
-               for group in groups)
+    return sum(
+        torch.linalg.vector_norm(torch.cat([(federated[n] - global_[n]).flatten() for n in group])) for group in groups
+    )
 
 
 def squared_cosine(federated: dict[str, torch.Tensor], local: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -142,8 +166,9 @@ def _load_local(update: LocalUpdate, model: nn.Module, partition_id: int) -> tup
     local = {name: tensor.to(device) for name, tensor in stored.to_torch_state_dict().items()}
     expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
     if {name: tuple(t.shape) for name, t in local.items()} != expected:
-        raise ValueError("the stored SuPerFed local model does not fit this run's model; a node keeps one "
-                         "local model per run")
+        raise ValueError(
+            "the stored SuPerFed local model does not fit this run's model; a node keeps one local model per run"
+        )
     return local, int(update.context.state[LOCAL_INFO]["mixing-rounds"])
 
 
@@ -192,15 +217,16 @@ class SuPerFedUpdate(LocalUpdate):
         else:
             objective = nn.functional.cross_entropy(model(x), y)
         if self.settings.superfed_mu > 0.0:
-            objective = objective + self.settings.superfed_mu * proximal_term(federated, self.global_params,
-                                                                            self.groups)
+            objective = objective + self.settings.superfed_mu * proximal_term(
+                federated, self.global_params, self.groups
+            )
         return objective
 
-    def train(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, generator: torch.Generator,
-              device: torch.device) -> dict[str, float]:
+    def train(
+        self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, generator: torch.Generator, device: torch.device
+    ) -> dict[str, float]:
         """Train on the split minus its validation part; keep w_l in ``context.state``; report how far it got."""
-        keep, _ = validation_split(len(y), self.settings.superfed_val_fraction, self.config.seed,
-                                   self._partition_id())
+        keep, _ = validation_split(len(y), self.settings.superfed_val_fraction, self.config.seed, self._partition_id())
         metrics = super().train(model, x[keep], y[keep], generator, device)
         if self.mixing:
             self.mixing_rounds += 1
@@ -209,13 +235,25 @@ class SuPerFedUpdate(LocalUpdate):
         with torch.no_grad():
             local_norm = torch.linalg.vector_norm(torch.cat([t.flatten() for t in self.local.values()]))
             cosine = squared_cosine(dict(model.named_parameters()), self.local).sqrt()
-        return {**metrics, "superfed-mixing": int(self.mixing), "superfed-local-rounds": self.mixing_rounds,
-                "superfed-local-norm-in": self.local_norm_in, "superfed-local-norm-out": float(local_norm),
-                "superfed-abs-cosine": float(cosine)}
+        return {
+            **metrics,
+            "superfed-mixing": int(self.mixing),
+            "superfed-local-rounds": self.mixing_rounds,
+            "superfed-local-norm-in": self.local_norm_in,
+            "superfed-local-norm-out": float(local_norm),
+            "superfed-abs-cosine": float(cosine),
+        }
 
     @torch.no_grad()
-    def evaluate(self, model: nn.Module, train_x: torch.Tensor, train_y: torch.Tensor, test_x: torch.Tensor,
-                 test_y: torch.Tensor, device: torch.device) -> dict[str, Any]:
+    def evaluate(
+        self,
+        model: nn.Module,
+        train_x: torch.Tensor,
+        train_y: torch.Tensor,
+        test_x: torch.Tensor,
+        test_y: torch.Tensor,
+        device: torch.device,
+    ) -> dict[str, Any]:
         """Accuracy, ECE and MCE of W(λ) for λ in the grid on the local test split; the oracle λ (best on
         the test split) and the honest λ (best on the held-out validation part of the training split)."""
         partition_id = self._partition_id()
@@ -238,13 +276,22 @@ class SuPerFedUpdate(LocalUpdate):
         chosen = {"oracle": oracle}
         if len(val):  # with superfed-val-fraction 0 there is no honest choice to report
             chosen["honest"] = _best([s[0] for s in valid])
-        picked = {f"{label}-{metric}": (test[i][column] if i is not None else math.nan)
-                  for label, i in chosen.items() for column, metric in enumerate(("accuracy", "ece", "mce"))}
+        picked = {
+            f"{label}-{metric}": (test[i][column] if i is not None else math.nan)
+            for label, i in chosen.items()
+            for column, metric in enumerate(("accuracy", "ece", "mce"))
+        }
         lambdas = {f"{label}-lambda": (LAMBDA_GRID[i] if i is not None else math.nan) for label, i in chosen.items()}
         return {
-            "local-loss": test[0][3], "local-accuracy": accuracy[0], "local-ece": test[0][1], "local-mce": test[0][2],
-            "lambda-accuracy": accuracy, "lambda-ece": [s[1] for s in test], "lambda-mce": [s[2] for s in test],
-            **picked, **lambdas,
+            "local-loss": test[0][3],
+            "local-accuracy": accuracy[0],
+            "local-ece": test[0][1],
+            "local-mce": test[0][2],
+            "lambda-accuracy": accuracy,
+            "lambda-ece": [s[1] for s in test],
+            "lambda-mce": [s[2] for s in test],
+            **picked,
+            **lambdas,
             "superfed-local-trained": int(mixing_rounds > 0),
         }
 
@@ -269,5 +316,12 @@ def recalibrate_batchnorm(model: nn.Module, x: torch.Tensor, device: torch.devic
         m.momentum = momentum
 
 
-STRATEGIES.register(Algorithm("superfed", ServerStrategy, SuPerFedUpdate, "SuPerFed: a local model mixed with the "
-                            "federated one (superfed-mode mm/lm); the server averages w_f as FedAvg", SuPerFedSettings))
+STRATEGIES.register(
+    Algorithm(
+        "superfed",
+        ServerStrategy,
+        SuPerFedUpdate,
+        "SuPerFed: a local model mixed with the federated one (superfed-mode mm/lm); the server averages w_f as FedAvg",
+        SuPerFedSettings,
+    )
+)

@@ -6,8 +6,6 @@ import pytest
 import torch
 from torch import nn
 
-from models import PanSettings, build_model, invert_permutations, list_models, permute_state, random_permutations
-from models.permutation import permute_axis, unit_view
 from core.alignment import (
     align,
     find_permutations,
@@ -16,6 +14,8 @@ from core.alignment import (
     unit_rows,
     weighted_average,
 )
+from models import PanSettings, build_model, invert_permutations, list_models, permute_state, random_permutations
+from models.permutation import permute_axis, unit_view
 
 ALL_MODELS = list_models()
 COSTS = list_costs()
@@ -61,10 +61,11 @@ def _assert_states_equal(actual, expected, exact: bool = True):
 
 # PANs change no state-dict entry (encodings are non-persistent buffers), so a PAN model's state is
 # aligned exactly like a plain one; the PAN-on case runs with one cost to keep the suite quick.
-@pytest.mark.parametrize(("name", "cost", "pan"), [*((name, cost, None) for name, cost in PAIRS),
-                                                   *((name, "weight", PAN_ON) for name in ALL_MODELS)],
-                         ids=[*(f"{name}-{cost}-pan-off" for name, cost in PAIRS),
-                              *(f"{name}-weight-pan-on" for name in ALL_MODELS)])
+@pytest.mark.parametrize(
+    ("name", "cost", "pan"),
+    [*((name, cost, None) for name, cost in PAIRS), *((name, "weight", PAN_ON) for name in ALL_MODELS)],
+    ids=[*(f"{name}-{cost}-pan-off" for name, cost in PAIRS), *(f"{name}-weight-pan-on" for name in ALL_MODELS)],
+)
 def test_permuted_copy_is_aligned_back_exactly(name, cost, pan):
     spec, state = _state(name, pan)
     applied, permuted = _permuted(spec, state)
@@ -96,8 +97,12 @@ def test_a_noisy_permuted_copy_is_still_recovered(name, cost):
     spec, state = _state(name)
     applied, permuted = _permuted(spec, state)
     noise = torch.Generator().manual_seed(5)
-    noisy = {k: v + 1e-3 * v.std() * torch.randn(v.shape, generator=noise)
-             if torch.is_floating_point(v) and v.numel() > 1 else v for k, v in permuted.items()}
+    noisy = {
+        k: v + 1e-3 * v.std() * torch.randn(v.shape, generator=noise)
+        if torch.is_floating_point(v) and v.numel() > 1
+        else v
+        for k, v in permuted.items()
+    }
     found = find_permutations(state, noisy, spec, cost)
     expected = invert_permutations(applied)
     assert all(torch.equal(found[g], expected[g]) for g in expected)

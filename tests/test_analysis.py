@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from core.data import load_dataset
+from core.model_io import federated_state
 from fl_app.analysis import (
     AnalysisError,
     capture_units,
@@ -29,8 +31,6 @@ from fl_app.analysis import (
 from fl_app.analysis.__main__ import SUBCOMMANDS, main
 from fl_app.analysis.shuffle import gaussian_inputs
 from fl_app.config import parse_run_config
-from core.data import load_dataset
-from core.model_io import federated_state
 from models import PanSettings, PermutationSpec, build_model, list_models
 from models.permutation import inputs_of, outputs_of
 
@@ -124,11 +124,12 @@ def test_pans_on_shuffle_error_is_clearly_positive():
     assert outcome.error > 1e-3
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sweep(name: str, init: str) -> dict[tuple[str, float], float]:
     """Shuffle errors at P_sf = 1 per (mode, A); cached: two tests read the same sweeps (do not mutate)."""
-    points = shuffle_sweep(name, DIGITS, 10, amplitudes=(0.0, 0.05, 0.5, 1.0, 2.0), p_sfs=(1.0,),
-                           repeats=1, batch=16, seed=0, init=init)
+    points = shuffle_sweep(
+        name, DIGITS, 10, amplitudes=(0.0, 0.05, 0.5, 1.0, 2.0), p_sfs=(1.0,), repeats=1, batch=16, seed=0, init=init
+    )
     return {(p.mode, p.amplitude): p.error for p in points}
 
 
@@ -171,10 +172,16 @@ def test_identical_states_have_zero_divergence():
 
 
 def test_divergence_matches_hand_computation():
-    a = {"layer.weight": torch.tensor([1.0, 2.0]), "layer.bias": torch.tensor([0.0]),
-         "bn.num_batches_tracked": torch.tensor(3)}
-    b = {"layer.weight": torch.tensor([3.0, 6.0]), "layer.bias": torch.tensor([2.0]),
-         "bn.num_batches_tracked": torch.tensor(9)}
+    a = {
+        "layer.weight": torch.tensor([1.0, 2.0]),
+        "layer.bias": torch.tensor([0.0]),
+        "bn.num_batches_tracked": torch.tensor(3),
+    }
+    b = {
+        "layer.weight": torch.tensor([3.0, 6.0]),
+        "layer.bias": torch.tensor([2.0]),
+        "bn.num_batches_tracked": torch.tensor(9),
+    }
     # Equal weights: mean (2, 4) and 1; each model is 1 + 4 (weight) and 1 (bias) away.
     assert weight_divergence([a, b]) == pytest.approx({"layer.weight": 5.0, "layer.bias": 1.0})
     # Weights 3:1: mean (1.5, 3) and 0.5; (3 * 1.25 + 11.25) / 4 and (3 * 0.25 + 2.25) / 4.
@@ -215,9 +222,11 @@ def test_captured_activations_are_after_pan_and_relu(digits):
         first = model.pans[0](model.hidden[0](torch.flatten(x, 1)))
         assert torch.equal(acts["hidden.0"][:, :, 0], F.relu(first))
     assert {g: acts[g].shape for g in acts.raw} == {
-        "hidden.0": (5, 20, 1), "hidden.1": (5, 100, 1), "hidden.2": (5, 120, 1), "hidden.3": (5, 84, 1)}
-
-
+        "hidden.0": (5, 20, 1),
+        "hidden.1": (5, 100, 1),
+        "hidden.2": (5, 120, 1),
+        "hidden.3": (5, 84, 1),
+    }
 
 
 @pytest.mark.parametrize("name", list_models())
@@ -395,16 +404,38 @@ def _end_to_end(argv: list[str], out, capsys) -> dict:
 
 
 def test_cli_shuffle_test_sweep(tmp_path, capsys):
-    result = _end_to_end(["shuffle-test", "--model", "small-mlp", "--dataset", "digits", "--p-sf", "0", "1",
-                          "--amplitudes", "0", "0.5", "--repeats", "1", "--batch", "8"], tmp_path / "sweep", capsys)
+    result = _end_to_end(
+        [
+            "shuffle-test",
+            "--model",
+            "small-mlp",
+            "--dataset",
+            "digits",
+            "--p-sf",
+            "0",
+            "1",
+            "--amplitudes",
+            "0",
+            "0.5",
+            "--repeats",
+            "1",
+            "--batch",
+            "8",
+        ],
+        tmp_path / "sweep",
+        capsys,
+    )
     points = {(p["mode"], p["amplitude"], p["p_sf"]): p for p in result["results"]}
     assert len(points) == 2 * 2 * 2
     assert points["mul", 0.5, 0.0]["error"] == 0.0 and points["mul", 0.5, 1.0]["error"] > 1e-4
 
 
 def test_cli_shuffle_test_trained_run(runs, tmp_path, capsys):
-    result = _end_to_end(["shuffle-test", "--run", str(runs[0]), "--p-sf", "0", "0.5", "--repeats", "1",
-                          "--batch", "8"], tmp_path / "trained", capsys)
+    result = _end_to_end(
+        ["shuffle-test", "--run", str(runs[0]), "--p-sf", "0", "0.5", "--repeats", "1", "--batch", "8"],
+        tmp_path / "trained",
+        capsys,
+    )
     first, second = result["results"]
     assert first["accuracy_change"] == 0.0 and first["r_kept"] == 1.0
     assert second["error"] > 0 and result["pan"] == {"mode": "mul", "period": 1.0, "amplitude": 0.1}
@@ -413,8 +444,9 @@ def test_cli_shuffle_test_trained_run(runs, tmp_path, capsys):
 def test_cli_weight_divergence(runs, tmp_path, capsys):
     bare = tmp_path / "bare.pt"  # a model file without config.json: weights are all this tool reads
     bare.write_bytes((runs[1] / "model.pt").read_bytes())
-    result = _end_to_end(["weight-divergence", str(runs[0]), str(bare), "--weights", "1", "3"],
-                         tmp_path / "div", capsys)
+    result = _end_to_end(
+        ["weight-divergence", str(runs[0]), str(bare), "--weights", "1", "3"], tmp_path / "div", capsys
+    )
     states = [torch.load(run / "model.pt") for run in runs]
     assert result["per_key"] == pytest.approx(weight_divergence(states, [1, 3]))
     assert list(result["per_layer"]) == ["hidden.0", "hidden.1", "hidden.2", "hidden.3", "classifier"]
@@ -429,12 +461,16 @@ def test_cli_weight_divergence_refuses_models_of_other_networks(runs, tmp_path, 
 
 
 def test_cli_matching_ratio(runs, tmp_path, capsys):
-    result = _end_to_end(["matching-ratio", "--global-model", str(runs[0]), "--local-model", str(runs[0]),
-                          "--samples", "100"], tmp_path / "match", capsys)
+    result = _end_to_end(
+        ["matching-ratio", "--global-model", str(runs[0]), "--local-model", str(runs[0]), "--samples", "100"],
+        tmp_path / "match",
+        capsys,
+    )
     assert result["samples"] == 100
     assert all(group["ratio"] == 1.0 for group in result["groups"].values())
-    shuffled = _end_to_end(["matching-ratio", "--model", "small-mlp", "--dataset", "digits", "--p-sf", "0.5"],
-                           tmp_path / "self", capsys)
+    shuffled = _end_to_end(
+        ["matching-ratio", "--model", "small-mlp", "--dataset", "digits", "--p-sf", "0.5"], tmp_path / "self", capsys
+    )
     assert shuffled["samples"] == len(load_dataset("digits").test_y)  # 500 asked, capped at the test split
     for group, match in shuffled["groups"].items():
         if match["inactive"] == 0:
@@ -442,25 +478,43 @@ def test_cli_matching_ratio(runs, tmp_path, capsys):
 
 
 def test_cli_preference_vectors(runs, tmp_path, capsys):
-    result = _end_to_end(["preference-vectors", "--model-a", str(runs[0]), "--model-b", str(runs[0]),
-                          "--samples-per-class", "10", "--layer", "hidden.1"], tmp_path / "pref", capsys)
+    result = _end_to_end(
+        [
+            "preference-vectors",
+            "--model-a",
+            str(runs[0]),
+            "--model-b",
+            str(runs[0]),
+            "--samples-per-class",
+            "10",
+            "--layer",
+            "hidden.1",
+        ],
+        tmp_path / "pref",
+        capsys,
+    )
     assert all(c["agreement"] == 1.0 for c in result["comparison"].values())
     assert len(result["preferences"]["a"]["hidden.1"]) == 100 and len(result["preferences"]["a"]["hidden.1"][0]) == 10
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["shuffle-test", "--run", "/nonexistent/run"], "'/nonexistent/run' does not exist"),
-    (["shuffle-test", "--model", "resnet99"], "--model 'resnet99' is not known; allowed: ["),
-    (["shuffle-test", "--model", "small-mlp", "--p-sf", "1.5"], "--p-sf must lie in [0, 1], got 1.5"),
-    (["shuffle-test", "--model", "small-mlp", "--modes", "sub"],
-     "PAN mode 'sub' is not known; allowed: ['add', 'mul']"),
-    (["matching-ratio", "--model", "small-mlp", "--samples", "0"], "--samples must be a positive integer, got 0"),
-    (["matching-ratio", "--model", "small-mlp", "--samples", "-5"], "got -5"),
-    (["matching-ratio", "--model", "small-mlp", "--dataset", "imagenet"], "--dataset 'imagenet' is not known"),
-    (["preference-vectors", "--model", "small-mlp", "--layer", "fc9"], "--layer 'fc9' is not a hidden group"),
-    (["weight-divergence", "/nonexistent/a"], "at least 2 models, got 1"),
-    (["weight-divergence", "/nonexistent/a", "/nonexistent/b"], "'/nonexistent/a' does not exist"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["shuffle-test", "--run", "/nonexistent/run"], "'/nonexistent/run' does not exist"),
+        (["shuffle-test", "--model", "resnet99"], "--model 'resnet99' is not known; allowed: ["),
+        (["shuffle-test", "--model", "small-mlp", "--p-sf", "1.5"], "--p-sf must lie in [0, 1], got 1.5"),
+        (
+            ["shuffle-test", "--model", "small-mlp", "--modes", "sub"],
+            "PAN mode 'sub' is not known; allowed: ['add', 'mul']",
+        ),
+        (["matching-ratio", "--model", "small-mlp", "--samples", "0"], "--samples must be a positive integer, got 0"),
+        (["matching-ratio", "--model", "small-mlp", "--samples", "-5"], "got -5"),
+        (["matching-ratio", "--model", "small-mlp", "--dataset", "imagenet"], "--dataset 'imagenet' is not known"),
+        (["preference-vectors", "--model", "small-mlp", "--layer", "fc9"], "--layer 'fc9' is not a hidden group"),
+        (["weight-divergence", "/nonexistent/a"], "at least 2 models, got 1"),
+        (["weight-divergence", "/nonexistent/a", "/nonexistent/b"], "'/nonexistent/a' does not exist"),
+    ],
+)
 def test_cli_bad_input_names_the_value_and_writes_nothing(argv, message, tmp_path, capsys):
     out = tmp_path / "out"
     assert main([*argv, "--out", str(out)]) == 2

@@ -12,15 +12,18 @@ from strategies.base import LocalUpdate
 from strategies.superfed import SuPerFedUpdate, initial_local_model
 
 
-@pytest.mark.parametrize(("name", "options"), [("twonn", {"bias": False, "hidden_layers": 3}),
-                                               ("twocnn", {"bias": False})])
+@pytest.mark.parametrize(
+    ("name", "options"), [("twonn", {"bias": False, "hidden_layers": 3}), ("twocnn", {"bias": False})]
+)
 def test_bias_free_nets_have_no_bias_and_keep_their_symmetry(name, options):
     model = build_model(name, (1, 28, 28), 10, **options).eval()
     assert not [key for key in model.state_dict() if key.endswith("bias")]
     state = model.state_dict()
     spec = model.permutation_spec()
     permuted = build_model(name, (1, 28, 28), 10, **options).eval()
-    permuted.load_state_dict(permute_state(spec, state, random_permutations(spec, state, torch.Generator().manual_seed(1))))
+    permuted.load_state_dict(
+        permute_state(spec, state, random_permutations(spec, state, torch.Generator().manual_seed(1)))
+    )
     x = torch.randn(4, 1, 28, 28)
     torch.testing.assert_close(permuted(x), model(x))
 
@@ -28,8 +31,10 @@ def test_bias_free_nets_have_no_bias_and_keep_their_symmetry(name, options):
 def test_the_authors_twonn_is_784_200_200_200():
     model = build_model("twonn", (1, 28, 28), 10, bias=False, hidden_layers=3)
     assert [tuple(layer.weight.shape) for layer in model.hidden] == [(200, 784), (200, 200), (200, 200)]
-    assert [tuple(layer.weight.shape) for layer in build_model("twonn", (1, 28, 28), 10).hidden] == [(200, 784),
-                                                                                                   (200, 200)]
+    assert [tuple(layer.weight.shape) for layer in build_model("twonn", (1, 28, 28), 10).hidden] == [
+        (200, 784),
+        (200, 200),
+    ]
 
 
 def _lr(config, server_round: int) -> float:
@@ -46,8 +51,9 @@ def test_lr_warms_up_linearly_then_decays():
 
 
 def _reply(value: float, examples: int, weight: float) -> Reply:
-    content = RecordDict({"arrays": ArrayRecord({"w": torch.full((2,), value)}),
-                          "metrics": MetricRecord({"num-examples": examples})})
+    content = RecordDict(
+        {"arrays": ArrayRecord({"w": torch.full((2,), value)}), "metrics": MetricRecord({"num-examples": examples})}
+    )
     return Reply(1, 0, content, weight)
 
 

@@ -45,8 +45,13 @@ STD = 2.0
 # --- the plain reference ---------------------------------------------------------------------
 
 
-def reference_cost(unit_rows: list[list[float]], atoms: list[tuple[list[float], int]], clients: int,
-                   settings: BBPSettings, new_columns: int) -> list[list[float]]:
+def reference_cost(
+    unit_rows: list[list[float]],
+    atoms: list[tuple[list[float], int]],
+    clients: int,
+    settings: BBPSettings,
+    new_columns: int,
+) -> list[list[float]]:
     """The extended cost, one element at a time: existing atoms (natural sum, count), then new atoms."""
     obs, prior = 1.0 / settings.sigma, 1.0 / settings.sigma0
     prior_mean = settings.mu0 * prior
@@ -67,8 +72,9 @@ def reference_cost(unit_rows: list[list[float]], atoms: list[tuple[list[float], 
     return cost
 
 
-def reference_bbp(rows: list[list[list[float]]], weights: list[float], settings: BBPSettings,
-                  generator: torch.Generator) -> tuple[list[list[int]], list[list[float]]]:
+def reference_bbp(
+    rows: list[list[list[float]]], weights: list[float], settings: BBPSettings, generator: torch.Generator
+) -> tuple[list[list[int]], list[list[float]]]:
     """BBP-MAP with atoms as member lists ``[(client, unit), ...]``: assignments and global unit vectors."""
     clients, dims = len(rows), len(rows[0][0])
     obs, prior = 1.0 / settings.sigma, 1.0 / settings.sigma0
@@ -142,16 +148,20 @@ def prototype_rows(clients: int, widths: list[int], dims: int, pool: int, seed: 
     """Each client's units: a random choice of ``pool`` shared prototypes, plus noise, in random order."""
     generator = torch.Generator().manual_seed(seed)
     prototypes = STD * torch.randn(pool, dims, generator=generator, dtype=torch.float64)
-    return [prototypes[torch.randperm(pool, generator=generator)[:width]]
-            + 0.3 * torch.randn(width, dims, generator=generator, dtype=torch.float64)
-            for width in widths[:clients]]
+    return [
+        prototypes[torch.randperm(pool, generator=generator)[:width]]
+        + 0.3 * torch.randn(width, dims, generator=generator, dtype=torch.float64)
+        for width in widths[:clients]
+    ]
 
 
 def random_state(model: torch.nn.Module, seed: int) -> dict[str, Tensor]:
     """The model's state with every floating entry redrawn as N(0, STD^2), so every unit is distinct."""
     generator = torch.Generator().manual_seed(seed)
-    return {key: STD * torch.randn(value.shape, generator=generator) if value.is_floating_point() else value.clone()
-            for key, value in model.state_dict().items()}
+    return {
+        key: STD * torch.randn(value.shape, generator=generator) if value.is_floating_point() else value.clone()
+        for key, value in model.state_dict().items()
+    }
 
 
 def disjoint_state(model: torch.nn.Module, part: int, parts: int) -> dict[str, Tensor]:
@@ -185,11 +195,24 @@ MODELS = {"mlp": lambda: mlp((8, 6)), "cnn": lambda: cnn((4, 5), 6), "cnn-bn": l
 # --- settings ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("field, value", [
-    ("sigma", 0.0), ("sigma", float("inf")), ("sigma0", -1.0), ("gamma", 0.0), ("mu0", float("nan")),
-    ("max_width", 0), ("max_width", 2.5), ("iterations", -1), ("iterations", True), ("estimate", "mean"),
-    ("include_classifier", 1), ("include_classifier", "yes"), ("sigma", "1"),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("sigma", 0.0),
+        ("sigma", float("inf")),
+        ("sigma0", -1.0),
+        ("gamma", 0.0),
+        ("mu0", float("nan")),
+        ("max_width", 0),
+        ("max_width", 2.5),
+        ("iterations", -1),
+        ("iterations", True),
+        ("estimate", "mean"),
+        ("include_classifier", 1),
+        ("include_classifier", "yes"),
+        ("sigma", "1"),
+    ],
+)
 def test_settings_reject_bad_values(field, value):
     with pytest.raises(ValueError, match=field):
         BBPSettings(**{field: value})
@@ -216,12 +239,15 @@ def test_cost_matches_loop_reference():
     torch.testing.assert_close(cost, torch.tensor(expected, dtype=torch.float64), rtol=1e-12, atol=1e-10)
 
 
-@pytest.mark.parametrize("settings", [
-    BBPSettings(),
-    BBPSettings(estimate="weighted"),
-    BBPSettings(sigma=2.0, sigma0=0.5, mu0=0.2, gamma=3.0),
-    BBPSettings(max_width=7, iterations=2),
-])
+@pytest.mark.parametrize(
+    "settings",
+    [
+        BBPSettings(),
+        BBPSettings(estimate="weighted"),
+        BBPSettings(sigma=2.0, sigma0=0.5, mu0=0.2, gamma=3.0),
+        BBPSettings(max_width=7, iterations=2),
+    ],
+)
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_matching_matches_loop_reference(settings, seed):
     rows = prototype_rows(4, [5, 4, 5, 5], 4, pool=7, seed=seed)
@@ -260,24 +286,44 @@ def test_model_matches_loop_reference(include_classifier):
             for r in range(4):
                 grown[r][i] = float(state["hidden.1.weight"][r, j])
         scattered.append(grown)
-    second = [[grown[r] + [float(s["hidden.1.bias"][r])]
-               + (s["classifier.weight"][:, r].double().tolist() if include_classifier else [])
-               for r in range(4)] for grown, s in zip(scattered, states)]
+    second = [
+        [
+            grown[r]
+            + [float(s["hidden.1.bias"][r])]
+            + (s["classifier.weight"][:, r].double().tolist() if include_classifier else [])
+            for r in range(4)
+        ]
+        for grown, s in zip(scattered, states)
+    ]
     assign1, units1 = reference_bbp(second, weights, settings, order)
     width1 = len(units1)
     total = sum(weights)
-    classifier = [[sum(w * float(s["classifier.weight"][c, j]) for s, a, w in zip(states, assign1, weights)
-                       for j in range(4) if a[j] == i) / total for i in range(width1)] for c in range(CLASSES)]
+    classifier = [
+        [
+            sum(
+                w * float(s["classifier.weight"][c, j])
+                for s, a, w in zip(states, assign1, weights)
+                for j in range(4)
+                if a[j] == i
+            )
+            / total
+            for i in range(width1)
+        ]
+        for c in range(CLASSES)
+    ]
 
     assert result.widths == {"hidden.0": width0, "hidden.1": width1}
     assert [a.tolist() for a in result.assignments["hidden.0"]] == assign0
     assert [a.tolist() for a in result.assignments["hidden.1"]] == assign1
     expected = {
-        "hidden.0.weight": [u[:36] for u in units0], "hidden.0.bias": [u[36] for u in units0],
-        "hidden.1.weight": [u[:width0] for u in units1], "hidden.1.bias": [u[width0] for u in units1],
+        "hidden.0.weight": [u[:36] for u in units0],
+        "hidden.0.bias": [u[36] for u in units0],
+        "hidden.1.weight": [u[:width0] for u in units1],
+        "hidden.1.bias": [u[width0] for u in units1],
         "classifier.weight": classifier,
-        "classifier.bias": [sum(w * float(s["classifier.bias"][c]) for s, w in zip(states, weights)) / total
-                            for c in range(CLASSES)],
+        "classifier.bias": [
+            sum(w * float(s["classifier.bias"][c]) for s, w in zip(states, weights)) / total for c in range(CLASSES)
+        ],
     }
     for key, value in expected.items():
         torch.testing.assert_close(result.state[key], torch.tensor(value, dtype=torch.float32), rtol=1e-5, atol=1e-5)
@@ -298,8 +344,9 @@ OPEN = 2 * math.log(7 / 2)  # 2 log(gamma / K) = 2.5055 with gamma = 7, K = 2
 SECOND = 2 * math.log(2)  # the second new atom's extra 2 log t = 1.3863
 
 
-def _assert_hand_worked(settings: BBPSettings, cost: list[list[float]], assignments: list[list[int]],
-                        units: list[list[float]]) -> None:
+def _assert_hand_worked(
+    settings: BBPSettings, cost: list[list[float]], assignments: list[list[int]], units: list[list[float]]
+) -> None:
     """Client 1's scores against the atoms client 0 opened (client 0 is as wide and comes first) are ``cost``,
     and BBP-MAP gives ``assignments`` and posterior ``units`` in every sweep order."""
     rows = [torch.tensor(CLIENTS_A, dtype=torch.float64), torch.tensor(CLIENTS_B, dtype=torch.float64)]
@@ -315,35 +362,44 @@ def test_hand_worked_small_weights_open_new_atoms_at_the_default_scale():
     """sigma = sigma0 = 1: the new-atom bonus 2 log(7/2) = 2.51 dwarfs every match score (about 0.01 for weights
     of 0.1), so every unit opens its own atom, even b1 next to a2 (the authors' code does the same)."""
     expected = [  # rows b1, b2; columns a1, a2, new atom t = 1, t = 2; P = 1 + 1 = 2, P + 1 = 3
-        [(0.1**2 + 0.08**2) / 3 - (0.1**2 + 0.2**2) / 2,  # b1 + a1 = (0.1, -0.08): -0.0195
-         (0.0**2 + 0.22**2) / 3 - (0.0**2 + 0.1**2) / 2,  # b1 + a2 = (0.0, 0.22):  0.0111
-         (0.0**2 + 0.12**2) / 2 + OPEN,  # 2.5127
-         (0.0**2 + 0.12**2) / 2 + OPEN - SECOND],  # 1.1264
-        [(0.22**2 + 0.4**2) / 3 - (0.1**2 + 0.2**2) / 2,  # b2 + a1 = (0.22, -0.4): 0.0445
-         (0.12**2 + 0.1**2) / 3 - (0.0**2 + 0.1**2) / 2,  # b2 + a2 = (0.12, -0.1): 0.0031
-         (0.12**2 + 0.2**2) / 2 + OPEN,  # 2.5327
-         (0.12**2 + 0.2**2) / 2 + OPEN - SECOND],  # 1.1464
+        [
+            (0.1**2 + 0.08**2) / 3 - (0.1**2 + 0.2**2) / 2,  # b1 + a1 = (0.1, -0.08): -0.0195
+            (0.0**2 + 0.22**2) / 3 - (0.0**2 + 0.1**2) / 2,  # b1 + a2 = (0.0, 0.22):  0.0111
+            (0.0**2 + 0.12**2) / 2 + OPEN,  # 2.5127
+            (0.0**2 + 0.12**2) / 2 + OPEN - SECOND,
+        ],  # 1.1264
+        [
+            (0.22**2 + 0.4**2) / 3 - (0.1**2 + 0.2**2) / 2,  # b2 + a1 = (0.22, -0.4): 0.0445
+            (0.12**2 + 0.1**2) / 3 - (0.0**2 + 0.1**2) / 2,  # b2 + a2 = (0.12, -0.1): 0.0031
+            (0.12**2 + 0.2**2) / 2 + OPEN,  # 2.5327
+            (0.12**2 + 0.2**2) / 2 + OPEN - SECOND,
+        ],  # 1.1464
     ]
     # Best assignment: both new atoms, 2.5127 + 1.1464 = 1.1264 + 2.5327 = 3.6592, against at most
     # 2.5327 + 0.0111 = 2.5438 with one match. A sweep takes a client out (its atoms go) and puts it back: the
     # same scores with the clients' roles swapped, so nothing changes.
     # Posterior mean of a one-member atom: (mu0/sigma0 + x/sigma) / (1/sigma0 + 1/sigma) = x / 2.
-    _assert_hand_worked(BBPSettings(), expected, [[0, 1], [2, 3]],
-                        [[0.05, -0.1], [0.0, 0.05], [0.0, 0.06], [0.06, -0.1]])
+    _assert_hand_worked(
+        BBPSettings(), expected, [[0, 1], [2, 3]], [[0.05, -0.1], [0.0, 0.05], [0.0, 0.06], [0.06, -0.1]]
+    )
 
 
 def test_hand_worked_small_weights_match_at_their_own_scale():
     """sigma = sigma0 = 0.01 (variances of weights of about 0.1): x/sigma is 100 x, so the match scores are in
     the units of the new-atom bonus again; b2 joins a1's atom and b1 still opens its own."""
     expected = [  # rows b1 = (0, 12), b2 = (12, -20) scaled; atoms a1 = (10, -20), a2 = (0, 10); P = 200, P + 100 = 300
-        [(10**2 + 8**2) / 300 - (10**2 + 20**2) / 200,  # b1 + a1 = (10, -8):   0.5467 - 2.5 = -1.9533
-         (0**2 + 22**2) / 300 - (0**2 + 10**2) / 200,  # b1 + a2 = (0, 22):    1.6133 - 0.5 = 1.1133
-         (0**2 + 12**2) / 200 + OPEN,  # 0.72 + 2.5055 = 3.2255
-         (0**2 + 12**2) / 200 + OPEN - SECOND],  # 1.8392
-        [(22**2 + 40**2) / 300 - (10**2 + 20**2) / 200,  # b2 + a1 = (22, -40):  6.9467 - 2.5 = 4.4467
-         (12**2 + 10**2) / 300 - (0**2 + 10**2) / 200,  # b2 + a2 = (12, -10):  0.8133 - 0.5 = 0.3133
-         (12**2 + 20**2) / 200 + OPEN,  # 2.72 + 2.5055 = 5.2255
-         (12**2 + 20**2) / 200 + OPEN - SECOND],  # 3.8392
+        [
+            (10**2 + 8**2) / 300 - (10**2 + 20**2) / 200,  # b1 + a1 = (10, -8):   0.5467 - 2.5 = -1.9533
+            (0**2 + 22**2) / 300 - (0**2 + 10**2) / 200,  # b1 + a2 = (0, 22):    1.6133 - 0.5 = 1.1133
+            (0**2 + 12**2) / 200 + OPEN,  # 0.72 + 2.5055 = 3.2255
+            (0**2 + 12**2) / 200 + OPEN - SECOND,
+        ],  # 1.8392
+        [
+            (22**2 + 40**2) / 300 - (10**2 + 20**2) / 200,  # b2 + a1 = (22, -40):  6.9467 - 2.5 = 4.4467
+            (12**2 + 10**2) / 300 - (0**2 + 10**2) / 200,  # b2 + a2 = (12, -10):  0.8133 - 0.5 = 0.3133
+            (12**2 + 20**2) / 200 + OPEN,  # 2.72 + 2.5055 = 5.2255
+            (12**2 + 20**2) / 200 + OPEN - SECOND,
+        ],  # 3.8392
     ]
     # Best: b1 new (3.2255) + b2 on a1 (4.4467) = 7.6721; both new 3.2255 + 3.8392 = 7.0647; b1 on a2 and b2 on
     # a1 = 5.5600; b1 on a2 and b2 new = 6.3389. Atoms: {a1, b2}, {a2}, {b1}.
@@ -359,8 +415,12 @@ def test_hand_worked_small_weights_match_at_their_own_scale():
     #   sweep changes nothing, in either order, and matching stops.
     # Posterior means, natural / precision: {a1, b2}: (10 + 12, -20 - 20) / (100 + 2 * 100);
     # {a2}: (0, 10) / 200; {b1}: (0, 12) / 200.
-    _assert_hand_worked(BBPSettings(sigma=0.01, sigma0=0.01), expected, [[0, 1], [2, 0]],
-                        [[22 / 300, -40 / 300], [0.0, 10 / 200], [0.0, 12 / 200]])
+    _assert_hand_worked(
+        BBPSettings(sigma=0.01, sigma0=0.01),
+        expected,
+        [[0, 1], [2, 0]],
+        [[22 / 300, -40 / 300], [0.0, 10 / 200], [0.0, 12 / 200]],
+    )
 
 
 # --- properties -----------------------------------------------------------------------------------
@@ -371,8 +431,7 @@ def test_identical_clients_give_the_model_without_growth(name):
     model = MODELS[name]()
     spec, state = model.permutation_spec(), random_state(model, seed=3)
     sizes = spec.group_sizes(state)
-    result = bbp_matched_average([state] * 3, [1.0, 2.0, 3.0], spec, BBPSettings(estimate="weighted"),
-                                 head=head(model))
+    result = bbp_matched_average([state] * 3, [1.0, 2.0, 3.0], spec, BBPSettings(estimate="weighted"), head=head(model))
     assert result.widths == sizes
     for group, assignments in result.assignments.items():
         assert all(torch.equal(a, torch.arange(sizes[group])) for a in assignments)
@@ -398,8 +457,7 @@ def test_random_permutation_is_recovered_exactly(name, estimate):
     spec, state = model.permutation_spec(), random_state(model, seed=4)
     perms = random_permutations(spec, state, torch.Generator().manual_seed(7))
     permuted = permute_state(spec, state, perms)
-    result = bbp_matched_average([state, permuted], [1.0, 1.0], spec, BBPSettings(estimate=estimate),
-                                 head=head(model))
+    result = bbp_matched_average([state, permuted], [1.0, 1.0], spec, BBPSettings(estimate=estimate), head=head(model))
     assert result.widths == spec.group_sizes(state)
     for group, perm in perms.items():
         assert torch.equal(result.assignments[group][0], torch.arange(perm.numel()))
@@ -415,7 +473,7 @@ def test_disjoint_clients_grow_the_layer_up_to_the_cap():
     rows = []
     for k in range(3):
         units = torch.zeros(4, 12)
-        units[:, 4 * k: 4 * k + 4] = STD * torch.randn(4, 4, generator=torch.Generator().manual_seed(k))
+        units[:, 4 * k : 4 * k + 4] = STD * torch.randn(4, 4, generator=torch.Generator().manual_seed(k))
         rows.append(units)
     assert match_units(rows, [1.0] * 3, BBPSettings()).width == 12
     capped = match_units(rows, [1.0] * 3, BBPSettings(max_width=9))
@@ -441,8 +499,9 @@ def test_grown_model_computes_the_matched_average(name, per_class):
         client.load_state_dict(state)
     spec, weights = clients[0].permutation_spec(), [1.0, 2.0, 5.0]
     counts = torch.tensor([[5.0, 0.0, 1.0], [1.0, 4.0, 1.0], [0.0, 0.0, 2.0]]) if per_class else None
-    result = bbp_matched_average(states, weights, spec, BBPSettings(estimate="weighted"), class_counts=counts,
-                                 head=head(clients[0]))
+    result = bbp_matched_average(
+        states, weights, spec, BBPSettings(estimate="weighted"), class_counts=counts, head=head(clients[0])
+    )
     assert result.widths == {group: 3 * size for group, size in spec.group_sizes(states[0]).items()}
     grown = _grown(name, result.widths)
     grown.load_state_dict(result.state)
@@ -458,15 +517,23 @@ def test_match_group_uses_aligned_entries_only():
     only with ``include_classifier`` (FedMA leaves them out)."""
     model = mlp((5, 4))
     spec, state = model.permutation_spec(), random_state(model, seed=0)
-    first = match_group([state, state], [1.0, 1.0], spec, "hidden.0", (), BBPSettings(estimate="weighted"),
-                        head=head(model))
+    first = match_group(
+        [state, state], [1.0, 1.0], spec, "hidden.0", (), BBPSettings(estimate="weighted"), head=head(model)
+    )
     assert [ref.key for ref in first.refs] == ["hidden.0.weight", "hidden.0.bias"]
     assert first.features == (36, 1)
     last = match_group([state, state], [1.0, 1.0], spec, "hidden.1", ("hidden.0",), BBPSettings(), head=head(model))
     assert [ref.key for ref in last.refs] == ["hidden.1.weight", "hidden.1.bias"]
     assert last.features == (5, 1)
-    with_classifier = match_group([state, state], [1.0, 1.0], spec, "hidden.1", ("hidden.0",),
-                                  BBPSettings(include_classifier=True), head=head(model))
+    with_classifier = match_group(
+        [state, state],
+        [1.0, 1.0],
+        spec,
+        "hidden.1",
+        ("hidden.0",),
+        BBPSettings(include_classifier=True),
+        head=head(model),
+    )
     assert [ref.key for ref in with_classifier.refs] == ["hidden.1.weight", "hidden.1.bias", "classifier.weight"]
     assert with_classifier.features == (5, 1, CLASSES)
     with pytest.raises(ValueError, match="hidden.0"):

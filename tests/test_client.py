@@ -6,10 +6,10 @@ import pytest
 import torch
 from flwr.app import ConfigRecord
 
-from fl_app.client_app import check_pan_agreement, client_data, node_partition
 from core.config import RunConfig
 from core.data import load_dataset
 from core.model_io import build_run_model, load_arrays, to_arrays
+from fl_app.client_app import check_pan_agreement, client_data, node_partition
 from fl_app.config import parse_run_config
 
 

@@ -60,7 +60,9 @@ def test_a_failed_stack_start_skips_the_rest_and_still_takes_down_what_is_left(t
     recorder = Recorder(tmp_path / "steps.tsv")
     ComposeCheck(Settings(tmp_path), recorder).run()
     assert [(step.result, step.name) for step in recorder.steps] == [
-        ("FAIL", "plain stack: up, 3 SuperNodes online"), ("PASS", "cleanup: down -v")]
+        ("FAIL", "plain stack: up, 3 SuperNodes online"),
+        ("PASS", "cleanup: down -v"),
+    ]
     assert calls == [("down", "-v", "--remove-orphans", "--timeout", "10")]
 
 
@@ -75,14 +77,18 @@ superexec-clientapp-2-1  | INFO :      [alignfl] task 1: ClientApp process pid 4
 """
 
 
-@pytest.mark.parametrize("dropped, problem", [
-    (None, None),
-    ("supernode-1-1", "2 of 3 SuperNodes polling faster, 3 warm parents ready, 2 warm ClientApp processes"),
-    ("ready after 3.0", "3 of 3 SuperNodes polling faster, 2 warm parents ready, 2 warm ClientApp processes"),
-    ("ended with code 0", "3 of 3 SuperNodes polling faster, 3 warm parents ready, 0 warm ClientApp processes"),
-])
-def test_a_run_must_be_served_by_faster_supernodes_and_warm_clientapp_processes(tmp_path, monkeypatch, dropped,
-                                                                                 problem):
+@pytest.mark.parametrize(
+    "dropped, problem",
+    [
+        (None, None),
+        ("supernode-1-1", "2 of 3 SuperNodes polling faster, 3 warm parents ready, 2 warm ClientApp processes"),
+        ("ready after 3.0", "3 of 3 SuperNodes polling faster, 2 warm parents ready, 2 warm ClientApp processes"),
+        ("ended with code 0", "3 of 3 SuperNodes polling faster, 3 warm parents ready, 0 warm ClientApp processes"),
+    ],
+)
+def test_a_run_must_be_served_by_faster_supernodes_and_warm_clientapp_processes(
+    tmp_path, monkeypatch, dropped, problem
+):
     logs = "".join(line + "\n" for line in SERVED_LOGS.splitlines() if dropped is None or dropped not in line)
     asked = []
 
@@ -93,8 +99,9 @@ def test_a_run_must_be_served_by_faster_supernodes_and_warm_clientapp_processes(
     monkeypatch.setattr(compose_check.Stack, "compose", compose)
     stack = compose_check.Stack(compose_check.PLAIN, tmp_path, "plain")
     if problem is None:
-        assert stack.served_by_warm_processes() == ("3 SuperNodes asking every 0.5 s, 3 warm ClientApp parents, 2 "
-                                                     "warm ClientApp processes ended with code 0")
+        assert stack.served_by_warm_processes() == (
+            "3 SuperNodes asking every 0.5 s, 3 warm ClientApp parents, 2 warm ClientApp processes ended with code 0"
+        )
     else:
         with pytest.raises(StepFailed, match=problem):
             stack.served_by_warm_processes()
@@ -109,12 +116,15 @@ def test_metrics_rows_leave_out_a_line_being_written(tmp_path):
     assert metric_rows(tmp_path / "missing") == []
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--rounds", "0"], "--rounds=0"),
-    (["--kill-min-nodes", "4"], "--kill-min-nodes=4"),
-    (["--kill-rounds", "1"], "--kill-rounds=1"),
-    (["--skip", "tls docker"], "--skip='tls docker'"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--rounds", "0"], "--rounds=0"),
+        (["--kill-min-nodes", "4"], "--kill-min-nodes=4"),
+        (["--kill-rounds", "1"], "--kill-rounds=1"),
+        (["--skip", "tls docker"], "--skip='tls docker'"),
+    ],
+)
 def test_bad_options_are_refused_naming_them(argv, message, tmp_path, capsys):
     with pytest.raises(SystemExit) as refused:
         parse_args(["--work-dir", str(tmp_path), *argv])
@@ -123,4 +133,5 @@ def test_bad_options_are_refused_naming_them(argv, message, tmp_path, capsys):
 
 def test_defaults_are_the_settings_own(tmp_path):
     assert parse_args(["--work-dir", str(tmp_path), "--skip", "kill tls"]) == Settings(
-        tmp_path.resolve(), skip=frozenset({"kill", "tls"}))
+        tmp_path.resolve(), skip=frozenset({"kill", "tls"})
+    )

@@ -10,8 +10,18 @@ import pytest
 
 from core.config import RunConfig
 from fl_app import config as fl_config
-from fl_app.config import (ConfigError, check_run, default_run_config, keys_markdown, names_markdown, owned_settings,
-                           parse_run_config, pyproject_problem, pyproject_table, validate_run)
+from fl_app.config import (
+    ConfigError,
+    check_run,
+    default_run_config,
+    keys_markdown,
+    names_markdown,
+    owned_settings,
+    parse_run_config,
+    pyproject_problem,
+    pyproject_table,
+    validate_run,
+)
 from models import list_models
 from strategies import list_strategies
 from strategies.fedprox import FedProxSettings
@@ -26,12 +36,17 @@ def test_pyproject_run_config_is_generated_from_the_settings_classes():
     assert tomllib.loads(pyproject)["tool"]["flwr"]["app"]["config"] == default_run_config()
 
 
-@pytest.mark.parametrize(("edit", "fragment"), [
-    (lambda text: text.replace("\nseed = 0\n", "\n"), "it lacks 'seed'"),
-    (lambda text: text.replace("\nseed = 0\n", "\nseed = 3\n"), "'seed' (3, declared 0)"),
-    (lambda text: text.replace("[tool.flwr.app.config]\n", "[tool.flwr.app.config]\nretired = 1\n"),
-     "['retired'] that no setting declares"),
-])
+@pytest.mark.parametrize(
+    ("edit", "fragment"),
+    [
+        (lambda text: text.replace("\nseed = 0\n", "\n"), "it lacks 'seed'"),
+        (lambda text: text.replace("\nseed = 0\n", "\nseed = 3\n"), "'seed' (3, declared 0)"),
+        (
+            lambda text: text.replace("[tool.flwr.app.config]\n", "[tool.flwr.app.config]\nretired = 1\n"),
+            "['retired'] that no setting declares",
+        ),
+    ],
+)
 def test_a_stale_pyproject_table_is_refused_naming_the_keys_and_the_command(tmp_path, monkeypatch, edit, fragment):
     """Every entry point validates with :func:`validate_run` (the launcher, deploy and sweep exit 2, see
     tests/test_toy_algorithm.py); the shipped table passes."""
@@ -65,8 +80,9 @@ def test_the_readme_method_table_names_every_registered_strategy():
 
 def test_import_layers_are_kept():
     """models <- core <- strategies <- apps, and the apps never import the analysis tools (import-linter)."""
-    result = subprocess.run([str(Path(sys.executable).parent / "lint-imports")], cwd=ROOT, capture_output=True,
-                            text=True, timeout=300)
+    result = subprocess.run(
+        [str(Path(sys.executable).parent / "lint-imports")], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -91,17 +107,26 @@ def test_shared_keys_have_one_default_and_name_every_owner():
 def test_a_key_of_another_algorithm_is_accepted_at_its_default_and_refused_when_set():
     """`flwr run` passes every key of pyproject.toml along, so only what the user changed can be told apart."""
     assert parse_run_config({**default_run_config(), "strategy": "fedavg"}).strategy == "fedavg"
-    with pytest.raises(ConfigError, match="'proximal-mu' = 0.1 belongs to strategy 'fedprox', not to the chosen "
-                                          "strategy 'fedavg'"):
+    with pytest.raises(
+        ConfigError, match="'proximal-mu' = 0.1 belongs to strategy 'fedprox', not to the chosen strategy 'fedavg'"
+    ):
         parse_run_config({"proximal-mu": 0.1})
-    with pytest.raises(ConfigError, match="'psi-groups' = 3 belongs to model .*'psi-vgg9'.*not to the chosen model "
-                                          "'mlp'"):
+    with pytest.raises(
+        ConfigError, match="'psi-groups' = 3 belongs to model .*'psi-vgg9'.*not to the chosen model 'mlp'"
+    ):
         parse_run_config({"psi-groups": 3})
-    with pytest.raises(ConfigError, match="'classes-per-client' = 3 belongs to partitioner 'pathological', not to the "
-                                          "chosen partitioner 'dirichlet'"):
+    with pytest.raises(
+        ConfigError,
+        match="'classes-per-client' = 3 belongs to partitioner 'pathological', not to the "
+        "chosen partitioner 'dirichlet'",
+    ):
         parse_run_config({"classes-per-client": 3})
-    assert parse_run_config({"partitioner": "pathological", "classes-per-client": 3,
-                             "dirichlet-alpha": 0.5}).partitioner_settings.classes_per_client == 3  # at its default
+    assert (
+        parse_run_config(
+            {"partitioner": "pathological", "classes-per-client": 3, "dirichlet-alpha": 0.5}
+        ).partitioner_settings.classes_per_client
+        == 3
+    )  # at its default
 
 
 def test_values_are_coerced_and_kept():

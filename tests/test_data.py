@@ -146,7 +146,13 @@ def no_network(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_registry_lists_names() -> None:
     assert data.list_datasets() == [
-        "cifar10", "cifar100", "digits", "fashion-mnist", "majority-tokens", "mnist", "svhn"
+        "cifar10",
+        "cifar100",
+        "digits",
+        "fashion-mnist",
+        "majority-tokens",
+        "mnist",
+        "svhn",
     ]
     assert data.DEFAULT_DATASET in data.list_datasets()
 
@@ -206,9 +212,7 @@ def test_fashion_mnist_from_torchvision_root(tmp_path: Path, compress: bool) -> 
 
 
 @needs_debian_fashion_mnist
-def test_fashion_mnist_root_without_files_falls_back_to_debian(
-    tmp_path: Path, no_network: None
-) -> None:
+def test_fashion_mnist_root_without_files_falls_back_to_debian(tmp_path: Path, no_network: None) -> None:
     data.check_dataset_available("fashion-mnist", str(tmp_path))
     assert len(data.load_dataset("fashion-mnist", str(tmp_path)).train_y) == 60000
 
@@ -238,9 +242,7 @@ def test_mnist_from_torchvision_root(tmp_path: Path, no_network: None) -> None:
 
 
 @pytest.mark.parametrize("name", ["cifar10", "cifar100"])
-def test_cifar_from_torchvision_root(
-    tmp_path: Path, name: str, skip_torchvision_md5: None, no_network: None
-) -> None:
+def test_cifar_from_torchvision_root(tmp_path: Path, name: str, skip_torchvision_md5: None, no_network: None) -> None:
     if name == "cifar10":
         write_cifar10(tmp_path, per_batch=4, n_test=3)
         n_train, label = 20, 1
@@ -256,9 +258,7 @@ def test_cifar_from_torchvision_root(
     assert torch.allclose(per_channel, expected_channel_values(name), atol=1e-4)
 
 
-def test_svhn_from_torchvision_root(
-    tmp_path: Path, skip_torchvision_md5: None, no_network: None
-) -> None:
+def test_svhn_from_torchvision_root(tmp_path: Path, skip_torchvision_md5: None, no_network: None) -> None:
     from scipy.io import savemat
 
     for name, n in (("train", 5), ("test", 2)):
@@ -301,8 +301,9 @@ def test_a_failed_download_to_the_default_root_leaves_no_folders(
 ) -> None:
     home = tmp_path / "home"
     monkeypatch.setattr(data, "DEFAULT_DATA_ROOT", str(home / ".cache" / "alignfl" / "data"))
-    with pytest.raises(data.DatasetMissingError,
-                       match="(?s)Downloading them failed \\(offline\\?\\).*offline \\(test\\)"):
+    with pytest.raises(
+        data.DatasetMissingError, match="(?s)Downloading them failed \\(offline\\?\\).*offline \\(test\\)"
+    ):
         data.check_dataset_available(name, None)
     assert not home.exists()
 
@@ -326,9 +327,7 @@ def test_corrupt_cifar_is_reported_missing(tmp_path: Path, no_network: None) -> 
         data.load_dataset("cifar10", str(tmp_path))
 
 
-def test_check_available_is_cheap_when_files_exist(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_check_available_is_cheap_when_files_exist(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     write_mnist_raw(tmp_path / "MNIST" / "raw", n_train=2, n_test=2)
 
     def fail(*args: object) -> None:
@@ -350,12 +349,17 @@ def test_a_loaded_dataset_is_read_back_from_the_tensor_cache_until_its_sources_c
     data._load_cached.cache_clear()
     monkeypatch.setitem(data.DATASETS._entries, "digits", replace(entry, load=lambda root: pytest.fail("loaded again")))
     again = data.load_dataset("digits")
-    assert all(torch.equal(getattr(again, key), getattr(first, key)) for key in ("train_x", "train_y", "test_x", "test_y"))
+    assert all(
+        torch.equal(getattr(again, key), getattr(first, key)) for key in ("train_x", "train_y", "test_x", "test_y")
+    )
     assert (again.name, again.num_classes) == ("digits", 10)
 
     loads = []
-    monkeypatch.setitem(data.DATASETS._entries, "digits", replace(entry, load=lambda root: loads.append(root) or first,
-                                                           fingerprint=lambda root: "scikit-learn 99"))
+    monkeypatch.setitem(
+        data.DATASETS._entries,
+        "digits",
+        replace(entry, load=lambda root: loads.append(root) or first, fingerprint=lambda root: "scikit-learn 99"),
+    )
     data._load_cached.cache_clear()
     data.load_dataset("digits")
     assert loads == [None] and len(list(private_tensor_cache.glob("digits-*.pt"))) == 2

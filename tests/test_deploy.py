@@ -25,7 +25,8 @@ from cryptography import x509
 from cryptography.hazmat.primitives.serialization import load_ssh_private_key, load_ssh_public_key
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from fl_app import deploy, deployment as deployment_module
+from fl_app import deploy
+from fl_app import deployment as deployment_module
 from fl_app.checkpoint import CHECKPOINT, config_differences
 from fl_app.config import parse_run_config
 from fl_app.deployment import Deployment, deployment, partner_of, resume_command
@@ -53,6 +54,7 @@ TINY = {"dataset": "digits", "model": "small-mlp", "num-server-rounds": 2}
 
 
 # --- the compose files and the loopback script agree (no Docker needed) ---
+
 
 def compose_services(tls: bool) -> dict[str, dict]:
     """docker-compose.yml's services, with compose.tls.yml over them as ``docker compose -f … -f …`` merges
@@ -98,7 +100,7 @@ def mount_target(volume: str) -> str:
 @pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
 def test_compose_wiring_images_networks_and_mounts(tls):
     services = compose_services(tls)
-    assert {service["image"] for service in services.values()} == {"alignfl:flwr-1.41.0"}
+    assert {service["image"] for service in services.values()} == {"alignfl:flwr-1.42.0"}
     assert {service["build"] for service in services.values()} == {"."}
     for name, service in services.items():
         if name.startswith("superexec-clientapp-"):  # reaches its SuperNode's Runtime API on 127.0.0.1
@@ -113,8 +115,11 @@ def test_compose_wiring_images_networks_and_mounts(tls):
 
 
 def test_image_pins_the_projects_flower():
-    pinned = next(dep for dep in tomllib.loads((PROJECT_ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
-                  if dep.startswith("flwr["))
+    pinned = next(
+        dep
+        for dep in tomllib.loads((PROJECT_ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+        if dep.startswith("flwr[")
+    )
     version = pinned.split("==")[1]
     assert version == flwr.__version__
     dockerfile = (PROJECT_ROOT / "Dockerfile").read_text()
@@ -128,36 +133,54 @@ def test_make_certs_signs_the_superlink_for_its_names_and_makes_flower_readable_
     names = server.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     assert set(names.get_values_for_type(x509.DNSName)) == {"superlink", "localhost"}
     assert [str(ip) for ip in names.get_values_for_type(x509.IPAddress)] == ["127.0.0.1"]
-    verified = subprocess.run(["openssl", "verify", "-CAfile", certs / "ca.crt", certs / "superlink.crt",
-                               certs / "supernode-1" / "runtime.crt"], capture_output=True, text=True)
+    verified = subprocess.run(
+        [
+            "openssl",
+            "verify",
+            "-CAfile",
+            certs / "ca.crt",
+            certs / "superlink.crt",
+            certs / "supernode-1" / "runtime.crt",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert verified.returncode == 0, verified.stdout + verified.stderr
     private = load_ssh_private_key((certs / "supernode-0" / "auth").read_bytes(), None)  # what flower-supernode reads
-    public = load_ssh_public_key((certs / "supernode-0" / "auth.pub").read_bytes())    # what flwr supernode register reads
+    public = load_ssh_public_key(
+        (certs / "supernode-0" / "auth.pub").read_bytes()
+    )  # what flwr supernode register reads
     assert private.public_key() == public and public.curve.name == "secp384r1"
     first_key = (certs / "supernode-0" / "auth").read_bytes()
     make_certificates(certs, 3)  # a larger count adds a node and keeps the others' keys
     assert (certs / "supernode-0" / "auth").read_bytes() == first_key and (certs / "supernode-2" / "auth.pub").exists()
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--num-supernodes", "0"], "--num-supernodes must be at least 1, got 0"),
-    (["--rounds", "0"], "--rounds must be at least 1, got 0"),
-    (["--certs", "/tmp"], "--certs is only used with --tls"),
-    (["--run-config", 'dataset="digits" lr=-1'], "lr"),
-    (["--num-supernodes", "2", "--run-config", 'dataset="digits" min-available-nodes=3'], "min-available-nodes"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--num-supernodes", "0"], "--num-supernodes must be at least 1, got 0"),
+        (["--rounds", "0"], "--rounds must be at least 1, got 0"),
+        (["--certs", "/tmp"], "--certs is only used with --tls"),
+        (["--run-config", 'dataset="digits" lr=-1'], "lr"),
+        (["--num-supernodes", "2", "--run-config", 'dataset="digits" min-available-nodes=3'], "min-available-nodes"),
+    ],
+)
 def test_deploy_refuses_bad_input_before_starting_anything(argv, message, capsys, tmp_path):
     assert deploy.main([*argv, "--work-dir", str(tmp_path / "work")]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "work").exists()
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--work-dir", "/proc/alignfl"], "--work-dir '/proc/alignfl' is not allowed"),
-    (["--tls", "--certs", "/proc/alignfl-certs"], "--certs '/proc/alignfl-certs' is not allowed"),
-    (["--run-config", 'dataset="digits" results-dir="/proc/alignfl"'], "'results-dir' = '/proc/alignfl'"),
-    (["--run-config", 'dataset="digits" data-root="/proc/alignfl"'], "'data-root' = '/proc/alignfl'"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--work-dir", "/proc/alignfl"], "--work-dir '/proc/alignfl' is not allowed"),
+        (["--tls", "--certs", "/proc/alignfl-certs"], "--certs '/proc/alignfl-certs' is not allowed"),
+        (["--run-config", 'dataset="digits" results-dir="/proc/alignfl"'], "'results-dir' = '/proc/alignfl'"),
+        (["--run-config", 'dataset="digits" data-root="/proc/alignfl"'], "'data-root' = '/proc/alignfl'"),
+    ],
+)
 def test_deploy_refuses_unwritable_folders_naming_them(argv, message, capsys, monkeypatch):
     monkeypatch.setattr(deploy, "deployment", None)  # starting one would fail loudly
     assert deploy.main(["--num-supernodes", "2", *argv]) == 2
@@ -166,11 +189,25 @@ def test_deploy_refuses_unwritable_folders_naming_them(argv, message, capsys, mo
 
 
 def test_resume_command_continues_the_same_run(tmp_path):
-    config = prepare_config({"dataset": "digits", "strategy": "scaffold", "lr": 0.1, "run-name": "r",
-                             "results-dir": str(tmp_path), "num-server-rounds": 6}, 3)
+    config = prepare_config(
+        {
+            "dataset": "digits",
+            "strategy": "scaffold",
+            "lr": 0.1,
+            "run-name": "r",
+            "results-dir": str(tmp_path),
+            "num-server-rounds": 6,
+        },
+        3,
+    )
     command = shlex.split(resume_command(config, 3, tls=True))
-    assert command[:5] == [str(PROJECT_ROOT / "scripts" / "deploy.sh"), "--num-supernodes", "3", "--tls",
-                           "--run-config"]
+    assert command[:5] == [
+        str(PROJECT_ROOT / "scripts" / "deploy.sh"),
+        "--num-supernodes",
+        "3",
+        "--tls",
+        "--run-config",
+    ]
     overrides = parse_overrides(command[5])
     assert overrides["resume-from"] == str(tmp_path / "r") and "run-name" not in overrides
     resumed = parse_run_config(overrides)  # prepare_config would also want the checkpoint
@@ -180,8 +217,12 @@ def test_resume_command_continues_the_same_run(tmp_path):
 
 def test_the_executor_is_warm_unless_flowers_own_is_asked_for_and_a_resumed_run_keeps_it(tmp_path, capsys):
     topology = loopback_topology(2, tmp_path)
-    assert clientapp_executor_command(topology, 1)[:4] == ["python", "-m", "fl_app.warm_superexec",
-                                                           "--runtime-api-address"]
+    assert clientapp_executor_command(topology, 1)[:4] == [
+        "python",
+        "-m",
+        "fl_app.warm_superexec",
+        "--runtime-api-address",
+    ]
     own = replace(topology, executor="flower")
     assert clientapp_executor_command(own, 1)[:2] == ["flower-superexec", "--runtime-api-address"]
     assert clientapp_executor_command(own, 1)[1:] == clientapp_executor_command(topology, 1)[3:]
@@ -194,8 +235,7 @@ def test_the_executor_is_warm_unless_flowers_own_is_asked_for_and_a_resumed_run_
     assert not (tmp_path / "work").exists()
 
 
-def test_supernodes_poll_every_half_second_unless_flowers_own_is_asked_for_and_a_resumed_run_keeps_it(
-        tmp_path, capsys):
+def test_supernodes_poll_every_half_second_unless_flowers_own_is_asked_for_and_a_resumed_run_keeps_it(tmp_path, capsys):
     topology = loopback_topology(2, tmp_path)
     assert supernode_command(topology, 1)[:5] == ["python", "-m", "fl_app.polling_supernode", "--poll-interval", "0.5"]
     own = replace(topology, node_poll_s=None)
@@ -218,8 +258,9 @@ def test_the_superlink_keeps_its_state_in_memory_unless_a_file_is_asked_for(tmp_
     assert command[command.index("--database") + 1] == str(tmp_path / "state.db")
     assert superlink_command(compose_topology())[-3:-1] == ["--database", "/app/state/superlink.db"]  # a volume
     (tmp_path / "file").write_text("not a folder")
-    assert deploy.main(["--superlink-db", str(tmp_path / "file" / "state.db"),
-                        "--work-dir", str(tmp_path / "work")]) == 2
+    assert (
+        deploy.main(["--superlink-db", str(tmp_path / "file" / "state.db"), "--work-dir", str(tmp_path / "work")]) == 2
+    )
     assert "--superlink-db" in capsys.readouterr().err and not (tmp_path / "work").exists()
 
 
@@ -230,11 +271,18 @@ def test_a_node_goes_down_whole(tmp_path):
 
 
 def test_the_watch_reports_exits_stops_a_nodes_other_half_and_gives_up_without_the_superlink(
-        tmp_path, capsys, monkeypatch):
+    tmp_path, capsys, monkeypatch
+):
     """Stand-in services (sleep): the watch names the service, its exit and its log at its next call."""
     running = Deployment(loopback_topology(2, tmp_path), tmp_path)
-    names = ["superlink", "superexec-serverapp", "supernode-0", "superexec-clientapp-0", "supernode-1",
-             "superexec-clientapp-1"]
+    names = [
+        "superlink",
+        "superexec-serverapp",
+        "supernode-0",
+        "superexec-clientapp-0",
+        "supernode-1",
+        "superexec-clientapp-1",
+    ]
     for name in names:
         running.start_service(name, ["sleep", "300"])
     config = prepare_config({"dataset": "digits", "results-dir": str(tmp_path), "run-name": "r"}, 2)
@@ -255,15 +303,27 @@ def test_the_watch_reports_exits_stops_a_nodes_other_half_and_gives_up_without_t
         assert reason is not None and "the SuperLink exited with signal SIGTERM" in reason
         assert resume_command(config, 2, tls=False) in reason and "rounds up to 1 are checkpointed" in reason
         assert f"superlink exited with signal SIGTERM; its log: {tmp_path / 'logs' / 'superlink.log'}" in (
-            capsys.readouterr().err)
+            capsys.readouterr().err
+        )
     finally:
         running.stop()
     assert all(tree.process.poll() is not None for tree in running.services.values())
 
 
 def test_register_refuses_missing_key_files(tmp_path, capsys):
-    assert deploy.main(["register", "--superlink", "127.0.0.1:1", "--root-certificates", str(tmp_path / "ca.crt"),
-                        str(tmp_path / "auth.pub")]) == 2
+    assert (
+        deploy.main(
+            [
+                "register",
+                "--superlink",
+                "127.0.0.1:1",
+                "--root-certificates",
+                str(tmp_path / "ca.crt"),
+                str(tmp_path / "auth.pub"),
+            ]
+        )
+        == 2
+    )
     assert "no such file" in capsys.readouterr().err
 
 
@@ -274,6 +334,7 @@ def test_failed_run_exits_non_zero(tmp_path):
 
 
 # --- loopback deployments (slow) ---
+
 
 def rows(folder: Path) -> list[dict]:
     """metrics.jsonl's complete lines (a line being written is left out)."""
@@ -344,7 +405,8 @@ def without_clock(records: list[dict]) -> list[dict]:
 @pytest.mark.slow
 @pytest.mark.long
 def test_the_superlink_killed_mid_run_is_reported_and_the_printed_command_resumes_the_run_exactly(
-        plain, home, tmp_path, capsys):
+    plain, home, tmp_path, capsys
+):
     """SCAFFOLD, 2 rounds: the SuperLink of a second deployment is killed after round 1's checkpoint; the run
     is given up at once, with the command that resumes it, which then runs on a third deployment with new
     SuperNode processes (c_i restored from their disk) and ends where the uninterrupted run ends."""
@@ -356,8 +418,12 @@ def test_the_superlink_killed_mid_run_is_reported_and_the_printed_command_resume
     with deployment(loopback_topology(3, tmp_path / "work"), tmp_path / "work") as running:
         with ThreadPoolExecutor(1) as pool:
             future = pool.submit(running.run, config)
-            wait_until(lambda: future.done() or (folder / CHECKPOINT).exists(), RUN_TIMEOUT_S,
-                              "round 1's checkpoint", interval_s=0.25)
+            wait_until(
+                lambda: future.done() or (folder / CHECKPOINT).exists(),
+                RUN_TIMEOUT_S,
+                "round 1's checkpoint",
+                interval_s=0.25,
+            )
             assert not future.done(), future.result()
             running.services["superlink"].process.send_signal(signal.SIGKILL)
             killed = time.monotonic()
@@ -365,7 +431,8 @@ def test_the_superlink_killed_mid_run_is_reported_and_the_printed_command_resume
             given_up_after = time.monotonic() - killed
     assert status == "aborted" and given_up_after < 10.0, (status, given_up_after)
     assert f"superlink exited with signal SIGKILL; its log: {tmp_path / 'work' / 'logs' / 'superlink.log'}" in (
-        capsys.readouterr().err)
+        capsys.readouterr().err
+    )
     command = reason.split("continue the run with:\n  ")[1]
     assert command == resume_command(config, 3, tls=False)
     assert deploy.main([*shlex.split(command)[1:], "--work-dir", str(tmp_path / "again")]) == 0
@@ -404,12 +471,12 @@ def test_run_finishes_with_the_defaults_when_a_supernode_is_killed_in_round_two(
     folder = tmp_path / "killed"
     with ThreadPoolExecutor(1) as pool:
         future = pool.submit(plain.run, config)
-        wait_until(lambda: future.done() or len(rows(folder)) >= 2, RUN_TIMEOUT_S, "round 1's metrics",
-                          interval_s=0.25)
+        wait_until(lambda: future.done() or len(rows(folder)) >= 2, RUN_TIMEOUT_S, "round 1's metrics", interval_s=0.25)
         assert not future.done(), future.result()
         plain.services["supernode-2"].process.send_signal(signal.SIGKILL)
-        wait_until(lambda: "superexec-clientapp-2" in plain.exited, 10.0, "the watch to see supernode-2 exit",
-                          interval_s=0.1)
+        wait_until(
+            lambda: "superexec-clientapp-2" in plain.exited, 10.0, "the watch to see supernode-2 exit", interval_s=0.1
+        )
         status, details = future.result(timeout=RUN_TIMEOUT_S)
     assert status == "finished:completed", details
     err = capsys.readouterr().err

@@ -27,10 +27,19 @@ def _own_home(tmp_path_factory, monkeypatch):
 
 def simulate(results_dir: Path, num_supernodes: int = 3, **overrides) -> Path:
     """Run one in-process simulation on digits; return its run folder."""
-    config = {"dataset": "digits", "num-server-rounds": 2, "results-dir": str(results_dir),
-              "min-available-nodes": num_supernodes, **overrides}
-    run_simulation(server_app=build_server_app(config), client_app=build_client_app(config),
-                   num_supernodes=num_supernodes, backend_config=BACKEND)
+    config = {
+        "dataset": "digits",
+        "num-server-rounds": 2,
+        "results-dir": str(results_dir),
+        "min-available-nodes": num_supernodes,
+        **overrides,
+    }
+    run_simulation(
+        server_app=build_server_app(config),
+        client_app=build_client_app(config),
+        num_supernodes=num_supernodes,
+        backend_config=BACKEND,
+    )
     (folder,) = results_dir.iterdir()
     return folder
 
@@ -42,7 +51,9 @@ def rows(folder: Path) -> list[dict]:
 @pytest.mark.long
 def test_fedavg_on_digits_learns_and_writes_the_run_folder(tmp_path):
     folder = simulate(tmp_path / "results")
-    assert {"config.json", "metrics.jsonl", "summary.json", "accuracy.png", "model.pt"} <= {p.name for p in folder.iterdir()}
+    assert {"config.json", "metrics.jsonl", "summary.json", "accuracy.png", "model.pt"} <= {
+        p.name for p in folder.iterdir()
+    }
     metrics = rows(folder)
     assert [r["round"] for r in metrics] == [0, 1, 2]
     assert metrics[-1]["clients-trained"] == 3 and metrics[-1]["clients-evaluated"] == 3
@@ -66,8 +77,14 @@ def test_same_seed_same_metrics_with_partial_participation(tmp_path):
 
 
 def test_launcher_runs_flwr_and_reports_success(tmp_path, capfd):
-    code = launch.main(["--num-supernodes", "2", "--run-config",
-                        f'dataset="digits" num-server-rounds=1 results-dir="{tmp_path}" run-name="ok"'])
+    code = launch.main(
+        [
+            "--num-supernodes",
+            "2",
+            "--run-config",
+            f'dataset="digits" num-server-rounds=1 results-dir="{tmp_path}" run-name="ok"',
+        ]
+    )
     assert code == 0
     summary = json.loads((tmp_path / "ok" / "summary.json").read_text())
     assert summary["rounds"] == 1
@@ -82,8 +99,14 @@ def test_launcher_runs_flwr_and_reports_success(tmp_path, capfd):
 def test_launcher_exits_nonzero_when_the_run_fails(tmp_path):
     # Valid keys, so the launcher's pre-checks pass, but an absurd learning rate makes every client's update
     # NaN: each is dropped, and the ServerApp fails the run, after submission, where `flwr run` would exit 0.
-    code = launch.main(["--num-supernodes", "2", "--run-config",
-                        f'dataset="digits" lr=1e30 num-server-rounds=1 results-dir="{tmp_path}" run-name="bad"'])
+    code = launch.main(
+        [
+            "--num-supernodes",
+            "2",
+            "--run-config",
+            f'dataset="digits" lr=1e30 num-server-rounds=1 results-dir="{tmp_path}" run-name="bad"',
+        ]
+    )
     assert code == 1
 
 

@@ -22,27 +22,33 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, MessageType, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
-from flwr.serverapp import Grid
 from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode
+from flwr.serverapp import Grid
 from flwr.simulation import run_simulation
 from flwr.supercore.task_identity import TaskIdentity
 
+from core.config import RunConfig
+from core.nodes import send_and_receive
+from core.rounds import MetricAggregation, RoundRunner
+from core.strategy import Reply, RunContext, ServerStrategy
 from fl_app import checkpoint as checkpoint_module
 from fl_app import server_app
 from fl_app.checkpoint import CHECKPOINT, capture, load_checkpoint, save_checkpoint
 from fl_app.client_app import build_client_app
-from core.config import RunConfig
 from fl_app.config import ConfigError, default_run_config, parse_run_config
-from fl_app.server_app import build_server_app, run_experiment
-from strategies import get_strategy, list_strategies
-from core.nodes import send_and_receive
-from core.rounds import MetricAggregation, RoundRunner
-from core.strategy import Reply, RunContext, ServerStrategy
-from models.protocol import ModelHead
 from fl_app.inprocess import InProcessGrid
+from fl_app.server_app import build_server_app, run_experiment
+from models.protocol import ModelHead
+from strategies import get_strategy, list_strategies
 
-TINY = {"dataset": "digits", "model": "small-mlp", "num-server-rounds": 2, "min-available-nodes": 3,
-        "batch-size": 32, "device": "cpu"}
+TINY = {
+    "dataset": "digits",
+    "model": "small-mlp",
+    "num-server-rounds": 2,
+    "min-available-nodes": 3,
+    "batch-size": 32,
+    "device": "cpu",
+}
 MODELS = {"psinet": "psi-vgg9"}  # every other strategy runs the small MLP
 SLOW_MODELS = {"psinet"}  # a convolutional net: tens of seconds on a loaded CPU
 
@@ -59,6 +65,7 @@ def _corrupt(change: Callable[[dict[str, torch.Tensor]], None]) -> Callable[[Rec
         state = content["arrays"].to_torch_state_dict()
         change(state)
         content["arrays"] = ArrayRecord(state)
+
     return apply
 
 
@@ -79,8 +86,9 @@ class FaultyGrid(InProcessGrid):
     reply, as Flower sends when the ClientApp raises), ``late`` (no reply within the timeout), ``gone`` (the node
     died: the SuperLink answers for it, from its own node id) or a key of :data:`CORRUPTIONS`."""
 
-    def __init__(self, app: ClientApp, num_nodes: int, faults: dict[int, str] | None = None,
-                 first_node_id: int = 1000) -> None:
+    def __init__(
+        self, app: ClientApp, num_nodes: int, faults: dict[int, str] | None = None, first_node_id: int = 1000
+    ) -> None:
         super().__init__(app, num_nodes, first_node_id)
         self.faults = faults or {}
         self.timeouts: list[float | None] = []
@@ -102,8 +110,12 @@ class FaultyGrid(InProcessGrid):
                 continue
             if fault == "raise":
                 message.metadata.__dict__["_message_id"] = uuid.uuid4().hex
-                replies.append(Message(Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION,
-                                             "RuntimeError: injected client failure"), reply_to=message))
+                replies.append(
+                    Message(
+                        Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, "RuntimeError: injected client failure"),
+                        reply_to=message,
+                    )
+                )
                 continue
             reply = self.deliver(message)
             if fault in CORRUPTIONS:
@@ -112,8 +124,14 @@ class FaultyGrid(InProcessGrid):
         return replies
 
 
-def run(tmp_path: Path, name: str, num_nodes: int = 3, faults: dict[int, str] | None = None,
-        first_node_id: int = 1000, **settings) -> tuple[Path, FaultyGrid]:
+def run(
+    tmp_path: Path,
+    name: str,
+    num_nodes: int = 3,
+    faults: dict[int, str] | None = None,
+    first_node_id: int = 1000,
+    **settings,
+) -> tuple[Path, FaultyGrid]:
     """One in-process run of the real ServerApp; returns its folder and grid."""
     values = {**TINY, "min-available-nodes": num_nodes, "results-dir": str(tmp_path), "run-name": name, **settings}
     grid = FaultyGrid(build_client_app(values), num_nodes, faults, first_node_id)
@@ -156,13 +174,18 @@ def test_failed_late_gone_and_malformed_clients_are_dropped_with_their_reasons(t
     assert all(torch.isfinite(t).all() for t in final_model(folder).values())
 
 
-@pytest.mark.parametrize("strategy", [pytest.param(name, marks=pytest.mark.slow) if name in SLOW_MODELS else name
-                                      for name in list_strategies()])
+@pytest.mark.parametrize(
+    "strategy",
+    [pytest.param(name, marks=pytest.mark.slow) if name in SLOW_MODELS else name for name in list_strategies()],
+)
 def test_a_dropped_reply_never_reaches_the_global_model(tmp_path, strategy):
     """For every strategy: NaN and incomplete replies leave the global model exactly as when those clients fail
     outright or never answer, while the remaining client's updates do change it."""
-    settings = {"strategy": strategy, "model": MODELS.get(strategy, "small-mlp"),
-                **({"superfed-start": 0.0} if strategy == "superfed" else {})}
+    settings = {
+        "strategy": strategy,
+        "model": MODELS.get(strategy, "small-mlp"),
+        **({"superfed-start": 0.0} if strategy == "superfed" else {}),
+    }
     malformed, _ = run(tmp_path, "malformed", faults={1: "nan", 2: "missing"}, **settings)
     absent, _ = run(tmp_path, "absent", faults={1: "raise", 2: "late"}, **settings)
     reference = final_model(absent)
@@ -185,17 +208,17 @@ class ScriptedGrid(InProcessGrid):
         partition = int(self.contexts[message.metadata.dst_node_id].node_config["partition-id"])
         kind = message.metadata.message_type
         if kind == MessageType.QUERY:
-            return Message(RecordDict({"metrics": MetricRecord({"partition-id": partition,
-                                                                 "num-partitions": len(self.script)})}),
-                           reply_to=message)
+            return Message(
+                RecordDict({"metrics": MetricRecord({"partition-id": partition, "num-partitions": len(self.script)})}),
+                reply_to=message,
+            )
         if kind == MessageType.EVALUATE:
             return Message(RecordDict({"metrics": MetricRecord({"num-examples": 1})}), reply_to=message)
         scripted = self.script[partition]
         if scripted is None:
             return Message(Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, "boom"), reply_to=message)
         arrays, metrics = scripted
-        return Message(RecordDict({"arrays": ArrayRecord(arrays), "metrics": MetricRecord(metrics)}),
-                       reply_to=message)
+        return Message(RecordDict({"arrays": ArrayRecord(arrays), "metrics": MetricRecord(metrics)}), reply_to=message)
 
 
 def _fold(records, key):
@@ -208,19 +231,25 @@ def scripted_runner(script, name: str = "fedavg", server=None, **values) -> tupl
     config = parse_run_config({**TINY, "strategy": name, "min-available-nodes": len(script), **values})
     context = RunContext(config, ArrayRecord({"w": torch.zeros(2)}), None, ModelHead((), 2))
     seen: list = []
-    metrics = MetricAggregation(lambda records, key: seen.append(("train", len(records))) or MetricRecord(),
-                                lambda records, key: seen.append(("evaluate", len(records))) or MetricRecord(),
-                                lambda round_, participation: seen.append(("participation", participation)))
+    metrics = MetricAggregation(
+        lambda records, key: seen.append(("train", len(records))) or MetricRecord(),
+        lambda records, key: seen.append(("evaluate", len(records))) or MetricRecord(),
+        lambda round_, participation: seen.append(("participation", participation)),
+    )
     strategy = (server or get_strategy(name).server)(context)
     return RoundRunner(strategy, ScriptedGrid(script), metrics), seen
 
 
 def test_a_reply_whose_metric_keys_differ_is_dropped_instead_of_failing_the_round():
     examples = {"num-examples": 4}
-    runner, seen = scripted_runner({0: ({"w": torch.ones(2)}, {**examples, "loss": 1.0}),
-                                    1: ({"w": torch.full((2,), 9.0)}, {**examples, "other": 1.0}),
-                                    2: ({"w": torch.full((2,), 3.0)}, {**examples, "loss": 2.0}),
-                                    3: None})
+    runner, seen = scripted_runner(
+        {
+            0: ({"w": torch.ones(2)}, {**examples, "loss": 1.0}),
+            1: ({"w": torch.full((2,), 9.0)}, {**examples, "other": 1.0}),
+            2: ({"w": torch.full((2,), 3.0)}, {**examples, "loss": 2.0}),
+            3: None,
+        }
+    )
     arrays = runner.train_round(1, ArrayRecord({"w": torch.zeros(2)}))
     np.testing.assert_allclose(arrays["w"].numpy(), [2.0, 2.0])  # partition 1 (odd keys) and 3 (error) left out
     participation = next(p for kind, p in seen if kind == "participation")
@@ -231,9 +260,13 @@ def test_a_reply_whose_metric_keys_differ_is_dropped_instead_of_failing_the_roun
 
 def test_malformed_evaluate_replies_are_left_out_of_the_means():
     runner, seen = scripted_runner({p: None for p in range(5)})
-    scores = [{"num-examples": 3, "local-accuracy": 0.5}, {"local-accuracy": 0.9},  # no example count
-              {"num-examples": -1, "local-accuracy": 0.9}, None,
-              {"num-examples": 0, "local-accuracy": 0.0}]  # an empty test split is fine
+    scores = [
+        {"num-examples": 3, "local-accuracy": 0.5},
+        {"local-accuracy": 0.9},  # no example count
+        {"num-examples": -1, "local-accuracy": 0.9},
+        None,
+        {"num-examples": 0, "local-accuracy": 0.0},
+    ]  # an empty test split is fine
 
     def evaluate(message: Message) -> Message:
         message.metadata.__dict__["_message_id"] = uuid.uuid4().hex
@@ -287,11 +320,18 @@ class CountingGrid(FaultyGrid):
 def run_with_table(tmp_path: Path, name: str, shift: int | None) -> tuple[list[dict], CountingGrid]:
     """Six nodes, half of them sampled per round; the runtime's partition table is right (``shift`` 0), shifted
     by ``shift`` partitions (wrong), or absent (None)."""
-    values = {**TINY, "min-available-nodes": 6, "fraction-train": 0.5, "fraction-evaluate": 0.5,
-              "results-dir": str(tmp_path), "run-name": name}
+    values = {
+        **TINY,
+        "min-available-nodes": 6,
+        "fraction-train": 0.5,
+        "fraction-evaluate": 0.5,
+        "results-dir": str(tmp_path),
+        "run-name": name,
+    }
     grid = CountingGrid(build_client_app(values), 6)
-    table = {node: (int(context.node_config["partition-id"]) + (shift or 0)) % 6
-             for node, context in grid.contexts.items()}
+    table = {
+        node: (int(context.node_config["partition-id"]) + (shift or 0)) % 6 for node, context in grid.contexts.items()
+    }
     run_experiment(grid, parse_run_config(values), None if shift is None else lambda: table)
     return without_clock(rows(tmp_path / name)), grid
 
@@ -351,8 +391,12 @@ def test_a_crash_between_a_rounds_metrics_and_its_checkpoint_loses_and_repeats_n
     assert [r["round"] for r in rows(crashed)] == [0, 1, 2] and load_checkpoint(crashed).round == 1
     monkeypatch.setattr(server_app, "save_checkpoint", save_checkpoint)
     # FedMA is mid-cycle after round 1: the clients' aligned models are carried by partition to new node ids
-    run(tmp_path, "again", first_node_id=4242, **{"num-server-rounds": 3, "strategy": "fedma",
-                                                   "resume-from": str(crashed)})
+    run(
+        tmp_path,
+        "again",
+        first_node_id=4242,
+        **{"num-server-rounds": 3, "strategy": "fedma", "resume-from": str(crashed)},
+    )
     assert without_clock(rows(crashed)) == without_clock(rows(straight))
     model = final_model(crashed)
     assert all(torch.equal(model[k], final_model(straight)[k]) for k in model)
@@ -363,8 +407,9 @@ def test_client_sampling_ignores_other_draws_from_the_global_random():
     stream (Flower's threads, Ray) changes nothing, and the draws differ between rounds."""
 
     def sampled(perturb: bool) -> list[list[int]]:
-        runner, _ = scripted_runner({p: ({"w": torch.ones(2)}, {"num-examples": 1}) for p in range(6)},
-                                    **{"fraction-train": 0.5, "seed": 3})
+        runner, _ = scripted_runner(
+            {p: ({"w": torch.ones(2)}, {"num-examples": 1}) for p in range(6)}, **{"fraction-train": 0.5, "seed": 3}
+        )
         rounds = []
         for _ in range(3):
             if perturb:
@@ -390,8 +435,14 @@ def test_resume_refuses_a_missing_folder_or_checkpoint_and_changed_keys(tmp_path
     with pytest.raises(ConfigError, match=f"holds no {CHECKPOINT}"):
         resume(**{"resume-from": str(tmp_path / "empty")})
     folder, _ = run(tmp_path, "done", **{"num-server-rounds": 2})
-    for key, value in [("strategy", "fedprox"), ("seed", 3), ("dirichlet-alpha", 0.1), ("pan-mode", "mul"),
-                       ("model", "twonn"), ("fraction-train", 0.5)]:
+    for key, value in [
+        ("strategy", "fedprox"),
+        ("seed", 3),
+        ("dirichlet-alpha", 0.1),
+        ("pan-mode", "mul"),
+        ("model", "twonn"),
+        ("fraction-train", 0.5),
+    ]:
         with pytest.raises(ConfigError, match=f"'{key}': checkpoint .*, now {value!r}"):
             resume(**{"resume-from": str(folder), key: value, "num-server-rounds": 3})
     with pytest.raises(ConfigError, match="already completed round 2; set at least 2"):
@@ -410,14 +461,17 @@ def test_a_key_stored_on_one_side_only_counts_as_its_default_on_resume():
     assert "classes-per-client" in saved and "classes-per-client" not in config.to_run_config()
     assert checkpoint_module.config_differences(saved, config) == {}
     assert checkpoint_module.config_differences({**saved, "classes-per-client": 4}, config) == {
-        "classes-per-client": (4, 2)}
+        "classes-per-client": (4, 2)
+    }
     assert checkpoint_module.config_differences({**saved, "shards-per-client": 2}, config) == {
-        "shards-per-client": (2, 3)}
+        "shards-per-client": (2, 3)
+    }
 
 
-@pytest.mark.parametrize(("key", "value", "fragment"), [("resume-from", "runs/a", "absolute"),
-                                                         ("round-timeout", 0.0, "> 0"),
-                                                         ("round-timeout", math.inf, "> 0")])
+@pytest.mark.parametrize(
+    ("key", "value", "fragment"),
+    [("resume-from", "runs/a", "absolute"), ("round-timeout", 0.0, "> 0"), ("round-timeout", math.inf, "> 0")],
+)
 def test_resume_and_timeout_keys_are_checked(key, value, fragment):
     with pytest.raises(ConfigError, match=fragment):
         parse_run_config({key: value})
@@ -439,8 +493,9 @@ def _server_after_rounds(name: str, rounds: int) -> tuple[ServerStrategy, ArrayR
 def _replies(name: str, value: float) -> list[Reply]:
     replies = []
     for node in (1, 2):
-        content = RecordDict({"arrays": ArrayRecord({"w": torch.full((3,), value + node)}),
-                              "metrics": MetricRecord({"num-examples": 4})})
+        content = RecordDict(
+            {"arrays": ArrayRecord({"w": torch.full((3,), value + node)}), "metrics": MetricRecord({"num-examples": 4})}
+        )
         if name == "scaffold":
             content["control"] = ArrayRecord({"w": torch.full((3,), 0.5)})
         replies.append(Reply(node, node - 1, content, 4.0))
@@ -470,8 +525,10 @@ def test_a_stateless_strategy_refuses_foreign_state():
 
 def test_the_checkpoint_is_replaced_whole(tmp_path):
     config = RunConfig()
-    runner = SimpleNamespace(strategy=ServerStrategy(RunContext(config, ArrayRecord(), None, ModelHead((), 2))),
-                             sampling_state=random.Random(5).getstate())
+    runner = SimpleNamespace(
+        strategy=ServerStrategy(RunContext(config, ArrayRecord(), None, ModelHead((), 2))),
+        sampling_state=random.Random(5).getstate(),
+    )
     recorder = {"rows": [], "extra-keys": [], "elapsed-s": 0.0}
     save_checkpoint(tmp_path, capture(1, config, ArrayRecord({"w": torch.zeros(2)}), runner, recorder))
     save_checkpoint(tmp_path, capture(2, config, ArrayRecord({"w": torch.ones(2)}), runner, recorder))
@@ -487,11 +544,14 @@ def test_the_checkpoint_is_replaced_whole(tmp_path):
 BACKEND = {"client_resources": {"num_cpus": 1, "num_gpus": 0.0}}
 
 
-def simulate(tmp_path: Path, name: str, client_app: ClientApp | None = None, num_nodes: int = 4,
-             **settings) -> Path:
+def simulate(tmp_path: Path, name: str, client_app: ClientApp | None = None, num_nodes: int = 4, **settings) -> Path:
     values = {**TINY, "min-available-nodes": num_nodes, "results-dir": str(tmp_path), "run-name": name, **settings}
-    run_simulation(server_app=build_server_app(values), client_app=client_app or build_client_app(values),
-                   num_supernodes=num_nodes, backend_config=BACKEND)
+    run_simulation(
+        server_app=build_server_app(values),
+        client_app=client_app or build_client_app(values),
+        num_supernodes=num_nodes,
+        backend_config=BACKEND,
+    )
     return tmp_path / name
 
 
@@ -551,7 +611,9 @@ class SlowGrid(Grid):
     def pull_messages(self, message_ids):
         self.pulls += 1
         due = self.pushed[self.pulls - 1] if self.pulls <= min(self.replies, len(self.pushed)) else None
-        return [Message(RecordDict(), reply_to=due)] if due is not None and due.metadata.message_id in message_ids else []
+        return (
+            [Message(RecordDict(), reply_to=due)] if due is not None and due.metadata.message_id in message_ids else []
+        )
 
     def send_and_receive(self, messages, *, timeout=None):
         raise AssertionError("the round runner polls itself")
@@ -567,6 +629,14 @@ def test_replies_are_polled_until_all_came_or_the_timeout(monkeypatch):
     assert [reply.metadata.reply_to_message_id for reply in replies] == [m.metadata.message_id for m in messages]
     assert grid.pulls == 3
     late = SlowGrid(replies=1)
-    assert len(send_and_receive(late, [Message(RecordDict(), dst_node_id=n, message_type=MessageType.TRAIN)
-                                       for n in (1, 2)], timeout=0.05)) == 1
+    assert (
+        len(
+            send_and_receive(
+                late,
+                [Message(RecordDict(), dst_node_id=n, message_type=MessageType.TRAIN) for n in (1, 2)],
+                timeout=0.05,
+            )
+        )
+        == 1
+    )
     assert late.pulls > 1

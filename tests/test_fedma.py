@@ -61,9 +61,13 @@ def test_output_rows_are_weighted_by_class_counts():
 
 
 def _reply(state, node: int, counts: torch.Tensor, examples: int = 10) -> Reply:
-    content = RecordDict({"arrays": ArrayRecord({k: v.clone() for k, v in state.items()}),
-                          CLASS_COUNTS: ArrayRecord({"counts": counts}),
-                          "metrics": MetricRecord({"num-examples": examples})})
+    content = RecordDict(
+        {
+            "arrays": ArrayRecord({k: v.clone() for k, v in state.items()}),
+            CLASS_COUNTS: ArrayRecord({"counts": counts}),
+            "metrics": MetricRecord({"num-examples": examples}),
+        }
+    )
     return Reply(node, node, content, examples)
 
 
@@ -114,7 +118,9 @@ def test_bbp_matches_a_permuted_client_onto_the_same_units_without_growth():
     arrays = strategy.aggregate(1, [_reply(state, 1, counts), _reply(permuted, 2, counts)], _record(state))
     group = next(iter(spec.groups))
     assert strategy.widths == spec.group_sizes(state)  # nothing new opened
-    assert strategy.moved[group] == pytest.approx(0.5 * (perms[group] != torch.arange(len(perms[group]))).double().mean())
+    assert strategy.moved[group] == pytest.approx(
+        0.5 * (perms[group] != torch.arange(len(perms[group]))).double().mean()
+    )
     aligned = strategy.client_models[2]  # the permuted client, moved back onto the global units
     expected = strategy.client_models[1]["hidden.1.weight"].index_select(0, perms["hidden.1"])  # rows: not matched yet
     torch.testing.assert_close(aligned["hidden.1.weight"], expected)
@@ -172,8 +178,9 @@ def test_a_stage_without_usable_replies_restarts_the_cycle():
     strategy.aggregate(1, [_reply(state, 1, torch.ones(NUM_CLASSES, dtype=torch.long))], _record(state))
     assert strategy.stage == 1 and sorted(strategy.client_models) == [1]
     bad_counts = _reply(state, 1, torch.ones(3, dtype=torch.long))
-    assert "'class-counts' must hold 'counts': 10 non-negative" in strategy.reply_problem(bad_counts.content,
-                                                                                           _record(state))
+    assert "'class-counts' must hold 'counts': 10 non-negative" in strategy.reply_problem(
+        bad_counts.content, _record(state)
+    )
     strategy.on_empty_round(2)
     assert strategy.stage == 0 and not strategy.client_models
 
@@ -183,8 +190,16 @@ def test_the_client_trains_only_what_is_not_matched_yet(name, stage):
     model = _model(name)
     x, y = torch.randn(32, 1, 8, 8), torch.randint(0, NUM_CLASSES, (32,))
     before = {k: v.clone() for k, v in federated_state(model).items()}
-    config = parse_run_config({"strategy": "fedma", "model": name, "dataset": "digits", "local-epochs": 1,
-                               "retrain-epochs": 2, "batch-size": 8})
+    config = parse_run_config(
+        {
+            "strategy": "fedma",
+            "model": name,
+            "dataset": "digits",
+            "local-epochs": 1,
+            "retrain-epochs": 2,
+            "batch-size": 8,
+        }
+    )
     update = FedMAUpdate(config, context=None, received=RecordDict({"config": ConfigRecord({STAGE: stage})}))
     update.train(model, x, y, torch.Generator().manual_seed(0), torch.device("cpu"))
     after = federated_state(model)
@@ -198,8 +213,13 @@ def test_the_client_trains_only_what_is_not_matched_yet(name, stage):
 
 
 def test_fedma_on_digits_completes_a_cycle_and_learns(tmp_path):
-    config = {"strategy": "fedma", "dataset": "digits", "num-server-rounds": 4, "results-dir": str(tmp_path),
-              "device": "cpu"}  # mlp: 3 groups + output layer = one cycle
+    config = {
+        "strategy": "fedma",
+        "dataset": "digits",
+        "num-server-rounds": 4,
+        "results-dir": str(tmp_path),
+        "device": "cpu",
+    }  # mlp: 3 groups + output layer = one cycle
     run_in_process(config, num_nodes=3)
     (folder,) = tmp_path.iterdir()
     rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]

@@ -9,18 +9,18 @@ import sys
 from collections.abc import Iterator
 
 import pytest
+from flower_state import simulation_state
 from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.server.superlink.linkstate import InMemoryLinkState
 from flwr.serverapp import Grid, ServerApp
 from flwr.simulation import run_simulation
 from flwr.supercore.task_identity import TaskIdentity
 
-from core.nodes import send_and_receive, wait_for_nodes
 import fl_app
+from core.nodes import send_and_receive, wait_for_nodes
 from fl_app import flower_runtime, server_app
 from fl_app.client_app import build_client_app
 from fl_app.inprocess import InProcessGrid
-from flower_state import simulation_state
 
 
 @pytest.fixture(autouse=True)
@@ -30,14 +30,15 @@ def flowers_own_methods(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setattr(InMemoryLinkState, "get_message_ins", flower_runtime._flower_lookup)
     flower_runtime.checked_flower.cache_clear()
     for name in ("_task_id", "_run_id", "_node_id"):  # simulation_state's run (a simulation run earlier in this
-        monkeypatch.setattr(TaskIdentity, name, 1)   # process leaves its own run id, which that state refuses)
+        monkeypatch.setattr(TaskIdentity, name, 1)  # process leaves its own run id, which that state refuses)
     yield
     flower_runtime.checked_flower.cache_clear()
 
 
 def labelled(node: int, label: int) -> Message:
-    return Message(RecordDict({"label": ConfigRecord({"label": label})}), dst_node_id=node,
-                   message_type=MessageType.QUERY)
+    return Message(
+        RecordDict({"label": ConfigRecord({"label": label})}), dst_node_id=node, message_type=MessageType.QUERY
+    )
 
 
 def label_of(message: Message) -> int:
@@ -49,17 +50,19 @@ def test_the_indexed_lookup_answers_every_lookup_as_flowers_does() -> None:
     flower_grid, flower_state, flower_nodes = simulation_state(8)
     flower_runtime.index_message_lookup()
     indexed_grid, indexed_state, indexed_nodes = simulation_state(8)
-    sides = [(flower_grid, flower_state, flower_nodes, flower_runtime._flower_lookup),
-             (indexed_grid, indexed_state, indexed_nodes, flower_runtime.get_message_ins)]
+    sides = [
+        (flower_grid, flower_state, flower_nodes, flower_runtime._flower_lookup),
+        (indexed_grid, indexed_state, indexed_nodes, flower_runtime.get_message_ins),
+    ]
     answers: list[list[tuple[int, ...]]] = [[], []]
     label, answered = 0, []  # labels pushed so far; labels delivered and not yet deleted (oldest first)
-    for step in range(300):
+    for _ in range(300):
         action, node, limit = rng.random(), rng.randrange(8), rng.choice([1, 1, 2, None])
         if action < 0.35:  # the server sends a message to a node (some nodes get several before asking)
             label += 1
         expiring = rng.randint(1, max(label, 1))
         pulled = answered[:2] if 0.45 <= action < 0.6 else []
-        answered = answered[len(pulled):]
+        answered = answered[len(pulled) :]
         for side, (grid, state, nodes, lookup) in enumerate(sides):
             by_label = {label_of(message): message_id for message_id, message in state.message_ins_store.items()}
             if action < 0.35:
@@ -100,8 +103,9 @@ def test_installing_patches_the_class_once_on_a_checked_flower() -> None:
     assert flower_runtime.index_message_lookup()
 
 
-def test_an_unchecked_flower_keeps_its_own_lookup(monkeypatch: pytest.MonkeyPatch,
-                                                  caplog: pytest.LogCaptureFixture) -> None:
+def test_an_unchecked_flower_keeps_its_own_lookup(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     monkeypatch.setattr(flower_runtime, "version", lambda package: "9.9.9")
     assert not flower_runtime.index_message_lookup()
     grid, _, _ = simulation_state(2)
@@ -112,7 +116,8 @@ def test_an_unchecked_flower_keeps_its_own_lookup(monkeypatch: pytest.MonkeyPatc
 
 @pytest.mark.parametrize("internal", ["flwr.supercore.date", "flwr.superlink.grid", "flwr.server.superlink.linkstate"])
 def test_a_flower_without_one_of_its_internals_falls_back_with_the_warning(
-        internal: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    internal: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     """A Flower release that moved one of the private names this module imports: the module still imports, keeps
     Flower's own lookup with the warning, and the ServerApp's simulation path asks every node."""
     grid, _, _ = simulation_state(3)
@@ -140,7 +145,10 @@ def test_a_server_app_loads_flowers_simulation_state_only_in_a_simulation() -> N
     import sys
 
     code = "import sys, fl_app.server_app; print('flwr.server.superlink.linkstate' in sys.modules)"
-    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
+    assert (
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+        == "False"
+    )
 
 
 @pytest.mark.slow
@@ -155,14 +163,21 @@ def test_the_partition_table_agrees_with_what_each_simulated_node_says() -> None
         wait_for_nodes(grid, 7, timeout=60.0)
         table = flower_runtime.prepare_simulation(grid)
         assert table is not None
-        queries = [Message(RecordDict(), dst_node_id=node, message_type=MessageType.QUERY)
-                   for node in grid.get_node_ids()]
+        queries = [
+            Message(RecordDict(), dst_node_id=node, message_type=MessageType.QUERY) for node in grid.get_node_ids()
+        ]
         replies = send_and_receive(grid, queries, timeout=60.0)
-        said = {reply.metadata.src_node_id: int(reply.content["metrics"]["partition-id"])  # type: ignore[arg-type]
-                for reply in replies}
+        said = {
+            reply.metadata.src_node_id: int(reply.content["metrics"]["partition-id"])  # type: ignore[arg-type]
+            for reply in replies
+        }
         seen.append((table(), said))
 
-    run_simulation(server_app=server, client_app=build_client_app(), num_supernodes=7,
-                   backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}})
+    run_simulation(
+        server_app=server,
+        client_app=build_client_app(),
+        num_supernodes=7,
+        backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}},
+    )
     [(table, said)] = seen
     assert len(said) == 7 and table == said

@@ -44,20 +44,24 @@ def test_infeasible_partition_is_refused_before_starting(tmp_path):
         prepare_config({"dataset": "digits", "dirichlet-alpha": 0.01, "results-dir": str(tmp_path)}, num_supernodes=200)
 
 
-@pytest.mark.parametrize(("cpus", "gpus", "cuda", "fragment"), [
-    (0, 0.0, False, "--num-cpus=0"),
-    (1, -0.5, True, "--num-gpus=-0.5"),
-    (1, 1.5, True, "whole GPUs"),
-    (1, 0.25, False, "no CUDA device"),
-])
+@pytest.mark.parametrize(
+    ("cpus", "gpus", "cuda", "fragment"),
+    [
+        (0, 0.0, False, "--num-cpus=0"),
+        (1, -0.5, True, "--num-gpus=-0.5"),
+        (1, 1.5, True, "whole GPUs"),
+        (1, 0.25, False, "no CUDA device"),
+    ],
+)
 def test_unschedulable_client_resources_are_refused(cpus, gpus, cuda, fragment):
     with pytest.raises(ConfigError, match=fragment):
         check_client_resources(cpus, gpus, cuda)
 
 
 @pytest.mark.parametrize(("cpus", "gpus"), [(1, 0.0), (1, 0.25), (1, 1.0), (2, 2.0)])
-def test_fractional_and_whole_gpus_are_accepted_where_cuda_is_and_reach_the_federation(cpus, gpus, monkeypatch,
-                                                                                      tmp_path):
+def test_fractional_and_whole_gpus_are_accepted_where_cuda_is_and_reach_the_federation(
+    cpus, gpus, monkeypatch, tmp_path
+):
     """An accepted share is what Ray is given: the launcher submits it as the federation's client resources."""
     submitted: dict[str, list[str]] = {}
 
@@ -72,14 +76,30 @@ def test_fractional_and_whole_gpus_are_accepted_where_cuda_is_and_reach_the_fede
     monkeypatch.setattr(launch, "torch_cuda_available", lambda: True)
     monkeypatch.setattr(launch, "local_superlink", no_superlink)
     monkeypatch.setattr(launch, "submit_and_follow", record)
-    assert launch.main(["--num-supernodes", "3", "--num-cpus", str(cpus), "--num-gpus", str(gpus),
-                        "--run-config", f'dataset="digits" results-dir="{tmp_path}"']) == 1  # the stand-in run failed
-    assert submitted["run_args"] == ["--federation-config", f"num-supernodes=3 client-resources-num-cpus={cpus} "
-                                                            f"client-resources-num-gpus={gpus}"]
+    assert (
+        launch.main(
+            [
+                "--num-supernodes",
+                "3",
+                "--num-cpus",
+                str(cpus),
+                "--num-gpus",
+                str(gpus),
+                "--run-config",
+                f'dataset="digits" results-dir="{tmp_path}"',
+            ]
+        )
+        == 1
+    )  # the stand-in run failed
+    assert submitted["run_args"] == [
+        "--federation-config",
+        f"num-supernodes=3 client-resources-num-cpus={cpus} client-resources-num-gpus={gpus}",
+    ]
 
 
-def test_the_ray_address_is_checked_first_and_the_superlinks_simulation_joins_that_cluster(monkeypatch, tmp_path,
-                                                                                             capsys):
+def test_the_ray_address_is_checked_first_and_the_superlinks_simulation_joins_that_cluster(
+    monkeypatch, tmp_path, capsys
+):
     """The cluster (not this machine, which has no CUDA here) decides whether a GPU share can be scheduled; Flower's
     simulation engine joins it through RAY_ADDRESS in the local SuperLink's environment."""
     asked, seen = [], {}
@@ -104,17 +124,22 @@ def test_the_ray_address_is_checked_first_and_the_superlinks_simulation_joins_th
     assert launch.main(["--ray-address", "auto", "--num-gpus", "0.5", *run_config]) == 1  # the stand-in run failed
     assert asked == [("auto", "--ray-address", 1, 0.5)] and seen == {"ray-address": "10.0.0.5:6379"}
     assert launch.main(["--ray-address", "10.0.0.9:6379", *run_config]) == 2
-    assert "refused before starting: --ray-address '10.0.0.9:6379': no Ray cluster answers there" in \
-        capsys.readouterr().err
+    assert (
+        "refused before starting: --ray-address '10.0.0.9:6379': no Ray cluster answers there"
+        in capsys.readouterr().err
+    )
     assert seen == {"ray-address": "10.0.0.5:6379"}  # no SuperLink for the refused address
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--num-supernodes", "0"], "--num-supernodes must be at least 1, got 0"),
-    (["--num-supernodes", "-2"], "--num-supernodes must be at least 1, got -2"),
-    (["--num-gpus", "inf"], "--num-gpus=inf is not allowed"),
-    (["--num-gpus", "nan"], "--num-gpus=nan is not allowed"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--num-supernodes", "0"], "--num-supernodes must be at least 1, got 0"),
+        (["--num-supernodes", "-2"], "--num-supernodes must be at least 1, got -2"),
+        (["--num-gpus", "inf"], "--num-gpus=inf is not allowed"),
+        (["--num-gpus", "nan"], "--num-gpus=nan is not allowed"),
+    ],
+)
 def test_bad_launcher_options_are_refused_naming_the_option(argv, message, monkeypatch, capsys):
     monkeypatch.setattr(launch, "torch_cuda_available", lambda: True)
     monkeypatch.setattr(launch, "local_superlink", None)  # starting one would fail loudly
@@ -164,8 +189,9 @@ time.sleep(300)
 def test_stopping_a_tree_stops_a_child_in_its_own_session_even_after_its_parent_died():
     """Flower's SuperExec runs in a session of its own and Ray's daemons outlive their parent: a tree is
     stopped whole however it is laid out by then."""
-    tree = processes.start_process([sys.executable, "-c", ORPHAN_MAKER], dict(os.environ), Path.cwd(),
-                                stdout=subprocess.PIPE, text=True)
+    tree = processes.start_process(
+        [sys.executable, "-c", ORPHAN_MAKER], dict(os.environ), Path.cwd(), stdout=subprocess.PIPE, text=True
+    )
     child = int(tree.process.stdout.readline())
     assert set(tree.refresh()) == {tree.process.pid, child}
     tree.process.send_signal(signal.SIGKILL)  # the parent dies; its child lives on, reparented
@@ -183,11 +209,10 @@ def test_a_stop_signal_raises_once_and_waits_while_processes_are_being_stopped()
             time.sleep(5)
         assert stopped.value.exit_code == 128 + signal.SIGHUP
     with processes.stop_signals():
-        with pytest.raises(processes.Stopped, match="SIGTERM"):
-            with processes._SIGNALS.held():
-                os.kill(os.getpid(), signal.SIGTERM)
-                time.sleep(0.2)  # the handler runs here and only records the signal
-                cleaned_up = True
+        with pytest.raises(processes.Stopped, match="SIGTERM"), processes._SIGNALS.held():
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.2)  # the handler runs here and only records the signal
+            cleaned_up = True
         assert cleaned_up
     assert signal.getsignal(signal.SIGTERM) is before
 
@@ -209,8 +234,9 @@ def processes_with_environment(name: str, value: str) -> set[int]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP], ids=lambda s: s.name)
-def test_the_launcher_stops_its_superlink_and_everything_it_started_on_a_stop_signal(signum, monkeypatch,
-                                                                                    capsys, tmp_path):
+def test_the_launcher_stops_its_superlink_and_everything_it_started_on_a_stop_signal(
+    signum, monkeypatch, capsys, tmp_path
+):
     """A real SuperLink (it starts a SuperExec in a session of its own); the signal comes while the run is
     followed, and the launcher returns 128 + its number with nobody left behind and no traceback."""
     seen: dict[str, set[int]] = {}
@@ -242,10 +268,21 @@ def test_sigterm_mid_run_stops_every_process_the_launcher_started(tmp_path):
     128 + 15, no traceback, and the way to resume the run."""
     with (tmp_path / "out.log").open("w") as out:
         launcher = subprocess.Popen(
-            [sys.executable, "-m", "fl_app.launch", "--num-supernodes", "2", "--run-config",
-             f'dataset="digits" model="small-mlp" num-server-rounds=50 results-dir="{tmp_path}" run-name="r"'],
-            cwd=PROJECT_ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-            env={**os.environ, "HOME": str(tmp_path / "home")})  # where its clients keep their state
+            [
+                sys.executable,
+                "-m",
+                "fl_app.launch",
+                "--num-supernodes",
+                "2",
+                "--run-config",
+                f'dataset="digits" model="small-mlp" num-server-rounds=50 results-dir="{tmp_path}" run-name="r"',
+            ],
+            cwd=PROJECT_ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, "HOME": str(tmp_path / "home")},
+        )  # where its clients keep their state
     try:
         deadline = time.monotonic() + 300
         while launcher.poll() is None and len(metric_lines(tmp_path / "r")) < 3 and time.monotonic() < deadline:

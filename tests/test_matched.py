@@ -22,8 +22,12 @@ PAN_ON = {"pan-mode": "mul", "pan-t": 1.0, "pan-a": 0.5}
 
 
 def _reply(state: dict[str, torch.Tensor], examples: int, node: int) -> Reply:
-    content = RecordDict({"arrays": ArrayRecord({k: v.clone() for k, v in state.items()}),
-                          "metrics": MetricRecord({"num-examples": examples})})
+    content = RecordDict(
+        {
+            "arrays": ArrayRecord({k: v.clone() for k, v in state.items()}),
+            "metrics": MetricRecord({"num-examples": examples}),
+        }
+    )
     return Reply(node, node, content, examples)
 
 
@@ -47,7 +51,8 @@ def _record(state: dict[str, torch.Tensor]) -> ArrayRecord:
 def _close(actual: ArrayRecord, expected: dict[str, torch.Tensor]) -> bool:
     got = actual.to_torch_state_dict()
     return got.keys() == expected.keys() and all(
-        torch.allclose(got[k], expected[k], rtol=1e-5, atol=1e-6) for k in expected)
+        torch.allclose(got[k], expected[k], rtol=1e-5, atol=1e-6) for k in expected
+    )
 
 
 @pytest.mark.parametrize("pan", [{}, PAN_ON], ids=["pan-off", "pan-on"])
@@ -97,19 +102,26 @@ class _PlainLinear(nn.Module):
 
 def test_a_model_without_a_permutation_spec_is_refused_before_training(monkeypatch):
     monkeypatch.setattr(model_registry.MODELS, "_entries", dict(model_registry.MODELS._entries))
-    model_registry.MODELS.register(model_registry.Model("plain-linear",
-                                                        lambda shape, classes, pan: _PlainLinear(classes)))
+    model_registry.MODELS.register(
+        model_registry.Model("plain-linear", lambda shape, classes, pan: _PlainLinear(classes))
+    )
     config = parse_run_config({"strategy": "matched", "model": "plain-linear", "dataset": "digits"})
-    with pytest.raises(ConfigError, match=r"'model' = 'plain-linear' is not allowed with strategy 'matched'.*"
-                                          r"no permutation description"):
+    with pytest.raises(
+        ConfigError,
+        match=r"'model' = 'plain-linear' is not allowed with strategy 'matched'.*"
+        r"no permutation description",
+    ):
         check_run(config)
 
 
-@pytest.mark.parametrize(("key", "value", "fragment"), [
-    ("match-cost", "cosine", "'l1'"),
-    ("match-reference", "client", "'iterative'"),
-    ("match-iterations", 0, ">= 1"),
-])
+@pytest.mark.parametrize(
+    ("key", "value", "fragment"),
+    [
+        ("match-cost", "cosine", "'l1'"),
+        ("match-reference", "client", "'iterative'"),
+        ("match-iterations", 0, ">= 1"),
+    ],
+)
 def test_bad_matching_keys_are_refused_with_what_is_allowed(key, value, fragment):
     with pytest.raises(ConfigError) as error:
         parse_run_config({"strategy": "matched", key: value})
@@ -117,8 +129,13 @@ def test_bad_matching_keys_are_refused_with_what_is_allowed(key, value, fragment
 
 
 def test_matched_on_digits_completes_and_learns(tmp_path: Path):
-    config = {"strategy": "matched", "dataset": "digits", "num-server-rounds": 2, "results-dir": str(tmp_path),
-              "device": "cpu"}
+    config = {
+        "strategy": "matched",
+        "dataset": "digits",
+        "num-server-rounds": 2,
+        "results-dir": str(tmp_path),
+        "device": "cpu",
+    }
     run_in_process(config, num_nodes=3)
     (folder,) = tmp_path.iterdir()
     rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]

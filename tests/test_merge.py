@@ -8,10 +8,10 @@ import json
 import pytest
 import torch
 
-from fl_app.analysis.__main__ import main
-from fl_app.analysis.merge import merge_accuracies
 from core.bbp import BBPSettings
 from core.data import load_dataset
+from fl_app.analysis.__main__ import main
+from fl_app.analysis.merge import merge_accuracies
 from models import build_model, permute_state, random_permutations
 
 
@@ -21,16 +21,16 @@ def test_a_model_merged_with_its_permuted_copy_scores_like_the_model():
     model = build_model("small-mlp", (1, 8, 8), 10)
     spec, state = model.permutation_spec(), model.state_dict()
     permuted = permute_state(spec, state, random_permutations(spec, state, torch.Generator().manual_seed(1)))
-    clients, merged, _ = merge_accuracies(model, [state, permuted], [1.0, 2.0], digits.test_x, digits.test_y,
-                                       ["weight", "l1"], 1, torch.device("cpu"))
+    clients, merged, _ = merge_accuracies(
+        model, [state, permuted], [1.0, 2.0], digits.test_x, digits.test_y, ["weight", "l1"], 1, torch.device("cpu")
+    )
     assert clients[0] == clients[1]
     assert set(merged) == {"average", "matched-weight", "matched-l1", "ensemble"}
     assert merged["matched-weight"] == merged["matched-l1"] == merged["ensemble"] == clients[0]
 
 
 def test_the_command_trains_merges_and_writes_json_and_plot(tmp_path, capsys):
-    code = main(["merge", "--clients", "2", "--epochs", "1", "--costs", "l1", "--init", "same",
-                 "--out", str(tmp_path)])
+    code = main(["merge", "--clients", "2", "--epochs", "1", "--costs", "l1", "--init", "same", "--out", str(tmp_path)])
     assert code == 0
     payload = json.loads((tmp_path / "merge.json").read_text())
     assert (tmp_path / "merge.png").stat().st_size > 0
@@ -40,15 +40,18 @@ def test_the_command_trains_merges_and_writes_json_and_plot(tmp_path, capsys):
     assert "matched-l1" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize(("argv", "fragment"), [
-    (["--clients", "1"], "--clients must be at least 2"),
-    (["--init", "twin"], "--init 'twin'"),
-    (["--costs", "cosine"], "--costs 'cosine'"),
-    (["--dirichlet-alpha", "-1"], "'--dirichlet-alpha'"),
-    (["--model", "vgg99"], "'--model'"),
-    (["--bbp-sigma", "0"], "--bbp-sigma 0.0 is not allowed: must be a finite number > 0"),
-    (["--bbp-estimate", "mode"], "--bbp-estimate 'mode' is not allowed: choose one of ['posterior', 'weighted']"),
-])
+@pytest.mark.parametrize(
+    ("argv", "fragment"),
+    [
+        (["--clients", "1"], "--clients must be at least 2"),
+        (["--init", "twin"], "--init 'twin'"),
+        (["--costs", "cosine"], "--costs 'cosine'"),
+        (["--dirichlet-alpha", "-1"], "'--dirichlet-alpha'"),
+        (["--model", "vgg99"], "'--model'"),
+        (["--bbp-sigma", "0"], "--bbp-sigma 0.0 is not allowed: must be a finite number > 0"),
+        (["--bbp-estimate", "mode"], "--bbp-estimate 'mode' is not allowed: choose one of ['posterior', 'weighted']"),
+    ],
+)
 def test_bad_options_stop_before_training_with_a_named_error(argv, fragment, tmp_path, capsys):
     assert main(["merge", *argv, "--out", str(tmp_path / "out")]) == 2
     assert fragment in capsys.readouterr().err
@@ -56,8 +59,26 @@ def test_bad_options_stop_before_training_with_a_named_error(argv, fragment, tmp
 
 
 def test_the_bbp_merge_reports_its_accuracy_and_global_widths(tmp_path, capsys):
-    code = main(["merge", "--clients", "3", "--epochs", "1", "--costs", "bbp", "weight", "--init", "different",
-                 "--bbp-include-classifier", "true", "--bbp-iterations", "2", "--out", str(tmp_path)])
+    code = main(
+        [
+            "merge",
+            "--clients",
+            "3",
+            "--epochs",
+            "1",
+            "--costs",
+            "bbp",
+            "weight",
+            "--init",
+            "different",
+            "--bbp-include-classifier",
+            "true",
+            "--bbp-iterations",
+            "2",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     assert code == 0
     payload = json.loads((tmp_path / "merge.json").read_text())
     # every BBP-MAP setting is an option (declared once, in core.bbp.BBPSettings) and recorded

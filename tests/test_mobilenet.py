@@ -6,12 +6,12 @@ from typing import Any
 
 import pytest
 import torch
+from model_checks import randomise
 from torch import nn
 
 from models import PanSettings, PermutationSpec, PositionEncoding, build_model, permute_state, random_permutations
 from models.mobilenet import GroupedDepthwise, PsiMobileNet, stride_plan
 from models.psinet import GroupedConv2d, GroupedNorm, group_layout
-from model_checks import randomise
 
 SHAPES = [(1, 28, 28), (3, 32, 32)]
 NARROW = {"width_factor": 0.25}  # widths 8 ... 256: fast on a 2-core CPU
@@ -29,8 +29,9 @@ def _inputs(shape: tuple[int, int, int], batch: int = 2, seed: int = 0) -> torch
     return torch.randn((batch, *shape), generator=torch.Generator().manual_seed(seed))
 
 
-def _build(name: str, shape: tuple[int, int, int], num_classes: int, pan: PanSettings | None = None,
-           **options: Any) -> nn.Module:
+def _build(
+    name: str, shape: tuple[int, int, int], num_classes: int, pan: PanSettings | None = None, **options: Any
+) -> nn.Module:
     torch.manual_seed(1)
     return build_model(name, shape, num_classes, pan, **NARROW, **options)
 
@@ -67,10 +68,12 @@ def test_layers_follow_howard_et_al():
     model = build_model("mobilenet", (3, 32, 32), 10)
     assert model.stem.conv.out_channels == 32 and model.stem.conv.stride == (1, 1)
     assert [block.pw.conv.out_channels for block in model.blocks] == [64, 128, 128, 256, 256] + [512] * 6 + [1024] * 2
-    assert all(block.dw.conv.groups == block.dw.conv.in_channels == block.dw.conv.out_channels
-               for block in model.blocks)
-    assert all(isinstance(block.dw.norm, nn.BatchNorm2d) and block.pw.conv.kernel_size == (1, 1)
-               for block in model.blocks)
+    assert all(
+        block.dw.conv.groups == block.dw.conv.in_channels == block.dw.conv.out_channels for block in model.blocks
+    )
+    assert all(
+        isinstance(block.dw.norm, nn.BatchNorm2d) and block.pw.conv.kernel_size == (1, 1) for block in model.blocks
+    )
     assert model.classifier.in_features == 1024
     assert sum(p.numel() for p in model.parameters()) == 3_217_226  # ~3.2 M, as in the paper at width 1
     narrow = build_model("mobilenet", (1, 28, 28), 10, width_factor=0.25)
@@ -105,8 +108,9 @@ def test_layout_splits_every_federated_key_once():
     grouped = [key for group in layout.groups for key in group]
     assert set(layout.shared) | set(grouped) == set(keys) and len(layout.shared) + len(grouped) == len(keys)
     assert {"stem.conv.weight", "blocks.3.pw.norm.running_var", "blocks.4.dw.conv.weight"} <= set(layout.shared)
-    assert {"blocks.4.pw.conv.groups.1.weight", "blocks.5.dw.norm.groups.1.bias",
-            "classifier.groups.1.bias"} <= set(layout.groups[1])
+    assert {"blocks.4.pw.conv.groups.1.weight", "blocks.5.dw.norm.groups.1.bias", "classifier.groups.1.bias"} <= set(
+        layout.groups[1]
+    )
     assert layout == group_layout(keys)  # what the server reads from key names alone
 
 
@@ -121,8 +125,9 @@ def test_random_permutation_preserves_function(name, options, shape):
     permuted = permute_state(spec, state, random_permutations(spec, state, torch.Generator().manual_seed(2)))
     assert any(not torch.equal(permuted[k], state[k]) for k in state)
     float_keys = {k for k, v in state.items() if torch.is_floating_point(v)}
-    assert float_keys - set(spec.axes_by_key()) == {k for k in float_keys if k.startswith("classifier.")
-                                                  and k.endswith(".bias")}
+    assert float_keys - set(spec.axes_by_key()) == {
+        k for k in float_keys if k.startswith("classifier.") and k.endswith(".bias")
+    }
     x = _inputs(shape)
     before = _output(model, state, x)
     after = _output(model, permuted, x)
@@ -133,8 +138,13 @@ def test_depthwise_channels_belong_to_the_group_that_feeds_them():
     spec = _build("mobilenet", (1, 28, 28), 10).permutation_spec()
     assert list(spec.groups) == ["stem"] + [f"blocks.{i}.pw" for i in range(13)]
     axes = {(r.key, r.axis) for r in spec.groups["blocks.0.pw"]}
-    assert {("blocks.0.pw.conv.weight", 0), ("blocks.0.pw.norm.running_mean", 0), ("blocks.1.dw.conv.weight", 0),
-            ("blocks.1.dw.norm.weight", 0), ("blocks.1.pw.conv.weight", 1)} <= axes
+    assert {
+        ("blocks.0.pw.conv.weight", 0),
+        ("blocks.0.pw.norm.running_mean", 0),
+        ("blocks.1.dw.conv.weight", 0),
+        ("blocks.1.dw.norm.weight", 0),
+        ("blocks.1.pw.conv.weight", 1),
+    } <= axes
     assert ("classifier.weight", 1) in {(r.key, r.axis) for r in spec.groups["blocks.12.pw"]}
 
 
@@ -164,8 +174,9 @@ def test_psi_permutations_stay_inside_groups():
 # --- position-aware neurons -----------------------------------------------------------
 
 
-@pytest.mark.parametrize(("name", "options", "first_widths"), [(*VARIANTS[0], [8, 8, 16]), (*VARIANTS[1], [8, 8, 18])],
-                         ids=VARIANT_IDS[:2])
+@pytest.mark.parametrize(
+    ("name", "options", "first_widths"), [(*VARIANTS[0], [8, 8, 16]), (*VARIANTS[1], [8, 8, 18])], ids=VARIANT_IDS[:2]
+)
 def test_pans_sit_on_every_hidden_conv_and_change_the_output(name, options, first_widths):
     shape = (1, 28, 28)
     plain = randomise(_build(name, shape, 6, **options))

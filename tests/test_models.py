@@ -8,10 +8,10 @@ import pickle
 
 import pytest
 import torch
+from model_checks import randomise
 from torch import nn
 
 import models.registry as registry
-from model_checks import randomise
 from models import (
     AxisRef,
     PanSettings,
@@ -63,8 +63,27 @@ def _output_after(name, shape, num_classes, pan, state) -> torch.Tensor:
 
 
 def test_registry_lists_every_network():
-    assert ALL_MODELS == sorted(["mlp", "small-mlp", "twonn", "twocnn", "vgg9", "vgg9-bn", "vgg9-gn", "vgg11",
-                                 "resnet20", "transformer-1", "psi-vgg9", "psi-vgg11", "mobilenet", "psi-mobilenet"])
+    assert (
+        sorted(
+            [
+                "mlp",
+                "small-mlp",
+                "twonn",
+                "twocnn",
+                "vgg9",
+                "vgg9-bn",
+                "vgg9-gn",
+                "vgg11",
+                "resnet20",
+                "transformer-1",
+                "psi-vgg9",
+                "psi-vgg11",
+                "mobilenet",
+                "psi-mobilenet",
+            ]
+        )
+        == ALL_MODELS
+    )
 
 
 def test_unknown_model_name_lists_allowed_names():
@@ -123,8 +142,9 @@ def test_vgg9_flatten_matches_paper_on_cifar():
     assert model.state_dict()["fcs.0.weight"].shape == (512, 4096)
 
 
-@pytest.mark.parametrize(("name", "norm", "entries"), [("vgg9", None, 0), ("vgg9-bn", nn.BatchNorm2d, 4),
-                                                     ("vgg9-gn", nn.GroupNorm, 2)])
+@pytest.mark.parametrize(
+    ("name", "norm", "entries"), [("vgg9", None, 0), ("vgg9-bn", nn.BatchNorm2d, 4), ("vgg9-gn", nn.GroupNorm, 2)]
+)
 def test_vgg9_norm_variants_sit_after_every_conv_and_move_with_its_channels(name, norm, entries):
     model = build_model(name, (1, 28, 28), 10)
     norms = [m for m in model.modules() if isinstance(m, (nn.BatchNorm2d, nn.GroupNorm))]
@@ -135,7 +155,8 @@ def test_vgg9_norm_variants_sit_after_every_conv_and_move_with_its_channels(name
     assert len({key for key in refs if key.startswith("norms.2.")}) == entries
     plain = build_model("vgg9", (1, 28, 28), 10).state_dict()
     assert {k: v.shape for k, v in plain.items()} == {
-        k: v.shape for k, v in model.state_dict().items() if not k.startswith("norms.")}
+        k: v.shape for k, v in model.state_dict().items() if not k.startswith("norms.")
+    }
 
 
 def test_width_factor_scales_every_hidden_layer():
@@ -371,9 +392,9 @@ def test_bad_pan_settings_name_the_field(field, kwargs):
 
 
 def test_he_init_redraws_every_layer_and_default_keeps_the_builders():
-    from fl_app.config import ConfigError, parse_run_config
     from core.data import load_dataset
     from core.model_io import build_run_model
+    from fl_app.config import ConfigError, parse_run_config
 
     digits = load_dataset("digits")
 

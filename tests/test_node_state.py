@@ -37,8 +37,10 @@ def run(results: Path, state_dir: Path, name: str, num_nodes: int = 4, **setting
 
 
 def rows(folder: Path) -> list[dict]:
-    return [{k: v for k, v in json.loads(line).items() if k != "elapsed-s"}
-            for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    return [
+        {k: v for k, v in json.loads(line).items() if k != "elapsed-s"}
+        for line in (folder / "metrics.jsonl").read_text().splitlines()
+    ]
 
 
 def same_models(a: Path, b: Path) -> bool:
@@ -81,8 +83,13 @@ def node(state_dir: Path | str | None, partition: int = 0) -> Context:
 
 
 def some_state(value: float) -> RecordDict:
-    return RecordDict({"c": ArrayRecord({"w": torch.full((2,), value)}), "info": MetricRecord({"rounds": 3}),
-                       "note": ConfigRecord({"mode": "mm"})})
+    return RecordDict(
+        {
+            "c": ArrayRecord({"w": torch.full((2,), value)}),
+            "info": MetricRecord({"rounds": 3}),
+            "note": ConfigRecord({"mode": "mm"}),
+        }
+    )
 
 
 def test_snapshots_round_trip_exactly_and_only_the_last_two_are_kept(tmp_path):
@@ -172,10 +179,21 @@ def test_a_resumed_simulation_equals_the_uninterrupted_one_for_scaffold(tmp_path
     monkeypatch.setenv("HOME", str(tmp_path / "home"))  # the actors inherit it
 
     def simulate(name: str, **settings) -> None:
-        values = {**TINY, "strategy": "scaffold", "results-dir": str(tmp_path), "run-name": name,
-                  "min-available-nodes": 3, "num-server-rounds": 3, **settings}
-        run_simulation(server_app=build_server_app(values), client_app=build_client_app(values), num_supernodes=3,
-                       backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}})
+        values = {
+            **TINY,
+            "strategy": "scaffold",
+            "results-dir": str(tmp_path),
+            "run-name": name,
+            "min-available-nodes": 3,
+            "num-server-rounds": 3,
+            **settings,
+        }
+        run_simulation(
+            server_app=build_server_app(values),
+            client_app=build_client_app(values),
+            num_supernodes=3,
+            backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}},
+        )
 
     simulate("straight")
     simulate("stopped", **{"num-server-rounds": 2})

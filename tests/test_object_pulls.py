@@ -6,7 +6,6 @@ import importlib
 import sys
 
 import pytest
-
 from flwr.supercore.constant import PULL_INITIAL_BACKOFF
 
 from fl_app import object_pulls, server_app
@@ -20,8 +19,9 @@ def flower_pulls(monkeypatch):
     (an earlier test in this process may have installed the shorter wait)."""
     for name in object_pulls.PULL_FUNCTIONS:
         function = getattr(PULLS, name)
-        monkeypatch.setattr(function, "__kwdefaults__",
-                            {**function.__kwdefaults__, "initial_backoff": PULL_INITIAL_BACKOFF})
+        monkeypatch.setattr(
+            function, "__kwdefaults__", {**function.__kwdefaults__, "initial_backoff": PULL_INITIAL_BACKOFF}
+        )
     return [getattr(PULLS, name) for name in object_pulls.PULL_FUNCTIONS]
 
 
@@ -39,16 +39,21 @@ def test_a_missing_object_is_asked_for_again_after_the_first_retry_wait(flower_p
         return answer
 
     real_wait = PULLS.threading.Event.wait
-    monkeypatch.setattr(PULLS.threading.Event, "wait", lambda self, timeout=None: waits.append(timeout) or
-                        real_wait(self, 0 if timeout is not None else None))
+    monkeypatch.setattr(
+        PULLS.threading.Event,
+        "wait",
+        lambda self, timeout=None: waits.append(timeout) or real_wait(self, 0 if timeout is not None else None),
+    )
     assert PULLS.pull_objects(["a"], pull) == {"a": b"content"}
     assert [wait for wait in waits if wait is not None and wait < 1][:2] == [0.01, 0.02]  # then doubling as Flower's
 
 
 def test_an_unchecked_flower_keeps_its_own_retries(flower_pulls, monkeypatch):
     monkeypatch.setattr(object_pulls, "version", lambda _: "9.9.9")
-    assert object_pulls.retry_object_pulls_sooner() == \
-        "Flower 9.9.9 is not a release it was checked against (1.41.0)"
+    assert (
+        object_pulls.retry_object_pulls_sooner()
+        == "Flower 9.9.9 is not a release it was checked against (1.41.0, 1.42.0)"
+    )
     assert PULL_INITIAL_BACKOFF == 1
     assert [function.__kwdefaults__["initial_backoff"] for function in flower_pulls] == [1, 1]
 

@@ -21,8 +21,11 @@ from strategies.fedma import FedMASettings
 def _run_config_classes() -> list[type]:
     """Every settings class whose fields are run-config keys: the common sections, every algorithm's, every
     model's."""
-    return [*SECTIONS.values(), *(get_strategy(name).settings for name in list_strategies()),
-            *(model_options(name) for name in list_models())]
+    return [
+        *SECTIONS.values(),
+        *(get_strategy(name).settings for name in list_strategies()),
+        *(model_options(name) for name in list_models()),
+    ]
 
 
 def _borrowed(settings: type) -> list[tuple[dataclasses.Field, dataclasses.Field]]:
@@ -49,8 +52,9 @@ def test_borrowed_fields_are_their_sources_field_for_field():
             assert kinds[field.name] is next(s.kind for s in settings_fields(source_class) if s.name == source.name)
     # Every PAN setting and every BBP-MAP setting but the merge tool's `estimate` has a run-config key.
     assert {name for cls, name in seen if cls == "PanSettings"} == {f.name for f in dataclasses.fields(PanSettings)}
-    assert {name for cls, name in seen if cls == "BBPSettings"} == {
-        f.name for f in dataclasses.fields(BBPSettings)} - {"estimate"}
+    assert {name for cls, name in seen if cls == "BBPSettings"} == {f.name for f in dataclasses.fields(BBPSettings)} - {
+        "estimate"
+    }
 
 
 def test_the_engine_settings_are_the_run_configs_at_every_default_and_value():
@@ -60,19 +64,33 @@ def test_the_engine_settings_are_the_run_configs_at_every_default_and_value():
     run = parse_run_config({"pan-mode": "add", "pan-t": 2.0, "pan-a": 0.3})
     assert run.pan == PanSettings(mode="add", period=2.0, amplitude=0.3)
     assert run.pan_signature() == {"pan-mode": "add", "pan-t": 2.0, "pan-a": 0.3}
-    values = {"bbp-sigma": 0.5, "bbp-sigma0": 2.0, "bbp-mu0": 0.1, "bbp-gamma": 3.0, "bbp-max-width": 9,
-              "bbp-iterations": 2, "bbp-include-classifier": True}
+    values = {
+        "bbp-sigma": 0.5,
+        "bbp-sigma0": 2.0,
+        "bbp-mu0": 0.1,
+        "bbp-gamma": 3.0,
+        "bbp-max-width": 9,
+        "bbp-iterations": 2,
+        "bbp-include-classifier": True,
+    }
     bbp = parse_run_config({"strategy": "fedma", **values}).settings.bbp()
-    assert bbp == BBPSettings(sigma=0.5, sigma0=2.0, mu0=0.1, gamma=3.0, max_width=9, iterations=2,
-                              include_classifier=True)
+    assert bbp == BBPSettings(
+        sigma=0.5, sigma0=2.0, mu0=0.1, gamma=3.0, max_width=9, iterations=2, include_classifier=True
+    )
 
 
-@pytest.mark.parametrize(("key", "value", "engine", "field"), [
-    ("pan-mode", "both", PanSettings, "mode"), ("pan-t", -1.0, PanSettings, "period"),
-    ("pan-a", float("inf"), PanSettings, "amplitude"), ("bbp-sigma", 0.0, BBPSettings, "sigma"),
-    ("bbp-mu0", float("nan"), BBPSettings, "mu0"), ("bbp-max-width", 0, BBPSettings, "max_width"),
-    ("bbp-iterations", -1, BBPSettings, "iterations"),
-])
+@pytest.mark.parametrize(
+    ("key", "value", "engine", "field"),
+    [
+        ("pan-mode", "both", PanSettings, "mode"),
+        ("pan-t", -1.0, PanSettings, "period"),
+        ("pan-a", float("inf"), PanSettings, "amplitude"),
+        ("bbp-sigma", 0.0, BBPSettings, "sigma"),
+        ("bbp-mu0", float("nan"), BBPSettings, "mu0"),
+        ("bbp-max-width", 0, BBPSettings, "max_width"),
+        ("bbp-iterations", -1, BBPSettings, "iterations"),
+    ],
+)
 def test_one_check_refuses_a_value_in_the_run_config_and_in_code(key, value, engine, field):
     """The run config names the key, the engine's object the field; both give the one declared reason."""
     allowed = next(f for f in dataclasses.fields(engine) if f.name == field).metadata["allowed"]
@@ -111,7 +129,9 @@ class _Section:
 
 def test_option_from_and_source_settings_round_trip():
     assert [(s.key, s.default, s.help) for s in settings_fields(_Section)] == [
-        ("engine-rate", 0.5, "a rate"), ("engine-steps", 3, "steps")]
+        ("engine-rate", 0.5, "a rate"),
+        ("engine-steps", 3, "steps"),
+    ]
     assert source_settings(_Section(0.25, 7), _Engine) == _Engine(rate=0.25, steps=7)
     with pytest.raises(ValueError, match="_Engine has no option 'plain'"):
         option_from(_Engine, "plain")
@@ -119,12 +139,15 @@ def test_option_from_and_source_settings_round_trip():
         option_from(_Engine, "missing")
 
 
-@pytest.mark.parametrize(("kwargs", "message"), [
-    ({"rate": 1.5}, "_Engine.rate = 1.5 is not allowed: must lie in (0, 1)"),
-    ({"steps": 2.0}, "_Engine.steps = 2.0 is not allowed: must be of type int"),
-    ({"steps": True}, "_Engine.steps = True is not allowed: must be of type int"),
-    ({"rate": "0.5"}, "_Engine.rate = '0.5' is not allowed: must be of type float"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"rate": 1.5}, "_Engine.rate = 1.5 is not allowed: must lie in (0, 1)"),
+        ({"steps": 2.0}, "_Engine.steps = 2.0 is not allowed: must be of type int"),
+        ({"steps": True}, "_Engine.steps = True is not allowed: must be of type int"),
+        ({"rate": "0.5"}, "_Engine.rate = '0.5' is not allowed: must be of type float"),
+    ],
+)
 def test_check_fields_names_the_field_its_type_and_its_check(kwargs, message):
     with pytest.raises(ValueError) as error:
         _Engine(**kwargs)

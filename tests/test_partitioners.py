@@ -34,8 +34,10 @@ pytestmark = [
     # DirichletPartitioner warns on each re-draw; the infeasible case is asserted on its error.
     pytest.mark.filterwarnings("ignore:The specified min_partition_size"),
 ]
-needs_fashion_mnist = pytest.mark.skipif(bool(DATASETS.get("fashion-mnist").missing_files(None)),
-                                         reason="Fashion-MNIST is not installed (dataset-fashion-mnist)")
+needs_fashion_mnist = pytest.mark.skipif(
+    bool(DATASETS.get("fashion-mnist").missing_files(None)),
+    reason="Fashion-MNIST is not installed (dataset-fashion-mnist)",
+)
 DIGITS = 1437  # training samples of scikit-learn's digits
 
 
@@ -69,26 +71,50 @@ def digest(parts: tuple[np.ndarray, ...]) -> str:
     return h.hexdigest()[:24]
 
 
-@pytest.mark.parametrize(("partitioner", "num_partitions", "seed", "options", "expected", "sizes", "first"), [
-    ("iid", 7, 3, {}, "f21184829e2f4b30c1762ada", [206, 206, 205, 205], [184, 574, 312]),
-    ("dirichlet", 10, 1, {"dirichlet_alpha": 0.3}, "58e1ea82e1b34542bdd66ea1", [55, 192, 196, 164], [73, 1333, 303]),
-    ("dirichlet", 5, 0, {"train_size": 500}, "0f8f21e81cc2f105adcb25e2", [74, 96, 101, 126], [790, 117, 1308]),
-    ("pathological", 20, 2, {"classes_per_client": 3}, "86227c2f380c044adb02145e", [67, 73, 62, 75],
-     [1286, 897, 1044]),
-    ("shard", 10, 4, {"shards_per_client": 3}, "274b2f56ad60a46345dc908c", [141, 141, 141, 141], [1083, 1042, 24]),
-    ("fixed-pairs", 10, 0, {}, "f108b9747a900e8876952ec2", [138, 138, 138, 138], [781, 33, 1149]),
-    ("fixed-pairs", 5, 1, {"samples_per_client": 40}, "d9c166607c93a6d8599e2ec5", [40, 40, 40, 40],
-     [1211, 1103, 1187]),
-])
-def test_partitions_are_those_computed_before_partitioning_moved(partitioner, num_partitions, seed, options, expected,
-                                                                 sizes, first) -> None:
+@pytest.mark.parametrize(
+    ("partitioner", "num_partitions", "seed", "options", "expected", "sizes", "first"),
+    [
+        ("iid", 7, 3, {}, "f21184829e2f4b30c1762ada", [206, 206, 205, 205], [184, 574, 312]),
+        (
+            "dirichlet",
+            10,
+            1,
+            {"dirichlet_alpha": 0.3},
+            "58e1ea82e1b34542bdd66ea1",
+            [55, 192, 196, 164],
+            [73, 1333, 303],
+        ),
+        ("dirichlet", 5, 0, {"train_size": 500}, "0f8f21e81cc2f105adcb25e2", [74, 96, 101, 126], [790, 117, 1308]),
+        (
+            "pathological",
+            20,
+            2,
+            {"classes_per_client": 3},
+            "86227c2f380c044adb02145e",
+            [67, 73, 62, 75],
+            [1286, 897, 1044],
+        ),
+        ("shard", 10, 4, {"shards_per_client": 3}, "274b2f56ad60a46345dc908c", [141, 141, 141, 141], [1083, 1042, 24]),
+        ("fixed-pairs", 10, 0, {}, "f108b9747a900e8876952ec2", [138, 138, 138, 138], [781, 33, 1149]),
+        (
+            "fixed-pairs",
+            5,
+            1,
+            {"samples_per_client": 40},
+            "d9c166607c93a6d8599e2ec5",
+            [40, 40, 40, 40],
+            [1211, 1103, 1187],
+        ),
+    ],
+)
+def test_partitions_are_those_computed_before_partitioning_moved(
+    partitioner, num_partitions, seed, options, expected, sizes, first
+) -> None:
     """Pinned: the digests, sizes and first indices were computed by core/data.py's partitioning before it moved
     to core/partitioning (and its settings became settings classes)."""
     parts = partition_dataset("digits", None, partitioner, num_partitions, seed, **options)
     assert [len(part) for part in parts[:4]] == sizes and parts[0][:3].tolist() == first
     assert digest(parts) == expected
-
-
 
 
 def label_sets(parts: tuple[np.ndarray, ...], labels: np.ndarray) -> list[set[int]]:
@@ -125,9 +151,7 @@ def test_iid_is_label_balanced() -> None:
 @pytest.mark.parametrize("classes_per_client", [1, 2, 3])
 def test_pathological_gives_exact_class_counts(classes_per_client: int) -> None:
     labels = load_dataset("digits").train_y.numpy()
-    parts = partition_dataset(
-        "digits", None, "pathological", 20, 0, classes_per_client=classes_per_client
-    )
+    parts = partition_dataset("digits", None, "pathological", 20, 0, classes_per_client=classes_per_client)
     assert all(len(classes) == classes_per_client for classes in label_sets(parts, labels))
     # first-deterministic assignment: every class is used once clients >= classes
     assert set().union(*label_sets(parts, labels)) == set(range(10))
@@ -223,8 +247,13 @@ def test_infeasible_pathological_names_keys() -> None:
     ],
 )
 def test_bad_partition_parameters_name_the_key(partitioner: str, kwargs: dict[str, object], key: str) -> None:
-    args: dict[str, object] = {"dataset": "digits", "data_root": None, "partitioner": partitioner, "num_partitions": 10,
-                               "seed": 0}
+    args: dict[str, object] = {
+        "dataset": "digits",
+        "data_root": None,
+        "partitioner": partitioner,
+        "num_partitions": 10,
+        "seed": 0,
+    }
     with pytest.raises(ValueError, match=key):
         partition_dataset(**{**args, **kwargs})  # type: ignore[arg-type]
 
@@ -278,9 +307,12 @@ def test_client_split_rejects_bad_keep_fraction(fraction: object) -> None:
 
 def test_shard_refuses_more_shards_than_samples_naming_the_key() -> None:
     """500 clients x 10 shards of the 1,437 digits: flwr-datasets would divide by a shard size of 0."""
-    with pytest.raises(ValueError, match=r"'shards-per-client' = 10 .*num-partitions = 500 .*5000 shards.*1437 "
-                                         r"training samples.*allowed: shards-per-client \* num-partitions <= 1437, "
-                                         r"here shards-per-client <= 2"):
+    with pytest.raises(
+        ValueError,
+        match=r"'shards-per-client' = 10 .*num-partitions = 500 .*5000 shards.*1437 "
+        r"training samples.*allowed: shards-per-client \* num-partitions <= 1437, "
+        r"here shards-per-client <= 2",
+    ):
         partition_dataset("digits", None, "shard", 500, 0, shards_per_client=10)
     assert len(partition_dataset("digits", None, "shard", 500, 0, shards_per_client=2)) == 500  # the bound holds
 
@@ -294,21 +326,27 @@ def test_more_partitions_than_samples_are_refused_naming_the_limit(partitioner: 
 
 
 def test_fixed_pairs_refuses_a_count_that_is_not_a_multiple_of_half_the_classes() -> None:
-    with pytest.raises(ValueError, match="num-partitions = 7 is not allowed with partitioner 'fixed-pairs'.*"
-                                         "multiple of 5"):
+    with pytest.raises(
+        ValueError, match="num-partitions = 7 is not allowed with partitioner 'fixed-pairs'.*multiple of 5"
+    ):
         partition_dataset("digits", None, "fixed-pairs", 7, 0)
 
 
 def test_fixed_pairs_refuses_an_odd_number_of_classes_before_the_data_are_read() -> None:
-    with pytest.raises(ValueError, match="'partitioner' = 'fixed-pairs' is not allowed: needs an even number of "
-                                         "classes, and 'odd' has 9"):
+    with pytest.raises(
+        ValueError,
+        match="'partitioner' = 'fixed-pairs' is not allowed: needs an even number of classes, and 'odd' has 9",
+    ):
         check_partitioning("fixed-pairs", FixedPairsSettings(), Split("odd", 9))
     check_partitioning("fixed-pairs", FixedPairsSettings(), Split("even", 10))  # the count is not known yet
 
 
 def test_fixed_pairs_refuses_more_samples_than_the_smallest_class_gives_naming_the_key() -> None:
-    with pytest.raises(ValueError, match=r"partitioner 'fixed-pairs' cannot split.*num-partitions=10, "
-                                         r"samples-per-client=400 .*allowed: None or an even number in \[2, \d+\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"partitioner 'fixed-pairs' cannot split.*num-partitions=10, "
+        r"samples-per-client=400 .*allowed: None or an even number in \[2, \d+\]",
+    ):
         partition_dataset("digits", None, "fixed-pairs", 10, 0, samples_per_client=400)
 
 
@@ -316,8 +354,14 @@ def test_the_launcher_refuses_an_infeasible_shard_split_before_starting(tmp_path
     """The issue's case: `./scripts/run.sh --num-supernodes 500 --run-config 'dataset="digits" partitioner="shard"
     shards-per-client=10'` ended in a ZeroDivisionError."""
     results = tmp_path / "results"
-    code = launch.main(["--num-supernodes", "500", "--run-config",
-                        f'dataset="digits" partitioner="shard" shards-per-client=10 results-dir="{results}"'])
+    code = launch.main(
+        [
+            "--num-supernodes",
+            "500",
+            "--run-config",
+            f'dataset="digits" partitioner="shard" shards-per-client=10 results-dir="{results}"',
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and "'shards-per-client' = 10" in err and "shards-per-client <= 2" in err
     assert "Traceback" not in err and not results.exists()
@@ -382,8 +426,9 @@ def test_partitions_are_disjoint_and_come_from_the_dataset():
     assert len(rows) == len(set(rows.tolist())) == 600
     dataset = _dataset([PER_CLASS] * 10)
     for part in parts:
-        assert np.array_equal(np.asarray(dataset["label"][:])[np.asarray(part["index"][:])],
-                              np.asarray(part["label"][:]))
+        assert np.array_equal(
+            np.asarray(dataset["label"][:])[np.asarray(part["index"][:])], np.asarray(part["label"][:])
+        )
 
 
 def test_deterministic_by_seed():
@@ -410,14 +455,26 @@ def test_is_a_flower_partitioner():
         ({"num_partitions": 2.0}, None, r"num_partitions must be an integer"),
         ({"num_partitions": 10, "samples_per_client": 13}, None, r"samples_per_client must be even"),
         ({"num_partitions": 10, "samples_per_client": 0}, None, r"samples_per_client must be an integer >= 2"),
-        ({"num_partitions": 10, "samples_per_client": 62}, None,
-         r"samples_per_client=62 is more than .* allowed: None or an even number in \[2, 60\]"),
+        (
+            {"num_partitions": 10, "samples_per_client": 62},
+            None,
+            r"samples_per_client=62 is more than .* allowed: None or an even number in \[2, 60\]",
+        ),
         ({"num_partitions": 10, "seed": -1}, None, r"seed must be an integer >= 0"),
         ({"num_partitions": 1000}, None, r"num_partitions=1000 .* allowed: num_partitions <= 300"),
         ({"num_partitions": 3}, [PER_CLASS] * 9, r"even number of classes"),
     ],
-    ids=["k-not-multiple", "k-zero", "k-float", "odd-size", "size-zero", "too-many-samples", "seed",
-         "too-many-clients", "odd-classes"],
+    ids=[
+        "k-not-multiple",
+        "k-zero",
+        "k-float",
+        "odd-size",
+        "size-zero",
+        "too-many-samples",
+        "seed",
+        "too-many-clients",
+        "odd-classes",
+    ],
 )
 def test_bad_settings_are_refused_naming_the_parameter(kwargs, counts, message):
     with pytest.raises(ValueError, match=message):

@@ -23,8 +23,15 @@ TINY = {"dataset": "digits", "model": "small-mlp", "num-server-rounds": 2, "batc
 
 
 def _pair_values(strategy: str, model: str) -> dict:
-    values = {"strategy": strategy, "model": model, "dataset": "digits", "device": "cpu", "batch-size": 16,
-              "data-fraction": 0.1, "min-available-nodes": 2}
+    values = {
+        "strategy": strategy,
+        "model": model,
+        "dataset": "digits",
+        "device": "cpu",
+        "batch-size": 16,
+        "data-fraction": 0.1,
+        "min-available-nodes": 2,
+    }
     if "width_factor" in option_names(model):
         values["width-factor"] = 0.25
     return values
@@ -53,14 +60,19 @@ def test_every_accepted_pair_aggregates_a_round_of_real_replies(strategy, model)
     torch.manual_seed(0)
     context = build_context(config, build_model_for(config, shape, classes))
     trained = []
-    metrics = MetricAggregation(lambda records, key: None, lambda records, key: None,
-                                lambda round_, participation: trained.append(participation))
+    metrics = MetricAggregation(
+        lambda records, key: None,
+        lambda records, key: None,
+        lambda round_, participation: trained.append(participation),
+    )
     runner = RoundRunner(get_strategy(strategy).server(context), InProcessGrid(build_client_app(values), 2), metrics)
     arrays = runner.train_round(1, context.initial_arrays)
     assert trained[0].trained == 2, trained[0].dropped
     assert set(arrays.keys()) == set(context.initial_arrays.keys())
-    assert any(not torch.equal(torch.from_numpy(arrays[k].numpy()), torch.from_numpy(context.initial_arrays[k].numpy()))
-               for k in arrays.keys())
+    assert any(
+        not torch.equal(torch.from_numpy(arrays[k].numpy()), torch.from_numpy(context.initial_arrays[k].numpy()))
+        for k in arrays
+    )
 
 
 def test_pairs_that_cannot_work_are_refused():
@@ -70,8 +82,10 @@ def test_pairs_that_cannot_work_are_refused():
 
 
 def _rows(folder: Path) -> list[dict]:
-    return [{k: v for k, v in json.loads(line).items() if k != "elapsed-s"}
-            for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    return [
+        {k: v for k, v in json.loads(line).items() if k != "elapsed-s"}
+        for line in (folder / "metrics.jsonl").read_text().splitlines()
+    ]
 
 
 @pytest.mark.parametrize("strategy", list_strategies())
@@ -97,9 +111,11 @@ def test_behaviour_equals_the_runs_recorded_before_the_restructuring(tmp_path, s
 def _same_run(run: dict, recording: dict) -> bool:
     """Every recorded metric of every round (new keys may be added, none may change) and the model's sums."""
     rows, expected = run["rows"], recording["rows"]
-    return (len(rows) == len(expected)
-            and [{key: row.get(key) for key in before} for row, before in zip(rows, expected)] == _float_noise(expected)
-            and run["model-sums"] == _float_noise(recording["model-sums"], abs_tolerance=1e-4))
+    return (
+        len(rows) == len(expected)
+        and [{key: row.get(key) for key in before} for row, before in zip(rows, expected)] == _float_noise(expected)
+        and run["model-sums"] == _float_noise(recording["model-sums"], abs_tolerance=1e-4)
+    )
 
 
 def _float_noise(recorded, abs_tolerance: float = 1e-9):

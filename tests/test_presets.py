@@ -2,17 +2,17 @@
 data are not on disk refuses before any job starts, and (slow) every -cpu preset runs one round."""
 
 import csv
-from contextlib import contextmanager
 import os
 import subprocess
 import sys
 import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from omegaconf import OmegaConf
 import yaml
 from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
 from core.data import DatasetMissingError
 from fl_app import sweep
@@ -98,9 +98,14 @@ def test_a_preset_whose_data_are_missing_refuses_before_any_job(name, tmp_path, 
 
     monkeypatch.setattr(sweep, "check_dataset_available", check)
     # The schema alone per job (the previous test builds the models); every configuration of seed 0.
-    monkeypatch.setattr(sweep, "job_settings", lambda cfg, choices, folder: (parse_run_config(
-        {**hydra_to_run_config(cfg, choices), "results-dir": str(folder)}),
-        sweep.SimSettings.from_config(OmegaConf.to_container(cfg.sim, resolve=True))))
+    monkeypatch.setattr(
+        sweep,
+        "job_settings",
+        lambda cfg, choices, folder: (
+            parse_run_config({**hydra_to_run_config(cfg, choices), "results-dir": str(folder)}),
+            sweep.SimSettings.from_config(OmegaConf.to_container(cfg.sim, resolve=True)),
+        ),
+    )
     with composed([f"+experiment={name}", f"hydra.sweep.dir={tmp_path / 'sweep'}", f"data.root={tmp_path}"]) as cfg:
         jobs = _one_seed(sweep_job_overrides(cfg))
         monkeypatch.setattr(sweep, "sweep_job_overrides", lambda config: jobs)
@@ -119,8 +124,14 @@ def test_a_preset_whose_data_are_missing_refuses_before_any_job(name, tmp_path, 
 
 def _sweep(tmp_path: Path, *overrides: str, extra_env=None) -> subprocess.CompletedProcess:
     env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0", **(extra_env or {})}
-    return subprocess.run([sys.executable, "-m", "fl_app.sweep", *overrides, f"hydra.sweep.dir={tmp_path}"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    return subprocess.run(
+        [sys.executable, "-m", "fl_app.sweep", *overrides, f"hydra.sweep.dir={tmp_path}"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
 
 
 def test_the_cifar10_preset_exits_with_the_data_message_before_any_job(tmp_path):
@@ -128,8 +139,12 @@ def test_the_cifar10_preset_exits_with_the_data_message_before_any_job(tmp_path)
     empty = tmp_path / "data"
     empty.mkdir()
     proxy = "http://127.0.0.1:9"
-    result = _sweep(tmp_path / "sweep", "+experiment=pans-table1", f"data.root={empty}",
-                    extra_env={"http_proxy": proxy, "https_proxy": proxy, "HTTP_PROXY": proxy, "HTTPS_PROXY": proxy})
+    result = _sweep(
+        tmp_path / "sweep",
+        "+experiment=pans-table1",
+        f"data.root={empty}",
+        extra_env={"http_proxy": proxy, "https_proxy": proxy, "HTTP_PROXY": proxy, "HTTPS_PROXY": proxy},
+    )
     assert result.returncode != 0
     assert "invalid sweep, no job was started: dataset 'cifar10' not found" in result.stderr
     assert "torchvision's layout" in result.stderr
@@ -143,11 +158,19 @@ def test_a_cpu_preset_runs_one_round_of_its_last_configuration(name, tmp_path):
     job, torch at 1 thread; that every other configuration composes and validates is the fast test's above."""
     with composed([f"+experiment={name}", "seed=0"]) as cfg:
         last = sweep_job_overrides(cfg)[-1]
-    result = _sweep(tmp_path, *last, "hydra.sweeper.params=null", "train.num_server_rounds=1", "sim.backend=inprocess",
-                    "sim.torch_threads=1")
+    result = _sweep(
+        tmp_path,
+        *last,
+        "hydra.sweeper.params=null",
+        "train.num_server_rounds=1",
+        "sim.backend=inprocess",
+        "sim.torch_threads=1",
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     with (tmp_path / "summary.csv").open() as stream:
         rows = list(csv.DictReader(stream))
     assert len(rows) == 1 and rows[0]["seeds"] == "1" and rows[0]["failed"] == "0", rows
     assert all(value.split("=")[1] in rows[0].values() for value in last if not value.startswith(("seed=", "+"))), (
-        last, rows)
+        last,
+        rows,
+    )

@@ -218,22 +218,33 @@ def test_psinet_needs_a_psinet_model():
 
 SHARED = "convs.0.weight"
 GROUPED = ("convs.1.groups.{}.weight", "classifier.groups.{}.bias")
-GLOBAL = {SHARED: np.full((2, 2), -1.0, np.float32),
-          **{key.format(g): np.full(3, -10.0 * (g + 1), np.float32) for g in range(3) for key in GROUPED}}
+GLOBAL = {
+    SHARED: np.full((2, 2), -1.0, np.float32),
+    **{key.format(g): np.full(3, -10.0 * (g + 1), np.float32) for g in range(3) for key in GROUPED},
+}
 
 
-def _reply(held: list[int], value: float, examples: int, node: int = 1, *, arrays: dict | None = None,
-           declared: list[int] | None = None) -> Reply:
+def _reply(
+    held: list[int],
+    value: float,
+    examples: int,
+    node: int = 1,
+    *,
+    arrays: dict | None = None,
+    declared: list[int] | None = None,
+) -> Reply:
     """A reply carrying shared and held-group arrays all equal to ``value`` (or ``arrays`` as given)."""
     if arrays is None:
         keys = [SHARED] + [key.format(g) for g in held for key in GROUPED]
         arrays = {k: np.full_like(GLOBAL[k], value) for k in keys}
     declared = held if declared is None else declared
-    content = RecordDict({
-        "arrays": ArrayRecord({k: torch.from_numpy(v) for k, v in arrays.items()}),
-        HELD_RECORD: ArrayRecord({HELD_KEY: torch.tensor(declared, dtype=torch.int64)}),
-        "metrics": MetricRecord({"num-examples": examples}),
-    })
+    content = RecordDict(
+        {
+            "arrays": ArrayRecord({k: torch.from_numpy(v) for k, v in arrays.items()}),
+            HELD_RECORD: ArrayRecord({HELD_KEY: torch.tensor(declared, dtype=torch.int64)}),
+            "metrics": MetricRecord({"num-examples": examples}),
+        }
+    )
     return Reply(node, node, content, examples)
 
 
@@ -277,12 +288,18 @@ def _good_arrays(held):
     ("reply", "fragment"),
     [
         (_reply([0], 9.0, 1, declared=[1]), "missing ['classifier.groups.1.bias'"),  # sends a group it does not hold
-        (_reply([0], 0.0, 1, arrays={**_good_arrays([0]), "convs.1.groups.1.weight": np.zeros(3, np.float32)}),
-         "unexpected ['convs.1.groups.1.weight']"),
-        (_reply([0], 0.0, 1, arrays={**_good_arrays([0]), SHARED: np.zeros((2, 3), np.float32)}),
-         "shape (2, 3), expected (2, 2)"),
-        (_reply([0], 0.0, 1, arrays={k: v for k, v in _good_arrays([0]).items() if k != SHARED}),
-         "missing ['convs.0.weight']"),
+        (
+            _reply([0], 0.0, 1, arrays={**_good_arrays([0]), "convs.1.groups.1.weight": np.zeros(3, np.float32)}),
+            "unexpected ['convs.1.groups.1.weight']",
+        ),
+        (
+            _reply([0], 0.0, 1, arrays={**_good_arrays([0]), SHARED: np.zeros((2, 3), np.float32)}),
+            "shape (2, 3), expected (2, 2)",
+        ),
+        (
+            _reply([0], 0.0, 1, arrays={k: v for k, v in _good_arrays([0]).items() if k != SHARED}),
+            "missing ['convs.0.weight']",
+        ),
         (_reply([0], 0.0, 1, declared=[3]), "distinct group ids in 0..2"),
         (_reply([0], 0.0, 1, declared=[]), "non-empty 1-D integer array"),
     ],
@@ -306,9 +323,19 @@ def test_reply_without_the_groups_record_is_refused():
 
 @pytest.mark.slow  # a convolutional net: ~15 s on two loaded cores
 def test_psinet_on_digits_pathological(tmp_path: Path):
-    config = {"dataset": "digits", "model": "psi-vgg9", "strategy": "psinet", "partitioner": "pathological",
-              "classes-per-client": 4, "psi-groups": 5, "num-server-rounds": 2, "pan-mode": "mul", "pan-a": 0.2,
-              "results-dir": str(tmp_path), "device": "cpu"}
+    config = {
+        "dataset": "digits",
+        "model": "psi-vgg9",
+        "strategy": "psinet",
+        "partitioner": "pathological",
+        "classes-per-client": 4,
+        "psi-groups": 5,
+        "num-server-rounds": 2,
+        "pan-mode": "mul",
+        "pan-a": 0.2,
+        "results-dir": str(tmp_path),
+        "device": "cpu",
+    }
     run_in_process(config, num_nodes=3)
     (folder,) = tmp_path.iterdir()
     rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
@@ -346,8 +373,10 @@ def test_suggested_depth_is_the_largest_rise():
 def test_depth_command_writes_json_and_plot(tmp_path: Path):
     from fl_app.analysis.__main__ import main
 
-    assert main(["depth", "--model", "twocnn", "--dataset", "digits", "--samples-per-class", "3",
-                 "--out", str(tmp_path)]) == 0
+    assert (
+        main(["depth", "--model", "twocnn", "--dataset", "digits", "--samples-per-class", "3", "--out", str(tmp_path)])
+        == 0
+    )
     payload = json.loads((tmp_path / "depth.json").read_text())
     assert payload["layers"] == ["convs.0", "convs.1", "fcs.0"] and len(payload["total_variance"]) == 3
     assert 1 <= payload["suggested_psi_depth"] <= 2 and (tmp_path / "depth.png").stat().st_size > 0

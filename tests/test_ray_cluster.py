@@ -20,10 +20,10 @@ from fl_app import launch
 from fl_app.client_app import build_client_app
 from fl_app.config import ConfigError, parse_run_config
 from fl_app.inprocess import InProcessGrid
-from fl_app.superlink import free_port
 from fl_app.local_ray import local_ray_cluster
-from fl_app.ray_cluster import RAY_NODE_RECORD, check_client_fits, check_ray_address, RayNode
+from fl_app.ray_cluster import RAY_NODE_RECORD, RayNode, check_client_fits, check_ray_address
 from fl_app.results import _ray_nodes
+from fl_app.superlink import free_port
 from fl_app.sweep import SimSettings, register_configs, run_job
 from tests.test_data import write_mnist_raw
 from tests.test_sweep import composed, sweep
@@ -44,8 +44,16 @@ def test_an_address_where_no_cluster_answers_is_refused_naming_it_and_how_to_sta
 
 def test_the_launcher_refuses_a_dead_ray_address_with_exit_2_before_a_superlink_starts(tmp_path, capsys):
     address = f"127.0.0.1:{free_port()}"
-    code = launch.main(["--ray-address", address, "--num-supernodes", "2",
-                        "--run-config", f'dataset="digits" results-dir="{tmp_path}"'])
+    code = launch.main(
+        [
+            "--ray-address",
+            address,
+            "--num-supernodes",
+            "2",
+            "--run-config",
+            f'dataset="digits" results-dir="{tmp_path}"',
+        ]
+    )
     assert code == 2
     assert f"--ray-address='{address}': no Ray cluster answers there" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())  # no run folder: nothing started
@@ -68,8 +76,10 @@ def test_a_client_that_fits_on_no_node_is_refused():
 
 def test_attached_jobs_pass_the_address_and_no_resource_counts_to_ray():
     sim = SimSettings.from_config({"ray_address": "10.0.0.1:6379", "client_cpus": 2.0})
-    assert sim.backend_config() == {"client_resources": {"num_cpus": 2.0, "num_gpus": 0.0},
-                                    "init_args": {"address": "10.0.0.1:6379"}}
+    assert sim.backend_config() == {
+        "client_resources": {"num_cpus": 2.0, "num_gpus": 0.0},
+        "init_args": {"address": "10.0.0.1:6379"},
+    }
     with pytest.raises(ConfigError, match=r"\['sim.ray_cpus'\] must be null with sim.ray_address"):
         SimSettings.from_config({"ray_address": "auto", "ray_cpus": 4})
     with pytest.raises(ConfigError, match="sim.ray_address = 'auto' needs sim.backend=ray"):
@@ -83,9 +93,11 @@ def test_a_client_lacking_the_data_set_names_its_node_and_the_missing_files(tmp_
     values = {"dataset": "mnist", "data-root": str(tmp_path), "num-server-rounds": 1}
     config = parse_run_config(values)
     grid = InProcessGrid(build_client_app(values), 2)
-    message = Message(RecordDict({"arrays": ArrayRecord(), "config": ConfigRecord(
-        {**config.pan_signature(), "server-round": 1})}), dst_node_id=grid.get_node_ids()[0],
-        message_type=MessageType.TRAIN)
+    message = Message(
+        RecordDict({"arrays": ArrayRecord(), "config": ConfigRecord({**config.pan_signature(), "server-round": 1})}),
+        dst_node_id=grid.get_node_ids()[0],
+        message_type=MessageType.TRAIN,
+    )
     reply = grid.deliver(message)
     assert reply.has_error()
     assert "this node on Ray node 3f2a (10.0.0.7) lacks the data set" in reply.error.reason
@@ -94,11 +106,17 @@ def test_a_client_lacking_the_data_set_names_its_node_and_the_missing_files(tmp_
 
 def test_the_round_records_which_ray_node_each_client_trained_on():
     def reply(partition: int, node: str) -> RecordDict:
-        return RecordDict({"metrics": MetricRecord({"partition-id": partition, "num-examples": 5}),
-                           RAY_NODE_RECORD: ConfigRecord({"node-id": node, "address": "10.0.0.1"})})
+        return RecordDict(
+            {
+                "metrics": MetricRecord({"partition-id": partition, "num-examples": 5}),
+                RAY_NODE_RECORD: ConfigRecord({"node-id": node, "address": "10.0.0.1"}),
+            }
+        )
 
-    assert _ray_nodes([reply(2, "bb"), reply(0, "aa"), RecordDict({"metrics": MetricRecord({"partition-id": 1})})]) \
-        == {"0": {"node-id": "aa", "address": "10.0.0.1"}, "2": {"node-id": "bb", "address": "10.0.0.1"}}
+    assert _ray_nodes([reply(2, "bb"), reply(0, "aa"), RecordDict({"metrics": MetricRecord({"partition-id": 1})})]) == {
+        "0": {"node-id": "aa", "address": "10.0.0.1"},
+        "2": {"node-id": "bb", "address": "10.0.0.1"},
+    }
 
 
 # --- a real two-node cluster ---------------------------------------------------------------------------------
@@ -160,12 +178,23 @@ def test_clients_run_on_both_nodes_with_the_accuracy_of_one_node(cluster, tmp_pa
 @pytest.mark.slow
 def test_a_node_lacking_the_data_set_fails_its_clients_naming_it_and_the_round_goes_on(cluster, mnist_root, tmp_path):
     lacking = cluster.nodes()["node1"]
-    record, rows = _job(cluster, tmp_path, "lacking", "dataset=mnist", f"data.root={mnist_root}",
-                        "train.num_server_rounds=2", f"sim.ray_address={cluster.address}")
+    record, rows = _job(
+        cluster,
+        tmp_path,
+        "lacking",
+        "dataset=mnist",
+        f"data.root={mnist_root}",
+        "train.num_server_rounds=2",
+        f"sim.ray_address={cluster.address}",
+    )
     assert record["status"] == "completed", record["error"]
     reasons = [reason for row in rows[1:] for reason in row["clients-dropped-reasons"].values()]
-    assert reasons and all(f"on Ray node {lacking.node_id}" in reason and "lacks the data set" in reason
-                           and str(mnist_root / "MNIST" / "raw") in reason for reason in reasons)
+    assert reasons and all(
+        f"on Ray node {lacking.node_id}" in reason
+        and "lacks the data set" in reason
+        and str(mnist_root / "MNIST" / "raw") in reason
+        for reason in reasons
+    )
     assert all(row["clients-trained"] == 4 - row["clients-dropped"] >= 1 for row in rows[1:])
     summary = json.loads((Path(record["run-folder"]) / "summary.json").read_text())
     assert sum(summary["dropped-reasons"].values()) == len(reasons)
@@ -202,8 +231,9 @@ def test_a_node_lost_mid_run_drops_its_messages_naming_it_and_the_next_rounds_tr
     assert all(f"Ray node {lost.node_id}" in reason for reason in loss["clients-dropped-reasons"].values())
     after = [row for row in rows if row["round"] > loss["round"]]
     assert after and all(row["clients-trained"] == row["clients-sampled"] == 4 for row in after)
-    assert all({c["node-id"] for c in row["client-ray-nodes"].values()} == {cluster.nodes()["node0"].node_id}
-               for row in after)
+    assert all(
+        {c["node-id"] for c in row["client-ray-nodes"].values()} == {cluster.nodes()["node0"].node_id} for row in after
+    )
     summary = json.loads((Path(record["run-folder"]) / "summary.json").read_text())
     assert sum(summary["dropped-reasons"].values()) == loss["clients-dropped"]
 

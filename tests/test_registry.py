@@ -43,9 +43,15 @@ def test_an_unknown_name_is_refused_listing_the_names(name):
         parts.get(name)
 
 
-@pytest.mark.parametrize(("registry", "kind", "known"), [(STRATEGIES, "strategy", "fedavg"), (MODELS, "model", "mlp"),
-                                                        (DATASETS, "dataset", "digits"),
-                                                        (PARTITIONERS, "partitioner", "dirichlet")])
+@pytest.mark.parametrize(
+    ("registry", "kind", "known"),
+    [
+        (STRATEGIES, "strategy", "fedavg"),
+        (MODELS, "model", "mlp"),
+        (DATASETS, "dataset", "digits"),
+        (PARTITIONERS, "partitioner", "dirichlet"),
+    ],
+)
 def test_every_kind_of_part_registers_the_same_way(registry, kind, known):
     assert isinstance(registry, Registry) and registry.kind == kind
     assert registry.get(known).name == known and known in registry.names()

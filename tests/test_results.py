@@ -11,20 +11,30 @@ from fl_app.results import RoundRecorder
 
 
 def _train_record(value: float, examples: int) -> RecordDict:
-    return RecordDict({"arrays": ArrayRecord({"layer.weight": torch.full((2, 2), value)}),
-                       "metrics": MetricRecord({"num-examples": examples, "train-loss": value, "partition-id": 0})})
+    return RecordDict(
+        {
+            "arrays": ArrayRecord({"layer.weight": torch.full((2, 2), value)}),
+            "metrics": MetricRecord({"num-examples": examples, "train-loss": value, "partition-id": 0}),
+        }
+    )
 
 
 def _eval_record(partition: int, accuracy: float, examples: int) -> RecordDict:
-    return RecordDict({"metrics": MetricRecord({"num-examples": examples, "local-accuracy": accuracy,
-                                                "local-loss": 1.0, "partition-id": partition})})
+    return RecordDict(
+        {
+            "metrics": MetricRecord(
+                {"num-examples": examples, "local-accuracy": accuracy, "local-loss": 1.0, "partition-id": partition}
+            )
+        }
+    )
 
 
 def test_a_round_becomes_one_line_with_client_means(tmp_path):
     recorder = RoundRecorder(tmp_path, lambda arrays: (0.5, 0.75))
     recorder.aggregate_train([_train_record(1.0, 1), _train_record(3.0, 3)], "num-examples")
-    recorder.aggregate_evaluate([_eval_record(0, 0.2, 10), _eval_record(1, 0.8, 30), _eval_record(2, 0.0, 0)],
-                                "num-examples")
+    recorder.aggregate_evaluate(
+        [_eval_record(0, 0.2, 10), _eval_record(1, 0.8, 30), _eval_record(2, 0.0, 0)], "num-examples"
+    )
     recorder.evaluate(1, ArrayRecord())
     (row,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert row["round"] == 1 and row["accuracy"] == 0.75 and row["loss"] == 0.5

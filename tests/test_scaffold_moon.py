@@ -25,8 +25,10 @@ from fl_app.inprocess import run_in_process
 from models import build_model
 from models.protocol import ModelHead
 from strategies import get_strategy
-from strategies.moon import STATE_KEY as MOON_STATE, MoonUpdate, contrastive_loss
-from strategies.scaffold import CONTROL, STATE_KEY as SCAFFOLD_STATE, Scaffold, ScaffoldUpdate, momentum_step_sum
+from strategies.moon import STATE_KEY as MOON_STATE
+from strategies.moon import MoonUpdate, contrastive_loss
+from strategies.scaffold import CONTROL, Scaffold, ScaffoldUpdate, momentum_step_sum
+from strategies.scaffold import STATE_KEY as SCAFFOLD_STATE
 
 CPU = torch.device("cpu")
 
@@ -197,8 +199,9 @@ def test_scaffold_server_moves_c_by_the_mean_update_over_all_nodes_and_applies_s
         _reply({"w": np.full((2, 3), 6.0), "b": np.ones(2)}, {"w": np.full((2, 3), 8.0), "b": np.ones(2)}, 3, 2),
     ]
     no_control = _reply({"w": np.full((2, 3), 99.0), "b": np.ones(2)}, None, 5, 3)
-    nan_control = _reply({"w": np.full((2, 3), 99.0), "b": np.ones(2)},
-                         {"w": np.full((2, 3), np.nan), "b": np.ones(2)}, 5, 4)
+    nan_control = _reply(
+        {"w": np.full((2, 3), 99.0), "b": np.ones(2)}, {"w": np.full((2, 3), np.nan), "b": np.ones(2)}, 5, 4
+    )
     assert all(strategy.reply_problem(reply.content, reference) is None for reply in usable)
     # the round runner drops these two: they never reach aggregate
     assert "got ['arrays']" in strategy.reply_problem(no_control.content, reference)
@@ -239,7 +242,11 @@ def test_moon_loss_is_the_papers_formula_and_rewards_agreeing_with_the_global_mo
     torch.testing.assert_close(contrastive_loss(z, z_glob, z_prev, tau), formula(z))
     near_global = z_glob + 0.1 * torch.randn(5, 8, generator=generator)
     near_previous = z_prev + 0.1 * torch.randn(5, 8, generator=generator)
-    assert contrastive_loss(near_global, z_glob, z_prev, tau) < math.log(2) < contrastive_loss(near_previous, z_glob, z_prev, tau)
+    assert (
+        contrastive_loss(near_global, z_glob, z_prev, tau)
+        < math.log(2)
+        < contrastive_loss(near_previous, z_glob, z_prev, tau)
+    )
 
 
 def test_moon_update_adds_mu_times_the_contrastive_term_once_a_previous_model_exists():
@@ -259,7 +266,8 @@ def test_moon_update_adds_mu_times_the_contrastive_term_once_a_previous_model_ex
         model.classifier.bias.add_(1.0)  # the model trains away from the global copy taken in begin()
         model.hidden[0].weight.mul_(1.5)
     expected = nn.functional.cross_entropy(model(x), y) + 2.0 * contrastive_loss(
-        model.representation(x), first.global_model.representation(x), previous.representation(x), 0.5)
+        model.representation(x), first.global_model.representation(x), previous.representation(x), 0.5
+    )
     torch.testing.assert_close(later.loss(model, x, y), expected)
 
 
@@ -267,7 +275,8 @@ def test_moon_keeps_the_trained_model_for_the_next_round():
     model = build_model("small-mlp", (1, 8, 8), 10)
     context = _context()
     metrics = MoonUpdate(_config(strategy="moon", batch_size=4), context).train(
-        model, torch.randn(8, 1, 8, 8), torch.randint(0, 10, (8,)), torch.Generator().manual_seed(0), CPU)
+        model, torch.randn(8, 1, 8, 8), torch.randint(0, 10, (8,)), torch.Generator().manual_seed(0), CPU
+    )
     assert metrics["has-previous-model"] == 0.0 and metrics["contrastive-loss"] == 0.0
     stored = context.state[MOON_STATE].to_torch_state_dict()
     for key, value in to_arrays(model).to_torch_state_dict().items():
@@ -280,8 +289,16 @@ def test_moon_keeps_the_trained_model_for_the_next_round():
 
 
 def _two_rounds(results: Path, strategy: str) -> list[dict]:
-    config = {"dataset": "digits", "num-server-rounds": 2, "partitioner": "iid", "strategy": strategy,
-              "pan-mode": "mul", "pan-a": 0.1, "results-dir": str(results), "device": "cpu"}
+    config = {
+        "dataset": "digits",
+        "num-server-rounds": 2,
+        "partitioner": "iid",
+        "strategy": strategy,
+        "pan-mode": "mul",
+        "pan-a": 0.1,
+        "results-dir": str(results),
+        "device": "cpu",
+    }
     run_in_process(config, num_nodes=3)
     (folder,) = results.iterdir()
     rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]

@@ -13,11 +13,23 @@ from tests.test_sweep import _fake_job, composed
 
 
 def test_the_slurm_launcher_asks_for_what_the_sim_keys_need():
-    cfg = composed(["hydra/launcher=slurm", "sim.client_gpus=0.25", "sim.torch_threads=3",
-                    "hydra.launcher.partition=gpu", "hydra.launcher.account=lab"])
+    cfg = composed(
+        [
+            "hydra/launcher=slurm",
+            "sim.client_gpus=0.25",
+            "sim.torch_threads=3",
+            "hydra.launcher.partition=gpu",
+            "hydra.launcher.account=lab",
+        ]
+    )
     launcher = cfg.hydra.launcher
     assert launcher._target_ == "hydra_plugins.alignfl_slurm.SlurmLauncher"
-    assert (launcher.cpus_per_task, launcher.gpus_per_node, launcher.partition, launcher.account) == (3, 1, "gpu", "lab")
+    assert (launcher.cpus_per_task, launcher.gpus_per_node, launcher.partition, launcher.account) == (
+        3,
+        1,
+        "gpu",
+        "lab",
+    )
     assert launcher.sim_backend == "inprocess" and launcher.timeout_min == 240
     assert composed(["hydra/launcher=slurm"]).hydra.launcher.gpus_per_node is None  # no GPU: no --gpus-per-node
 
@@ -32,13 +44,24 @@ def test_the_report_names_each_job_slurm_ended_and_counts_the_others(tmp_path):
     """Seed 0 completed; seed 1 was cancelled while it ran (its folder has no job.json); seed 2 was cancelled
     before it started (no folder at all): both are failed, named with their SLURM id, state and log."""
     for seed in (0, 1):
-        _fake_job(tmp_path / f"seed={seed}", ["pan.mode=mul", f"seed={seed}"], "completed" if seed == 0 else None,
-                  0.6, 0.7)
+        _fake_job(
+            tmp_path / f"seed={seed}", ["pan.mode=mul", f"seed={seed}"], "completed" if seed == 0 else None, 0.6, 0.7
+        )
     logs = tmp_path / ".submitit"
-    write_jobs_record(tmp_path, [
-        SlurmJob(n, ["pan.mode=mul", f"seed={n}"], f"7_{n}", state, str(logs / f"7_{n}" / f"7_{n}_0_log.out"),
-                 str(logs / f"7_{n}" / f"7_{n}_0_log.err"))
-        for n, state in ((0, "COMPLETED"), (1, "CANCELLED"), (2, "CANCELLED"))])
+    write_jobs_record(
+        tmp_path,
+        [
+            SlurmJob(
+                n,
+                ["pan.mode=mul", f"seed={n}"],
+                f"7_{n}",
+                state,
+                str(logs / f"7_{n}" / f"7_{n}_0_log.out"),
+                str(logs / f"7_{n}" / f"7_{n}_0_log.err"),
+            )
+            for n, state in ((0, "COMPLETED"), (1, "CANCELLED"), (2, "CANCELLED"))
+        ],
+    )
     assert [job.state for job in read_jobs_record(tmp_path)] == ["COMPLETED", "CANCELLED", "CANCELLED"]
     report = sweep_report.write_report(tmp_path)
     with report.csv_path.open() as stream:

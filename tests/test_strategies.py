@@ -124,16 +124,21 @@ class _Recording(ServerStrategy):
         self.calls.append("empty")
 
 
-def _runner(contents: list[RecordDict], server_side: Callable[[RunContext], ServerStrategy] = ServerStrategy,
-            values: dict[str, object] | None = None) -> tuple[RoundRunner, list]:
+def _runner(
+    contents: list[RecordDict],
+    server_side: Callable[[RunContext], ServerStrategy] = ServerStrategy,
+    values: dict[str, object] | None = None,
+) -> tuple[RoundRunner, list]:
     """A round runner for ``server_side`` (run config ``values``) over nodes answering ``contents``, and the list
     of what it reports (``("train", records)`` and ``("participation", ...)``)."""
     config = parse_run_config({"min-available-nodes": len(contents), **(values or {})})
     server = server_side(RunContext(config, _arrays(GLOBAL), None, ModelHead((), 2)))
     seen: list = []
-    metrics = MetricAggregation(lambda records, key: seen.append(("train", records)) or MetricRecord(),
-                                lambda records, key: MetricRecord(),
-                                lambda round_, participation: seen.append(("participation", participation)))
+    metrics = MetricAggregation(
+        lambda records, key: seen.append(("train", records)) or MetricRecord(),
+        lambda records, key: MetricRecord(),
+        lambda round_, participation: seen.append(("participation", participation)),
+    )
     return RoundRunner(server, InProcessGrid(_scripted_app(contents), len(contents)), metrics), seen
 
 
@@ -191,10 +196,13 @@ def test_an_aggregate_of_other_shapes_is_kept_only_when_the_strategy_declares_it
     assert arrays["b"].shape == ((GLOBAL["b"].size + 1,) if accepted else GLOBAL["b"].shape)
 
 
-@pytest.mark.parametrize(("values", "line"), [
-    ({}, "Starting fedavg (no settings of its own), rounds 1 to 1"),
-    ({"strategy": "fedprox", "proximal-mu": 0.5}, "Starting fedprox (proximal-mu=0.5), rounds 1 to 1"),
-])
+@pytest.mark.parametrize(
+    ("values", "line"),
+    [
+        ({}, "Starting fedavg (no settings of its own), rounds 1 to 1"),
+        ({"strategy": "fedprox", "proximal-mu": 0.5}, "Starting fedprox (proximal-mu=0.5), rounds 1 to 1"),
+    ],
+)
 def test_the_start_line_names_the_registered_algorithm_and_its_settings(caplog, values, line):
     name = values.get("strategy", "fedavg")
     runner, _ = _runner([_content(_filled(1.0), 1)], get_strategy(name).server, {"num-server-rounds": 1, **values})
@@ -213,8 +221,9 @@ def _fedavgm(momentum: float) -> FedAvgM:
 
 def _replies(*models: tuple[float, int]) -> list[Reply]:
     """One reply per ``(value, examples)``: every array filled with ``value``."""
-    return [Reply(node, node, _content(_filled(value), examples), examples)
-            for node, (value, examples) in enumerate(models)]
+    return [
+        Reply(node, node, _content(_filled(value), examples), examples) for node, (value, examples) in enumerate(models)
+    ]
 
 
 def test_fedavgm_with_unit_lr_and_no_momentum_equals_fedavg():

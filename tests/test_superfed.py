@@ -33,8 +33,17 @@ from strategies.superfed import (
     start_round,
 )
 
-SETTINGS = dict(strategy="superfed", dataset="digits", model="small-mlp", num_server_rounds=4, local_epochs=2,
-                batch_size=16, lr=0.05, momentum=0.9, weight_decay=1e-4)
+SETTINGS = dict(
+    strategy="superfed",
+    dataset="digits",
+    model="small-mlp",
+    num_server_rounds=4,
+    local_epochs=2,
+    batch_size=16,
+    lr=0.05,
+    momentum=0.9,
+    weight_decay=1e-4,
+)
 
 
 def config_of(**fields: Any) -> RunConfig:
@@ -87,8 +96,9 @@ def test_registered_and_start_round_is_floor_of_fraction_times_rounds():
 
 @pytest.mark.parametrize("mode", ["mm", "lm"])
 def test_before_the_start_round_it_is_exactly_fedavg(mode):
-    config = superfed_config(superfed_mode=mode, superfed_nu=0.0, superfed_mu=0.0, superfed_start=0.5,
-                             superfed_val_fraction=0.0)
+    config = superfed_config(
+        superfed_mode=mode, superfed_nu=0.0, superfed_mu=0.0, superfed_start=0.5, superfed_val_fraction=0.0
+    )
     x, y = data()
     reference, personal = fresh_model(), fresh_model()
     run(LocalUpdate(config, make_context()), reference, x, y)
@@ -99,8 +109,9 @@ def test_before_the_start_round_it_is_exactly_fedavg(mode):
 
 
 def test_mixing_with_lambda_fixed_to_zero_is_exactly_fedavg_and_still_moves_the_local_model():
-    config = superfed_config(superfed_mode="lm", superfed_nu=0.0, superfed_mu=0.0, superfed_start=0.5,
-                             superfed_val_fraction=0.0)
+    config = superfed_config(
+        superfed_mode="lm", superfed_nu=0.0, superfed_mu=0.0, superfed_start=0.5, superfed_val_fraction=0.0
+    )
     x, y = data()
     reference, personal = fresh_model(), fresh_model()
     run(LocalUpdate(config, make_context()), reference, x, y)
@@ -160,8 +171,10 @@ def test_loss_terms_match_a_hand_computation_on_a_tiny_model():
     logits = torch.relu(x.double() @ w1.T + b1) @ w2.T + b2
     log_probs = logits - logits.logsumexp(dim=1, keepdim=True)
     ce = -log_probs[torch.arange(5), y].mean()
-    prox = sum(math.sqrt(sum(((f[n] - g[n]) ** 2).sum().item() for n in layer))
-               for layer in (["first.weight", "first.bias"], ["second.weight", "second.bias"]))
+    prox = sum(
+        math.sqrt(sum(((f[n] - g[n]) ** 2).sum().item() for n in layer))
+        for layer in (["first.weight", "first.bias"], ["second.weight", "second.bias"])
+    )
     fv, lv = torch.cat([t.flatten() for t in f.values()]), torch.cat([l[n].flatten() for n in f])
     cos = (fv @ lv).item() / (fv.norm().item() * lv.norm().item())
     assert loss.item() == pytest.approx(ce.item() + 0.3 * prox + 2.0 * cos**2, rel=1e-5)
@@ -247,9 +260,22 @@ def test_personalised_evaluation_scores_the_lambda_grid_with_oracle_and_honest_c
 
 def test_recorder_keeps_extra_client_metrics_as_unweighted_means_and_in_the_summary(tmp_path):
     recorder = RoundRecorder(tmp_path, lambda arrays: (0.0, 0.5))
-    replies = [RecordDict({"metrics": MetricRecord({"num-examples": n, "partition-id": i, "local-accuracy": acc,
-                                                    "lambda-accuracy": grid, "oracle-accuracy": acc + 0.1})})
-               for i, (n, acc, grid) in enumerate([(10, 0.5, [0.5, 1.0]), (30, 0.7, [0.1, 0.2])])]
+    replies = [
+        RecordDict(
+            {
+                "metrics": MetricRecord(
+                    {
+                        "num-examples": n,
+                        "partition-id": i,
+                        "local-accuracy": acc,
+                        "lambda-accuracy": grid,
+                        "oracle-accuracy": acc + 0.1,
+                    }
+                )
+            }
+        )
+        for i, (n, acc, grid) in enumerate([(10, 0.5, [0.5, 1.0]), (30, 0.7, [0.1, 0.2])])
+    ]
     recorder.aggregate_evaluate(replies, "num-examples")
     recorder.evaluate(1, None)
     row = json.loads((tmp_path / "metrics.jsonl").read_text())
@@ -280,15 +306,22 @@ def test_label_noise_flips_exactly_the_rate_by_its_rule_deterministically(kind):
 
 def test_label_noise_reaches_training_labels_only():
     clean = client_data(RunConfig(dataset="digits", partitioner="iid"), 0, 3)
-    noisy = client_data(RunConfig(dataset="digits", partitioner="iid", label_noise="symmetric",
-                                  label_noise_rate=0.2), 0, 3)
+    noisy = client_data(
+        RunConfig(dataset="digits", partitioner="iid", label_noise="symmetric", label_noise_rate=0.2), 0, 3
+    )
     assert torch.equal(clean.test_y, noisy.test_y) and torch.equal(clean.train_x, noisy.train_x)
     assert int((clean.train_y != noisy.train_y).sum()) == round(0.2 * len(clean.train_y))
 
 
 def test_config_refuses_bad_superfed_and_noise_values():
-    for key, value in [("superfed-mode", "xx"), ("superfed-nu", -1.0), ("superfed-start", 1.5),
-                       ("superfed-val-fraction", 1.0), ("label-noise", "flip"), ("label-noise-rate", 1.0)]:
+    for key, value in [
+        ("superfed-mode", "xx"),
+        ("superfed-nu", -1.0),
+        ("superfed-start", 1.5),
+        ("superfed-val-fraction", 1.0),
+        ("label-noise", "flip"),
+        ("label-noise-rate", 1.0),
+    ]:
         with pytest.raises(ConfigError, match=f"'{key}'"):
             parse_run_config({key: value})
 
@@ -297,8 +330,13 @@ def test_config_refuses_bad_superfed_and_noise_values():
 
 
 def test_config_refuses_bad_holdout_and_lr_decay_values():
-    for values in [{"holdout-clients": -1}, {"holdout-clients": 2, "min-available-nodes": 2},
-                   {"lr-decay": 0.0}, {"lr-decay": 1.5}, {"lr-decay": math.nan}]:
+    for values in [
+        {"holdout-clients": -1},
+        {"holdout-clients": 2, "min-available-nodes": 2},
+        {"lr-decay": 0.0},
+        {"lr-decay": 1.5},
+        {"lr-decay": math.nan},
+    ]:
         key = next(k for k in values if k != "min-available-nodes")
         with pytest.raises(ConfigError, match=f"'{key}'"):
             parse_run_config(values)
@@ -324,8 +362,7 @@ class _RecordingGrid(InProcessGrid):
 @pytest.mark.parametrize("strategy", ["fedavg", "superfed", "scaffold"])
 def test_held_out_partitions_are_never_sampled_for_training_but_are_evaluated(strategy):
     fold = lambda records, key: MetricRecord()  # noqa: E731
-    config = config_of(strategy=strategy, dataset="digits", model="small-mlp", holdout_clients=2,
-                       min_available_nodes=6)
+    config = config_of(strategy=strategy, dataset="digits", model="small-mlp", holdout_clients=2, min_available_nodes=6)
     server = get_strategy(strategy).server(build_context(config, fresh_model()))
     grid = _RecordingGrid()
     runner = RoundRunner(server, grid, MetricAggregation(fold, fold))
@@ -340,13 +377,40 @@ def test_held_out_partitions_are_never_sampled_for_training_but_are_evaluated(st
 
 def test_recorder_scores_new_clients_apart_from_the_trained_ones(tmp_path):
     recorder = RoundRecorder(tmp_path, lambda arrays: (0.0, 0.5))
-    trained = [RecordDict({"metrics": MetricRecord({"num-examples": 10, "partition-id": i, "local-accuracy": acc,
-                                                    "local-ece": 0.1, "lambda-accuracy": [acc, acc],
-                                                    "new-client": 0})})
-               for i, acc in enumerate([0.9, 0.7])]
-    new = [RecordDict({"metrics": MetricRecord({"num-examples": n, "partition-id": 2 + i, "local-accuracy": acc,
-                                                "local-ece": ece, "local-mce": 0.3, "new-client": 1})})
-           for i, (n, acc, ece) in enumerate([(10, 0.2, 0.4), (30, 0.4, 0.2)])]
+    trained = [
+        RecordDict(
+            {
+                "metrics": MetricRecord(
+                    {
+                        "num-examples": 10,
+                        "partition-id": i,
+                        "local-accuracy": acc,
+                        "local-ece": 0.1,
+                        "lambda-accuracy": [acc, acc],
+                        "new-client": 0,
+                    }
+                )
+            }
+        )
+        for i, acc in enumerate([0.9, 0.7])
+    ]
+    new = [
+        RecordDict(
+            {
+                "metrics": MetricRecord(
+                    {
+                        "num-examples": n,
+                        "partition-id": 2 + i,
+                        "local-accuracy": acc,
+                        "local-ece": ece,
+                        "local-mce": 0.3,
+                        "new-client": 1,
+                    }
+                )
+            }
+        )
+        for i, (n, acc, ece) in enumerate([(10, 0.2, 0.4), (30, 0.4, 0.2)])
+    ]
     recorder.aggregate_evaluate(trained + new, "num-examples")
     recorder.evaluate(1, None)
     row = json.loads((tmp_path / "metrics.jsonl").read_text())
@@ -385,8 +449,11 @@ def test_every_optimizer_override_uses_the_decayed_learning_rate():
     superfed.begin(model)
     psinet = PsiNetUpdate(config, make_context(), received(3))
     psinet._keys = [name for name, _ in model.named_parameters()]
-    for optimizer in (superfed.optimizer(model), psinet.optimizer(model),
-                      _PersonalStep(config, [], received(3)).optimizer(model)):
+    for optimizer in (
+        superfed.optimizer(model),
+        psinet.optimizer(model),
+        _PersonalStep(config, [], received(3)).optimizer(model),
+    ):
         assert optimizer.lr == pytest.approx(expected)
 
 
@@ -398,9 +465,18 @@ def test_two_rounds_keep_each_local_model_across_rounds_and_report_personalised_
     from core.model_io import build_run_model
     from core.training import evaluate
 
-    config = {"strategy": "superfed", "dataset": "digits", "model": "small-mlp", "num-server-rounds": 2,
-              "superfed-start": 0.0, "results-dir": str(tmp_path), "partitioner": "iid", "holdout-clients": 1,
-              "lr-decay": 0.9, "device": "cpu"}
+    config = {
+        "strategy": "superfed",
+        "dataset": "digits",
+        "model": "small-mlp",
+        "num-server-rounds": 2,
+        "superfed-start": 0.0,
+        "results-dir": str(tmp_path),
+        "partitioner": "iid",
+        "holdout-clients": 1,
+        "lr-decay": 0.9,
+        "device": "cpu",
+    }
     run_in_process(config, num_nodes=2)
     (folder,) = tmp_path.iterdir()
     rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
@@ -487,8 +563,9 @@ def test_batchnorm_statistics_are_re_estimated_for_mixed_points_but_not_for_the_
 
     config = config_of(strategy="superfed", superfed_start=0.0, superfed_val_fraction=0.25)
     model[2].reset_running_stats()  # the received global buffers: mean 0, var 1
-    scores = SuPerFedUpdate(config, make_context(), received(1)).evaluate(model, x, y, *data(40, 2),
-                                                                          torch.device("cpu"))
+    scores = SuPerFedUpdate(config, make_context(), received(1)).evaluate(
+        model, x, y, *data(40, 2), torch.device("cpu")
+    )
     plain = LocalUpdate(config, make_context()).evaluate(model, x, y, *data(40, 2), torch.device("cpu"))
     assert scores["lambda-accuracy"][0] == pytest.approx(plain["local-accuracy"])
     assert torch.count_nonzero(model[2].running_mean) == 0  # the received model itself is untouched

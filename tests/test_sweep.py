@@ -15,8 +15,18 @@ from omegaconf import open_dict
 
 from fl_app import sweep_report
 from fl_app.config import ConfigError, default_run_config, parse_run_config
-from fl_app.sweep import (GROUPS, JOB_RECORD, SET_PER_JOB, hydra_to_run_config, job_settings, register_configs,
-                          ValidateSweep, run_job, unowned_override, validate_sweep)
+from fl_app.sweep import (
+    GROUPS,
+    JOB_RECORD,
+    SET_PER_JOB,
+    ValidateSweep,
+    hydra_to_run_config,
+    job_settings,
+    register_configs,
+    run_job,
+    unowned_override,
+    validate_sweep,
+)
 from models import list_models
 from strategies import list_strategies
 
@@ -33,8 +43,14 @@ def composed(overrides=()):
 
 def sweep(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0"}
-    return subprocess.run([sys.executable, "-m", "fl_app.sweep", "-m", *overrides, f"hydra.sweep.dir={tmp_path}"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    return subprocess.run(
+        [sys.executable, "-m", "fl_app.sweep", "-m", *overrides, f"hydra.sweep.dir={tmp_path}"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
 
 
 def test_hydra_configs_are_generated_with_the_schema_defaults_and_cover_every_key():
@@ -51,31 +67,56 @@ def test_hydra_configs_are_generated_with_the_schema_defaults_and_cover_every_ke
 
 
 def test_hydra_overrides_become_the_validated_run_config(tmp_path):
-    cfg = composed(["strategy=fedprox", "strategy.proximal_mu=0.1", "pan.mode=mul", "pan.t=4", "pan.a=0.05",
-                    "data.dirichlet_alpha=0.1", "seed=1", "sim.num_supernodes=7"])
+    cfg = composed(
+        [
+            "strategy=fedprox",
+            "strategy.proximal_mu=0.1",
+            "pan.mode=mul",
+            "pan.t=4",
+            "pan.a=0.05",
+            "data.dirichlet_alpha=0.1",
+            "seed=1",
+            "sim.num_supernodes=7",
+        ]
+    )
     config, sim = job_settings(cfg, cfg.hydra.runtime.choices, tmp_path)
-    assert (config.strategy, config.settings.proximal_mu, config.pan_mode, config.pan_t, config.pan_a) == ("fedprox", 0.1, "mul", 4.0, 0.05)
+    assert (config.strategy, config.settings.proximal_mu, config.pan_mode, config.pan_t, config.pan_a) == (
+        "fedprox",
+        0.1,
+        "mul",
+        4.0,
+        0.05,
+    )
     assert (config.partitioner_settings.dirichlet_alpha, config.seed, config.min_available_nodes) == (0.1, 1, 7)
     assert (config.results_dir, config.run_name) == (str(tmp_path.resolve()), "run")
     assert sim.num_supernodes == 7
     assert sim.backend_config()["client_resources"] == {"num_cpus": 1, "num_gpus": 0.0}
 
 
-@pytest.mark.parametrize(("partitioner", "path", "value"), [("dirichlet", "data.dirichlet_alpha", 0.1),
-                                                            ("pathological", "data.classes_per_client", 3),
-                                                            ("shard", "data.shards_per_client", 3),
-                                                            ("fixed-pairs", "data.samples_per_client", 20)])
+@pytest.mark.parametrize(
+    ("partitioner", "path", "value"),
+    [
+        ("dirichlet", "data.dirichlet_alpha", 0.1),
+        ("pathological", "data.classes_per_client", 3),
+        ("shard", "data.shards_per_client", 3),
+        ("fixed-pairs", "data.samples_per_client", 20),
+    ],
+)
 def test_a_partitioners_settings_sit_in_the_data_section(tmp_path, partitioner, path, value):
     cfg = composed([f"data.partitioner={partitioner}", f"{path}={value}"])
     config, _ = job_settings(cfg, cfg.hydra.runtime.choices, tmp_path)
-    assert config.partitioner == partitioner and getattr(config.partitioner_settings, path[len("data."):]) == value
-    with pytest.raises(ConfigError, match=f"belongs to partitioner '{partitioner}', not to the chosen partitioner 'iid'"):
+    assert config.partitioner == partitioner and getattr(config.partitioner_settings, path[len("data.") :]) == value
+    with pytest.raises(
+        ConfigError, match=f"belongs to partitioner '{partitioner}', not to the chosen partitioner 'iid'"
+    ):
         cfg = composed(["data.partitioner=iid", f"{path}={value}"])
         job_settings(cfg, cfg.hydra.runtime.choices, tmp_path)
 
 
-@pytest.mark.parametrize(("override", "key", "value"), [("pan.a=-1", "pan-a", -1), ("train.lr=0", "lr", 0),
-                                                        ("data.dirichlet_alpha=0", "dirichlet-alpha", 0.0)])
+@pytest.mark.parametrize(
+    ("override", "key", "value"),
+    [("pan.a=-1", "pan-a", -1), ("train.lr=0", "lr", 0), ("data.dirichlet_alpha=0", "dirichlet-alpha", 0.0)],
+)
 def test_a_bad_override_fails_with_the_schema_message(tmp_path, override, key, value):
     with pytest.raises(ConfigError) as schema:
         parse_run_config({key: value})
@@ -85,17 +126,24 @@ def test_a_bad_override_fails_with_the_schema_message(tmp_path, override, key, v
     assert str(error.value) == str(schema.value)
 
 
-@pytest.mark.parametrize(("override", "fragment"), [("+train.warmup=1", "'train.warmup'"),
-                                                    ("sim.num_supernodes=0", "'sim.num_supernodes' = 0"),
-                                                    ("sim.client_cpus=4 sim.ray_cpus=2", "sim.client_cpus")])
+@pytest.mark.parametrize(
+    ("override", "fragment"),
+    [
+        ("+train.warmup=1", "'train.warmup'"),
+        ("sim.num_supernodes=0", "'sim.num_supernodes' = 0"),
+        ("sim.client_cpus=4 sim.ray_cpus=2", "sim.client_cpus"),
+    ],
+)
 def test_keys_outside_the_schema_are_checked_too(tmp_path, override, fragment):
     cfg = composed(override.split())
     with pytest.raises(ConfigError, match=fragment.replace(".", r"\.")):
         job_settings(cfg, cfg.hydra.runtime.choices, tmp_path)
 
 
-@pytest.mark.parametrize(("sweep_override", "key", "value"), [("pan.a=0,-1", "pan-a", -1),
-                                                              ("data.dirichlet_alpha=0.5,0", "dirichlet-alpha", 0.0)])
+@pytest.mark.parametrize(
+    ("sweep_override", "key", "value"),
+    [("pan.a=0,-1", "pan-a", -1), ("data.dirichlet_alpha=0.5,0", "dirichlet-alpha", 0.0)],
+)
 def test_every_job_of_a_sweep_is_validated_before_it_runs(sweep_override, key, value):
     with pytest.raises(ConfigError) as schema:
         parse_run_config({key: value})
@@ -111,19 +159,26 @@ def test_every_job_of_a_sweep_is_validated_before_it_runs(sweep_override, key, v
         assert validate_sweep(cfg) == 8
 
 
-@pytest.mark.parametrize(("arguments", "fragment"), [
-    (["strategy.proximal_mu=0.1"], "'proximal-mu' belongs to strategy ['fedprox'], not to strategy ['fedavg']"),
-    (["strategy=fedavg,fedprox", "strategy.proximal_mu=0.1"], "not to strategy ['fedavg']"),
-    (["model=vgg9", "model.psi_groups=2"], "not to model ['vgg9']"),
-    (["strategy=fedprox", "strategy.nope=1"], "no strategy has a setting 'nope'"),
-])
+@pytest.mark.parametrize(
+    ("arguments", "fragment"),
+    [
+        (["strategy.proximal_mu=0.1"], "'proximal-mu' belongs to strategy ['fedprox'], not to strategy ['fedavg']"),
+        (["strategy=fedavg,fedprox", "strategy.proximal_mu=0.1"], "not to strategy ['fedavg']"),
+        (["model=vgg9", "model.psi_groups=2"], "not to model ['vgg9']"),
+        (["strategy=fedprox", "strategy.nope=1"], "no strategy has a setting 'nope'"),
+    ],
+)
 def test_an_override_of_an_unselected_algorithms_key_names_its_owner(arguments, fragment):
     assert fragment in unowned_override(arguments)
 
 
 def test_overrides_of_the_chosen_algorithm_and_model_pass():
-    assert unowned_override(["strategy=fedprox", "strategy.proximal_mu=0.1", "model=psi-vgg9",
-                             "model.psi_groups=2", "train.lr=0.1"]) is None
+    assert (
+        unowned_override(
+            ["strategy=fedprox", "strategy.proximal_mu=0.1", "model=psi-vgg9", "model.psi_groups=2", "train.lr=0.1"]
+        )
+        is None
+    )
 
 
 def test_an_unowned_override_exits_with_the_owner_and_no_traceback(tmp_path):
@@ -144,9 +199,14 @@ def test_invalid_sweep_exits_before_any_job_starts(tmp_path):
 
 def test_a_single_run_with_a_bad_value_is_refused_like_a_sweep_before_its_folder_is_made(tmp_path):
     env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0"}
-    result = subprocess.run([sys.executable, "-m", "fl_app.sweep", *TINY, "pan.a=-1",
-                             f"hydra.run.dir={tmp_path / 'job'}"], cwd=ROOT, env=env, capture_output=True, text=True,
-                            timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-m", "fl_app.sweep", *TINY, "pan.a=-1", f"hydra.run.dir={tmp_path / 'job'}"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 2
     with pytest.raises(ConfigError) as schema:
         parse_run_config({"pan-a": -1})
@@ -179,8 +239,12 @@ def _fake_job(folder: Path, overrides: list[str], status: str | None, final: flo
     if status is None:  # the job died before writing its record
         return
     run = folder / "run"
-    record = {"status": status, "error": None if status == "completed" else "RuntimeError: boom",
-              "run-folder": str(run) if status == "completed" else None, "job-wall-time-s": 10.0 + final}
+    record = {
+        "status": status,
+        "error": None if status == "completed" else "RuntimeError: boom",
+        "run-folder": str(run) if status == "completed" else None,
+        "job-wall-time-s": 10.0 + final,
+    }
     (folder / "job.json").write_text(json.dumps(record))
     if status == "completed":
         run.mkdir()
@@ -191,8 +255,13 @@ def test_report_averages_seeds_and_counts_failures(tmp_path):
     finals = {("1", "0"): [0.5, 0.7], ("1", "0.1"): [0.6, 0.6], ("4", "0"): [0.8], ("4", "0.1"): [0.4, 0.5]}
     for (t, a), values in finals.items():
         for seed, final in enumerate(values):
-            _fake_job(tmp_path / f"pan.a={a},pan.t={t}" / f"seed={seed}", ["pan.mode=mul", f"pan.t={t}", f"pan.a={a}",
-                      f"seed={seed}"], "completed", final, final + 0.1)
+            _fake_job(
+                tmp_path / f"pan.a={a},pan.t={t}" / f"seed={seed}",
+                ["pan.mode=mul", f"pan.t={t}", f"pan.a={a}", f"seed={seed}"],
+                "completed",
+                final,
+                final + 0.1,
+            )
     _fake_job(tmp_path / "pan.a=0,pan.t=4" / "seed=1", ["pan.mode=mul", "pan.t=4", "pan.a=0", "seed=1"], "failed")
     _fake_job(tmp_path / "pan.a=0,pan.t=4" / "seed=2", ["pan.mode=mul", "pan.t=4", "pan.a=0", "seed=2"], None)
 
@@ -238,7 +307,9 @@ def test_two_by_two_sweep_writes_four_runs_and_a_four_row_table(tmp_path):
     assert {path.parts[-4] for path in summaries} == {
         f"dataset=digits,pan.a={a},pan.mode=mul,pan.t={t},sim.backend=inprocess,sim.num_supernodes=2,"
         "train.num_server_rounds=1"
-        for a in ("0", "0.1") for t in ("1", "4")}
+        for a in ("0", "0.1")
+        for t in ("1", "4")
+    }
     with (tmp_path / "summary.csv").open() as stream:
         rows = list(csv.DictReader(stream))
     assert len(rows) == 4 and all(row["seeds"] == "1" and row["failed"] == "0" for row in rows)
@@ -252,11 +323,21 @@ def test_a_failed_job_is_reported_and_the_sweep_goes_on(tmp_path):
     # The MNIST files exist (validation passes) but are not IDX files: that job fails while loading them.
     raw = tmp_path / "data" / "MNIST" / "raw"
     raw.mkdir(parents=True)
-    for name in ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"):
+    for name in (
+        "train-images-idx3-ubyte",
+        "train-labels-idx1-ubyte",
+        "t10k-images-idx3-ubyte",
+        "t10k-labels-idx1-ubyte",
+    ):
         (raw / name).write_bytes(b"not an idx file")
-    result = sweep(tmp_path / "sweep", "sim.backend=inprocess", "sim.num_supernodes=2", "train.num_server_rounds=1",
-                   f"data.root={tmp_path / 'data'}",
-                   "dataset=mnist,digits")
+    result = sweep(
+        tmp_path / "sweep",
+        "sim.backend=inprocess",
+        "sim.num_supernodes=2",
+        "train.num_server_rounds=1",
+        f"data.root={tmp_path / 'data'}",
+        "dataset=mnist,digits",
+    )
     assert result.returncode == 1
     assert "1 of 2 sweep jobs failed" in result.stderr
     with (tmp_path / "sweep" / "summary.csv").open() as stream:
@@ -272,8 +353,16 @@ def test_an_in_process_job_gives_the_metrics_of_a_ray_job(tmp_path):
     """sim.backend=inprocess skips Ray's start-up; the rounds it runs are the ones Ray's engine runs."""
     rows = {}
     for backend in ("ray", "inprocess"):
-        cfg = composed([*TINY, "train.num_server_rounds=2", "train.fraction_train=0.5", "sim.num_supernodes=4",
-                        f"sim.backend={backend}", "sim.ray_cpus=2"])
+        cfg = composed(
+            [
+                *TINY,
+                "train.num_server_rounds=2",
+                "train.fraction_train=0.5",
+                "sim.num_supernodes=4",
+                f"sim.backend={backend}",
+                "sim.ray_cpus=2",
+            ]
+        )
         record = run_job(cfg, cfg.hydra.runtime.choices, tmp_path / backend)
         assert record["status"] == "completed", record["error"]
         lines = (Path(record["run-folder"]) / "metrics.jsonl").read_text().splitlines()

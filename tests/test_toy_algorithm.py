@@ -27,8 +27,9 @@ CONF = Path(__file__).resolve().parents[1] / "conf"
 
 @dataclass(frozen=True)
 class HalfwaySettings:
-    halfway_step: float = option(0.5, "share of the way from the global model to the clients' mean",
-                                 unit_interval, "must lie in (0, 1]")
+    halfway_step: float = option(
+        0.5, "share of the way from the global model to the clients' mean", unit_interval, "must lie in (0, 1]"
+    )
 
 
 class Halfway(ServerStrategy):
@@ -36,8 +37,9 @@ class Halfway(ServerStrategy):
 
     def aggregate(self, server_round: int, replies: list[Reply], reference: ArrayRecord) -> ArrayRecord | None:
         mean, step = weighted_mean(replies), self.settings.halfway_step
-        return ArrayRecord({key: Array(np.asarray(x.numpy() + step * (mean[key].numpy() - x.numpy())))
-                            for key, x in reference.items()})
+        return ArrayRecord(
+            {key: Array(np.asarray(x.numpy() + step * (mean[key].numpy() - x.numpy()))) for key, x in reference.items()}
+        )
 
 
 @pytest.fixture()
@@ -60,15 +62,19 @@ def test_the_flwr_run_config_takes_its_key(halfway):
 def test_a_hydra_override_sets_it(halfway):
     register_configs()
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose("config", overrides=["strategy=halfway", "strategy.halfway_step=0.75"],
-                      return_hydra_config=True)
+        cfg = compose("config", overrides=["strategy=halfway", "strategy.halfway_step=0.75"], return_hydra_config=True)
     values = hydra_to_run_config(cfg, cfg.hydra.runtime.choices)
     assert parse_run_config(values).settings == HalfwaySettings(0.75)
 
 
 def test_an_in_process_simulation_runs_it(tmp_path, halfway):
-    common = {"dataset": "digits", "model": "small-mlp", "num-server-rounds": 2, "device": "cpu",
-              "results-dir": str(tmp_path)}
+    common = {
+        "dataset": "digits",
+        "model": "small-mlp",
+        "num-server-rounds": 2,
+        "device": "cpu",
+        "results-dir": str(tmp_path),
+    }
     full = run_in_process({**common, "strategy": "halfway", "halfway-step": 1.0, "run-name": "full"}, 2)
     fedavg = run_in_process({**common, "strategy": "fedavg", "run-name": "fedavg"}, 2)
     half = run_in_process({**common, "strategy": "halfway", "halfway-step": 0.5, "run-name": "half"}, 2)
@@ -102,8 +108,9 @@ def _exit_code(entry_point: str, monkeypatch) -> int:
 
 
 @pytest.mark.parametrize("entry_point", ["launch", "deploy", "sweep"])
-def test_every_entry_point_refuses_it_until_pyproject_has_its_key(halfway, nothing_starts, entry_point, monkeypatch,
-                                                                  capsys):
+def test_every_entry_point_refuses_it_until_pyproject_has_its_key(
+    halfway, nothing_starts, entry_point, monkeypatch, capsys
+):
     """The shipped pyproject.toml lacks `halfway-step`: refused before anything starts, naming the key and the
     command that adds it."""
     assert _exit_code(entry_point, monkeypatch) == 2
@@ -116,10 +123,11 @@ def test_the_entry_points_take_it_once_pyproject_has_its_key(halfway, nothing_st
     pyproject = tmp_path / "pyproject.toml"
     pyproject.write_text(fl_config.PYPROJECT.read_text())
     assert write_pyproject(pyproject)  # what `python -m fl_app.config --write` does to the real one
-    assert 'halfway-step = 0.5' in pyproject.read_text()
+    assert "halfway-step = 0.5" in pyproject.read_text()
     monkeypatch.setattr(fl_config, "PYPROJECT", pyproject)
-    config = prepare_config({"strategy": "halfway", "halfway-step": 0.25, "dataset": "digits",
-                             "results-dir": str(tmp_path)}, 2)
+    config = prepare_config(
+        {"strategy": "halfway", "halfway-step": 0.25, "dataset": "digits", "results-dir": str(tmp_path)}, 2
+    )
     assert config.settings == HalfwaySettings(0.25)  # the launcher's and deploy's validation
     monkeypatch.setattr("sys.argv", SWEEP_ARGS)
     sweep.main()

@@ -12,6 +12,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import flwr
 import pytest
 from mlflow import MlflowClient
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -24,8 +25,14 @@ from fl_app.sweep_tracking import write_hparams
 from fl_app.tracking import TRACKING_FILE, Tracking, scalars
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = {"dataset": "digits", "model": "small-mlp", "num-server-rounds": 2, "batch-size": 32, "device": "cpu",
-        "run-name": "run"}
+TINY = {
+    "dataset": "digits",
+    "model": "small-mlp",
+    "num-server-rounds": 2,
+    "batch-size": 32,
+    "device": "cpu",
+    "run-name": "run",
+}
 
 
 def run(results: Path, **values) -> dict:
@@ -53,8 +60,9 @@ def expected_series(rows: list[dict]) -> dict[str, list[tuple[int, float]]]:
 
 def same_series(got: list[tuple[int, float]], points: list[tuple[int, float]]) -> bool:
     """The same steps, each once and in order, with the same values (TensorBoard keeps float32)."""
-    return [step for step, _ in got] == [step for step, _ in points] and \
-        [value for _, value in got] == pytest.approx([value for _, value in points], rel=1e-6, nan_ok=True)
+    return [step for step, _ in got] == [step for step, _ in points] and [value for _, value in got] == pytest.approx(
+        [value for _, value in points], rel=1e-6, nan_ok=True
+    )
 
 
 def free_port() -> int:
@@ -64,11 +72,25 @@ def free_port() -> int:
 
 
 def test_scalars_flatten_every_number_of_a_row():
-    row = {"round": 3, "accuracy": 0.5, "units-moved": {"fc1": 0.25, "fc2": 0.0}, "lambda-accuracy": [0.1, 0.2],
-           "clients-trained": 4, "resumed": True, "note": "text", "missing": None}
-    assert scalars(row) == {"accuracy": 0.5, "units-moved/fc1": 0.25, "units-moved/fc2": 0.0,
-                            "lambda-accuracy/0": 0.1, "lambda-accuracy/1": 0.2, "clients-trained": 4.0,
-                            "resumed": 1.0}
+    row = {
+        "round": 3,
+        "accuracy": 0.5,
+        "units-moved": {"fc1": 0.25, "fc2": 0.0},
+        "lambda-accuracy": [0.1, 0.2],
+        "clients-trained": 4,
+        "resumed": True,
+        "note": "text",
+        "missing": None,
+    }
+    assert scalars(row) == {
+        "accuracy": 0.5,
+        "units-moved/fc1": 0.25,
+        "units-moved/fc2": 0.0,
+        "lambda-accuracy/0": 0.1,
+        "lambda-accuracy/1": 0.2,
+        "clients-trained": 4.0,
+        "resumed": 1.0,
+    }
 
 
 def test_progress_says_round_elapsed_and_time_left(tmp_path):
@@ -83,7 +105,8 @@ def test_progress_says_round_elapsed_and_time_left(tmp_path):
         (tmp_path / job).mkdir()
         (tmp_path / job / "job.json").write_text(json.dumps({"status": status}))
     assert sweep_progress(tmp_path, "job.json", "completed") == (
-        "sweep: 2 of 4 jobs done (1 failed), 2 left, elapsed 1m00s, about 1m00s left")
+        "sweep: 2 of 4 jobs done (1 failed), 2 left, elapsed 1m00s, about 1m00s left"
+    )
 
 
 def test_tensorboard_is_on_by_default_with_every_round_of_every_metric(tmp_path):
@@ -92,8 +115,9 @@ def test_tensorboard_is_on_by_default_with_every_round_of_every_metric(tmp_path)
     assert summary["tracking"] == {"tensorboard": "complete"}
     board = tensorboard(folder)
     expected = expected_series(rows_of(folder))
-    assert {"accuracy", "loss", "train-loss", "clients-trained", "clients-dropped",
-            "local-accuracy-mean"} <= set(expected)
+    assert {"accuracy", "loss", "train-loss", "clients-trained", "clients-dropped", "local-accuracy-mean"} <= set(
+        expected
+    )
     for name, points in expected.items():
         assert same_series([(event.step, event.value) for event in board.Scalars(name)], points), name
     assert board.Scalars("summary/final-accuracy")[0].value == pytest.approx(summary["final-accuracy"])
@@ -113,15 +137,28 @@ def test_an_mlflow_run_holds_the_run_and_a_resumed_run_continues_it_once(tmp_pat
     config = json.loads((folder / "config.json").read_text())
     assert stored.data.params == {key: str(value) for key, value in config.items()}
     assert {key: stored.data.tags[key] for key in ("strategy", "model", "dataset", "partitioner", "seed")} == {
-        "strategy": "fedavg", "model": "small-mlp", "dataset": "digits", "partitioner": "dirichlet", "seed": "0"}
-    assert stored.data.tags["flwr-version"] == "1.41.0" and stored.data.tags["mlflow.source.git.commit"]
+        "strategy": "fedavg",
+        "model": "small-mlp",
+        "dataset": "digits",
+        "partitioner": "dirichlet",
+        "seed": "0",
+    }
+    assert stored.data.tags["flwr-version"] == flwr.__version__ and stored.data.tags["mlflow.source.git.commit"]
     assert stored.data.metrics["final-accuracy"] == pytest.approx(first["final-accuracy"])
     assert {artifact.path for artifact in client.list_artifacts(run_id)} == {
-        "accuracy.png", "config.json", "metrics.jsonl", "model.pt", "summary.json"}
+        "accuracy.png",
+        "config.json",
+        "metrics.jsonl",
+        "model.pt",
+        "summary.json",
+    }
     assert (tmp_path / "store" / "mlflow-artifacts" / run_id / "artifacts" / "model.pt").is_file()  # beside the DB
 
-    resumed = run(tmp_path, tracking="both", **{"mlflow-uri": uri, "resume-from": str(folder),
-                                                 "num-server-rounds": 3, "run-name": ""})
+    resumed = run(
+        tmp_path,
+        tracking="both",
+        **{"mlflow-uri": uri, "resume-from": str(folder), "num-server-rounds": 3, "run-name": ""},
+    )
     assert resumed["tracking"]["mlflow-run-id"] == run_id  # the same MLflow run goes on
     assert json.loads((folder / TRACKING_FILE).read_text())["mlflow"]["run-id"] == run_id
     expected = expected_series(rows_of(folder))
@@ -142,8 +179,9 @@ def test_tracking_that_cannot_start_warns_once_and_the_run_goes_on(tmp_path):
     assert summary["tracking"]["mlflow"].startswith("not tracked could not start: ")
     assert json.loads((Path(summary["run-folder"]) / "summary.json").read_text())["tracking"] == summary["tracking"]
     # A server nobody answers on: refused at once, not after MLflow's minutes of retries.
-    config = parse_run_config({**TINY, "results-dir": str(tmp_path), "tracking": "mlflow",
-                               "mlflow-uri": f"http://127.0.0.1:{free_port()}"})
+    config = parse_run_config(
+        {**TINY, "results-dir": str(tmp_path), "tracking": "mlflow", "mlflow-uri": f"http://127.0.0.1:{free_port()}"}
+    )
     started = time.monotonic()
     tracking = Tracking.open(config, tmp_path, resumed=False)
     assert time.monotonic() - started < 10
@@ -174,9 +212,26 @@ def start_mlflow_server(folder: Path) -> tuple[subprocess.Popen, str]:
     port, log = free_port(), folder / "mlflow-server.log"
     with log.open("wb") as stream:
         server = subprocess.Popen(
-            [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-             "--backend-store-uri", f"sqlite:///{folder / 'server.db'}", "--artifacts-destination",
-             str(folder / "server-artifacts")], stdout=stream, stderr=subprocess.STDOUT, start_new_session=True)
+            [
+                sys.executable,
+                "-m",
+                "mlflow",
+                "server",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--workers",
+                "1",
+                "--backend-store-uri",
+                f"sqlite:///{folder / 'server.db'}",
+                "--artifacts-destination",
+                str(folder / "server-artifacts"),
+            ],
+            stdout=stream,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     uri, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 180
     while server.poll() is None and time.monotonic() < deadline:
         try:
@@ -196,10 +251,27 @@ def test_a_sweep_on_a_real_mlflow_server_is_a_parent_with_a_child_per_job(tmp_pa
     try:
         sweep_dir = tmp_path / "sweep"
         result = subprocess.run(
-            [sys.executable, "-m", "fl_app.sweep", "-m", "dataset=digits", "model=small-mlp", "sim.num_supernodes=2",
-             "train.num_server_rounds=2", "sim.backend=inprocess", "tracking=both", f"mlflow_uri={uri}",
-             "train.lr=0.05,0.1", f"hydra.sweep.dir={sweep_dir}"],
-            cwd=ROOT, env={**os.environ, "FLWR_TELEMETRY_ENABLED": "0"}, capture_output=True, text=True, timeout=600)
+            [
+                sys.executable,
+                "-m",
+                "fl_app.sweep",
+                "-m",
+                "dataset=digits",
+                "model=small-mlp",
+                "sim.num_supernodes=2",
+                "train.num_server_rounds=2",
+                "sim.backend=inprocess",
+                "tracking=both",
+                f"mlflow_uri={uri}",
+                "train.lr=0.05,0.1",
+                f"hydra.sweep.dir={sweep_dir}",
+            ],
+            cwd=ROOT,
+            env={**os.environ, "FLWR_TELEMETRY_ENABLED": "0"},
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert result.returncode == 0, result.stderr[-3000:]
         assert "[alignfl] sweep: 1 of 2 jobs done (0 failed), 1 left" in result.stdout
         assert f"summary: {sweep_dir / 'summary.md'}" in result.stdout
@@ -220,12 +292,15 @@ def test_a_sweep_on_a_real_mlflow_server_is_a_parent_with_a_child_per_job(tmp_pa
             # TensorBoard's HParams: the job's session holds its learning rate and final accuracy.
             board = tensorboard(folder)
             start = plugin_data_pb2.HParamsPluginData.FromString(
-                board.PluginTagToContent("hparams")["_hparams_/session_start_info"]).session_start_info
+                board.PluginTagToContent("hparams")["_hparams_/session_start_info"]
+            ).session_start_info
             assert start.hparams["train.lr"].number_value == float(child.data.params["lr"])
             assert board.Scalars("hparams/final-accuracy")[0].value == pytest.approx(
-                json.loads((folder / "summary.json").read_text())["final-accuracy"])
+                json.loads((folder / "summary.json").read_text())["final-accuracy"]
+            )
         experiment = plugin_data_pb2.HParamsPluginData.FromString(
-            tensorboard(sweep_dir).PluginTagToContent("hparams")["_hparams_/experiment"]).experiment
+            tensorboard(sweep_dir).PluginTagToContent("hparams")["_hparams_/experiment"]
+        ).experiment
         assert {info.name for info in experiment.hparam_infos} == {"train.lr", "seed"}
 
         # The server goes away during a run: one warning, tracking off, the summary says so.
@@ -251,8 +326,10 @@ def test_the_hparams_view_leaves_out_moved_run_folders_and_a_write_failure_is_a_
         return folder
 
     kept, sweep_dir = run_folder("kept"), tmp_path / "sweep"
-    sessions = [(kept, {"train.lr": "0.1"}, {"final-accuracy": 0.5}),
-                (tmp_path / "moved", {"train.lr": "0.2"}, {"final-accuracy": 0.6})]
+    sessions = [
+        (kept, {"train.lr": "0.1"}, {"final-accuracy": 0.5}),
+        (tmp_path / "moved", {"train.lr": "0.2"}, {"final-accuracy": 0.6}),
+    ]
     with caplog.at_level(logging.WARNING, logger="flwr"):
         write_hparams(sweep_dir, sessions)
     assert f"run folder {tmp_path / 'moved'} is gone" in caplog.text

@@ -23,14 +23,16 @@ def test_auto_falls_back_to_cpu_and_says_so(monkeypatch, flwr_log):
     assert select_device("auto") == torch.device("cpu")
     # a set: caplog sees the record through its own handler and through the root logger
     assert {(r.levelno, r.getMessage()) for r in flwr_log.records} == {
-        (logging.INFO, "device=auto: CUDA is not available, training on CPU")}
+        (logging.INFO, "device=auto: CUDA is not available, training on CPU")
+    }
 
 
 def test_explicit_cuda_without_cuda_falls_back_with_a_warning(monkeypatch, flwr_log):
     monkeypatch.setattr(training.torch.cuda, "is_available", lambda: False)
     assert select_device("cuda:1") == torch.device("cpu")
     assert {(r.levelno, r.getMessage()) for r in flwr_log.records} == {
-        (logging.WARNING, "device=cuda:1 requested but CUDA is not available: falling back to CPU")}
+        (logging.WARNING, "device=cuda:1 requested but CUDA is not available: falling back to CPU")
+    }
 
 
 def test_auto_takes_cuda_when_present(monkeypatch):
@@ -95,7 +97,12 @@ def test_plain_sgd_does_not_import_torch_dynamo():
     import subprocess
     import sys
 
-    code = ("import sys, torch; from core.training import PlainSGD; m = torch.nn.Linear(2, 2); "
-            "o = PlainSGD(m.parameters(), 0.1, 0.9, 1e-4); m(torch.ones(1, 2)).sum().backward(); o.step(); "
-            "print('torch._dynamo' in sys.modules)")
-    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
+    code = (
+        "import sys, torch; from core.training import PlainSGD; m = torch.nn.Linear(2, 2); "
+        "o = PlainSGD(m.parameters(), 0.1, 0.9, 1e-4); m(torch.ones(1, 2)).sum().backward(); o.step(); "
+        "print('torch._dynamo' in sys.modules)"
+    )
+    assert (
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+        == "False"
+    )

@@ -9,11 +9,11 @@ import torch
 from torch import nn
 
 from core import tokens
+from core.alignment import find_permutations, list_costs
 from core.data import load_dataset
+from fl_app.inprocess import run_in_process
 from models import PanSettings, PermutationSpec, invert_permutations, permute_state, random_permutations
 from models.transformer import Transformer1, sinusoid_table
-from core.alignment import find_permutations, list_costs
-from fl_app.inprocess import run_in_process
 
 SHAPE = (1, tokens.LENGTH, tokens.VOCABULARY)
 
@@ -112,8 +112,15 @@ def test_majority_tokens_are_one_hot_with_a_unique_most_frequent_token():
 
 @pytest.mark.slow  # ~15 s on two loaded cores
 def test_matched_transformer_on_majority_tokens_learns(tmp_path):
-    config = {"strategy": "matched", "model": "transformer-1", "dataset": "majority-tokens", "match-cost": "l1",
-              "num-server-rounds": 2, "results-dir": str(tmp_path), "device": "cpu"}
+    config = {
+        "strategy": "matched",
+        "model": "transformer-1",
+        "dataset": "majority-tokens",
+        "match-cost": "l1",
+        "num-server-rounds": 2,
+        "results-dir": str(tmp_path),
+        "device": "cpu",
+    }
     run_in_process(config, num_nodes=3)
     (folder,) = tmp_path.iterdir()
     rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]

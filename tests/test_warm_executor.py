@@ -26,9 +26,17 @@ MESSAGE_TIMEOUT_S = 6.0
 
 
 def spec(task_id: int, token: str, task_type: TaskType = TaskType.CLIENT_APP) -> ExecutionSpec:
-    return ExecutionSpec(task_type=task_type, runtime_api_address="127.0.0.1:9", token=token, insecure=True,
-                         root_certificates_path=None, runtime_dependency_install=False, parent_pid=os.getpid(),
-                         suppress_output=False, task_id=task_id)
+    return ExecutionSpec(
+        task_type=task_type,
+        runtime_api_address="127.0.0.1:9",
+        token=token,
+        insecure=True,
+        root_certificates_path=None,
+        runtime_dependency_install=False,
+        parent_pid=os.getpid(),
+        suppress_output=False,
+        task_id=task_id,
+    )
 
 
 def alive(pid: int) -> bool:
@@ -161,12 +169,16 @@ def test_the_entry_point_installs_the_warm_executor_and_passes_flowers_arguments
     assert installed.args[1] == ["--app", "fl_app.client_app", "--message-timeout", "60.0"]
 
 
-@pytest.mark.parametrize("flower_version, argv, reason", [
-    ("9.9.9", [], "Flower 9.9.9 is not a release it was checked against"),
-    ("1.41.0", ["--executor", "kubernetes"], "--executor kubernetes was asked for"),
-])
+@pytest.mark.parametrize(
+    "flower_version, argv, reason",
+    [
+        ("9.9.9", [], "Flower 9.9.9 is not a release it was checked against"),
+        ("1.41.0", ["--executor", "kubernetes"], "--executor kubernetes was asked for"),
+    ],
+)
 def test_the_entry_point_runs_flowers_superexec_unchanged_where_it_is_not_checked(
-        flower_loop, monkeypatch, caplog, flower_version, argv, reason):
+    flower_loop, monkeypatch, caplog, flower_version, argv, reason
+):
     loop, calls = flower_loop
     flower_get_executor = loop.get_executor
     monkeypatch.setattr(warm_superexec, "version", lambda _: flower_version)
@@ -186,4 +198,4 @@ def test_the_entry_point_refuses_a_bad_message_timeout(value, capsys):
 
 def test_the_message_timeout_defaults_to_round_timeouts_default():
     """Declared beside the SuperExec (which must not import torch to read it); kept equal here."""
-    assert warm_superexec.DEFAULT_MESSAGE_TIMEOUT_S == default_run_config()["round-timeout"]
+    assert default_run_config()["round-timeout"] == warm_superexec.DEFAULT_MESSAGE_TIMEOUT_S

@@ -17,10 +17,14 @@ def act(spec: dict[str, Any]) -> None:
         import numpy
         import torch
 
-        seen = {"pid": os.getpid(), "ppid": os.getppid(), "torch": torch.rand(3).tolist(),
-                "numpy": numpy.random.random_sample(3).tolist(),
-                "project": sorted(name for name in sys.modules if name.partition(".")[0] in ("fl_app", "core")),
-                "torch-imported": "torch" in sys.modules}
+        seen = {
+            "pid": os.getpid(),
+            "ppid": os.getppid(),
+            "torch": torch.rand(3).tolist(),
+            "numpy": numpy.random.random_sample(3).tolist(),
+            "project": sorted(name for name in sys.modules if name.partition(".")[0] in ("fl_app", "core")),
+            "torch-imported": "torch" in sys.modules,
+        }
         with open(argument, "w") as stream:
             json.dump(seen, stream)
     elif what == "raise":

@@ -58,10 +58,19 @@ PARTS: dict[str, list[tuple[int, int, str]]] = {
 }
 COMPARED = list(dict.fromkeys((n, c) for part in ("settings", "scaling") for n, c, _ in PARTS[part]))
 """The (clients, classes) settings of the FedAvg-versus-Ψ-Net table."""
-ABLATION_ROWS = [("fedavg", "FedAvg, no norm"), ("fedavg-bn", "FedAvg + BN"), ("fedavg-gn", "FedAvg + GN"),
-                 ("psinet", "Ψ-Net (BN shared, GN grouped)")]
-COLORS = {"fedavg": "tab:blue", "psinet": "tab:orange", "fedavg-bn": "tab:green", "fedavg-gn": "tab:red",
-          "fedavg-psi": "tab:purple"}
+ABLATION_ROWS = [
+    ("fedavg", "FedAvg, no norm"),
+    ("fedavg-bn", "FedAvg + BN"),
+    ("fedavg-gn", "FedAvg + GN"),
+    ("psinet", "Ψ-Net (BN shared, GN grouped)"),
+]
+COLORS = {
+    "fedavg": "tab:blue",
+    "psinet": "tab:orange",
+    "fedavg-bn": "tab:green",
+    "fedavg-gn": "tab:red",
+    "fedavg-psi": "tab:purple",
+}
 
 
 def prepare_data(out: Path, test_per_class: int) -> str:
@@ -104,13 +113,27 @@ def overrides(clients: int, classes: int, method: str, seed: int, args: argparse
     """The run config of one run (the shared scale settings from ``args``)."""
     fraction = min(1.0, args.clients_per_round / clients) if args.clients_per_round else 1.0
     evaluated = min(1.0, args.eval_clients_per_round / clients) if args.eval_clients_per_round else 1.0
-    return {**METHODS[method], "dataset": args.dataset, "partitioner": "pathological",
-            "classes-per-client": classes, "num-server-rounds": args.rounds, "local-epochs": args.local_epochs,
-            "lr": args.lr, "batch-size": args.batch_size, "width-factor": args.width_factor, "init": args.init,
-            "data-fraction": args.data_fraction, "fraction-train": fraction, "fraction-evaluate": evaluated,
-            "min-available-nodes": clients, "seed": seed, "results-dir": str(args.out), "data-root": args.data_root,
-            "run-name": run_name(clients, classes, method, seed),
-            **({"psi-depth": args.psi_depth} if METHODS[method]["model"].startswith("psi-") else {})}
+    return {
+        **METHODS[method],
+        "dataset": args.dataset,
+        "partitioner": "pathological",
+        "classes-per-client": classes,
+        "num-server-rounds": args.rounds,
+        "local-epochs": args.local_epochs,
+        "lr": args.lr,
+        "batch-size": args.batch_size,
+        "width-factor": args.width_factor,
+        "init": args.init,
+        "data-fraction": args.data_fraction,
+        "fraction-train": fraction,
+        "fraction-evaluate": evaluated,
+        "min-available-nodes": clients,
+        "seed": seed,
+        "results-dir": str(args.out),
+        "data-root": args.data_root,
+        "run-name": run_name(clients, classes, method, seed),
+        **({"psi-depth": args.psi_depth} if METHODS[method]["model"].startswith("psi-") else {}),
+    }
 
 
 def finished(folder: Path, config: dict[str, Any]) -> bool:
@@ -120,8 +143,9 @@ def finished(folder: Path, config: dict[str, Any]) -> bool:
     stored = json.loads((folder / "config.json").read_text())
     differs = {k: (stored.get(k), v) for k, v in config.items() if stored.get(k) != v}
     if differs:
-        raise SystemExit(f"{folder} holds a finished run with other settings {differs} (stored, planned); "
-                         "use another --out")
+        raise SystemExit(
+            f"{folder} holds a finished run with other settings {differs} (stored, planned); use another --out"
+        )
     return True
 
 
@@ -171,9 +195,12 @@ def simulate(config: dict[str, Any], clients: int, backend: str) -> None:
     from fl_app.server_app import build_server_app
 
     def go() -> None:
-        run_simulation(server_app=build_server_app(config), client_app=build_client_app(config),
-                       num_supernodes=clients,
-                       backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}})
+        run_simulation(
+            server_app=build_server_app(config),
+            client_app=build_client_app(config),
+            num_supernodes=clients,
+            backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}},
+        )
 
     if backend == "ray":
         go()
@@ -194,8 +221,10 @@ def run_all(args: argparse.Namespace) -> None:
         started = time.time()
         simulate(config, clients, args.backend)
         summary = json.loads((folder / "summary.json").read_text())
-        print(f"[{i}/{len(runs)}] {folder.name}: final {summary['final-accuracy']:.4f}, "
-              f"{time.time() - started:.0f} s", flush=True)
+        print(
+            f"[{i}/{len(runs)}] {folder.name}: final {summary['final-accuracy']:.4f}, {time.time() - started:.0f} s",
+            flush=True,
+        )
 
 
 # --- report ---------------------------------------------------------------------------
@@ -221,14 +250,18 @@ def mean_std(values: list[float]) -> str:
 
 
 def _cells(runs: list[dict[str, Any]]) -> str:
-    return (f"{len(runs)} | {mean_std([r['final-accuracy'] for r in runs])} | "
-            f"{mean_std([r['last-5-mean-accuracy'] for r in runs])} | {mean_std([r['best-accuracy'] for r in runs])}")
+    return (
+        f"{len(runs)} | {mean_std([r['final-accuracy'] for r in runs])} | "
+        f"{mean_std([r['last-5-mean-accuracy'] for r in runs])} | {mean_std([r['best-accuracy'] for r in runs])}"
+    )
 
 
 def comparison_table(out: Path, seeds: list[int], baseline: str, settings: list[tuple[int, int]]) -> str:
     """``baseline`` against ``psinet`` per (clients, classes) setting, with the paired per-seed gap."""
-    lines = [f"| N×C | method | model | seeds | final acc % | last-5 mean acc % | best acc % | Ψ − {baseline} (final) |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"| N×C | method | model | seeds | final acc % | last-5 mean acc % | best acc % | Ψ − {baseline} (final) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for clients, classes in settings:
         runs = {m: load(out, clients, classes, m, seeds) for m in (baseline, "psinet")}
         if not any(runs.values()):
@@ -245,8 +278,11 @@ def comparison_table(out: Path, seeds: list[int], baseline: str, settings: list[
 def _paired_gaps(baseline: list[dict[str, Any]], psinet: list[dict[str, Any]]) -> list[float]:
     """Ψ-Net minus the baseline's final accuracy, per seed both finished."""
     by_seed = {Path(r["run-folder"]).name.rsplit("seed", 1)[1]: r["final-accuracy"] for r in baseline}
-    return [r["final-accuracy"] - by_seed[s] for r in psinet
-            if (s := Path(r["run-folder"]).name.rsplit("seed", 1)[1]) in by_seed]
+    return [
+        r["final-accuracy"] - by_seed[s]
+        for r in psinet
+        if (s := Path(r["run-folder"]).name.rsplit("seed", 1)[1]) in by_seed
+    ]
 
 
 def ablation_table(out: Path, seeds: list[int]) -> str:
@@ -271,8 +307,13 @@ def plot(out: Path, seeds: list[int], folder: Path) -> list[Path]:
         ax.set(title=f"{clients}×{classes}", xlabel="round")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("global test accuracy")
-    axes[0].legend(handles=[plt.Line2D([], [], color=COLORS[m], label=f"{m} ({METHODS[m]['model']})")
-                            for m in ("fedavg", "psinet")], loc="upper left", fontsize=8)
+    axes[0].legend(
+        handles=[
+            plt.Line2D([], [], color=COLORS[m], label=f"{m} ({METHODS[m]['model']})") for m in ("fedavg", "psinet")
+        ],
+        loc="upper left",
+        fontsize=8,
+    )
     fig.tight_layout()
     paths = [folder / "psinet_settings.png"]
     fig.savefig(paths[0], dpi=110)
@@ -300,17 +341,22 @@ def _curve(ax: Any, runs: list[dict[str, Any]], label: str, color: str) -> None:
     mean = [statistics.mean(column) for column in zip(*acc)]
     std = [statistics.stdev(column) if len(column) > 1 else 0.0 for column in zip(*acc)]
     ax.plot(rounds, mean, marker=".", label=label, color=color)
-    ax.fill_between(rounds, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)], alpha=0.2,
-                    color=color)
+    ax.fill_between(
+        rounds, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)], alpha=0.2, color=color
+    )
 
 
 def report(args: argparse.Namespace) -> None:
     figures = args.figures or args.out
     figures.mkdir(parents=True, exist_ok=True)
-    text = ("## N×C settings and node scaling\n\n" + comparison_table(args.out, args.seeds, "fedavg", COMPARED)
-            + "\n## Normalisation ablation\n\n" + ablation_table(args.out, args.seeds)
-            + "\n## Same architecture (psi-vgg9): FedAvg versus grouped averaging\n\n"
-            + comparison_table(args.out, args.seeds, "fedavg-psi", [(10, c) for c in (3, 5, 10)]))
+    text = (
+        "## N×C settings and node scaling\n\n"
+        + comparison_table(args.out, args.seeds, "fedavg", COMPARED)
+        + "\n## Normalisation ablation\n\n"
+        + ablation_table(args.out, args.seeds)
+        + "\n## Same architecture (psi-vgg9): FedAvg versus grouped averaging\n\n"
+        + comparison_table(args.out, args.seeds, "fedavg-psi", [(10, c) for c in (3, 5, 10)])
+    )
     paths = plot(args.out, args.seeds, figures)
     (args.out / "results.md").write_text(text)
     print(text)
@@ -319,8 +365,7 @@ def report(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--part", nargs="+", default=["settings", "ablation", "scaling"],
-                        choices=list(PARTS))
+    parser.add_argument("--part", nargs="+", default=["settings", "ablation", "scaling"], choices=list(PARTS))
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--dataset", default="fashion-mnist")
     parser.add_argument("--rounds", type=int, default=8)
@@ -329,18 +374,33 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--width-factor", type=float, default=0.125)
     parser.add_argument("--data-fraction", type=float, default=0.05)
-    parser.add_argument("--clients-per-round", type=int, default=0,
-                        help="train this many sampled clients per round (0: all); sets fraction-train")
-    parser.add_argument("--eval-clients-per-round", type=int, default=10,
-                        help="score the global model on this many sampled clients' local test splits per round "
-                             "(0: all); sets fraction-evaluate")
+    parser.add_argument(
+        "--clients-per-round",
+        type=int,
+        default=0,
+        help="train this many sampled clients per round (0: all); sets fraction-train",
+    )
+    parser.add_argument(
+        "--eval-clients-per-round",
+        type=int,
+        default=10,
+        help="score the global model on this many sampled clients' local test splits per round "
+        "(0: all); sets fraction-evaluate",
+    )
     parser.add_argument("--psi-depth", type=int, default=2)
     parser.add_argument("--init", default="he", help="run-config init (he: plain VGG-9 trains at this scale)")
-    parser.add_argument("--test-per-class", type=int, default=300,
-                        help="Fashion-MNIST: score the global model on the first K test images of each class "
-                             "(0: all 10,000)")
-    parser.add_argument("--backend", choices=["inprocess", "ray"], default="inprocess",
-                        help="where clients run: this process, one after another (default), or Ray actors")
+    parser.add_argument(
+        "--test-per-class",
+        type=int,
+        default=300,
+        help="Fashion-MNIST: score the global model on the first K test images of each class (0: all 10,000)",
+    )
+    parser.add_argument(
+        "--backend",
+        choices=["inprocess", "ray"],
+        default="inprocess",
+        help="where clients run: this process, one after another (default), or Ray actors",
+    )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="absolute results folder")
     parser.add_argument("--report", action="store_true", help="only write the tables and plots")
     parser.add_argument("--figures", type=Path, default=None, help="where the plots go (default: --out)")

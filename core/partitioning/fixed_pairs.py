@@ -61,8 +61,10 @@ def _holders_per_class(num_partitions: int, num_classes: int) -> int:
         raise ValueError(f"FixedPairPartitioner needs an even number of classes (>= 2), got {num_classes}")
     half = num_classes // 2
     if num_partitions % half:
-        raise ValueError(f"num_partitions must be a multiple of {half} (half the {num_classes} classes, so that "
-                         f"every class has the same number of holders), got {num_partitions}")
+        raise ValueError(
+            f"num_partitions must be a multiple of {half} (half the {num_classes} classes, so that "
+            f"every class has the same number of holders), got {num_partitions}"
+        )
     return num_partitions // half
 
 
@@ -90,15 +92,18 @@ class FixedPairPartitioner(Partitioner):
         per client than the smallest class can give all its holders).
     """
 
-    def __init__(self, num_partitions: int, samples_per_client: int | None = None, seed: int = 42,
-                 partition_by: str = "label") -> None:
+    def __init__(
+        self, num_partitions: int, samples_per_client: int | None = None, seed: int = 42, partition_by: str = "label"
+    ) -> None:
         super().__init__()
         self._num_partitions = require_int("num_partitions", num_partitions, 1)
         if samples_per_client is not None:
             samples_per_client = require_int("samples_per_client", samples_per_client, 2)
             if samples_per_client % 2:
-                raise ValueError(f"samples_per_client must be even (half from each of the two classes) or None, "
-                                 f"got {samples_per_client}")
+                raise ValueError(
+                    f"samples_per_client must be even (half from each of the two classes) or None, "
+                    f"got {samples_per_client}"
+                )
         self._samples_per_client = samples_per_client
         self._seed = require_int("seed", seed, 0)
         self._partition_by = partition_by
@@ -137,12 +142,16 @@ class FixedPairPartitioner(Partitioner):
         size = len(pools[smallest])
         most = size // holders
         if most == 0:
-            raise ValueError(f"num_partitions={self._num_partitions} gives every class {holders} clients, but class "
-                             f"{classes[smallest]!r} has only {size} samples; allowed: num_partitions <= "
-                             f"{size * (len(classes) // 2)}")
+            raise ValueError(
+                f"num_partitions={self._num_partitions} gives every class {holders} clients, but class "
+                f"{classes[smallest]!r} has only {size} samples; allowed: num_partitions <= "
+                f"{size * (len(classes) // 2)}"
+            )
         wanted = most if self._samples_per_client is None else self._samples_per_client // 2
         if wanted > most:
-            raise ValueError(f"samples_per_client={self._samples_per_client} is more than the data hold: every class "
-                             f"is shared by {holders} clients and class {classes[smallest]!r} has {size} samples; "
-                             f"allowed: None or an even number in [2, {2 * most}]")
+            raise ValueError(
+                f"samples_per_client={self._samples_per_client} is more than the data hold: every class "
+                f"is shared by {holders} clients and class {classes[smallest]!r} has {size} samples; "
+                f"allowed: None or an even number in [2, {2 * most}]"
+            )
         return wanted

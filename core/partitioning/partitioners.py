@@ -68,11 +68,12 @@ def list_partitioners() -> list[str]:
 def check_partitioning(partitioner: str, settings: Any, split: Split) -> None:
     """Refuse settings the split cannot meet, naming the keys and what is allowed; before the data are read,
     only what ``split`` knows is checked."""
-    if split.num_samples is not None and split.num_partitions is not None \
-            and split.num_partitions > split.num_samples:
-        raise ValueError(f"num-partitions = {split.num_partitions} is not allowed: every client needs a sample and "
-                         f"'{split.dataset}' has {split.num_samples} training samples to split; allowed: at most "
-                         f"{split.num_samples} partitions (clients), or a larger train-size")
+    if split.num_samples is not None and split.num_partitions is not None and split.num_partitions > split.num_samples:
+        raise ValueError(
+            f"num-partitions = {split.num_partitions} is not allowed: every client needs a sample and "
+            f"'{split.dataset}' has {split.num_samples} training samples to split; allowed: at most "
+            f"{split.num_samples} partitions (clients), or a larger train-size"
+        )
     check = PARTITIONERS.get(partitioner).check
     if check is not None:
         check(settings, split)
@@ -96,8 +97,9 @@ PARTITIONERS.register(Partitioning("iid", _iid))
 
 @dataclass(frozen=True)
 class DirichletSettings:
-    dirichlet_alpha: float = option(0.5, "Dirichlet concentration (smaller is more skewed)", positive,
-                                    "must be > 0 (smaller is more skewed)")
+    dirichlet_alpha: float = option(
+        0.5, "Dirichlet concentration (smaller is more skewed)", positive, "must be > 0 (smaller is more skewed)"
+    )
 
 
 def _dirichlet(settings: DirichletSettings, num_partitions: int, seed: int) -> Partitioner:
@@ -113,8 +115,14 @@ def _dirichlet(settings: DirichletSettings, num_partitions: int, seed: int) -> P
     """
     from flwr_datasets.partitioner import DirichletPartitioner
 
-    return DirichletPartitioner(num_partitions=num_partitions, partition_by="label", alpha=settings.dirichlet_alpha,
-                                min_partition_size=DIRICHLET_MIN_PARTITION_SIZE, self_balancing=False, seed=seed)
+    return DirichletPartitioner(
+        num_partitions=num_partitions,
+        partition_by="label",
+        alpha=settings.dirichlet_alpha,
+        min_partition_size=DIRICHLET_MIN_PARTITION_SIZE,
+        self_balancing=False,
+        seed=seed,
+    )
 
 
 PARTITIONERS.register(Partitioning("dirichlet", _dirichlet, DirichletSettings))
@@ -132,17 +140,24 @@ def _pathological(settings: PathologicalSettings, num_partitions: int, seed: int
     """Each client holds exactly classes-per-client classes, split evenly among their holders."""
     from flwr_datasets.partitioner import PathologicalPartitioner
 
-    return PathologicalPartitioner(num_partitions=num_partitions, partition_by="label",
-                                   num_classes_per_partition=settings.classes_per_client,
-                                   class_assignment_mode=PATHOLOGICAL_CLASS_ASSIGNMENT, seed=seed)
+    return PathologicalPartitioner(
+        num_partitions=num_partitions,
+        partition_by="label",
+        num_classes_per_partition=settings.classes_per_client,
+        class_assignment_mode=PATHOLOGICAL_CLASS_ASSIGNMENT,
+        seed=seed,
+    )
 
 
 def _check_pathological(settings: PathologicalSettings, split: Split) -> None:
     """Whether a class has enough samples for all its holders depends on the seeded draw: flwr-datasets
     checks that (:func:`core.partitioning.partitions.partition_dataset` names the keys)."""
     if settings.classes_per_client > split.num_classes:
-        raise refuse("classes-per-client", settings.classes_per_client,
-                     f"must be at most the number of classes of '{split.dataset}' ({split.num_classes})")
+        raise refuse(
+            "classes-per-client",
+            settings.classes_per_client,
+            f"must be at most the number of classes of '{split.dataset}' ({split.num_classes})",
+        )
 
 
 PARTITIONERS.register(Partitioning("pathological", _pathological, PathologicalSettings, _check_pathological))
@@ -164,8 +179,12 @@ def _shard(settings: ShardSettings, num_partitions: int, seed: int) -> Partition
     """
     from flwr_datasets.partitioner import ShardPartitioner
 
-    return ShardPartitioner(num_partitions=num_partitions, partition_by="label",
-                            num_shards_per_partition=settings.shards_per_client, seed=seed)
+    return ShardPartitioner(
+        num_partitions=num_partitions,
+        partition_by="label",
+        num_shards_per_partition=settings.shards_per_client,
+        seed=seed,
+    )
 
 
 def _check_shard(settings: ShardSettings, split: Split) -> None:
@@ -174,11 +193,14 @@ def _check_shard(settings: ShardSettings, split: Split) -> None:
         return
     shards = settings.shards_per_client * split.num_partitions
     if shards > split.num_samples:
-        raise refuse("shards-per-client", settings.shards_per_client,
-                     f"with num-partitions = {split.num_partitions} that is {shards} shards, but '{split.dataset}' "
-                     f"has {split.num_samples} training samples to cut them from (a shard would be empty); allowed: "
-                     f"shards-per-client * num-partitions <= {split.num_samples}, here shards-per-client <= "
-                     f"{split.num_samples // split.num_partitions}")
+        raise refuse(
+            "shards-per-client",
+            settings.shards_per_client,
+            f"with num-partitions = {split.num_partitions} that is {shards} shards, but '{split.dataset}' "
+            f"has {split.num_samples} training samples to cut them from (a shard would be empty); allowed: "
+            f"shards-per-client * num-partitions <= {split.num_samples}, here shards-per-client <= "
+            f"{split.num_samples // split.num_partitions}",
+        )
 
 
 PARTITIONERS.register(Partitioning("shard", _shard, ShardSettings, _check_shard))
@@ -189,9 +211,12 @@ PARTITIONERS.register(Partitioning("shard", _shard, ShardSettings, _check_shard)
 
 @dataclass(frozen=True)
 class FixedPairsSettings:
-    samples_per_client: int = option(0, "samples per client, half from each of its two classes (0: as many as the "
-                                     "smallest class allows)", lambda v: v == 0 or (v >= 2 and v % 2 == 0),
-                                     "must be 0 (as many as the smallest class allows) or an even number >= 2")
+    samples_per_client: int = option(
+        0,
+        "samples per client, half from each of its two classes (0: as many as the smallest class allows)",
+        lambda v: v == 0 or (v >= 2 and v % 2 == 0),
+        "must be 0 (as many as the smallest class allows) or an even number >= 2",
+    )
 
 
 def _fixed_pairs(settings: FixedPairsSettings, num_partitions: int, seed: int) -> Partitioner:
@@ -205,13 +230,19 @@ def _fixed_pairs(settings: FixedPairsSettings, num_partitions: int, seed: int) -
 def _check_fixed_pairs(settings: FixedPairsSettings, split: Split) -> None:
     """Whether the smallest class can give every holder its share needs the labels: the partitioner checks that."""
     if split.num_classes % 2:
-        raise refuse("partitioner", "fixed-pairs", f"needs an even number of classes, and '{split.dataset}' has "
-                     f"{split.num_classes}; choose another partitioner")
+        raise refuse(
+            "partitioner",
+            "fixed-pairs",
+            f"needs an even number of classes, and '{split.dataset}' has "
+            f"{split.num_classes}; choose another partitioner",
+        )
     half = split.num_classes // 2
     if split.num_partitions is not None and split.num_partitions % half:
-        raise ValueError(f"num-partitions = {split.num_partitions} is not allowed with partitioner 'fixed-pairs': "
-                         f"it must be a multiple of {half} (half the {split.num_classes} classes of "
-                         f"'{split.dataset}', so that every class has as many holders)")
+        raise ValueError(
+            f"num-partitions = {split.num_partitions} is not allowed with partitioner 'fixed-pairs': "
+            f"it must be a multiple of {half} (half the {split.num_classes} classes of "
+            f"'{split.dataset}', so that every class has as many holders)"
+        )
 
 
 PARTITIONERS.register(Partitioning("fixed-pairs", _fixed_pairs, FixedPairsSettings, _check_fixed_pairs))

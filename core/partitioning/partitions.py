@@ -44,8 +44,15 @@ def partitioner_settings(partitioner: str, options: dict[str, Any]) -> Any:
     return build_settings(settings, {key_of(settings, name): value for name, value in options.items()})
 
 
-def partition_dataset(dataset: str, data_root: str | None, partitioner: str, num_partitions: int, seed: int,
-                      train_size: int = 0, **options: Any) -> tuple[np.ndarray, ...]:
+def partition_dataset(
+    dataset: str,
+    data_root: str | None,
+    partitioner: str,
+    num_partitions: int,
+    seed: int,
+    train_size: int = 0,
+    **options: Any,
+) -> tuple[np.ndarray, ...]:
     """Read-only index arrays into the train split, one per partition.
 
     A pure function of its arguments, cached per process: all partitions are computed in one go, so any
@@ -60,14 +67,16 @@ def partition_dataset(dataset: str, data_root: str | None, partitioner: str, num
     seed = require_int("seed", seed, 0)
     images = load_dataset(dataset, data_root)
     train_size = require_int("train-size", train_size, 0, len(images.train_y))
-    check_partitioning(partitioner, settings, Split(dataset, num_classes, train_size or len(images.train_y),
-                                                    num_partitions))
+    check_partitioning(
+        partitioner, settings, Split(dataset, num_classes, train_size or len(images.train_y), num_partitions)
+    )
     return _compute_partitions(images, partitioner, settings, num_partitions, seed, train_size)
 
 
 @functools.lru_cache(maxsize=8)
-def _compute_partitions(images: ImageDataset, partitioner: str, settings: Any, num_partitions: int, seed: int,
-                        train_size: int) -> tuple[np.ndarray, ...]:
+def _compute_partitions(
+    images: ImageDataset, partitioner: str, settings: Any, num_partitions: int, seed: int, train_size: int
+) -> tuple[np.ndarray, ...]:
     """Keyed on the loaded data set itself (one object per data set and root, see :func:`core.data.load_dataset`)."""
     labels = images.train_y.numpy()
     key = (partitioner, settings, num_partitions, seed, train_size)
@@ -92,8 +101,9 @@ def _partition_cache_file(labels: np.ndarray, key: tuple[Any, ...]) -> Path:
     from importlib.metadata import version
 
     digest = hashlib.sha256(labels.tobytes())
-    digest.update(repr((key, PATHOLOGICAL_CLASS_ASSIGNMENT, DIRICHLET_MIN_PARTITION_SIZE,
-                        version("flwr-datasets"))).encode())
+    digest.update(
+        repr((key, PATHOLOGICAL_CLASS_ASSIGNMENT, DIRICHLET_MIN_PARTITION_SIZE, version("flwr-datasets"))).encode()
+    )
     return Path(PARTITION_CACHE_DIR).expanduser() / f"{digest.hexdigest()[:32]}.npz"
 
 
@@ -107,12 +117,16 @@ def _read_partition_cache(path: Path, num_partitions: int) -> tuple[np.ndarray, 
 
 
 def _write_partition_cache(path: Path, parts: tuple[np.ndarray, ...]) -> None:
-    store_atomically(path, path.with_suffix(f".{os.getpid()}.tmp.npz"),
-                     lambda partial: np.savez(partial, **{f"p{i}": part for i, part in enumerate(parts)}))
+    store_atomically(
+        path,
+        path.with_suffix(f".{os.getpid()}.tmp.npz"),
+        lambda partial: np.savez(partial, **{f"p{i}": part for i, part in enumerate(parts)}),
+    )
 
 
-def _partition_labels(labels: np.ndarray, dataset: str, partitioner: str, settings: Any, num_partitions: int,
-                      seed: int, train_size: int) -> tuple[np.ndarray, ...]:
+def _partition_labels(
+    labels: np.ndarray, dataset: str, partitioner: str, settings: Any, num_partitions: int, seed: int, train_size: int
+) -> tuple[np.ndarray, ...]:
     """Run the flwr-datasets partitioner over the labels (the work the caches save)."""
     from datasets import Dataset
 
@@ -122,17 +136,23 @@ def _partition_labels(labels: np.ndarray, dataset: str, partitioner: str, settin
     split = PARTITIONERS.get(partitioner).build(settings, num_partitions, seed)
     split.dataset = Dataset.from_dict({"label": labels[order], "index": order})
     try:
-        return tuple(np.asarray(split.load_partition(pid)["index"][:], dtype=np.int64)
-                     for pid in range(num_partitions))
+        return tuple(np.asarray(split.load_partition(pid)["index"][:], dtype=np.int64) for pid in range(num_partitions))
     except ValueError as err:  # an infeasible combination that only the seeded draw shows
-        given = ", ".join([f"num-partitions={num_partitions}",
-                           *(f"{s.key}={getattr(settings, s.name)}" for s in settings_fields(type(settings)))])
-        raise ValueError(f"partitioner {partitioner!r} cannot split {dataset}'s {len(order)} training samples "
-                         f"with {given} (seed={seed}); change these settings. The partitioner said: {err}") from err
+        given = ", ".join(
+            [
+                f"num-partitions={num_partitions}",
+                *(f"{s.key}={getattr(settings, s.name)}" for s in settings_fields(type(settings))),
+            ]
+        )
+        raise ValueError(
+            f"partitioner {partitioner!r} cannot split {dataset}'s {len(order)} training samples "
+            f"with {given} (seed={seed}); change these settings. The partitioner said: {err}"
+        ) from err
 
 
-def client_split(indices: np.ndarray, test_fraction: float, seed: int, partition_id: int,
-                 keep_fraction: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+def client_split(
+    indices: np.ndarray, test_fraction: float, seed: int, partition_id: int, keep_fraction: float = 1.0
+) -> tuple[np.ndarray, np.ndarray]:
     """Shuffle one partition, keep a share of it, and split that into (train, local test).
 
     The generator is seeded by (seed, partition_id), so each client gets its own

@@ -28,12 +28,17 @@ SUBCOMMANDS: dict[str, Subcommand] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m fl_app.analysis", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m fl_app.analysis", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     tools = parser.add_subparsers(dest="tool", required=True, metavar="<tool>")
     for command in SUBCOMMANDS.values():
-        sub = tools.add_parser(command.name, help=command.summary, description=command.description,
-                               formatter_class=argparse.RawDescriptionHelpFormatter)
+        sub = tools.add_parser(
+            command.name,
+            help=command.summary,
+            description=command.description,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
         command.add_arguments(sub)
     return parser
 

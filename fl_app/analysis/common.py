@@ -21,19 +21,19 @@ import pickle
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from fl_app.config import ConfigError, RunConfig, parse_run_config
-from plugins.options import settings_fields
 from core.data import ImageDataset, list_datasets, load_dataset
 from core.model_io import build_run_model, federated_state
+from fl_app.config import ConfigError, RunConfig, parse_run_config
 from models import PanSettings, build_model, list_models
 from models.pan import PAN_MODES
+from plugins.options import settings_fields
 
 MODEL_FILE = "model.pt"
 CONFIG_FILE = "config.json"
@@ -112,8 +112,10 @@ def check_model_path(path: str | Path, require_config: bool = True) -> tuple[Pat
     """
     given = Path(path).expanduser()
     if not given.exists():
-        raise AnalysisError(f"model path '{given}' does not exist; give a run folder (with {MODEL_FILE} "
-                            f"and {CONFIG_FILE}) or a {MODEL_FILE} file with {CONFIG_FILE} beside it")
+        raise AnalysisError(
+            f"model path '{given}' does not exist; give a run folder (with {MODEL_FILE} "
+            f"and {CONFIG_FILE}) or a {MODEL_FILE} file with {CONFIG_FILE} beside it"
+        )
     weights = given / MODEL_FILE if given.is_dir() else given
     config = weights.parent / CONFIG_FILE
     for needed in (weights, config) if require_config else (weights,):
@@ -125,7 +127,7 @@ def check_model_path(path: str | Path, require_config: bool = True) -> tuple[Pat
 def check_out_dir(out: str | None, tool: str) -> Path:
     """The output folder: absolute when given, else a new ``~/alignfl-results/analysis/<tool>-<time>``."""
     if out is None:
-        stamp = f"{datetime.now(timezone.utc):%Y%m%d-%H%M%S-%f}"
+        stamp = f"{datetime.now(UTC):%Y%m%d-%H%M%S-%f}"
         return Path.home() / "alignfl-results" / "analysis" / f"{tool}-{stamp}"
     folder = Path(out)
     if not folder.is_absolute():
@@ -162,12 +164,14 @@ def load_state_into(model: nn.Module, state: Mapping[str, Tensor], source: str) 
     expected = federated_state(model)
     missing, extra = sorted(set(expected) - set(state)), sorted(set(state) - set(model.state_dict()))
     if missing or extra:
-        raise AnalysisError(f"'{source}' does not fit {type(model).__name__}: missing keys {missing[:5]}, "
-                            f"unexpected keys {extra[:5]}")
+        raise AnalysisError(
+            f"'{source}' does not fit {type(model).__name__}: missing keys {missing[:5]}, unexpected keys {extra[:5]}"
+        )
     for key, tensor in expected.items():
         if tuple(state[key].shape) != tuple(tensor.shape):
-            raise AnalysisError(f"'{source}': '{key}' has shape {tuple(state[key].shape)}, "
-                                f"the model expects {tuple(tensor.shape)}")
+            raise AnalysisError(
+                f"'{source}': '{key}' has shape {tuple(state[key].shape)}, the model expects {tuple(tensor.shape)}"
+            )
     model.load_state_dict(dict(state), strict=False)
 
 
@@ -197,8 +201,9 @@ def run_or_fresh_model(run: str | None, option: str, args: argparse.Namespace) -
     if run is not None:
         check_model_path(run)
         return load_run_model(run)
-    return fresh_model(args.model, args.dataset, pan_settings(args.pan_mode, args.pan_t, args.pan_a),
-                       args.seed, args.data_root)
+    return fresh_model(
+        args.model, args.dataset, pan_settings(args.pan_mode, args.pan_t, args.pan_a), args.seed, args.data_root
+    )
 
 
 def pan_settings(mode: str, period: float, amplitude: float) -> PanSettings:
@@ -248,16 +253,21 @@ def add_settings_arguments(parser: argparse.ArgumentParser, settings: type, pref
     """An option ``--<prefix><key>`` for every field of a settings class (``--bbp-max-width``), with the type,
     default and help declared there once; :func:`settings_from_arguments` reads them back."""
     for setting in settings_fields(settings):
-        parser.add_argument(f"--{prefix}{setting.key}", dest=f"{prefix}{setting.key}".replace("-", "_"),
-                            type=_true_or_false if setting.kind is bool else setting.kind, default=setting.default,
-                            help=f"{setting.help} (default: {_shown(setting.default)})")
+        parser.add_argument(
+            f"--{prefix}{setting.key}",
+            dest=f"{prefix}{setting.key}".replace("-", "_"),
+            type=_true_or_false if setting.kind is bool else setting.kind,
+            default=setting.default,
+            help=f"{setting.help} (default: {_shown(setting.default)})",
+        )
 
 
 def settings_from_arguments(args: argparse.Namespace, settings: type, prefix: str) -> Any:
     """The settings object of the options :func:`add_settings_arguments` added; an AnalysisError naming the option
     whose value its class refuses."""
-    values = {setting.name: getattr(args, f"{prefix}{setting.key}".replace("-", "_"))
-              for setting in settings_fields(settings)}
+    values = {
+        setting.name: getattr(args, f"{prefix}{setting.key}".replace("-", "_")) for setting in settings_fields(settings)
+    }
     try:
         return settings(**values)
     except ValueError as error:
@@ -271,10 +281,14 @@ def settings_from_arguments(args: argparse.Namespace, settings: type, prefix: st
 def add_common_arguments(parser: argparse.ArgumentParser, seed: bool = True) -> None:
     """``--out`` for every tool; ``--seed`` for those that draw anything at random."""
     if seed:
-        parser.add_argument("--seed", type=int, default=0,
-                            help="seed for init, sample choice and shuffles (default: 0)")
-    parser.add_argument("--out", default=None, help="output folder, absolute path "
-                        "(default: a new ~/alignfl-results/analysis/<tool>-<timestamp>)")
+        parser.add_argument(
+            "--seed", type=int, default=0, help="seed for init, sample choice and shuffles (default: 0)"
+        )
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="output folder, absolute path (default: a new ~/alignfl-results/analysis/<tool>-<timestamp>)",
+    )
 
 
 def write_json(path: Path, payload: Mapping[str, Any]) -> Path:

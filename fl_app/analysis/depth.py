@@ -69,11 +69,16 @@ def suggest_depth(variances: list[float]) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model-a",
-                        help="run folder or model.pt (with config.json beside it) of a trained plain model")
+    parser.add_argument(
+        "--model-a", help="run folder or model.pt (with config.json beside it) of a trained plain model"
+    )
     add_fresh_model_arguments(parser, with_pan=True)
-    parser.add_argument("--samples-per-class", type=int, default=DEFAULT_SAMPLES_PER_CLASS,
-                        help=f"test samples per class (default {DEFAULT_SAMPLES_PER_CLASS})")
+    parser.add_argument(
+        "--samples-per-class",
+        type=int,
+        default=DEFAULT_SAMPLES_PER_CLASS,
+        help=f"test samples per class (default {DEFAULT_SAMPLES_PER_CLASS})",
+    )
     add_common_arguments(parser)
 
 
@@ -81,8 +86,9 @@ def run(args: argparse.Namespace, out: Path) -> list[Path]:
     check_positive_int("--samples-per-class", args.samples_per_class)
     loaded = run_or_fresh_model(args.model_a, "--model-a", args)
     data = loaded.dataset
-    prefs = preference_vectors(loaded.model, data.test_x, data.test_y, data.num_classes,
-                               samples_per_class=args.samples_per_class)
+    prefs = preference_vectors(
+        loaded.model, data.test_x, data.test_y, data.num_classes, samples_per_class=args.samples_per_class
+    )
     variances = total_variance(prefs)
     layers = list(variances)
     depth = suggest_depth([variances[layer] for layer in layers])
@@ -90,12 +96,17 @@ def run(args: argparse.Namespace, out: Path) -> list[Path]:
         marker = "  <- group from here" if index == depth else ""
         print(f"{index:>3} {layer:<20} TV={variances[layer]:.4f}{marker}")
     print(f"suggested psi-depth = {depth}")
-    payload = {"tool": "depth", "model": loaded.source, "dataset": data.name,
-               "samples_per_class": args.samples_per_class,
-               "definition": "TV_l = mean over active units of ||P_i - mean_i P_i||_2, P = L1-normalised class "
-                             "preference vectors (Fed2 Eqs. 2 and 5); psi-depth = layer of the largest TV rise",
-               "layers": layers, "total_variance": [variances[layer] for layer in layers],
-               "suggested_psi_depth": depth}
+    payload = {
+        "tool": "depth",
+        "model": loaded.source,
+        "dataset": data.name,
+        "samples_per_class": args.samples_per_class,
+        "definition": "TV_l = mean over active units of ||P_i - mean_i P_i||_2, P = L1-normalised class "
+        "preference vectors (Fed2 Eqs. 2 and 5); psi-depth = layer of the largest TV rise",
+        "layers": layers,
+        "total_variance": [variances[layer] for layer in layers],
+        "suggested_psi_depth": depth,
+    }
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(max(5.0, 0.7 * len(layers)), 3.8))
     ax.plot(range(len(layers)), [variances[layer] for layer in layers], marker="o")

@@ -35,14 +35,18 @@ from fl_app.analysis.common import (
     save_outputs,
 )
 
-
 # --- command line -------------------------------------------------------------------
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("models", nargs="+", help="two or more run folders or model.pt files of the same network")
-    parser.add_argument("--weights", type=float, nargs="+", default=None,
-                        help="one weight per model, e.g. example counts (default: equal)")
+    parser.add_argument(
+        "--weights",
+        type=float,
+        nargs="+",
+        default=None,
+        help="one weight per model, e.g. example counts (default: equal)",
+    )
     add_common_arguments(parser, seed=False)
 
 
@@ -61,9 +65,15 @@ def run(args: argparse.Namespace, out: Path) -> list[Path]:
     per_layer = divergence_by_layer(per_key)
     for layer, value in per_layer.items():
         print(f"{layer:<32} {value:.6e}")
-    payload = {"tool": "weight-divergence", "models": [str(p) for p in paths], "weights": args.weights,
-               "definition": "weighted mean over models of ||W_k - mean W||^2 (squared Frobenius norm)",
-               "per_key": per_key, "per_layer": per_layer, "total": sum(per_key.values())}
+    payload = {
+        "tool": "weight-divergence",
+        "models": [str(p) for p in paths],
+        "weights": args.weights,
+        "definition": "weighted mean over models of ||W_k - mean W||^2 (squared Frobenius norm)",
+        "per_key": per_key,
+        "per_layer": per_layer,
+        "total": sum(per_key.values()),
+    }
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(max(5.0, 0.5 * len(per_layer)), 4))
     ax.bar(range(len(per_layer)), list(per_layer.values()))

@@ -113,8 +113,9 @@ def _constant(std: Tensor, mean: Tensor) -> Tensor:
 
 
 @torch.no_grad()
-def matching_ratio(global_model: nn.Module, local_model: nn.Module, x: Tensor,
-                   batch_size: int = 256) -> dict[str, GroupMatch]:
+def matching_ratio(
+    global_model: nn.Module, local_model: nn.Module, x: Tensor, batch_size: int = 256
+) -> dict[str, GroupMatch]:
     """Per group: the fraction of units the optimal assignment maps to their own index.
 
     Both models must share one architecture; ``x`` are the ``m`` samples.
@@ -141,10 +142,13 @@ def _assign(stats: _CorrelationStats) -> GroupMatch:
     rows, cols = linear_sum_assignment(preference, maximize=True)
     own = cols == rows
     active = ~flat_a.numpy()
-    return GroupMatch(units=len(rows), ratio=float(own.mean()),
-                      ratio_active=float(own[active].mean()) if active.any() else float("nan"),
-                      inactive=int((flat_a | flat_b).sum()),
-                      mean_matched_correlation=float(corr.numpy()[rows, cols].mean()))
+    return GroupMatch(
+        units=len(rows),
+        ratio=float(own.mean()),
+        ratio_active=float(own[active].mean()) if active.any() else float("nan"),
+        inactive=int((flat_a | flat_b).sum()),
+        mean_matched_correlation=float(corr.numpy()[rows, cols].mean()),
+    )
 
 
 # --- command line -------------------------------------------------------------------
@@ -153,12 +157,20 @@ def _assign(stats: _CorrelationStats) -> GroupMatch:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--global-model", help="global model: run folder or model.pt (with config.json beside it)")
     add_fresh_model_arguments(parser, with_pan=True)
-    parser.add_argument("--local-model", help="local model: run folder or model.pt; default: the global model "
-                        "shuffled with Alg. 1 at --p-sf (a self-check: with PANs off the ratio equals R_kept)")
-    parser.add_argument("--p-sf", type=float, default=0.5,
-                        help="without --local-model: P_sf of the shuffle (default 0.5)")
-    parser.add_argument("--samples", type=int, default=DEFAULT_SAMPLES,
-                        help=f"m, test samples fed to both models (default {DEFAULT_SAMPLES}; capped at the test size)")
+    parser.add_argument(
+        "--local-model",
+        help="local model: run folder or model.pt; default: the global model "
+        "shuffled with Alg. 1 at --p-sf (a self-check: with PANs off the ratio equals R_kept)",
+    )
+    parser.add_argument(
+        "--p-sf", type=float, default=0.5, help="without --local-model: P_sf of the shuffle (default 0.5)"
+    )
+    parser.add_argument(
+        "--samples",
+        type=int,
+        default=DEFAULT_SAMPLES,
+        help=f"m, test samples fed to both models (default {DEFAULT_SAMPLES}; capped at the test size)",
+    )
     add_common_arguments(parser)
 
 
@@ -182,11 +194,20 @@ def run(args: argparse.Namespace, out: Path) -> list[Path]:
     result = matching_ratio(glob.model, local_model, x)
     for group, match in result.items():
         extra = f" (R_kept {kept[group]:.3f})" if kept else ""
-        print(f"{group:<20} J={match.units:<5} matching ratio {match.ratio:.3f}{extra}, "
-              f"over active units {match.ratio_active:.3f}, inactive {match.inactive}")
-    payload = {"tool": "matching-ratio", "global": glob.source, "local": local_source, "dataset": glob.dataset.name,
-               "samples": len(x), "cost": "-Pearson correlation of post-PAN, post-ReLU activations",
-               "groups": {group: asdict(match) for group, match in result.items()}, "shuffle_r_kept": kept}
+        print(
+            f"{group:<20} J={match.units:<5} matching ratio {match.ratio:.3f}{extra}, "
+            f"over active units {match.ratio_active:.3f}, inactive {match.inactive}"
+        )
+    payload = {
+        "tool": "matching-ratio",
+        "global": glob.source,
+        "local": local_source,
+        "dataset": glob.dataset.name,
+        "samples": len(x),
+        "cost": "-Pearson correlation of post-PAN, post-ReLU activations",
+        "groups": {group: asdict(match) for group, match in result.items()},
+        "shuffle_r_kept": kept,
+    }
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(max(5.0, 0.6 * len(result)), 4))
     ax.bar(range(len(result)), [m.ratio for m in result.values()], label="matching ratio")

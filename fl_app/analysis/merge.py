@@ -38,6 +38,12 @@ import torch
 from flwr.app import ArrayRecord
 from torch import Tensor, nn
 
+from core.alignment import list_costs, matched_average, weighted_average
+from core.bbp import BBPSettings, bbp_matched_average
+from core.data import ImageDataset, list_datasets, load_dataset
+from core.model_io import build_run_model, load_arrays
+from core.partitioning.partitions import partition_dataset
+from core.training import evaluate, iterate_batches, round_generator, select_device
 from fl_app.analysis.common import (
     AnalysisError,
     Subcommand,
@@ -51,14 +57,8 @@ from fl_app.analysis.common import (
     write_json,
 )
 from fl_app.config import ConfigError, RunConfig, parse_run_config
-from core.data import ImageDataset, list_datasets, load_dataset
-from core.partitioning.partitions import partition_dataset
-from core.model_io import build_run_model, load_arrays
-from core.training import evaluate, iterate_batches, round_generator, select_device
 from models import Permutable, list_models
 from models.protocol import head_of
-from core.alignment import list_costs, matched_average, weighted_average
-from core.bbp import BBPSettings, bbp_matched_average
 from strategies.base import LocalUpdate
 
 INITS = ("same", "different")
@@ -72,18 +72,27 @@ def train_clients(
     """Train one model per partition; returns their state dicts (CPU), example counts, the dataset and the
     clients' class counts (K x C)."""
     dataset = load_dataset(config.dataset, config.data_root or None)
-    partitions = partition_dataset(config.dataset, config.data_root or None, config.partitioner, num_clients,
-                                   config.seed, **config.partition_options())
+    partitions = partition_dataset(
+        config.dataset,
+        config.data_root or None,
+        config.partitioner,
+        num_clients,
+        config.seed,
+        **config.partition_options(),
+    )
     states, counts, classes = [], [], []
     for client, indices in enumerate(partitions):
         if len(indices) == 0:
-            raise AnalysisError(f"client {client} of {num_clients} got no training examples; use fewer clients "
-                                "or a larger --dirichlet-alpha")
+            raise AnalysisError(
+                f"client {client} of {num_clients} got no training examples; use fewer clients "
+                "or a larger --dirichlet-alpha"
+            )
         torch.manual_seed(config.seed if same_init else config.seed + 1 + client)
         model = build_run_model(config, dataset).to(device)
         rows = torch.from_numpy(indices.astype("int64"))
-        LocalUpdate(config, context=None).train(model, dataset.train_x[rows], dataset.train_y[rows],
-                                                round_generator(config.seed, 1, client), device)
+        LocalUpdate(config, context=None).train(
+            model, dataset.train_x[rows], dataset.train_y[rows], round_generator(config.seed, 1, client), device
+        )
         states.append({key: value.detach().cpu().clone() for key, value in model.state_dict().items()})
         counts.append(len(rows))
         classes.append(torch.bincount(dataset.train_y[rows], minlength=dataset.num_classes))
@@ -91,8 +100,9 @@ def train_clients(
 
 
 @torch.no_grad()
-def ensemble_accuracy(model: nn.Module, states: Sequence[Mapping[str, Tensor]], x: Tensor, y: Tensor,
-                      device: torch.device) -> float:
+def ensemble_accuracy(
+    model: nn.Module, states: Sequence[Mapping[str, Tensor]], x: Tensor, y: Tensor, device: torch.device
+) -> float:
     """Accuracy of the mean of the models' softmax outputs."""
     probabilities = torch.zeros(len(y), model.classifier.out_features)
     for state in states:
@@ -104,8 +114,15 @@ def ensemble_accuracy(model: nn.Module, states: Sequence[Mapping[str, Tensor]], 
 
 
 def merge_accuracies(
-    model: nn.Module, states: Sequence[Mapping[str, Tensor]], weights: Sequence[float], x: Tensor, y: Tensor,
-    costs: Sequence[str], iterations: int, device: torch.device, class_counts: Tensor | None = None,
+    model: nn.Module,
+    states: Sequence[Mapping[str, Tensor]],
+    weights: Sequence[float],
+    x: Tensor,
+    y: Tensor,
+    costs: Sequence[str],
+    iterations: int,
+    device: torch.device,
+    class_counts: Tensor | None = None,
     bbp: BBPSettings | None = None,
 ) -> tuple[list[float], dict[str, float], dict[str, int]]:
     """Test accuracy of each state and of every merge (``average``, ``matched-<cost>``, ``ensemble``), and the
@@ -123,8 +140,9 @@ def merge_accuracies(
     widths: dict[str, int] = {}
     for cost in costs:
         if cost == BBP:
-            result = bbp_matched_average(states, weights, spec, bbp, class_counts=class_counts,
-                                         head=head_of(model).keys)
+            result = bbp_matched_average(
+                states, weights, spec, bbp, class_counts=class_counts, head=head_of(model).keys
+            )
             merged[f"matched-{cost}"], widths = accuracy(result.state), result.widths
         else:
             merged[f"matched-{cost}"] = accuracy(matched_average(states[0], states, weights, spec, cost, iterations))
@@ -142,19 +160,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dataset", default="digits", help=f"dataset, one of {list_datasets()} (default: digits)")
     parser.add_argument("--data-root", default="", help="dataset root (absolute path), default: the dataset's own")
     parser.add_argument("--clients", type=int, default=2, help="number of models K >= 2 (default: 2)")
-    parser.add_argument("--init", default="different",
-                        help=f"initialisation, one of {list(INITS)} (default: different)")
+    parser.add_argument(
+        "--init", default="different", help=f"initialisation, one of {list(INITS)} (default: different)"
+    )
     parser.add_argument("--epochs", type=int, default=5, help="local epochs per client (default: 5)")
     parser.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (default: 0.05)")
     parser.add_argument("--batch-size", type=int, default=64, help="mini-batch size (default: 64)")
-    parser.add_argument("--partitioner", default="dirichlet",
-                        help="how the training split is divided (default: dirichlet)")
+    parser.add_argument(
+        "--partitioner", default="dirichlet", help="how the training split is divided (default: dirichlet)"
+    )
     parser.add_argument("--dirichlet-alpha", type=float, default=0.5, help="Dirichlet concentration (default: 0.5)")
     parser.add_argument("--classes-per-client", type=int, default=2, help="for --partitioner pathological (default: 2)")
-    parser.add_argument("--costs", nargs="+", default=list(MERGE_COSTS),
-                        help=f"matchings to compare (default: {list(MERGE_COSTS)}; bbp is FedMA's BBP-MAP)")
-    parser.add_argument("--match-iterations", type=int, default=1,
-                        help="alignment passes: onto client 0, then onto the matched mean (default: 1)")
+    parser.add_argument(
+        "--costs",
+        nargs="+",
+        default=list(MERGE_COSTS),
+        help=f"matchings to compare (default: {list(MERGE_COSTS)}; bbp is FedMA's BBP-MAP)",
+    )
+    parser.add_argument(
+        "--match-iterations",
+        type=int,
+        default=1,
+        help="alignment passes: onto client 0, then onto the matched mean (default: 1)",
+    )
     add_settings_arguments(parser, BBPSettings, "bbp-")
     parser.add_argument("--pan-mode", default="off", help="PAN mode of every model (default: off)")
     parser.add_argument("--pan-t", type=float, default=1.0, help="PAN period T (default: 1)")
@@ -166,13 +194,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _run_config(args: argparse.Namespace) -> RunConfig:
     """The local-training settings as a validated run config, so training matches the federated runs."""
     try:
-        return parse_run_config({
-            "model": args.model, "dataset": args.dataset, "data-root": args.data_root, "local-epochs": args.epochs,
-            "lr": args.lr, "batch-size": args.batch_size, "partitioner": args.partitioner,
-            "dirichlet-alpha": args.dirichlet_alpha, "classes-per-client": args.classes_per_client,
-            "pan-mode": args.pan_mode, "pan-t": args.pan_t, "pan-a": args.pan_a, "seed": args.seed,
-            "device": args.device,
-        })
+        return parse_run_config(
+            {
+                "model": args.model,
+                "dataset": args.dataset,
+                "data-root": args.data_root,
+                "local-epochs": args.epochs,
+                "lr": args.lr,
+                "batch-size": args.batch_size,
+                "partitioner": args.partitioner,
+                "dirichlet-alpha": args.dirichlet_alpha,
+                "classes-per-client": args.classes_per_client,
+                "pan-mode": args.pan_mode,
+                "pan-t": args.pan_t,
+                "pan-a": args.pan_a,
+                "seed": args.seed,
+                "device": args.device,
+            }
+        )
     except ConfigError as error:
         raise AnalysisError(str(error).replace("run-config key '", "option '--")) from error
 
@@ -191,8 +230,9 @@ def run(args: argparse.Namespace, out: Path) -> list[Path]:
     device = select_device(config.device)
     states, counts, dataset, classes = train_clients(config, args.clients, args.init == "same", device)
     model = build_run_model(config, dataset).to(device)
-    clients, merged, widths = merge_accuracies(model, states, counts, dataset.test_x, dataset.test_y, args.costs,
-                                               args.match_iterations, device, classes, bbp)
+    clients, merged, widths = merge_accuracies(
+        model, states, counts, dataset.test_x, dataset.test_y, args.costs, args.match_iterations, device, classes, bbp
+    )
 
     print(f"{'model':<18} {'examples':>8} {'accuracy':>9}")
     for index, (count, acc) in enumerate(zip(counts, clients)):
@@ -200,12 +240,25 @@ def run(args: argparse.Namespace, out: Path) -> list[Path]:
     for name, acc in merged.items():
         print(f"{name:<18} {sum(counts):>8} {acc:>9.4f}")
     if BBP in args.costs:
-        print(f"global width per layer of matched-bbp: {widths} (clients: {model.permutation_spec().group_sizes(states[0])})")
+        print(
+            f"global width per layer of matched-bbp: {widths} (clients: {model.permutation_spec().group_sizes(states[0])})"
+        )
     payload: dict[str, Any] = {
-        "tool": "merge", "model": args.model, "dataset": args.dataset, "clients": args.clients, "init": args.init,
-        "epochs": args.epochs, "partitioner": args.partitioner, "dirichlet-alpha": args.dirichlet_alpha,
-        "match-iterations": args.match_iterations, "pan": config.pan_signature(), "seed": args.seed,
-        "reference": "client 0", "examples": counts, "client-accuracy": clients, "merged-accuracy": merged,
+        "tool": "merge",
+        "model": args.model,
+        "dataset": args.dataset,
+        "clients": args.clients,
+        "init": args.init,
+        "epochs": args.epochs,
+        "partitioner": args.partitioner,
+        "dirichlet-alpha": args.dirichlet_alpha,
+        "match-iterations": args.match_iterations,
+        "pan": config.pan_signature(),
+        "seed": args.seed,
+        "reference": "client 0",
+        "examples": counts,
+        "client-accuracy": clients,
+        "merged-accuracy": merged,
         "bbp-global-width": widths if BBP in args.costs else None,
         "bbp": dataclasses.asdict(bbp),
     }
@@ -217,8 +270,11 @@ def run(args: argparse.Namespace, out: Path) -> list[Path]:
     fig, ax = plt.subplots(figsize=(max(5.0, 0.6 * len(labels)), 4))
     ax.bar(range(len(labels)), values, color=["0.6"] * len(clients) + [f"C{i}" for i in range(len(merged))])
     ax.set_xticks(range(len(labels)), labels, rotation=45, ha="right", fontsize=8)
-    ax.set(ylabel="test accuracy", ylim=(0, 1),
-           title=f"one-shot merge: {args.clients} x {args.model} on {args.dataset} ({args.init} init)")
+    ax.set(
+        ylabel="test accuracy",
+        ylim=(0, 1),
+        title=f"one-shot merge: {args.clients} x {args.model} on {args.dataset} ({args.init} init)",
+    )
     ax.grid(alpha=0.3, axis="y")
     fig.tight_layout()
     png_path = out / "merge.png"

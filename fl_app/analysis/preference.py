@@ -49,8 +49,14 @@ DEFAULT_SAMPLES_PER_CLASS = 100
 
 
 def preference_vectors(
-    model: nn.Module, x: Tensor, y: Tensor, num_classes: int, *, samples_per_class: int | None = None,
-    batch_size: int = 256, normalise: bool = True,
+    model: nn.Module,
+    x: Tensor,
+    y: Tensor,
+    num_classes: int,
+    *,
+    samples_per_class: int | None = None,
+    batch_size: int = 256,
+    normalise: bool = True,
 ) -> dict[str, Tensor]:
     """Group -> ``(J, C)`` matrix of class preference vectors (rows normalised unless ``normalise=False``).
 
@@ -100,8 +106,9 @@ def compare_preferences(a: dict[str, Tensor], b: dict[str, Tensor]) -> dict[str,
         active = (pa.abs().sum(1) > 0) & (pb.abs().sum(1) > 0)
         same = (pa.argmax(1) == pb.argmax(1)) & active
         count = int(active.sum())
-        result[group] = PreferenceAgreement(units=len(pa), active=count,
-                                            agreement=int(same.sum()) / count if count else float("nan"))
+        result[group] = PreferenceAgreement(
+            units=len(pa), active=count, agreement=int(same.sum()) / count if count else float("nan")
+        )
     return result
 
 
@@ -112,8 +119,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-a", help="run folder or model.pt (with config.json beside it)")
     add_fresh_model_arguments(parser, with_pan=True)
     parser.add_argument("--model-b", help="optional second run folder or model.pt to compare with")
-    parser.add_argument("--samples-per-class", type=int, default=DEFAULT_SAMPLES_PER_CLASS,
-                        help=f"test samples per class (default {DEFAULT_SAMPLES_PER_CLASS})")
+    parser.add_argument(
+        "--samples-per-class",
+        type=int,
+        default=DEFAULT_SAMPLES_PER_CLASS,
+        help=f"test samples per class (default {DEFAULT_SAMPLES_PER_CLASS})",
+    )
     parser.add_argument("--layer", default=None, help="group shown in the heatmap (default: the last hidden group)")
     add_common_arguments(parser)
 
@@ -133,24 +144,31 @@ def run(args: argparse.Namespace, out: Path) -> list[Path]:
         if models["b"].dataset.name != first.dataset.name:
             raise AnalysisError(f"model a is for '{first.dataset.name}', model b for '{models['b'].dataset.name}'")
     data = first.dataset
-    prefs = {name: preference_vectors(m.model, data.test_x, data.test_y, data.num_classes,
-                                      samples_per_class=args.samples_per_class) for name, m in models.items()}
+    prefs = {
+        name: preference_vectors(
+            m.model, data.test_x, data.test_y, data.num_classes, samples_per_class=args.samples_per_class
+        )
+        for name, m in models.items()
+    }
     comparison = compare_preferences(prefs["a"], prefs["b"]) if "b" in prefs else None
     for group, matrix in prefs["a"].items():
         line = f"{group:<20} J={len(matrix):<5}"
         if comparison:
             line += f" same preferred class: {comparison[group].agreement:.3f} of {comparison[group].active} active"
         print(line)
-    payload = {"tool": "preference-vectors", "models": {n: m.source for n, m in models.items()},
-               "dataset": data.name, "samples_per_class": args.samples_per_class,
-               "definition": "p_c = mean over class-c samples of A * dZ_c/dA (Eq. 2 of Fed2), rows L1-normalised",
-               "preferences": prefs,
-               "comparison": {g: asdict(c) for g, c in comparison.items()} if comparison else None}
+    payload = {
+        "tool": "preference-vectors",
+        "models": {n: m.source for n, m in models.items()},
+        "dataset": data.name,
+        "samples_per_class": args.samples_per_class,
+        "definition": "p_c = mean over class-c samples of A * dZ_c/dA (Eq. 2 of Fed2), rows L1-normalised",
+        "preferences": prefs,
+        "comparison": {g: asdict(c) for g, c in comparison.items()} if comparison else None,
+    }
     plt = pyplot()
     fig, axes = plt.subplots(1, len(prefs), figsize=(4.5 * len(prefs), 6), squeeze=False)
     for ax, (name, matrix) in zip(axes[0], prefs.items()):
-        image = ax.imshow(matrix[layer].numpy(), aspect="auto", cmap="RdBu_r", vmin=-1, vmax=1,
-                          interpolation="nearest")
+        image = ax.imshow(matrix[layer].numpy(), aspect="auto", cmap="RdBu_r", vmin=-1, vmax=1, interpolation="nearest")
         ax.set(xlabel="class", ylabel="unit", title=f"model {name}: {layer}")
         fig.colorbar(image, ax=ax, shrink=0.8)
     fig.tight_layout()

@@ -41,6 +41,8 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from core.data import dataset_info
+from core.training import evaluate
 from fl_app.analysis.common import (
     AnalysisError,
     Subcommand,
@@ -56,8 +58,6 @@ from fl_app.analysis.common import (
     save_outputs,
 )
 from fl_app.analysis.units import spec_of
-from core.data import dataset_info
-from core.training import evaluate
 from models import PanSettings, PermutationSpec, build_model, permute_state
 from models.init import INITS  # how a sweep's shared weights start: their scale decides how add and mul PANs compare
 
@@ -145,8 +145,9 @@ def draw_permutations(
     """``repeats`` independent Algorithm-1 draws for every group; repeat ``r`` uses seed ``seed + r``."""
     check_positive_int("repeats", repeats)
     spec, state = spec_of(model), model.state_dict()
-    return [shuffle_permutations(spec, state, p_sf, torch.Generator().manual_seed(seed + r), window)
-            for r in range(repeats)]
+    return [
+        shuffle_permutations(spec, state, p_sf, torch.Generator().manual_seed(seed + r), window) for r in range(repeats)
+    ]
 
 
 @torch.no_grad()
@@ -247,21 +248,36 @@ def shuffle_sweep(
             reference = model(inputs)
             for p_sf, perm_list in draws.items():
                 errors = [shuffle_error(reference, permuted_copy(model, perms)(inputs)) for perms in perm_list]
-                points.append(SweepPoint(mode, float(amplitude), float(p_sf), statistics.fmean(errors),
-                                         statistics.pstdev(errors),
-                                         statistics.fmean(kept_ratio(perms) for perms in perm_list)))
+                points.append(
+                    SweepPoint(
+                        mode,
+                        float(amplitude),
+                        float(p_sf),
+                        statistics.fmean(errors),
+                        statistics.pstdev(errors),
+                        statistics.fmean(kept_ratio(perms) for perms in perm_list),
+                    )
+                )
     return points
 
 
-def _with_state(name: str, shape: tuple[int, int, int], classes: int, pan: PanSettings,
-                state: Mapping[str, Tensor]) -> nn.Module:
+def _with_state(
+    name: str, shape: tuple[int, int, int], classes: int, pan: PanSettings, state: Mapping[str, Tensor]
+) -> nn.Module:
     model = build_model(name, shape, classes, pan)
     model.load_state_dict(state)
     return model.eval()
 
 
-def _check_sweep(model_name: str, modes: Sequence[str], amplitudes: Sequence[float], p_sfs: Sequence[float],
-                 period: float, window: float, init: str) -> None:
+def _check_sweep(
+    model_name: str,
+    modes: Sequence[str],
+    amplitudes: Sequence[float],
+    p_sfs: Sequence[float],
+    period: float,
+    window: float,
+    init: str,
+) -> None:
     for mode in modes:
         check_choice("PAN mode", mode, SWEEP_MODES)
     for amplitude in amplitudes:
@@ -280,21 +296,42 @@ def _check_sweep(model_name: str, modes: Sequence[str], amplitudes: Sequence[flo
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--run", help="run folder (model.pt + config.json) or model.pt: shuffle the trained model, "
-                        "report error on Gaussian input and test-accuracy change per P_sf")
+    source.add_argument(
+        "--run",
+        help="run folder (model.pt + config.json) or model.pt: shuffle the trained model, "
+        "report error on Gaussian input and test-accuracy change per P_sf",
+    )
     source.add_argument("--model", help="fresh network to sweep over PAN modes and amplitudes")
-    parser.add_argument("--dataset", default="digits",
-                        help="with --model: dataset giving input shape and class count (default: digits)")
-    parser.add_argument("--p-sf", type=float, nargs="+", default=list(DEFAULT_P_SF),
-                        help=f"disorder levels P_sf in [0, 1] (default: {' '.join(map(str, DEFAULT_P_SF))})")
-    parser.add_argument("--window", type=float, default=1.0,
-                        help="Alg. 1 window as a fraction of the layer width, in [0, 1] (default: 1, whole layer)")
+    parser.add_argument(
+        "--dataset", default="digits", help="with --model: dataset giving input shape and class count (default: digits)"
+    )
+    parser.add_argument(
+        "--p-sf",
+        type=float,
+        nargs="+",
+        default=list(DEFAULT_P_SF),
+        help=f"disorder levels P_sf in [0, 1] (default: {' '.join(map(str, DEFAULT_P_SF))})",
+    )
+    parser.add_argument(
+        "--window",
+        type=float,
+        default=1.0,
+        help="Alg. 1 window as a fraction of the layer width, in [0, 1] (default: 1, whole layer)",
+    )
     parser.add_argument("--modes", nargs="+", default=list(SWEEP_MODES), help="with --model: PAN modes (add, mul)")
-    parser.add_argument("--amplitudes", type=float, nargs="+", default=list(DEFAULT_AMPLITUDES),
-                        help=f"with --model: PAN amplitudes A (default: {' '.join(map(str, DEFAULT_AMPLITUDES))})")
+    parser.add_argument(
+        "--amplitudes",
+        type=float,
+        nargs="+",
+        default=list(DEFAULT_AMPLITUDES),
+        help=f"with --model: PAN amplitudes A (default: {' '.join(map(str, DEFAULT_AMPLITUDES))})",
+    )
     parser.add_argument("--period", type=float, default=1.0, help="with --model: PAN period T (default: 1)")
-    parser.add_argument("--init", default="default", help=f"with --model: weight init, one of {list(INITS)} "
-                        "(default: PyTorch's; 'he' keeps activations of order 1)")
+    parser.add_argument(
+        "--init",
+        default="default",
+        help=f"with --model: weight init, one of {list(INITS)} (default: PyTorch's; 'he' keeps activations of order 1)",
+    )
     parser.add_argument("--repeats", type=int, default=3, help="permutation draws per P_sf (default: 3)")
     parser.add_argument("--batch", type=int, default=64, help="Gaussian input samples (default: 64)")
     add_common_arguments(parser)
@@ -318,15 +355,35 @@ def _run_trained(args: argparse.Namespace, out: Path) -> list[Path]:
     loaded = load_run_model(args.run)
     data = loaded.dataset
     inputs = gaussian_inputs(data.input_shape, args.batch, args.seed)
-    outcomes = [shuffle_test(loaded.model, p, inputs, repeats=args.repeats, seed=args.seed, window=args.window,
-                             test_data=(data.test_x, data.test_y)) for p in args.p_sf]
+    outcomes = [
+        shuffle_test(
+            loaded.model,
+            p,
+            inputs,
+            repeats=args.repeats,
+            seed=args.seed,
+            window=args.window,
+            test_data=(data.test_x, data.test_y),
+        )
+        for p in args.p_sf
+    ]
     for o in outcomes:
-        print(f"P_sf={o.p_sf:<5g} R_kept={o.r_kept:.3f} error={o.error:.3e} "
-              f"accuracy={o.accuracy:.4f} change={o.accuracy_change:+.4f}")
-    payload = {"tool": "shuffle-test", "source": loaded.source, "dataset": data.name, "pan": asdict(loaded.pan),
-               "window": args.window, "repeats": args.repeats, "batch": args.batch, "seed": args.seed,
-               "error": "Eq. 8: mean over Gaussian inputs of ||h_sf - h|| / J_L on the logits",
-               "results": [asdict(o) for o in outcomes]}
+        print(
+            f"P_sf={o.p_sf:<5g} R_kept={o.r_kept:.3f} error={o.error:.3e} "
+            f"accuracy={o.accuracy:.4f} change={o.accuracy_change:+.4f}"
+        )
+    payload = {
+        "tool": "shuffle-test",
+        "source": loaded.source,
+        "dataset": data.name,
+        "pan": asdict(loaded.pan),
+        "window": args.window,
+        "repeats": args.repeats,
+        "batch": args.batch,
+        "seed": args.seed,
+        "error": "Eq. 8: mean over Gaussian inputs of ||h_sf - h|| / J_L on the logits",
+        "results": [asdict(o) for o in outcomes],
+    }
     plt = pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     p = [o.p_sf for o in outcomes]
@@ -341,16 +398,36 @@ def _run_trained(args: argparse.Namespace, out: Path) -> list[Path]:
 
 def _run_sweep(args: argparse.Namespace, out: Path) -> list[Path]:
     input_shape, num_classes = dataset_info(args.dataset)
-    points = shuffle_sweep(args.model, input_shape, num_classes, modes=args.modes, amplitudes=args.amplitudes,
-                           p_sfs=args.p_sf, period=args.period, repeats=args.repeats, batch=args.batch,
-                           seed=args.seed, window=args.window, init=args.init)
+    points = shuffle_sweep(
+        args.model,
+        input_shape,
+        num_classes,
+        modes=args.modes,
+        amplitudes=args.amplitudes,
+        p_sfs=args.p_sf,
+        period=args.period,
+        repeats=args.repeats,
+        batch=args.batch,
+        seed=args.seed,
+        window=args.window,
+        init=args.init,
+    )
     for pt in points:
         print(f"{pt.mode} A={pt.amplitude:<5g} P_sf={pt.p_sf:<5g} R_kept={pt.r_kept:.3f} error={pt.error:.3e}")
-    payload = {"tool": "shuffle-test", "model": args.model, "input_shape": list(input_shape),
-               "num_classes": num_classes, "period": args.period, "init": args.init, "window": args.window,
-               "repeats": args.repeats, "batch": args.batch, "seed": args.seed,
-               "error": "Eq. 8: mean over Gaussian inputs of ||h_sf - h|| / J_L on the logits",
-               "results": [asdict(pt) for pt in points]}
+    payload = {
+        "tool": "shuffle-test",
+        "model": args.model,
+        "input_shape": list(input_shape),
+        "num_classes": num_classes,
+        "period": args.period,
+        "init": args.init,
+        "window": args.window,
+        "repeats": args.repeats,
+        "batch": args.batch,
+        "seed": args.seed,
+        "error": "Eq. 8: mean over Gaussian inputs of ||h_sf - h|| / J_L on the logits",
+        "results": [asdict(pt) for pt in points],
+    }
     plt = pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     colours = {"add": "tab:blue", "mul": "tab:red"}
@@ -358,13 +435,24 @@ def _run_sweep(args: argparse.Namespace, out: Path) -> list[Path]:
     for mode in args.modes:
         for rank, p_sf in enumerate(shuffled, start=1):
             line = [pt for pt in points if pt.mode == mode and pt.p_sf == p_sf]
-            left.plot([pt.amplitude for pt in line], [pt.error for pt in line], marker="o",
-                      color=colours.get(mode), alpha=rank / len(shuffled), label=f"{mode}, P_sf={p_sf:g}")
-    left.set(xlabel="PAN amplitude A", ylabel="shuffle error (Eq. 8)", yscale="log",
-             title=f"{args.model}, T={args.period:g}, init={args.init}")
+            left.plot(
+                [pt.amplitude for pt in line],
+                [pt.error for pt in line],
+                marker="o",
+                color=colours.get(mode),
+                alpha=rank / len(shuffled),
+                label=f"{mode}, P_sf={p_sf:g}",
+            )
+    left.set(
+        xlabel="PAN amplitude A",
+        ylabel="shuffle error (Eq. 8)",
+        yscale="log",
+        title=f"{args.model}, T={args.period:g}, init={args.init}",
+    )
     left.legend(fontsize=7)
-    kept = sorted({(pt.p_sf, pt.r_kept) for pt in points if pt.mode == args.modes[0]
-                   and pt.amplitude == args.amplitudes[0]})
+    kept = sorted(
+        {(pt.p_sf, pt.r_kept) for pt in points if pt.mode == args.modes[0] and pt.amplitude == args.amplitudes[0]}
+    )
     right.plot([k[0] for k in kept], [k[1] for k in kept], marker="o")
     right.set(xlabel="P_sf", ylabel="R_kept = mean(diag(Pi))", ylim=(0, 1.05), title="units left in place")
     return _save(out, payload, fig, plt)

@@ -72,8 +72,10 @@ def unit_sites(spec: PermutationSpec) -> dict[str, UnitSite]:
         elif producers:
             sites[name] = UnitSite(_module_name(producers[0]), "output", producers[0].block)
         else:
-            raise ValueError(f"group {name!r} has no layer that produces or reads it (no '.weight' entry); "
-                             f"cannot locate its activations")
+            raise ValueError(
+                f"group {name!r} has no layer that produces or reads it (no '.weight' entry); "
+                f"cannot locate its activations"
+            )
     return sites
 
 
@@ -119,7 +121,8 @@ class UnitCapture:
             raise UnitsNotCaptured(
                 f"activations of group {group!r} were not captured: its layer '{self.sites[group].module}' "
                 f"did not run as a module in the forward pass (e.g. a parent that calls its weights "
-                f"functionally, as Ψ-Net's grouped layers do), so no hook can see them")
+                f"functionally, as Ψ-Net's grouped layers do), so no hook can see them"
+            )
         return self.raw[group]
 
     def as_units(self, group: str, tensor: Tensor) -> Tensor:
@@ -159,8 +162,10 @@ def _recorder(capture: UnitCapture, group: str, site: UnitSite):
     def record(features: Tensor) -> None:
         found = features.shape[capture.axes[group]]
         if found != expected:
-            raise ValueError(f"group {group!r}: {site.side} of '{site.module}' has {found} features, "
-                             f"expected {capture.sizes[group]} units x block {site.block}")
+            raise ValueError(
+                f"group {group!r}: {site.side} of '{site.module}' has {found} features, "
+                f"expected {capture.sizes[group]} units x block {site.block}"
+            )
         capture.raw[group] = features
 
     return record
