@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from fl_app import launch, processes
 from fl_app.config import ConfigError
-from fl_app.flwr_cli import PROJECT_ROOT, never_give_up, parse_overrides, to_toml_pairs
-from fl_app.launch import check_client_resources, prepare_config
+from fl_app.runtime import launch, processes
+from fl_app.runtime.common import PROJECT_ROOT
+from fl_app.runtime.flwr_cli import never_give_up, parse_overrides, to_toml_pairs
+from fl_app.runtime.launch import check_client_resources, prepare_config
 
 
 def test_overrides_parse_toml_values_and_quoted_strings():

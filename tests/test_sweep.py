@@ -13,9 +13,9 @@ import yaml
 from hydra import compose, initialize_config_dir
 from omegaconf import open_dict
 
-from fl_app import sweep_report
 from fl_app.config import ConfigError, default_run_config, parse_run_config
-from fl_app.sweep import (
+from fl_app.sweeps import report as sweep_report
+from fl_app.sweeps.sweep import (
     GROUPS,
     JOB_RECORD,
     SET_PER_JOB,
@@ -233,7 +233,7 @@ def test_a_job_that_cannot_run_is_recorded_as_failed_not_raised(tmp_path):
 
 
 def _fake_job(folder: Path, overrides: list[str], status: str | None, final: float = 0.0, best: float = 0.0) -> None:
-    """A job folder as fl_app.sweep leaves it: Hydra's overrides record, job.json, the run's summary.json."""
+    """A job folder as fl_app.sweeps.sweep leaves it: Hydra's overrides record, job.json, the run's summary.json."""
     (folder / ".hydra").mkdir(parents=True)
     (folder / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
     if status is None:  # the job died before writing its record
