@@ -13,6 +13,7 @@ import yaml
 from hydra import compose, initialize_config_dir
 from omegaconf import open_dict
 
+from core.config import RESULTS_ENV, default_results_root
 from fl_app.config import ConfigError, default_run_config, parse_run_config
 from fl_app.sweeps import report as sweep_report
 from fl_app.sweeps.sweep import (
@@ -91,6 +92,18 @@ def test_hydra_overrides_become_the_validated_run_config(tmp_path):
     assert (config.results_dir, config.run_name) == (str(tmp_path.resolve()), "run")
     assert sim.num_supernodes == 7
     assert sim.backend_config()["client_resources"] == {"num_cpus": 1, "num_gpus": 0.0}
+
+
+def test_sweeps_write_under_the_results_root_of_every_run(monkeypatch, tmp_path):
+    """A sweep, one job or many, is a folder of ``<root>/sweeps/`` under the launcher's root."""
+    for env in (str(tmp_path / "root"), None):
+        if env is None:
+            monkeypatch.delenv(RESULTS_ENV, raising=False)
+        else:
+            monkeypatch.setenv(RESULTS_ENV, env)
+        cfg = composed()
+        for folder in (cfg.hydra.run.dir, cfg.hydra.sweep.dir):
+            assert Path(folder).parent == default_results_root() / "sweeps"
 
 
 @pytest.mark.parametrize(

@@ -26,6 +26,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from core.config import default_results_root
 from core.data import DatasetMissingError, check_dataset_available
 from core.partitioning.partitions import partition_dataset
 from fl_app.checkpoint import checkpointed_round, resume_checkpoint, run_folder
@@ -44,7 +45,7 @@ def prepare_config(overrides: dict[str, Any], num_supernodes: int) -> RunConfig:
     """
     if num_supernodes < 1:  # before min-available-nodes' default, which would otherwise be blamed
         raise ConfigError(f"--num-supernodes must be at least 1, got {num_supernodes}")
-    defaults = {"results-dir": str(PROJECT_ROOT / "results"), "min-available-nodes": num_supernodes}
+    defaults = {"results-dir": str(default_results_root()), "min-available-nodes": num_supernodes}
     config = parse_run_config({**defaults, **overrides})
     if not config.run_name:
         config = config.replace(
