@@ -31,7 +31,6 @@ from core.data import DatasetMissingError, check_dataset_available
 from core.partitioning.partitions import partition_dataset
 from fl_app.checkpoint import checkpointed_round, resume_checkpoint, run_folder
 from fl_app.config import ConfigError, RunConfig, parse_run_config, validate_run
-from fl_app.runtime.common import PROJECT_ROOT
 from fl_app.runtime.flwr_cli import parse_overrides, submit_and_follow
 from fl_app.runtime.processes import Stopped, stop_signals
 from fl_app.runtime.ray_cluster import attach_to_cluster
