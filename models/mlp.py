@@ -74,12 +74,12 @@ def _hidden(widths: tuple[int, ...], width_factor: float) -> tuple[int, ...]:
     return tuple(int(w) for w in scale_widths(widths, width_factor))
 
 
-def mlp(input_shape: InputShape, num_classes: int, pan: PanSettings, width_factor: float) -> MLP:
-    """PANs paper MLP: 1024-1024-1024 hidden units (times ``width_factor``)."""
-    return MLP(input_shape, num_classes, _hidden((1024, 1024, 1024), width_factor), pan)
+def mlp(input_shape: InputShape, num_classes: int, pan: PanSettings) -> MLP:
+    """PANs paper MLP: 1024-1024-1024 hidden units (no width option: a run's default model has no options)."""
+    return MLP(input_shape, num_classes, (1024, 1024, 1024), pan)
 
 
-MODELS.register(Model("mlp", mlp, WidthOptions))
+MODELS.register(Model("mlp", mlp))
 
 
 def small_mlp(input_shape: InputShape, num_classes: int, pan: PanSettings, width_factor: float) -> MLP:
