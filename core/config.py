@@ -62,6 +62,14 @@ def _mlflow_uri(value: str) -> bool:
     return bool(scheme) and (rest.startswith("//") or scheme == "databricks")
 
 
+def _widths(value: str) -> bool:
+    """Comma-separated finite numbers > 0, or empty."""
+    try:
+        return all(positive(float(item)) for item in value.split(",")) if value.strip() else True
+    except ValueError:
+        return False
+
+
 def _absolute_or_empty(what: str) -> dict[str, Any]:
     return {
         "check": lambda value: not value or Path(value).is_absolute(),
@@ -86,6 +94,19 @@ class RunSection:
         "where clients and the server compute: auto (CUDA when present), cpu, cuda, cuda:<index>",
         lambda v: v in DEVICE_CHOICES or v.startswith("cuda:"),
         f"one of {list(DEVICE_CHOICES)} or 'cuda:<index>'",
+    )
+    client_widths: str = option(
+        "",
+        "width multiplier of each partition's model (times width-factor), cycled over partitions, e.g. "
+        "0.25,0.5,1 (empty: every client at the global width); different widths need a strategy that takes them",
+        _widths,
+        "must be comma-separated numbers > 0, or empty",
+    )
+    global_width: float = option(
+        0.0,
+        "width multiplier of the global model (0: the widest of client-widths, or 1)",
+        non_negative,
+        "must be a finite number >= 0 (0: the widest client width)",
     )
     init: str = option(
         "default",

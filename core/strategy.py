@@ -20,6 +20,7 @@ from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
 from core.config import RunConfig
 from core.nodes import NodeDirectory
 from core.replies import CONFIG_RECORD, METRICS_RECORD, MODEL_RECORD, NUM_EXAMPLES, reply_problem
+from core.widths import refuse_mixed_widths
 from models import PermutationSpec
 from models.protocol import ModelHead
 from plugins.options import settings_fields
@@ -76,6 +77,9 @@ class ServerStrategy:
     """ArrayRecords a training reply carries beside ``"arrays"`` (e.g. SCAFFOLD's control update)."""
     state_keys: frozenset[str] = frozenset()
     """The entries :meth:`state_dict` may hold (none: the rounds depend only on the global model)."""
+    mixed_widths: bool = False
+    """Whether the algorithm takes clients of other widths than the global model's (``client-widths``,
+    :mod:`core.widths`); the others refuse such a run when they are built."""
     changes_shapes: bool = False
     """Whether :meth:`aggregate` may return arrays of other shapes than the global model's (FedMA's BBP-MAP
     opens new units): the round runner then checks only that the aggregate is finite, not that it fits."""
@@ -83,6 +87,8 @@ class ServerStrategy:
     def __init__(self, context: RunContext) -> None:
         self.context = context
         self.settings = context.config.settings
+        if not self.mixed_widths:
+            refuse_mixed_widths(context.config)
 
     def describe(self) -> str:
         """One line for the log: the algorithm's registered name and its settings as run-config keys."""
