@@ -7,10 +7,11 @@
 # it by address (host A) and by name (host B, through the namespace's /etc/hosts). Then:
 #   1. the run goes on when host B's link is cut mid-run (`ip link set … down`): B's messages are dropped with
 #      Flower's reason (the node failed to report a heartbeat: unreachable), within the SuperLink's bounded wait;
-#   2. the link comes back and B trains again in a round sampled after that, within RETURN_WAIT_S seconds (Flower 1.42's
-#      SuperNode retries its heartbeat and requests at most 20 s apart); the run has ROUNDS rounds so that rounds go on for
-#      longer than that: where fewer rounds remain than the rounds seen so far would fill it, the check says so
-#      and fails, as it fails (with the timing) when B does not train again in time or the run ends first;
+#   2. the link comes back and B trains again in a round sampled after that, within RETURN_WAIT_S seconds
+#      (Flower 1.42's SuperNode retries its heartbeat and requests at most 20 s apart); the run has ROUNDS rounds
+#      so that rounds go on for longer than that: where the rounds left, at the pace seen so far, cannot fill it,
+#      the check says so and fails, as it fails (with the timing) when B does not train again in time or the
+#      run ends first;
 #   3. the run completes;
 #   4. a SuperNode that dials a name the SuperLink's certificate does not name stops at once, saying so.
 # At the end every process it started is stopped by process id, and every namespace, link and hosts file it
