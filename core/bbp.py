@@ -105,7 +105,7 @@ import torch
 from torch import Tensor
 
 from models.permutation import AxisRef, PermutationSpec, unit_view
-from plugins.options import check_fields, is_kind, option, positive
+from plugins.options import check_fields, choice, is_kind, option, positive
 
 StateDict = Mapping[str, Tensor]
 
@@ -149,12 +149,11 @@ class BBPSettings:
     iterations: int = option(
         5, "BBP-MAP: most sweeps over the clients after the first pass", lambda v: v >= 0, "must be an integer >= 0"
     )
-    estimate: str = option(
+    estimate: str = choice(
         "posterior",
         "BBP-MAP: a global unit from its members: posterior (the authors' "
         "posterior mean) or weighted (the clients' weighted mean)",
-        lambda v: v in ESTIMATES,
-        f"choose one of {list(ESTIMATES)}",
+        ESTIMATES,
     )
     include_classifier: bool = option(
         False,

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import Any, get_type_hints
 
 
@@ -26,6 +26,30 @@ def option(default: Any, help: str, check: Callable[[Any], bool] | None = None, 
     """A settings field: its default, one line of help, and the check its value must pass (``allowed`` says
     what passes, for the error message)."""
     return dataclasses.field(default=default, metadata={"help": help, "check": check, "allowed": allowed})
+
+
+class Choices:
+    """What a choice key allows, listed when a refusal is written (a registry's names then include those
+    registered after the settings class was declared)."""
+
+    def __init__(self, names: Collection[str] | Callable[[], Collection[str]]) -> None:
+        self.names = names if callable(names) else lambda: names
+
+    def __contains__(self, value: object) -> bool:
+        return value in self.names()
+
+    def __str__(self) -> str:
+        return f"choose one of {sorted(self.names())}"
+
+
+def choice(default: str, help: str, names: Collection[str] | Callable[[], Collection[str]]) -> Any:
+    """A settings field that takes one of ``names`` (or of the names a registry's function lists); a refusal
+    lists them all."""
+    choices = Choices(names)
+    return dataclasses.field(
+        default=default,
+        metadata={"help": help, "check": lambda value: value in choices, "allowed": choices, "choices": choices},
+    )
 
 
 def positive(value: float) -> bool:

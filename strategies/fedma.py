@@ -83,7 +83,7 @@ from core.replies import CONFIG_RECORD, MODEL_RECORD
 from core.strategy import Reply, RunContext, ServerStrategy
 from models import PermutationSpec, permute_state
 from models.protocol import head_of
-from plugins.options import option, option_from, source_settings
+from plugins.options import choice, option, option_from, source_settings
 from strategies.base import LocalUpdate
 from strategies.matched import ReferenceSettings, permutation_spec
 from strategies.registry import STRATEGIES, Algorithm
@@ -98,12 +98,11 @@ FEDMA_MATCHINGS = ("bbp", *list_costs())
 
 @dataclass(frozen=True)
 class FedMASettings(ReferenceSettings):
-    fedma_matching: str = option(
+    fedma_matching: str = choice(
         "bbp",
         "bbp: FedMA's Bayesian non-parametric matching (the global layer may grow); "
         "weight or l1: one-to-one matching onto the reference (match-reference)",
-        lambda v: v in FEDMA_MATCHINGS,
-        f"choose one of {list(FEDMA_MATCHINGS)}",
+        FEDMA_MATCHINGS,
     )
     retrain_epochs: int = option(
         1, "local epochs after each layer is matched", lambda v: v >= 1, "must be an integer >= 1"

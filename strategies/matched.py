@@ -45,7 +45,7 @@ from flwr.common.logger import log
 from core.alignment import align_and_average, list_costs, moved_share
 from core.strategy import Reply, RunContext, ServerStrategy
 from models import PermutationSpec
-from plugins.options import ConfigError, option
+from plugins.options import ConfigError, choice, option
 from strategies.base import LocalUpdate
 from strategies.registry import STRATEGIES, Algorithm
 
@@ -56,11 +56,10 @@ MATCH_REFERENCES = ("global", "iterative")
 class ReferenceSettings:
     """What client units are matched to (shared by ``matched`` and ``fedma``'s one-to-one matching)."""
 
-    match_reference: str = option(
+    match_reference: str = choice(
         "global",
         "what clients' units are matched to (global: the round's global model; iterative: the running matched mean)",
-        lambda v: v in MATCH_REFERENCES,
-        f"choose one of {list(MATCH_REFERENCES)}",
+        MATCH_REFERENCES,
     )
     match_iterations: int = option(
         3, "passes when match-reference is iterative", lambda v: v >= 1, "must be an integer >= 1"
@@ -73,11 +72,10 @@ class ReferenceSettings:
 
 @dataclass(frozen=True)
 class MatchSettings(ReferenceSettings):
-    match_cost: str = option(
+    match_cost: str = choice(
         "weight",
         "how the cost of pairing two units is measured (weight: Git Re-Basin weight matching; l1: Simple-FedMA)",
-        lambda v: v in list_costs(),
-        f"choose one of {list_costs()}",
+        list_costs,
     )
 
 

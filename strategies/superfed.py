@@ -46,7 +46,7 @@ from core.calibration import classification_scores
 from core.config import RunConfig
 from core.strategy import ServerStrategy
 from core.training import PlainSGD, iterate_batches
-from plugins.options import non_negative, option
+from plugins.options import choice, non_negative, option
 from strategies.base import LocalUpdate
 from strategies.registry import STRATEGIES, Algorithm
 
@@ -61,11 +61,8 @@ LOCAL_INFO = "superfed-local-info"
 
 @dataclass(frozen=True)
 class SuPerFedSettings:
-    superfed_mode: str = option(
-        "mm",
-        "model mixing (mm: one lambda per batch) or layer mixing (lm: one per layer)",
-        lambda v: v in SUPERFED_MODES,
-        f"choose one of {list(SUPERFED_MODES)}",
+    superfed_mode: str = choice(
+        "mm", "model mixing (mm: one lambda per batch) or layer mixing (lm: one per layer)", SUPERFED_MODES
     )
     superfed_nu: float = option(
         1.0, "weight of the connectivity regulariser cos^2(w_f, w_l)", non_negative, "must be a finite number >= 0"
@@ -83,13 +80,12 @@ class SuPerFedSettings:
         lambda v: 0 <= v < 1,
         "must lie in [0, 1)",
     )
-    superfed_local_init: str = option(
+    superfed_local_init: str = choice(
         "seeded",
         "how the local model starts: seeded (by run seed and client) or "
         "authors (every weight from a stream seeded by the client id, as the "
         "authors' code)",
-        lambda v: v in LOCAL_INITS,
-        f"choose one of {list(LOCAL_INITS)}",
+        LOCAL_INITS,
     )
 
 

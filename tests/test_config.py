@@ -1,6 +1,7 @@
 """The run-config schema: composed from the parts that own the keys, defaults written once, every refusal names
 the key and what is allowed, and a model that does not fit the algorithm is refused before anything starts."""
 
+import dataclasses
 import subprocess
 import sys
 import tomllib
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from core.config import RunConfig
+from core.partitioning.partitioners import PARTITIONERS, list_partitioners
 from fl_app import config as fl_config
 from fl_app.config import (
     ConfigError,
@@ -23,7 +25,9 @@ from fl_app.config import (
     validate_run,
 )
 from models import list_models
-from strategies import list_strategies
+from models.registry import model_options
+from plugins.options import key_of
+from strategies import get_strategy, list_strategies
 from strategies.fedprox import FedProxSettings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -143,7 +147,10 @@ def test_values_are_coerced_and_kept():
     [
         ({}, "strategy", "fedfoo", "fedavg"),
         ({}, "model", "nope", "mlp"),
-        ({}, "dataset", "imagenet", "registered"),
+        ({}, "dataset", "imagenet", "'digits', 'fashion-mnist'"),
+        ({}, "mlflow-uri", "bogus://nowhere", "'sqlite'"),
+        ({}, "mlflow-uri", "sqlite:///relative.db", "sqlite:////absolute/path.db"),
+        ({}, "mlflow-uri", "nowhere", "'http'"),
         ({}, "partitioner", "zipf", "dirichlet"),
         ({}, "dirichlet-alpha", 0.0, "> 0"),
         ({}, "dirichlet-alpha", -1.0, "> 0"),
@@ -179,6 +186,55 @@ def test_bad_values_are_refused_with_key_and_allowed(values, key, value, fragmen
         parse_run_config({**values, key: value})
     message = str(error.value)
     assert f"'{key}'" in message and repr(value) in message and fragment in message
+
+
+FORM_KEYS = {"results-dir", "resume-from", "data-root", "mlflow-uri", "device"}
+"""The string keys whose refusals describe a form (a path, a URI, ``cuda:<index>``) rather than list names."""
+
+
+def declared_choices(key: str) -> list[str] | None:
+    """The names a key's ``choice(...)`` field takes, wherever it is declared; None for another field."""
+    fields = [*dataclasses.fields(RunConfig)] + [
+        f
+        for kind, names, lookup in (
+            ("strategy", list_strategies(), lambda name: get_strategy(name).settings),
+            ("model", list_models(), model_options),
+            ("partitioner", list_partitioners(), lambda name: PARTITIONERS.get(name).settings),
+        )
+        for name in names
+        for f in dataclasses.fields(lookup(name))
+    ]
+    found = {
+        tuple(sorted(f.metadata["choices"].names()))
+        for f in fields
+        if key_of(None, f.name) == key and "choices" in f.metadata
+    }
+    assert len(found) <= 1, (key, found)
+    return list(next(iter(found))) if found else None
+
+
+def test_every_choice_key_lists_every_value_it_takes():
+    """Every string key that refuses an unknown word lists what it takes, or is a form key (a path, a URI)."""
+    owned = owned_settings()
+    registries = {"strategy": list_strategies(), "model": list_models()}  # chosen before the schema is composed
+    listed = 0
+    for key, default in default_run_config().items():
+        if not isinstance(default, str):
+            continue
+        chooser = {owned[key].kind: owned[key].owners[0]} if key in owned else {}
+        try:
+            parse_run_config({**chooser, key: "no-such-value"})
+            continue  # free text (run-name)
+        except ConfigError as error:
+            message = str(error)
+        names = declared_choices(key) or registries.get(key)
+        if key in FORM_KEYS:
+            assert names is None, key
+            continue
+        assert names, f"'{key}' refuses a word but is no choice(...) field: {message}"
+        assert all(repr(name) in message for name in names), (key, message)
+        listed += 1
+    assert listed >= 14
 
 
 def test_unknown_key_lists_allowed_keys():
