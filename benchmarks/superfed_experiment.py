@@ -71,7 +71,7 @@ METHODS: dict[str, dict[str, Any]] = {  # the order runs go in: the main compari
     "SuPerFed-LM": {**SUPERFED, "superfed-mode": "lm", "superfed-nu": 2.0},
     "Ditto": {"strategy": "ditto"},
     "FedPer": {"strategy": "fedper"},
-    "FedProx": {"strategy": "fedprox", "proximal-mu": 0.01},
+    "FedProx": {"strategy": "fedprox", "fedprox-mu": 0.01},
 }
 NOISE: dict[str, dict[str, Any]] = {
     "pair 0.1": {"label-noise": "pair", "label-noise-rate": 0.1},

@@ -7,7 +7,7 @@ The Hydra configs are generated from the settings classes (:func:`register_confi
 common sections of :mod:`core.config`, every registered algorithm under ``strategy/`` and
 every model under ``model/``), so their defaults are the schema's. Paths map onto run-config
 keys mechanically (:func:`core.config.key_of_path`: ``data.root`` is ``data-root``,
-``strategy.proximal_mu`` is ``proximal-mu``), and the result is validated by
+``strategy.fedprox_mu`` is ``fedprox-mu``), and the result is validated by
 :func:`fl_app.config.parse_run_config`, the schema ``flwr run`` uses. An override of a key
 that only an unselected algorithm or model has is refused before Hydra starts, naming its
 owner. A single run is checked before Hydra makes its folder, and a multirun checks every

@@ -9,21 +9,23 @@ from pathlib import Path
 import pytest
 
 from core.config import RunConfig
-from fl_app import config as fl_config
+from core.data import list_datasets
 from fl_app.config import (
     ConfigError,
     check_run,
     default_run_config,
     keys_markdown,
+    methods_markdown,
     names_markdown,
     owned_settings,
     parse_run_config,
     pyproject_problem,
     pyproject_table,
+    tables,
     validate_run,
 )
 from models import list_models
-from strategies import list_strategies
+from strategies import get_strategy, list_strategies
 from strategies.fedprox import FedProxSettings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,29 +55,50 @@ def test_a_stale_pyproject_table_is_refused_naming_the_keys_and_the_command(tmp_
     assert pyproject_problem() is None
     stale = tmp_path / "pyproject.toml"
     stale.write_text(edit((ROOT / "pyproject.toml").read_text()))
-    monkeypatch.setattr(fl_config, "PYPROJECT", stale)
+    monkeypatch.setattr(tables, "PYPROJECT", stale)
     problem = pyproject_problem()
     assert problem is not None and fragment in problem and "python -m fl_app.config --write" in problem
     with pytest.raises(ConfigError, match="Regenerate it"):
         validate_run(parse_run_config({"results-dir": str(tmp_path)}))
 
 
-def test_readme_key_tables_are_generated_from_the_settings_classes():
-    assert keys_markdown() in (ROOT / "README.md").read_text()
+def test_the_configuration_page_holds_the_generated_key_tables_and_names():
+    page = (ROOT / "docs" / "configuration.md").read_text()
+    assert f"{tables.KEYS.begin}\n{keys_markdown()}{tables.KEYS.end}" in page
+    assert f"{tables.NAMES.begin}\n{names_markdown()}{tables.NAMES.end}" in page
+    assert all(f"`{name}`" in names_markdown() for name in list_strategies() + list_models() + list_datasets())
 
 
-def test_readme_lists_of_names_are_generated_from_the_registries():
+def test_the_readme_method_table_is_generated_from_the_registry():
+    """One row per registered algorithm, with its summary and paper: a new algorithm needs no prose edit."""
     readme = (ROOT / "README.md").read_text()
-    assert names_markdown() in readme
-    assert all(f"| `{name}` |" in names_markdown() for name in list_strategies())
+    assert f"{tables.METHODS.begin}\n{methods_markdown()}{tables.METHODS.end}" in readme
+    for name in list_strategies():
+        algorithm = get_strategy(name)
+        assert f"| `{name}` | {algorithm.summary} | {algorithm.paper} |" in methods_markdown()
+        assert algorithm.paper, f"strategy '{name}' names no paper"
 
 
-def test_the_readme_method_table_names_every_registered_strategy():
-    """The table at the top is prose per method; a new algorithm needs its row (or a place in one)."""
-    intro = (ROOT / "README.md").read_text().partition("\n## ")[0]
-    table = "\n".join(line for line in intro.splitlines() if line.startswith("| **"))
-    missing = [name for name in list_strategies() if f"`{name}`" not in table]
-    assert not missing, f"README's method table lacks strategies {missing}"
+def test_the_regenerating_command_checks_and_writes_a_copy_of_the_project(tmp_path):
+    """`python -m fl_app.config --check` says which generated file is stale; `--write --root` rewrites a copy."""
+    for name in ("pyproject.toml", "README.md", "docs/configuration.md"):
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text((ROOT / name).read_text())
+    page = tmp_path / "docs" / "configuration.md"
+    page.write_text(page.read_text().replace("| `moon-mu` |", "| `moon-mu (stale)` |"))
+    command = [sys.executable, "-m", "fl_app.config", "--root", str(tmp_path)]
+    stale = subprocess.run([*command, "--check"], capture_output=True, text=True, timeout=120)
+    assert stale.returncode == 1 and "docs/configuration.md is stale" in stale.stderr, stale.stderr
+    assert "README.md" not in stale.stderr and "pyproject.toml" not in stale.stderr
+    written = subprocess.run([*command, "--write"], capture_output=True, text=True, timeout=120)
+    assert "docs/configuration.md updated" in written.stdout and "README.md already current" in written.stdout
+    assert page.read_text() == (ROOT / "docs" / "configuration.md").read_text()
+    assert subprocess.run([*command, "--check"], timeout=120).returncode == 0
+
+
+def test_a_missing_marker_is_refused_naming_it(tmp_path):
+    with pytest.raises(ValueError, match="lacks the markers <!-- methods: generated"):
+        tables.render("# a README without the table\n", (tables.METHODS,), "README.md")
 
 
 def test_import_layers_are_kept():
@@ -91,16 +114,15 @@ def test_empty_config_gives_defaults():
 
 
 def test_every_key_of_an_algorithm_lives_in_its_settings():
-    config = parse_run_config({"strategy": "fedprox", "proximal-mu": 0.5})
-    assert config.settings == FedProxSettings(proximal_mu=0.5)
-    assert config.to_run_config()["proximal-mu"] == 0.5
-    assert "proximal-mu" not in parse_run_config({}).to_run_config()
+    config = parse_run_config({"strategy": "fedprox", "fedprox-mu": 0.5})
+    assert config.settings == FedProxSettings(fedprox_mu=0.5)
+    assert config.to_run_config()["fedprox-mu"] == 0.5
+    assert "fedprox-mu" not in parse_run_config({}).to_run_config()
 
 
 def test_shared_keys_have_one_default_and_name_every_owner():
     owned = owned_settings()
-    assert set(owned["server-lr"].owners) == {"fedavgm", "scaffold"}
-    assert set(owned["match-reference"].owners) == {"matched", "fedma"}
+    assert set(owned["bbp-sigma"].owners) == {"fedma"}
     assert {"psi-vgg9", "psi-vgg11", "psi-mobilenet"} <= set(owned["psi-groups"].owners)
 
 
@@ -108,9 +130,9 @@ def test_a_key_of_another_algorithm_is_accepted_at_its_default_and_refused_when_
     """`flwr run` passes every key of pyproject.toml along, so only what the user changed can be told apart."""
     assert parse_run_config({**default_run_config(), "strategy": "fedavg"}).strategy == "fedavg"
     with pytest.raises(
-        ConfigError, match="'proximal-mu' = 0.1 belongs to strategy 'fedprox', not to the chosen strategy 'fedavg'"
+        ConfigError, match="'fedprox-mu' = 0.1 belongs to strategy 'fedprox', not to the chosen strategy 'fedavg'"
     ):
-        parse_run_config({"proximal-mu": 0.1})
+        parse_run_config({"fedprox-mu": 0.1})
     with pytest.raises(
         ConfigError, match="'psi-groups' = 3 belongs to model .*'psi-vgg9'.*not to the chosen model 'mlp'"
     ):
@@ -166,9 +188,9 @@ def test_values_are_coerced_and_kept():
         ({}, "node-wait-timeout", 0.0, "> 0"),
         ({}, "num-server-rounds", "ten", "type int"),
         ({}, "lr", "fast", "type float"),
-        ({"strategy": "fedprox"}, "proximal-mu", -1.0, ">= 0"),
+        ({"strategy": "fedprox"}, "fedprox-mu", -1.0, ">= 0"),
         ({"strategy": "superfed"}, "superfed-mode", "xx", "mm"),
-        ({"strategy": "matched"}, "match-cost", "cosine", "weight"),
+        ({"strategy": "matched"}, "matched-cost", "cosine", "weight"),
         ({"model": "vgg9"}, "width-factor", 0.0, "> 0"),
     ],
 )
