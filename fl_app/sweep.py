@@ -54,6 +54,7 @@ from fl_app.config import (
     owned_settings,
     parse_run_config,
     pyproject_problem,
+    renamed_keys,
     results_root,
     validate_run,
 )
@@ -439,11 +440,14 @@ def unowned_override(arguments: list[str]) -> str | None:
             choices[match["group"]] = match["value"].split(",")
         else:
             leaves.append((match["group"], match["leaf"]))
-    owned = owned_settings()
+    owned, renamed = owned_settings(), renamed_keys()
     for group, leaf in leaves:
         key = leaf.replace("_", "-")
         owners = list(owned[key].owners) if key in owned else []
         strays = [choice for choice in choices[group] if choice not in owners]
+        if not owners and key in renamed:
+            now = ", ".join(f"{group}.{new.replace('-', '_')} ({group}={name})" for name, new in renamed[key].items())
+            return f"override {group}.{leaf}: '{key}' was renamed; write {now}"
         if not owners:
             return f"override {group}.{leaf}: no {group} has a setting '{key}'"
         if strays:

@@ -166,6 +166,11 @@ def test_every_job_of_a_sweep_is_validated_before_it_runs(sweep_override, key, v
         (["strategy=fedavg,fedprox", "strategy.fedprox_mu=0.1"], "not to strategy ['fedavg']"),
         (["model=vgg9", "model.psi_groups=2"], "not to model ['vgg9']"),
         (["strategy=fedprox", "strategy.nope=1"], "no strategy has a setting 'nope'"),
+        (
+            ["strategy=fedavgm", "strategy.server_lr=0.5"],
+            "'server-lr' was renamed; write strategy.fedavgm_server_lr (strategy=fedavgm), "
+            "strategy.scaffold_server_lr (strategy=scaffold)",
+        ),
     ],
 )
 def test_an_override_of_an_unselected_algorithms_key_names_its_owner(arguments, fragment):

@@ -14,7 +14,14 @@ The run context the algorithm's server side receives is built beside its definit
 from core.config import RunConfig, results_root
 from core.strategy import build_context
 from fl_app.config.checks import check_paths, check_run, path_problem, pyproject_problem, validate_run
-from fl_app.config.schema import OwnedSetting, default_run_config, owned_settings, parse_run_config, rename_old_keys
+from fl_app.config.schema import (
+    OwnedSetting,
+    default_run_config,
+    owned_settings,
+    parse_run_config,
+    rename_old_keys,
+    renamed_keys,
+)
 from fl_app.config.tables import (
     REGENERATE,
     keys_markdown,
@@ -44,6 +51,7 @@ __all__ = [
     "pyproject_problem",
     "pyproject_table",
     "rename_old_keys",
+    "renamed_keys",
     "results_root",
     "validate_run",
     "write_all",
