@@ -1,4 +1,4 @@
-"""How long the ``matched`` strategy takes to align and average K client models (issue 4).
+"""How long the ``matched`` strategy takes to align and average K client models.
 
 For every model and K, K client states are made from one model (``permuted``:
 each a random permutation of every group plus Gaussian noise of ``--noise``
