@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,3 +91,19 @@ def test_every_module_of_strategies_and_models_is_imported():
         modules = [name for name in sys.modules if name.startswith(f"{package.__name__}.")]
         files = [f"{package.__name__}.{p.stem}" for p in Path(package.__file__).parent.glob("[!_]*.py")]
         assert set(files) <= set(modules)
+
+
+@pytest.mark.parametrize("first", ["models.cnn", "models.registry", "strategies.fedma", "strategies.registry"])
+def test_whichever_module_is_imported_first_every_part_registers(first):
+    """A package's ``__init__`` runs before any of its modules and imports them all last, after the names they
+    import from it: no import order leaves a part unregistered or meets a half-made package."""
+    code = (
+        f"import {first}\nimport models, strategies\n"
+        "print(len(models.list_models()), len(strategies.list_strategies()))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    import models
+    import strategies
+
+    assert result.stdout.split() == [str(len(models.list_models())), str(len(strategies.list_strategies()))]
