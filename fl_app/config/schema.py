@@ -93,7 +93,7 @@ def rename_old_keys(values: Mapping[str, Any]) -> dict[str, Any]:
     renamed, result = renamed_keys(), dict(values)
     strategy = values.get("strategy", next(s.default for s in common_settings() if s.key == "strategy"))
     defaults = {s.key: s.default for _, _, settings in owned_classes() for s in settings_fields(settings)}
-    for old in sorted(set(values) & set(renamed)):
+    for old in sorted(set(values) & (set(renamed) - set(defaults))):  # an old name in use again is the new key
         owners = renamed[old]
         new = owners.get(strategy, next(iter(owners.values())))
         value = result.pop(old)
