@@ -99,7 +99,7 @@ from __future__ import annotations
 import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import torch
 from torch import Tensor
@@ -119,11 +119,14 @@ POPULARITY_CAP = 10
 class BBPSettings:
     """BBP-MAP's hyper-parameters, declared once here; the defaults are the FedMA authors'.
 
-    FedMA's run-config keys ``bbp-<field>`` borrow these fields
-    (:class:`strategies.fedma.FedMASettings`), so their defaults, help and
-    checks are these. ``sigma`` and ``sigma0`` are variances, as in the
-    authors' code; ``max_width`` is the hard cap of the module notes.
+    A settings family (:mod:`plugins.options`): FedMA's run-config keys
+    ``bbp-<field>`` borrow these fields (:class:`strategies.fedma.FedMASettings`),
+    so their defaults, help and checks are these, and their keys the same
+    wherever they are borrowed. ``sigma`` and ``sigma0`` are variances, as in
+    the authors' code; ``max_width`` is the hard cap of the module notes.
     """
+
+    key_prefix: ClassVar[str] = "bbp"
 
     sigma: float = option(
         1.0, "BBP-MAP: variance of a client unit around its global unit", positive, "must be a finite number > 0"

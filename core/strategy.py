@@ -4,7 +4,7 @@ A :class:`ServerStrategy` may add records to the training messages
 (:meth:`ServerStrategy.plan_train`), check the contents of its own extra reply records
 (:meth:`ServerStrategy.reply_problem`), and folds the checked replies into the next global
 model (:meth:`ServerStrategy.aggregate`, FedAvg's weighted mean by default). It is built
-from the :class:`RunContext` the ServerApp made; the rounds themselves are
+from the :class:`RunContext` the ServerApp made (:func:`build_context`); the rounds themselves are
 :class:`core.rounds.RoundRunner`'s, the same for every algorithm.
 """
 
@@ -16,13 +16,15 @@ from typing import Any
 
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
+from torch import nn
 
 from core.config import RunConfig
+from core.model_io import to_arrays
 from core.nodes import NodeDirectory
 from core.replies import CONFIG_RECORD, METRICS_RECORD, MODEL_RECORD, NUM_EXAMPLES, reply_problem
 from core.widths import refuse_mixed_widths
 from models import PermutationSpec
-from models.protocol import ModelHead
+from models.protocol import ModelHead, head_of
 from plugins.options import settings_fields
 
 
@@ -37,6 +39,14 @@ class RunContext:
     spec: PermutationSpec | None
     head: ModelHead
     layout: Any = None
+
+
+def build_context(config: RunConfig, model: nn.Module) -> RunContext:
+    """The run context of ``config`` and its freshly built ``model``: the model's arrays, and what the model
+    declares of itself (permutation description, head, group layout), asked of the model, never guessed."""
+    spec = model.permutation_spec() if hasattr(model, "permutation_spec") else None
+    layout = model.layout() if hasattr(model, "layout") else None
+    return RunContext(config, to_arrays(model), spec, head_of(model), layout)
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,8 @@
-"""FedProx (Li et al., 2020): FedAvg plus a proximal term μ/2·‖w − w_global‖² in every client's loss."""
+"""FedProx: FedAvg plus a proximal term μ/2·‖w − w_global‖² in every client's loss.
+
+Li, Sahu, Zaheer, Sanjabi, Talwalkar and Smith, "Federated Optimization in Heterogeneous
+Networks", MLSys 2020.
+"""
 
 from __future__ import annotations
 
@@ -15,20 +19,20 @@ from strategies.registry import STRATEGIES, Algorithm
 
 @dataclass(frozen=True)
 class FedProxSettings:
-    proximal_mu: float = option(
+    fedprox_mu: float = option(
         0.01, "weight of the proximal term (mu / 2) * ||w - w_global||^2", non_negative, "must be a finite number >= 0"
     )
 
 
 class FedProxUpdate(LocalUpdate):
-    """Local SGD pulled towards the round's global model by ``proximal-mu``."""
+    """Local SGD pulled towards the round's global model by ``fedprox-mu``."""
 
     def begin(self, model: nn.Module) -> None:
         self.global_params = [p.detach().clone() for p in model.parameters()]
 
     def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         proximal = sum((p - g).pow(2).sum() for p, g in zip(model.parameters(), self.global_params))
-        return super().loss(model, x, y) + 0.5 * self.settings.proximal_mu * proximal
+        return super().loss(model, x, y) + 0.5 * self.settings.fedprox_mu * proximal
 
 
 STRATEGIES.register(
@@ -36,7 +40,9 @@ STRATEGIES.register(
         "fedprox",
         ServerStrategy,
         FedProxUpdate,
-        "FedAvg with a proximal term (proximal-mu) in the client loss",
+        "FedAvg with a proximal term (fedprox-mu) in the client loss",
         FedProxSettings,
+        paper="Li et al., Federated Optimization in Heterogeneous Networks, MLSys 2020",
+        renamed={"proximal-mu": "fedprox-mu"},
     )
 )

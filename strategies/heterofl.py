@@ -131,5 +131,7 @@ STRATEGIES.register(
         HeteroFLUpdate,
         "HeteroFL: clients of different widths train the global model's first units; overlapping entries averaged",
         HeteroFLSettings,
+        paper="Diao, Ding and Tarokh, HeteroFL: Computation and Communication Efficient Federated Learning for "
+        "Heterogeneous Clients, ICLR 2021",
     )
 )

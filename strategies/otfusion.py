@@ -155,5 +155,6 @@ STRATEGIES.register(
         "carry client units onto the global model by optimal transport (exact or Sinkhorn), then average; "
         "takes clients of different widths",
         OTFusionSettings,
+        paper="Singh and Jaggi, Model Fusion via Optimal Transport, NeurIPS 2020 (arXiv:1910.05653)",
     )
 )
