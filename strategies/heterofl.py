@@ -33,7 +33,8 @@ from torch import Tensor, nn
 
 from core.nodes import NodeDirectory
 from core.strategy import Reply, RunContext, ServerStrategy
-from core.widths import WIDTH_RATE, ClientWidths, first_units
+from core.sub_models import ClientWidths, first_units
+from core.widths import WIDTH_RATE
 from plugins.options import option
 from strategies.base import LocalUpdate
 from strategies.registry import STRATEGIES, Algorithm

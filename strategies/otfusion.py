@@ -34,7 +34,8 @@ from torch import Tensor
 from core.nodes import NodeDirectory
 from core.ot_fusion import OTSettings, align_onto, ot_fuse
 from core.strategy import Reply, RunContext, ServerStrategy
-from core.widths import ClientWidths, first_units, mixed_widths
+from core.sub_models import ClientWidths, first_units
+from core.widths import mixed_widths
 from plugins.options import ConfigError, choice, option_from, source_settings
 from strategies.base import LocalUpdate
 from strategies.matched import permutation_spec

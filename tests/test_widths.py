@@ -11,7 +11,8 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
 from core.strategy import Reply
-from core.widths import WIDTH_RATE, client_widths, first_units, global_width, width_of
+from core.sub_models import first_units
+from core.widths import WIDTH_RATE, client_widths, global_width, width_of
 from fl_app.checkpoint import load_checkpoint
 from fl_app.client_app import build_client_app
 from fl_app.config import ConfigError, build_context, check_run, parse_run_config
