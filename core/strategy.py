@@ -14,14 +14,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
-from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
+from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 from torch import nn
 
 from core.config import RunConfig
 from core.model_io import to_arrays
 from core.nodes import NodeDirectory
-from core.replies import CONFIG_RECORD, METRICS_RECORD, MODEL_RECORD, NUM_EXAMPLES, reply_problem
+from core.replies import CONFIG_RECORD, MODEL_RECORD, reply_problem
 from core.widths import refuse_mixed_widths
 from models import PermutationSpec
 from models.protocol import ModelHead, head_of
@@ -65,11 +64,18 @@ class Reply:
 
 
 def weighted_mean(replies: Sequence[Reply]) -> ArrayRecord:
-    """FedAvg: the models weighted by :attr:`Reply.weight` (Flower's own arithmetic, in the order given)."""
-    return aggregate_arrayrecords(
-        [RecordDict({MODEL_RECORD: r.arrays, METRICS_RECORD: MetricRecord({NUM_EXAMPLES: r.weight})}) for r in replies],
-        NUM_EXAMPLES,
-    )
+    """FedAvg: the models weighted by :attr:`Reply.weight`, summed in the order given with the arithmetic of
+    Flower's FedAvg (each array times its share of the total weight, added up)."""
+    total = sum(reply.weight for reply in replies)
+    sums: dict[str, Any] = {}
+    for reply in replies:
+        factor = reply.weight / total
+        for key, array in reply.arrays.items():
+            if key in sums:
+                sums[key] += array.numpy() * factor
+            else:
+                sums[key] = array.numpy() * factor
+    return ArrayRecord({key: Array(value) for key, value in sums.items()})
 
 
 class ServerStrategy:

@@ -17,21 +17,27 @@ from typing import Any
 from flwr.app import Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
-from flwr.supercore.task_identity import TaskIdentity
 
 from fl_app.client_app import build_client_app
 from fl_app.config import parse_run_config
+from fl_app.patches import seam
 from fl_app.server_app import run_experiment
 
 FIRST_NODE_ID = 1000
 NODE_ID_STRIDE = 7919  # node ids far apart and not in partition order, as a real SuperLink's are
 
 
+TASK_IDENTITY = "flwr.supercore.task_identity.TaskIdentity"
+
+
 def set_task_identity() -> None:
     """Flower stamps every message with the process's task identity, which its runtimes set; here none runs."""
+    if not seam.usable("the in-process grid sets no task identity for Flower to stamp messages with", TASK_IDENTITY):
+        return
+    identity = seam.get(TASK_IDENTITY)
     for name in ("_task_id", "_run_id", "_node_id"):
-        if getattr(TaskIdentity, name, None) is None:
-            setattr(TaskIdentity, name, 1)
+        if getattr(identity, name, None) is None:
+            setattr(identity, name, 1)
 
 
 class InProcessGrid:

@@ -27,10 +27,9 @@ from pathlib import Path
 
 from flwr.app import ConfigRecord, Context, RecordDict
 from flwr.common.logger import log
-from flwr.common.serde import recorddict_from_proto, recorddict_to_proto
-from flwr.proto.recorddict_pb2 import RecordDict as ProtoRecordDict
 
 from core.config import RunConfig
+from fl_app.patches import seam
 
 STATE_DIR_KEY = "state-dir"
 """Node-config key: the folder under which this node keeps client state (absolute)."""
@@ -38,6 +37,11 @@ KEEP = 2
 MARKER = "alignfl.node-state"
 """``context.state`` record saying the node's state has been set up for this run (never written to disk)."""
 _SNAPSHOT = re.compile(r"round-(\d+)\.pb")
+TO_PROTO = "flwr.common.serde.recorddict_to_proto"
+FROM_PROTO = "flwr.common.serde.recorddict_from_proto"
+PROTO = "flwr.proto.recorddict_pb2.RecordDict"
+"""Flower's own serialisation of a RecordDict (its wire format), which the snapshots use."""
+LOST = "client state is not kept on the node's disk, so a resumed run cannot restore it"
 
 
 def default_state_root() -> Path:
@@ -86,7 +90,7 @@ class StateStore:
         path = self.folder / f"round-{server_round}.pb"
         staged = path.with_suffix(".tmp")
         with staged.open("wb") as stream:
-            stream.write(recorddict_to_proto(state).SerializeToString())
+            stream.write(seam.get(TO_PROTO)(state).SerializeToString())
             stream.flush()
             os.fsync(stream.fileno())
         staged.replace(path)
@@ -97,9 +101,9 @@ class StateStore:
 
     def load(self, path: Path) -> RecordDict:
         """One snapshot, as the RecordDict it was written from."""
-        proto = ProtoRecordDict()
+        proto = seam.get(PROTO)()
         proto.ParseFromString(path.read_bytes())
-        return recorddict_from_proto(proto)
+        return seam.get(FROM_PROTO)(proto)
 
     def restore_before(self, server_round: int) -> tuple[int, RecordDict] | None:
         """The newest readable snapshot of a round before ``server_round`` and its round; deletes those of
@@ -130,7 +134,7 @@ def state_store(context: Context, config: RunConfig, partition_id: int) -> State
     """Where this client's snapshots go, or None when the run folder's name is not known here (no ``run-name``
     and no ``resume-from``). The folder is always inside the state root."""
     name = run_folder_name(config)
-    if not name:
+    if not name or not seam.usable(LOST, TO_PROTO, FROM_PROTO, PROTO):
         return None
     if name in (".", "..") or "/" in name or "\0" in name:
         raise ValueError(f"run folder name {name!r} (from run-name or resume-from) is not a plain folder name")
@@ -150,6 +154,8 @@ def begin_message(context: Context, config: RunConfig, partition_id: int, server
     context.state[MARKER] = ConfigRecord({"run-folder": run_folder_name(config)})
     store = state_store(context, config, partition_id)
     if store is None:
+        if run_folder_name(config):
+            return  # the seam has said why
         log(
             INFO,
             "[alignfl] the run has no run-name: client state is not written to disk, so a resumed run "

@@ -21,12 +21,12 @@ from typing import Any
 import torch
 from flwr.app import ArrayRecord, MetricRecord, RecordDict
 from flwr.common.logger import log
-from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 
 from core.config import RunConfig, results_root
 from core.divergence import divergence_by_layer, weight_divergence
 from core.replies import MODEL_RECORD, NEW_CLIENT, drop_cause
 from core.rounds import Participation
+from fl_app.patches import seam
 from fl_app.provenance import git_commit
 
 GlobalEvaluation = Callable[[ArrayRecord], tuple[float, float]]
@@ -61,6 +61,8 @@ def _client_values(records: list[RecordDict], key: str) -> dict[str, float]:
 
 # --- where clients ran ---
 
+GLOBAL_NODE = "ray._private.worker._global_node"
+"""Ray's node of this driver process: its ``head`` says whether this process started it."""
 RAY_NODE_RECORD = "ray-node"
 """The ConfigRecord of a training reply that says on which Ray node the client ran (``node-id``, ``address``)."""
 
@@ -89,7 +91,9 @@ def joined_ray_cluster() -> bool:
     ray: Any = sys.modules.get("ray")
     if ray is None or not ray.is_initialized():
         return False
-    node = getattr(ray._private.worker, "_global_node", None)
+    if not seam.usable("the Ray node each client trained on is not recorded", GLOBAL_NODE):
+        return False
+    node = seam.get(GLOBAL_NODE)
     return node is not None and not node.head
 
 
@@ -133,11 +137,25 @@ def _new_client_scores(records: list[RecordDict]) -> dict[str, Any]:
 
 
 def _client_mean(records: list[RecordDict], weight_key: str) -> MetricRecord:
-    """Example-weighted mean of the clients' metrics; a client's id is not a quantity to average."""
-    aggregated = aggregate_metricrecords(records, weight_key)
-    aggregated.pop("partition-id", None)
-    aggregated.pop(NEW_CLIENT, None)
-    return aggregated
+    """Example-weighted mean of the clients' metrics (lists element-wise), summed in the order given as Flower's
+    FedAvg sums them; the weight itself and a client's id are not quantities to average."""
+    weights = [float(next(iter(record.metric_records.values()))[weight_key]) for record in records]
+    total = sum(weights)
+    sums: dict[str, Any] = {}
+    for record, weight in zip(records, weights, strict=True):
+        factor = weight / total
+        for metrics in record.metric_records.values():
+            for key, value in metrics.items():
+                if key in (weight_key, "partition-id", NEW_CLIENT):
+                    continue
+                term = [v * factor for v in value] if isinstance(value, list) else value * factor
+                if key not in sums:
+                    sums[key] = term
+                elif isinstance(term, list):
+                    sums[key] = [s + v for s, v in zip(sums[key], term, strict=True)]
+                else:
+                    sums[key] = sums[key] + term
+    return MetricRecord(sums)
 
 
 def _layer_divergence(records: list[RecordDict], weight_key: str) -> dict[str, float]:

@@ -14,6 +14,14 @@ def _single_thread():
 
 
 @pytest.fixture(autouse=True)
+def _fresh_seam_warnings():
+    """Each test sees the seam's once-per-process warnings afresh (fl_app/patches/seam.py)."""
+    from fl_app.patches import seam
+
+    seam.warn_once.cache_clear()
+
+
+@pytest.fixture(autouse=True)
 def _private_client_state(monkeypatch, tmp_path_factory):
     """In-process nodes keep their client-state snapshots in a folder of the test's own, never in ~/.cache."""
     root = tmp_path_factory.mktemp("client-state")

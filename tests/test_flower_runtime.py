@@ -3,9 +3,9 @@ installed only on the Flower releases it was checked against."""
 
 from __future__ import annotations
 
-import importlib
+import dataclasses
+import logging
 import random
-import sys
 from collections.abc import Iterator
 
 import pytest
@@ -16,24 +16,23 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.simulation import run_simulation
 from flwr.supercore.task_identity import TaskIdentity
 
-import fl_app.patches
 from core.nodes import send_and_receive, wait_for_nodes
 from fl_app import server_app
 from fl_app.client_app import build_client_app
 from fl_app.inprocess import InProcessGrid
-from fl_app.patches import flower_runtime
+from fl_app.patches import flower_runtime, seam
+
+FLOWER_LOOKUP = seam.get(flower_runtime.LOOKUP)
 
 
 @pytest.fixture(autouse=True)
 def flowers_own_methods(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Each test starts from Flower's methods and leaves them so (installing the index patches the class)."""
-    monkeypatch.setattr(InMemoryLinkState, "store_message_ins", flower_runtime._flower_store)
-    monkeypatch.setattr(InMemoryLinkState, "get_message_ins", flower_runtime._flower_lookup)
-    flower_runtime.checked_flower.cache_clear()
+    monkeypatch.setattr(InMemoryLinkState, "store_message_ins", seam.get(flower_runtime.STORE))
+    monkeypatch.setattr(InMemoryLinkState, "get_message_ins", FLOWER_LOOKUP)
     for name in ("_task_id", "_run_id", "_node_id"):  # simulation_state's run (a simulation run earlier in this
         monkeypatch.setattr(TaskIdentity, name, 1)  # process leaves its own run id, which that state refuses)
     yield
-    flower_runtime.checked_flower.cache_clear()
 
 
 def labelled(node: int, label: int) -> Message:
@@ -52,7 +51,7 @@ def test_the_indexed_lookup_answers_every_lookup_as_flowers_does() -> None:
     flower_runtime.index_message_lookup()
     indexed_grid, indexed_state, indexed_nodes = simulation_state(8)
     sides = [
-        (flower_grid, flower_state, flower_nodes, flower_runtime._flower_lookup),
+        (flower_grid, flower_state, flower_nodes, FLOWER_LOOKUP),
         (indexed_grid, indexed_state, indexed_nodes, flower_runtime.get_message_ins),
     ]
     answers: list[list[tuple[int, ...]]] = [[], []]
@@ -107,31 +106,29 @@ def test_installing_patches_the_class_once_on_a_checked_flower() -> None:
 def test_an_unchecked_flower_keeps_its_own_lookup(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(flower_runtime, "version", lambda package: "9.9.9")
+    monkeypatch.setattr(seam, "release", lambda package: "9.9.9")
     assert not flower_runtime.index_message_lookup()
     grid, _, _ = simulation_state(2)
     assert flower_runtime.prepare_simulation(grid) is None  # every node will be asked
-    assert InMemoryLinkState.get_message_ins is flower_runtime._flower_lookup
-    assert "Flower 9.9.9" in caplog.text
+    assert InMemoryLinkState.get_message_ins is FLOWER_LOOKUP
+    assert "Flower 9.9.9 is not a release alignfl was checked against" in caplog.text
 
 
-@pytest.mark.parametrize("internal", ["flwr.supercore.date", "flwr.superlink.grid", "flwr.server.superlink.linkstate"])
+@pytest.mark.parametrize("key", flower_runtime.PATCH.needs)
 def test_a_flower_without_one_of_its_internals_falls_back_with_the_warning(
-    internal: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    key: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A Flower release that moved one of the private names this module imports: the module still imports, keeps
-    Flower's own lookup with the warning, and the ServerApp's simulation path asks every node."""
+    """A Flower release that moved one of the private modules the lookup uses: the ServerApp's simulation path
+    keeps Flower's own lookup, warns, and asks every node."""
     grid, _, _ = simulation_state(3)
-    monkeypatch.setitem(sys.modules, internal, None)  # importing from it now raises ImportError
-    monkeypatch.delitem(sys.modules, "fl_app.patches.flower_runtime")
-    monkeypatch.setattr(fl_app.patches, "flower_runtime", flower_runtime)  # the package attribute comes back after
-    changed = importlib.import_module("fl_app.patches.flower_runtime")
-    assert changed is not flower_runtime and internal in str(changed.MISSING_INTERNALS)
-    assert not changed.index_message_lookup()
-    assert changed.prepare_simulation(grid) is None
-    assert server_app._simulation_partition_table(grid) is None  # the ServerApp imports the changed module
-    assert InMemoryLinkState.get_message_ins is flower_runtime._flower_lookup  # Flower's own lookup stays
-    assert "its simulation keeps its own message lookup" in caplog.text and internal in caplog.text
+    internal = seam.INTERNALS[key]
+    monkeypatch.setitem(seam.INTERNALS, key, dataclasses.replace(internal, module=f"{internal.module}_moved"))
+    with caplog.at_level(logging.WARNING, logger="flwr"):
+        assert not flower_runtime.index_message_lookup()
+        assert server_app.prepare_simulation(grid) is None  # what the ServerApp calls
+    assert InMemoryLinkState.get_message_ins is FLOWER_LOOKUP  # Flower's own lookup stays
+    assert "simulation keeps its own message lookup" in caplog.text
+    assert f"{internal.module}_moved does not import" in caplog.text
 
 
 def test_only_a_simulation_grid_gets_a_partition_table() -> None:

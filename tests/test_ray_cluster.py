@@ -76,10 +76,12 @@ def test_a_client_that_fits_on_no_node_is_refused():
 
 def test_attached_jobs_pass_the_address_and_no_resource_counts_to_ray():
     sim = SimSettings.from_config({"ray_address": "10.0.0.1:6379", "client_cpus": 2.0})
-    assert sim.backend_config() == {
-        "client_resources": {"num_cpus": 2.0, "num_gpus": 0.0},
-        "init_args": {"address": "10.0.0.1:6379"},
+    assert sim.federation_config() == {
+        "num-supernodes": 10,
+        "client-resources-num-cpus": 2,
+        "client-resources-num-gpus": 0.0,
     }
+    assert sim.ray_address == "10.0.0.1:6379"  # joined through RAY_ADDRESS
     with pytest.raises(ConfigError, match=r"\['sim.ray_cpus'\] must be null with sim.ray_address"):
         SimSettings.from_config({"ray_address": "auto", "ray_cpus": 4})
     with pytest.raises(ConfigError, match="sim.ray_address = 'auto' needs sim.backend=ray"):
@@ -265,9 +267,9 @@ def test_a_lost_actor_and_the_idle_ones_on_its_node_leave_the_pool_and_replaceme
     pool = _FakePool(["a1", "b2"])  # a2 is busy; b1 failed its message
     pool.num_actors = 4
     assert ray_pool._retire(pool, "b1", "node-b") == 2 and pool.pool == ["a1"]  # b2 was on the lost node
-    monkeypatch.setattr(ray_pool.ray, "is_initialized", lambda: True)
+    monkeypatch.setattr("ray.is_initialized", lambda: True)
     monkeypatch.setattr(ray_pool, "_node_dead", lambda node: True)
-    monkeypatch.setattr(ray_pool, "pool_size_from_resources", lambda resources: 3)  # a node with room joined
+    monkeypatch.setattr(ray_pool, "pool_size", lambda resources: 3)  # a node with room joined
     ray_pool._replace(pool, "node-b")
     assert pool.added == 1 and pool.num_actors == 3 and pool.pool == ["a1", "new0"]
 

@@ -91,7 +91,11 @@ def test_hydra_overrides_become_the_validated_run_config(tmp_path):
     assert (config.partitioner_settings.dirichlet_alpha, config.seed, config.min_available_nodes) == (0.1, 1, 7)
     assert (config.results_dir, config.run_name) == (str(tmp_path.resolve()), "run")
     assert sim.num_supernodes == 7
-    assert sim.backend_config()["client_resources"] == {"num_cpus": 1, "num_gpus": 0.0}
+    assert sim.federation_config() == {
+        "num-supernodes": 7,
+        "client-resources-num-cpus": 1,
+        "client-resources-num-gpus": 0.0,
+    }
 
 
 def test_sweeps_write_under_the_results_root_of_every_run(monkeypatch, tmp_path):
@@ -145,6 +149,8 @@ def test_a_bad_override_fails_with_the_schema_message(tmp_path, override, key, v
         ("+train.warmup=1", "'train.warmup'"),
         ("sim.num_supernodes=0", "'sim.num_supernodes' = 0"),
         ("sim.client_cpus=4 sim.ray_cpus=2", "sim.client_cpus"),
+        ("sim.client_cpus=0.5", "sim.client_cpus"),
+        ("sim.ray_gpus=1.5", "sim.ray_gpus"),
     ],
 )
 def test_keys_outside_the_schema_are_checked_too(tmp_path, override, fragment):

@@ -111,7 +111,7 @@ def test_an_in_process_simulation_runs_it(tmp_path, halfway):
 
 
 RUN_CONFIG = 'strategy="halfway" halfway-step=0.25 dataset="digits"'
-SWEEP_ARGS = ["fl_app.sweeps.sweep", "strategy=halfway", "strategy.halfway_step=0.25"]
+SWEEP_ARGS = ["fl_app.sweep", "strategy=halfway", "strategy.halfway_step=0.25"]
 
 
 @pytest.fixture()

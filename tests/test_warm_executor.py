@@ -18,7 +18,7 @@ from flwr.supercore.constant import TaskType
 from flwr.supercore.superexec.executor import ExecutionSpec, LaunchResult, LaunchResultStatus
 
 from fl_app.config import default_run_config
-from fl_app.patches import warm_superexec
+from fl_app.patches import seam, warm_superexec
 from fl_app.patches.warm_executor import WarmExecutor
 
 TIMEOUT_S = 120.0
@@ -152,8 +152,8 @@ def test_other_task_types_and_everything_after_a_parent_that_cannot_start_go_to_
 def flower_loop(monkeypatch):
     """Flower's SuperExec loop module, its get_executor restored after the test, and flower_superexec
     replaced by a stand-in that records the arguments it would parse."""
-    loop = importlib.import_module(warm_superexec.LOOP_MODULE)
-    monkeypatch.setattr(loop, "get_executor", loop.get_executor)
+    loop = importlib.import_module(seam.INTERNALS[warm_superexec.GET_EXECUTOR].module)
+    monkeypatch.setattr(loop, "get_executor", seam.get(warm_superexec.GET_EXECUTOR))
     calls = []
     monkeypatch.setattr(warm_superexec, "flower_superexec", lambda: calls.append(list(warm_superexec.sys.argv)))
     monkeypatch.setattr(warm_superexec.sys, "argv", ["python"])
@@ -172,8 +172,8 @@ def test_the_entry_point_installs_the_warm_executor_and_passes_flowers_arguments
 @pytest.mark.parametrize(
     "flower_version, argv, reason",
     [
-        ("9.9.9", [], "Flower 9.9.9 is not a release it was checked against"),
-        ("1.41.0", ["--executor", "kubernetes"], "--executor kubernetes was asked for"),
+        ("9.9.9", [], "Flower 9.9.9 is not a release alignfl was checked against"),
+        ("1.42.0", ["--executor", "kubernetes"], "--executor kubernetes was asked for"),
     ],
 )
 def test_the_entry_point_runs_flowers_superexec_unchanged_where_it_is_not_checked(
@@ -181,11 +181,14 @@ def test_the_entry_point_runs_flowers_superexec_unchanged_where_it_is_not_checke
 ):
     loop, calls = flower_loop
     flower_get_executor = loop.get_executor
-    monkeypatch.setattr(warm_superexec, "version", lambda _: flower_version)
+    monkeypatch.setattr(seam, "release", lambda package: flower_version)
     with caplog.at_level(logging.WARNING, logger="flwr"):
         warm_superexec.main(["--runtime-api-address", "127.0.0.1:9094", "--insecure", *argv])
     assert loop.get_executor is flower_get_executor and len(calls) == 1
-    assert f"warm ClientApp processes are off: {reason}" in caplog.text
+    assert (
+        f"warm ClientApp processes are off; Flower's own executor starts a fresh flwr-clientapp process per message: {reason}"
+        in caplog.text
+    )
 
 
 @pytest.mark.parametrize("value", ["0", "-5", "soon", "inf"])

@@ -1,6 +1,7 @@
 """Where to start grouping a Ψ-Net: layer-wise total variance of class preference vectors.
 
-Ψ-Net / Fed2 (seed 001, §3.2, Eq. 5): with ``P_{l,i}`` the normalised class
+Ψ-Net / Fed2 (Yu et al., "Heterogeneous Federated Learning", arXiv 2020, published as "Fed2: Feature-Aligned
+Federated Learning", KDD 2021; §3.2, Eq. 5 of the arXiv version): with ``P_{l,i}`` the normalised class
 preference vector of unit ``i`` of layer ``l`` (Eq. 2, computed by
 :func:`fl_app.analysis.preference.preference_vectors`),
 

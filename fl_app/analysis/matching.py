@@ -1,7 +1,7 @@
 """Matching ratio: how many hidden units of a local model still sit at their global index.
 
-PANs paper, Supp. E "Matching via Optimal Assignment" (seed 003): feed ``m`` test
-samples (500 there) through a global and a local model, represent each unit by its
+PANs paper (Li et al., "Federated Learning with Position-Aware Neurons", CVPR 2022), Supp. E "Matching via
+Optimal Assignment": feed ``m`` test samples (500 there) through a global and a local model, represent each unit by its
 activations, solve the optimal assignment between the two models' units, and report the
 fraction of units assigned to their own index. The paper notes this is an approximate
 measure of how many units moved, not the exact permutation.

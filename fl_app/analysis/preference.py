@@ -1,7 +1,8 @@
 """Class preference vectors of hidden units, and whether two models' units prefer the same class.
 
-Ψ-Net / Fed2 (seed 001, Eq. 2), used by the PANs paper to visualise neurons: unit ``j``'s
-preference for class ``c`` is
+Ψ-Net / Fed2 (Yu et al., "Heterogeneous Federated Learning", arXiv 2020, published as "Fed2: Feature-Aligned
+Federated Learning", KDD 2021; Eq. 2 of the arXiv version), used by the PANs paper (Li et al., "Federated
+Learning with Position-Aware Neurons", CVPR 2022) to visualise neurons: unit ``j``'s preference for class ``c`` is
 
     p_c[j] = sum over class-c samples x of  A_j(x) * dZ_c / dA_j(x)
 

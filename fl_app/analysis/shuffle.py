@@ -1,12 +1,11 @@
 """Shuffle test: how much a network's output changes when its hidden units are permuted.
 
-PANs paper (Li et al., "Federated Learning with Position-Aware Neurons", CVPR 2022;
-seeds 000/003): without PANs a network is permutation invariant, so shuffling its
-hidden units (and the next layer's inputs with them) changes nothing; PANs bind units
-to positions, so the shuffled network's output moves, more so for larger ``A`` and
+PANs paper (Li et al., "Federated Learning with Position-Aware Neurons", CVPR 2022): without PANs a
+network is permutation invariant, so shuffling its hidden units (and the next layer's inputs with them)
+changes nothing; PANs bind units to positions, so the shuffled network's output moves, more so for larger ``A`` and
 faster for multiplicative than additive PANs (Sect. 3.2, Fig. 3).
 
-* Permutations: the paper's Algorithm 1 (Supp. D.1 of seed 003) builds a random
+* Permutations: the paper's Algorithm 1 (its Supp. D.1) builds a random
   permutation whose disorder is set by ``P_sf``. The transcript of the paper has the
   text around Alg. 1 but not its pseudo-code, so the steps below follow that text
   ("randomly generated", "at most J swaps", O(J)), the method notes and the authors'

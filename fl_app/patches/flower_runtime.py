@@ -6,14 +6,14 @@ Flower's simulation loop (``vce_api.add_messages_to_queue``) asks the state for 
 every stored message in turn until one is for that node: a sweep over the nodes costs nodes × messages in flight,
 about 3 µs each. A QUERY to each of 1,000 nodes (how the round runner learns the partitions) makes one sweep take
 1.5–3 s while holding the interpreter from the workers, and at 10,000 nodes one sweep takes minutes
-(``benchmarks/linkstate_sweep.py``; RESULTS.md, issue 18).
+(``benchmarks/linkstate_sweep.py``; ``benchmarks/RESULTS.md``).
 
 :func:`index_message_lookup` gives the state a per-node list of message ids, kept by the one method that stores
 messages, and answers the lookup from that node's list: the same messages in the same order, marked delivered
 the same way, the same check on each, so expired or foreign messages of that node are deleted as before; those
-of other nodes are deleted when their own node is asked (every sweep asks every node). It is installed only on
-the Flower releases whose two methods were read and compared (:data:`CHECKED_FLOWER`); on any other the state
-keeps Flower's own lookup and the log says so.
+of other nodes are deleted when their own node is asked (every sweep asks every node). It is installed through
+:mod:`fl_app.patches.seam`: where the installed Flower is not one whose two methods were read and compared, or
+a name is not there as read, the state keeps Flower's own lookup and the log says so.
 
 :func:`prepare_simulation` installs it and reads which partition each node holds from the same state: Flower's
 simulation registers its nodes in a loop and gives the i-th partition i (``vce_api._register_nodes``), and the
@@ -23,35 +23,31 @@ state keeps its nodes in registration order. The round runner then asks one node
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from functools import cache
-from importlib.metadata import version
-from logging import WARNING
+import sys
+from typing import Any
 
 from flwr.app import Message
-from flwr.common.logger import log
 from flwr.serverapp import Grid
 
 from core.nodes import PartitionTable
+from fl_app.patches import seam
 from fl_app.patches.ray_pool import drop_lost_actors
 
-try:  # Flower's internals: where a release moved one, the simulation keeps Flower's own lookup (see checked_flower)
-    from flwr.server.superlink.linkstate import InMemoryLinkState
-    from flwr.supercore.date import now
-    from flwr.superlink.grid import InMemoryGrid
-except ImportError as missing:
-    InMemoryLinkState = InMemoryGrid = now = None  # type: ignore[assignment,misc]
-    MISSING_INTERNALS: str | None = f"{type(missing).__name__}: {missing}"
-else:
-    MISSING_INTERNALS = None
-
-CHECKED_FLOWER = frozenset({"1.41.0", "1.42.0"})
-"""Flower releases this module was checked against: their in-memory state, its grid and the simulation's node
-registration (``in_memory_linkstate.py``, ``inmemory_grid.py``, ``vce_api.py``) are the same code in both."""
-
+_STATE = "flwr.server.superlink.linkstate.InMemoryLinkState"
+STORE = f"{_STATE}.store_message_ins"
+LOOKUP = f"{_STATE}.get_message_ins"
+CHECK = f"{_STATE}._check_stored_messages"
+GRID = "flwr.superlink.grid.inmemory_grid.InMemoryGrid"
+NOW = "flwr.supercore.date.now"
+PATCH = seam.Patch(
+    lost="Flower's simulation keeps its own message lookup (nodes × messages per sweep) and every node is "
+    "asked for its partition",
+    needs=(STORE, LOOKUP, CHECK, GRID, NOW),
+)
+"""Flower's in-memory state (``store_message_ins``, ``get_message_ins``, ``_check_stored_messages``, its
+``lock``, ``message_ins_store`` and ``nodes``), the simulation's grid and Flower's clock."""
 _INDEX = "_alignfl_message_ids_by_node"
-_flower_store: Callable[..., str | None] | None = getattr(InMemoryLinkState, "store_message_ins", None)
-_flower_lookup: Callable[..., list[Message]] | None = getattr(InMemoryLinkState, "get_message_ins", None)
+InMemoryLinkState = Any
 
 
 def _node_index(state: InMemoryLinkState) -> dict[int, list[str]]:
@@ -68,7 +64,7 @@ def _node_index(state: InMemoryLinkState) -> dict[int, list[str]]:
 def store_message_ins(state: InMemoryLinkState, message: Message) -> str | None:
     """Flower's ``store_message_ins``, then the stored id is listed under its destination node."""
     with state.lock:
-        message_id = _flower_store(state, message)
+        message_id = seam.get(STORE)(state, message)
         if message_id is not None:
             ids = _node_index(state).setdefault(message.metadata.dst_node_id, [])
             if message_id not in ids:
@@ -99,51 +95,32 @@ def get_message_ins(
                     break
         if not ids:
             index.pop(node_id, None)
-    delivered_at = now().isoformat()
+    delivered_at = seam.get(NOW)().isoformat()
     for message in found:
         message.metadata.delivered_at = delivered_at
     return found
 
 
-@cache
-def checked_flower() -> bool:
-    """Whether the installed Flower is one whose in-memory state this module was checked against, and its
-    internals that this module uses import (warns once otherwise)."""
-    flower = version("flwr")
-    checked = flower in CHECKED_FLOWER and MISSING_INTERNALS is None
-    if not checked:
-        log(
-            WARNING,
-            "[alignfl] Flower %s: its simulation keeps its own message lookup (nodes × messages per sweep) "
-            "and every node is asked for its partition (checked on %s%s)",
-            flower,
-            ", ".join(sorted(CHECKED_FLOWER)),
-            f"; {MISSING_INTERNALS}" if MISSING_INTERNALS else "",
-        )
-    return checked
-
-
 def index_message_lookup() -> bool:
-    """Install the indexed lookup on ``InMemoryLinkState`` (once per process); False where the installed Flower
-    is not one this was checked against."""
-    if not checked_flower():
-        return False
-    if InMemoryLinkState.get_message_ins is get_message_ins:
-        return True
-    InMemoryLinkState.store_message_ins = store_message_ins
-    InMemoryLinkState.get_message_ins = get_message_ins
-    return True
+    """Install the indexed lookup on ``InMemoryLinkState`` (once per process); False where it cannot be installed
+    here (the seam has warned)."""
+
+    def apply() -> None:
+        if seam.replaced(LOOKUP) is not get_message_ins:
+            seam.replace(STORE, store_message_ins)
+            seam.replace(LOOKUP, get_message_ins)
+
+    return seam.install(PATCH, apply)
 
 
 def prepare_simulation(grid: Grid) -> PartitionTable | None:
-    """For the grid of Flower's simulation on a checked Flower: install the indexed lookup and return node id ->
-    partition id as the simulation registered them. None for any other grid (a deployment's SuperLink is another
-    process, and its nodes say their partition themselves)."""
-    if MISSING_INTERNALS is not None:
-        checked_flower()  # warns
-        return None
-    if not isinstance(grid, InMemoryGrid) or not index_message_lookup():
-        return None
+    """For the grid of Flower's simulation: install the indexed lookup and return node id -> partition id as the
+    simulation registered them. None for any other grid (a deployment's SuperLink is another process, and its
+    nodes say their partition themselves), or where the lookup cannot be installed here."""
+    if "flwr.simulation" not in sys.modules or not type(grid).__module__.startswith("flwr."):
+        return None  # no Flower simulation here: a deployed ServerApp (nothing is imported to find out), or ours
+    if not seam.usable(PATCH.lost, GRID) or not isinstance(grid, seam.get(GRID)) or not index_message_lookup():
+        return None  # the seam has said why where it could not look
     drop_lost_actors()  # the simulation's clients run on Ray actors
     state = grid.state
 

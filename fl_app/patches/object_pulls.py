@@ -7,38 +7,44 @@ case: a SuperNode stores a pulled message and opens its ClientApp task before it
 from the SuperLink (``start_client_internal._pull_and_store_message``), so a ClientApp process started at once
 finds the objects missing and sleeps a full second; a SuperNode that pulls a message as the ServerApp pushes it
 meets the same. ``benchmarks/deploy_round.py`` found ClientApp processes of 0.4 CPU-s taking 1.5-3.3 s, most of it
-in this wait (py-spy, RESULTS.md).
+in this wait (py-spy, ``benchmarks/RESULTS.md``).
 
 :func:`retry_object_pulls_sooner` makes the first wait :data:`FIRST_RETRY_S` (then doubling as before, to the same
 cap and the same limits on tries and time) in the process that calls it: the SuperNode
-(:mod:`fl_app.patches.polling_supernode`) and the warm parent of its ClientApp processes (:mod:`fl_app.patches.warm_parent`, whose
-children inherit it). It changes when objects are asked for, never what arrives. It is installed only on the
-Flower releases whose pulls were read (:data:`CHECKED_FLOWER`); anywhere else it says why and changes nothing.
+(:mod:`fl_app.patches.polling_supernode`) and the warm parent of its ClientApp processes
+(:mod:`fl_app.patches.warm_parent`, whose children inherit it), and a deployed ServerApp. It changes when
+objects are asked for, never what arrives. It is installed through :mod:`fl_app.patches.seam`: where the
+installed Flower is not one its pulls were read on, it warns once and changes nothing.
 """
 
 from __future__ import annotations
 
-import importlib
-from importlib.metadata import version
+from fl_app.patches import seam
 
-CHECKED_FLOWER = frozenset({"1.41.0", "1.42.0"})
-"""Flower releases whose object pulls (``pull_objects`` and ``pull_and_inflate_object_from_tree``, keyword-only
-``initial_backoff``) this was checked against."""
-PULLS_MODULE = "flwr.supercore.inflatable.inflatable_utils"
-PULL_FUNCTIONS = ("pull_objects", "pull_and_inflate_object_from_tree")
+_PULLS = "flwr.supercore.inflatable.inflatable_utils"
+PATCH = seam.Patch(
+    lost="object pulls retry after Flower's 1 s, not 0.05 s",
+    needs=(f"{_PULLS}.pull_objects", f"{_PULLS}.pull_and_inflate_object_from_tree"),
+)
+"""Both pull functions take a keyword-only ``initial_backoff`` whose default this changes."""
+DEPLOYED_GRID = "flwr.superlink.grid.http_grid.HttpGrid"
+"""A deployed ServerApp's grid, which pulls its replies' objects (the simulation's grid pulls none)."""
 FIRST_RETRY_S = 0.05
 """Seconds before an object that was not there is asked for again the first time (Flower's: 1 s)."""
 
 
-def retry_object_pulls_sooner(first_retry_s: float = FIRST_RETRY_S) -> str | None:
-    """Object pulls of this process wait ``first_retry_s`` before their first retry; why not, or None."""
-    flower = version("flwr")
-    if flower not in CHECKED_FLOWER:
-        return f"Flower {flower} is not a release it was checked against ({', '.join(sorted(CHECKED_FLOWER))})"
-    pulls = importlib.import_module(PULLS_MODULE)
-    functions = [getattr(pulls, name, None) for name in PULL_FUNCTIONS]
-    if not all(callable(function) and "initial_backoff" in (function.__kwdefaults__ or {}) for function in functions):
-        return f"{PULLS_MODULE} has no {' and '.join(PULL_FUNCTIONS)} with a keyword initial_backoff"
-    for function in functions:
-        function.__kwdefaults__["initial_backoff"] = first_retry_s
-    return None
+def retry_object_pulls_sooner(first_retry_s: float = FIRST_RETRY_S) -> bool:
+    """Object pulls of this process wait ``first_retry_s`` before their first retry; whether that could be
+    installed (where not, the seam has warned)."""
+
+    def apply() -> None:
+        for key in PATCH.needs:
+            seam.get(key).__kwdefaults__["initial_backoff"] = first_retry_s
+
+    return seam.install(PATCH, apply)
+
+
+def retry_reply_pulls_sooner() -> bool:
+    """In a deployed ServerApp (whose grid's module is then loaded), :func:`retry_object_pulls_sooner`; False
+    elsewhere or where it cannot be installed."""
+    return seam.loaded(DEPLOYED_GRID) and retry_object_pulls_sooner()

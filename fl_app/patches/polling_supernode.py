@@ -1,8 +1,8 @@
-"""``flower-supernode`` that asks for messages every few tenths of a second: ``python -m fl_app.patches.polling_supernode
-[--poll-interval S] FLOWER ARGS``.
+"""``flower-supernode`` that asks for messages every few tenths of a second:
+``python -m fl_app.patches.polling_supernode [--poll-interval S] FLOWER ARGS``.
 
-Flower 1.41's SuperNode sleeps a fixed 3 s whenever its SuperLink has no message for it
-(``flwr/supernode/start_client_internal.py``), and it has none right after the node replies: the server sends the
+Flower's SuperNode (1.41, 1.42) sleeps a fixed 3 s whenever its SuperLink has no message for it
+(``flwr.supernode.start_client_internal``), and it has none right after the node replies: the server sends the
 next wave only once every reply is in. A round of training then evaluation waits ~3 s twice for the nodes' next
 poll, whatever the work. This entry point runs Flower's own ``flower-supernode`` (same arguments, loop and logs)
 with the pull step asking again every ``--poll-interval`` seconds until a message comes, so a wave waits half an
@@ -10,37 +10,32 @@ interval on average (``--poll-interval flower``: Flower's loop untouched), and w
 sooner (:mod:`fl_app.patches.object_pulls`). The price is requests: each idle node asks its SuperLink ``1 / interval``
 times a second (Flower's: 1/3); with many nodes on one SuperLink, a longer interval keeps it cool.
 
-It is installed only on the Flower releases whose SuperNode loop was read (:data:`CHECKED_FLOWER`); anywhere else
-it warns and runs Flower's SuperNode unchanged.
+It is installed through :mod:`fl_app.patches.seam`: where the installed Flower is not one whose SuperNode loop
+was read, or its pull step is not there as read, it warns and runs Flower's SuperNode unchanged.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-import importlib
 import sys
 import time
 from collections.abc import Callable
-from importlib.metadata import version
-from logging import INFO, WARNING
+from logging import INFO
 from typing import Any
 
-from flwr.supercore import log
-from flwr.supernode.cli import flower_supernode
+from flwr.common.logger import log
 
+from fl_app.patches import seam
 from fl_app.patches.object_pulls import retry_object_pulls_sooner
 
-CHECKED_FLOWER = frozenset({"1.41.0", "1.42.0"})
-"""Flower releases whose SuperNode loop (``start_client_internal``: pull, else sleep 3 s; push) this was checked
-against."""
-LOOP_MODULE = "flwr.supernode.start_client_internal"
-PULL_STEP = "_pull_and_store_message"
+PULL_STEP = "flwr.supernode.start_client_internal._pull_and_store_message"
+"""Flower's SuperNode loop (``start_client_internal``): pull, and sleep 3 s when nothing came; then push."""
 FLOWER_NODE_POLL_S = 3.0
-"""Seconds Flower 1.41's SuperNode waits before asking its SuperLink again when it had no message."""
+"""Seconds Flower's SuperNode waits before asking its SuperLink again when it had no message."""
 DEFAULT_NODE_POLL_S = 0.5
-"""Seconds between an idle SuperNode's requests for a message (fl_app/patches/polling_supernode.py): a wave of messages
-waits ~0.25 s for its nodes instead of ~1.5-3 s, for 2 requests a second per idle node."""
+"""Seconds between an idle SuperNode's requests for a message with this entry point: a wave of messages waits
+~0.25 s for its nodes instead of ~1.5-3 s, for 2 requests a second per idle node."""
 
 
 def node_poll_interval(text: str) -> float | None:
@@ -65,16 +60,6 @@ def pull_until_message(flower_pull: Callable[..., int | None], interval: float, 
     return run_id
 
 
-def unusable() -> str | None:
-    """Why the faster poll cannot be installed here, or None."""
-    flower = version("flwr")
-    if flower not in CHECKED_FLOWER:
-        return f"Flower {flower} is not a release it was checked against ({', '.join(sorted(CHECKED_FLOWER))})"
-    if not callable(getattr(importlib.import_module(LOOP_MODULE), PULL_STEP, None)):
-        return f"{LOOP_MODULE} has no {PULL_STEP}"
-    return None
-
-
 def parse(argv: list[str]) -> tuple[float | None, list[str]]:
     """This entry point's poll interval (None: Flower's own) and Flower's arguments."""
     parser = argparse.ArgumentParser(
@@ -94,18 +79,24 @@ def parse(argv: list[str]) -> tuple[float | None, list[str]]:
     return ours.poll_interval, flower_args
 
 
+PATCH = seam.Patch(lost=f"the SuperNode polls every {FLOWER_NODE_POLL_S:g} s as Flower's own does", needs=(PULL_STEP,))
+
+
+def poll_every(interval: float) -> None:
+    """Install the pull step that asks again every ``interval`` seconds (through :data:`PATCH`)."""
+    seam.replace(PULL_STEP, functools.partial(pull_until_message, seam.get(PULL_STEP), interval))
+
+
+def flower_supernode() -> None:
+    """Flower's ``flower-supernode`` command, which reads ``sys.argv``."""
+    seam.flower_command("flower-supernode")()
+
+
 def main(argv: list[str] | None = None) -> None:
     interval, flower_args = parse(sys.argv[1:] if argv is None else argv)
     sys.argv = ["flower-supernode", *flower_args]
-    pulls_problem = retry_object_pulls_sooner()
-    if pulls_problem is not None:
-        log(WARNING, "[alignfl] the SuperNode retries object pulls after Flower's 1 s: %s", pulls_problem)
-    problem = None if interval is None else unusable()
-    if problem is not None:
-        log(WARNING, "[alignfl] the SuperNode polls every %g s as Flower's own does: %s", FLOWER_NODE_POLL_S, problem)
-    elif interval is not None:
-        loop = importlib.import_module(LOOP_MODULE)
-        setattr(loop, PULL_STEP, functools.partial(pull_until_message, getattr(loop, PULL_STEP), interval))
+    retry_object_pulls_sooner()
+    if interval is not None and seam.install(PATCH, lambda: poll_every(interval)):
         log(INFO, "[alignfl] the SuperNode asks for a message every %g s while it has none", interval)
     flower_supernode()
 

@@ -12,30 +12,34 @@ address, from the GCS's actor table), the actor and the idle actors on the same 
 where the live nodes have room for more actors than the pool now has, new actors are added (Ray places them
 on a node that can hold them). Flower runs one worker thread per actor it started with: a thread that finds no
 idle actor waits for one, and fails its message when no actor is left at all, so a run never hangs. It is
-installed only on the Flower releases whose backend was read (:data:`CHECKED_FLOWER`); on any other one the
-pool is Flower's own and the log says so.
+installed through :mod:`fl_app.patches.seam`: where the installed Flower or Ray is not one whose backend and
+actor table were read, or a name is not there as read, the pool is Flower's own and the log says so.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from functools import cache
-from importlib.metadata import version
 from logging import WARNING
 from typing import Any
 
-import ray
 from flwr.app import Context, Message
 from flwr.common.constant import PARTITION_ID_KEY
 from flwr.common.logger import log
-from flwr.server.superlink.fleet.vce.backend.raybackend import RayBackend
-from flwr.simulation.ray_transport.ray_actor import BasicActorPool, pool_size_from_resources
 
-CHECKED_FLOWER = frozenset({"1.41.0", "1.42.0"})
-"""Flower releases whose ``RayBackend.process_message`` and ``BasicActorPool`` this module was read against
-(``raybackend.py``, ``ray_actor.py``: the same code in both)."""
-_flower_process_message = RayBackend.process_message
+from fl_app.patches import seam
+
+PROCESS_MESSAGE = "flwr.server.superlink.fleet.vce.backend.raybackend.RayBackend.process_message"
+POOL_SIZE = "flwr.simulation.ray_transport.ray_actor.pool_size_from_resources"
+ACTOR_TABLE = "ray._private.state.state"
+PATCH = seam.Patch(
+    lost="Flower's Ray actor pool keeps the actors of a lost Ray node, and hands them messages that fail",
+    needs=(PROCESS_MESSAGE, POOL_SIZE, ACTOR_TABLE),
+)
+"""Flower's ``RayBackend.process_message`` and its ``BasicActorPool`` (``pool``, ``num_actors``,
+``client_resources``, ``add_actors_to_pool``), and Ray's actor table."""
+BasicActorPool = Any
+RayBackend = Any
 _LOCK = "_alignfl_actors_changed"
 REPLACE_WAIT_S = 120.0
 
@@ -54,10 +58,8 @@ def _condition(pool: BasicActorPool) -> threading.Condition:
 
 def actor_node(actor: Any) -> tuple[str, str, str]:
     """``(state, node id, node address)`` of an actor, from the GCS's actor table (empty strings when unknown)."""
-    from ray._private.state import state  # the GCS's tables, what `ray list actors` reads
-
     try:
-        info = state.actor_table(actor._actor_id.hex())
+        info = seam.get(ACTOR_TABLE).actor_table(actor._actor_id.hex())  # what `ray list actors` reads
     except Exception:  # the GCS may be unreachable too
         return "", "", ""
     address = info.get("Address") or {}
@@ -95,6 +97,8 @@ def _retire(pool: BasicActorPool, actor: Any, node_id: str) -> int:
 
 
 def _node_dead(node_id: str) -> bool:
+    import ray
+
     return not any(node["NodeID"] == node_id and node["Alive"] for node in ray.nodes())
 
 
@@ -102,6 +106,8 @@ def _replace(pool: BasicActorPool, node_id: str, wait_s: float = REPLACE_WAIT_S)
     """Once the GCS has marked ``node_id`` dead (it counts a lost node's resources until then), add the actors
     that the live nodes have room for beyond the pool's; Ray places them where they fit. A node still listed
     after ``wait_s`` gets no replacement (an actor that fits nowhere would hold its message forever)."""
+    import ray
+
     deadline = time.monotonic() + wait_s
     while True:
         if not ray.is_initialized() or time.monotonic() > deadline:  # the simulation ended meanwhile
@@ -114,7 +120,7 @@ def _replace(pool: BasicActorPool, node_id: str, wait_s: float = REPLACE_WAIT_S)
         time.sleep(1.0)
     with _condition(pool):
         try:
-            room = pool_size_from_resources(pool.client_resources) - pool.num_actors
+            room = pool_size(pool.client_resources) - pool.num_actors
         except ValueError:  # Flower's "ActorPool is empty": no live node can hold an actor
             room = 0
         if room > 0:
@@ -123,11 +129,18 @@ def _replace(pool: BasicActorPool, node_id: str, wait_s: float = REPLACE_WAIT_S)
             _condition(pool).notify_all()
 
 
+def pool_size(client_resources: dict[str, float]) -> int:
+    """How many actors of these resources the cluster's live nodes hold (Flower's own count)."""
+    return seam.get(POOL_SIZE)(client_resources)
+
+
 def process_message(backend: RayBackend, message: Message, context: Context) -> tuple[Message, Context]:
     """Flower's ``RayBackend.process_message``, but an actor Ray reports lost leaves the pool (see the module)."""
+    import ray
+
     pool = backend.pool
     if pool is None or backend.app_fn is None:
-        return _flower_process_message(backend, message, context)
+        return seam.get(PROCESS_MESSAGE)(backend, message, context)
     actor = _take_actor(pool)
     partition_id = context.node_config[PARTITION_ID_KEY]
     try:
@@ -148,26 +161,12 @@ def process_message(backend: RayBackend, message: Message, context: Context) -> 
     return reply, updated
 
 
-@cache
-def checked_flower() -> bool:
-    """Whether the installed Flower is one whose Ray backend this module was read against (warns once)."""
-    flower = version("flwr")
-    if flower not in CHECKED_FLOWER:
-        log(
-            WARNING,
-            "[alignfl] Flower %s: its Ray actor pool keeps actors whose node was lost (checked on %s)",
-            flower,
-            ", ".join(sorted(CHECKED_FLOWER)),
-        )
-    return flower in CHECKED_FLOWER
-
-
 def drop_lost_actors() -> bool:
-    """Install :func:`process_message` on Flower's ``RayBackend`` (once per process); False where the installed
-    Flower is not one this was checked against."""
-    if RayBackend.process_message is process_message:
-        return True
-    if not checked_flower():
-        return False
-    RayBackend.process_message = process_message
-    return True
+    """Install :func:`process_message` on Flower's ``RayBackend`` (once per process); False where it cannot be
+    installed here (the seam has warned)."""
+
+    def apply() -> None:
+        if seam.replaced(PROCESS_MESSAGE) is not process_message:
+            seam.replace(PROCESS_MESSAGE, process_message)
+
+    return seam.install(PATCH, apply)

@@ -1,6 +1,6 @@
 """A SuperExec executor that hands each ClientApp task to a warm parent process (:mod:`fl_app.patches.warm_parent`).
 
-Flower 1.41's SuperExec separates what to run from how: its loop acquires a task from the Runtime API and asks
+Flower's SuperExec (1.41, 1.42) separates what to run from how: its loop acquires a task from the Runtime API and asks
 an executor (``flwr.supercore.superexec.executor.Executor``) to launch it from an ``ExecutionSpec``. Flower's
 ``SubprocessExecutor`` starts ``flwr-clientapp`` afresh; :class:`WarmExecutor` writes the spec to its warm
 parent, which forks a child for it, and reads back what became of each child (started, killed past the
@@ -27,10 +27,21 @@ from collections.abc import Sequence
 from logging import DEBUG, INFO, WARNING
 from typing import Any
 
-from flwr.supercore import log
-from flwr.supercore.constant import TaskType
-from flwr.supercore.superexec.executor import ExecutionSpec, Executor, LaunchResult, SubprocessExecutor
+from flwr.common.logger import log
 
+from fl_app.patches import seam
+
+TASK_TYPE = "flwr.supercore.constant.TaskType"
+SUBPROCESS_EXECUTOR = "flwr.supercore.superexec.executor.SubprocessExecutor"
+LAUNCH_RESULT = "flwr.supercore.superexec.executor.LaunchResult"
+NEEDS = (TASK_TYPE, SUBPROCESS_EXECUTOR, LAUNCH_RESULT)
+"""The Flower internals this executor uses (:mod:`fl_app.patches.warm_superexec` installs it through the seam)."""
+Executor = Any
+"""Flower's ``flwr.supercore.superexec.executor.Executor`` protocol (get_eligible_capacity, wait_for_capacity,
+launch, reconcile, close)."""
+ExecutionSpec = Any
+"""Flower's ``flwr.supercore.superexec.executor.ExecutionSpec``: a dataclass of one task's launch arguments."""
+LaunchResult = Any
 PARENT_MODULE = "fl_app.patches.warm_parent"
 STOP_GRACE_S = 15.0
 
@@ -105,7 +116,7 @@ class WarmExecutor:
         """``options``: :mod:`fl_app.patches.warm_parent`'s command-line options (``--app``, ``--message-timeout``,
         ``--target``). ``fallback``: Flower's own executor unless given."""
         self.options = list(options)
-        self.fallback: Executor = fallback if fallback is not None else SubprocessExecutor()
+        self.fallback: Executor = fallback if fallback is not None else seam.get(SUBPROCESS_EXECUTOR)()
         self.pending: dict[int, ExecutionSpec] = {}
         """Tasks sent to the parent that it has not forked yet."""
         self.outcomes: dict[int, str] = {}
@@ -118,8 +129,8 @@ class WarmExecutor:
         self.parent: ParentProcess | None = ParentProcess(self.options)
 
     def get_eligible_capacity(
-        self, supported_task_types: set[TaskType], *, insecure: bool = False, root_certificates_path: str | None = None
-    ) -> tuple[set[TaskType], set[str]]:
+        self, supported_task_types: set[Any], *, insecure: bool = False, root_certificates_path: str | None = None
+    ) -> tuple[set[Any], set[str]]:
         """Like Flower's subprocess executor: every task type, no wait."""
         return self.fallback.get_eligible_capacity(
             supported_task_types, insecure=insecure, root_certificates_path=root_certificates_path
@@ -127,7 +138,7 @@ class WarmExecutor:
 
     def wait_for_capacity(
         self,
-        task_type: TaskType | None = None,
+        task_type: Any = None,
         *,
         fab_hash: str | None = None,
         insecure: bool = False,
@@ -139,7 +150,7 @@ class WarmExecutor:
 
     def launch(self, spec: ExecutionSpec) -> LaunchResult:
         """A ClientApp task to the warm parent (it forks at once once ready); others to Flower's executor."""
-        if spec.task_type != TaskType.CLIENT_APP or self.given_up:
+        if spec.task_type != seam.get(TASK_TYPE).CLIENT_APP or self.given_up:
             return self.fallback.launch(spec)
         self.reconcile()  # a parent that died is replaced before the task is written
         if self.given_up or self.parent is None:
@@ -147,7 +158,7 @@ class WarmExecutor:
         self.pending[spec.task_id] = spec
         if not self.parent.send(spec):
             self.reconcile()
-        return LaunchResult.accepted()
+        return seam.get(LAUNCH_RESULT).accepted()
 
     def reconcile(self) -> None:
         """Read the parent's events into the log; replace a parent that died (or give up on one that never
@@ -208,12 +219,6 @@ class WarmExecutor:
             )
             if event["problem"]:
                 log(WARNING, "[alignfl] the warm ClientApp parent cannot fork: %s", event["problem"])
-            if event["pulls_problem"]:
-                log(
-                    WARNING,
-                    "[alignfl] ClientApp processes retry object pulls after Flower's 1 s: %s",
-                    event["pulls_problem"],
-                )
             return
         task = event["task_id"]
         if kind == "started":

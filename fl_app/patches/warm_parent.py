@@ -57,11 +57,15 @@ from importlib.metadata import packages_distributions
 from pathlib import Path
 from typing import Any
 
+from fl_app.patches import seam
 from fl_app.patches.object_pulls import retry_object_pulls_sooner
 
 DEFAULT_APP = "fl_app.client_app"
-RUNNER = "flwr.supernode.runtime.run_clientapp"
+RUNNER = "flwr.supernode.runtime.run_clientapp.run_clientapp"
 """Flower's ClientApp runner: what ``flwr-clientapp`` calls, imported by the parent before any fork."""
+CERTIFICATES = "flwr.supercore.tls.validate_and_resolve_root_certificates"
+NEEDS = (RUNNER, CERTIFICATES)
+"""The Flower internals the parent's children run (:mod:`fl_app.patches.warm_superexec` checks them)."""
 STOP_GRACE_S = 10.0
 POLL_S = 0.1
 PR_SET_PDEATHSIG = 1
@@ -73,14 +77,11 @@ Target = Callable[[dict[str, Any]], None]
 def run_clientapp_task(spec: dict[str, Any]) -> None:
     """What ``flwr-clientapp`` does for the task: Flower's own ClientApp runner, with the arguments Flower's
     subprocess executor would give the process (it ends with ``sys.exit``)."""
-    from flwr.supercore.tls import validate_and_resolve_root_certificates
-    from flwr.supernode.runtime.run_clientapp import run_clientapp
-
-    run_clientapp(
+    seam.get(RUNNER)(
         runtime_api_address=spec["runtime_api_address"],
         token=spec["token"],
         insecure=spec["insecure"],
-        certificates=validate_and_resolve_root_certificates(spec["root_certificates_path"], spec["insecure"]),
+        certificates=seam.get(CERTIFICATES)(spec["root_certificates_path"], spec["insecure"]),
         parent_pid=spec["parent_pid"],
         runtime_dependency_install=spec["runtime_dependency_install"],
     )
@@ -350,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     _set_parent_death_signal(signal.SIGTERM)  # the executor's process died: stop too
     started = time.monotonic()
-    importlib.import_module(RUNNER)
+    seam.get(RUNNER)  # imports Flower's runner and what it imports
     target = load_target(args.target) if args.target else run_clientapp_task
     try:
         importlib.import_module(args.app)
@@ -361,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
     forgotten = forget(project_packages(args.app))
-    pulls_problem = retry_object_pulls_sooner()  # the children inherit it
+    retry_object_pulls_sooner()  # the children inherit it (the seam warns where it cannot)
     parent = WarmParent(target, args.requests_fd, args.events_fd, args.message_timeout)
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(signum, parent.stop)
@@ -371,7 +372,6 @@ def main(argv: list[str] | None = None) -> int:
         import_s=round(time.monotonic() - started, 3),
         forgotten=sorted({name.partition(".")[0] for name in forgotten}),
         problem=fork_problem(),
-        pulls_problem=pulls_problem,
     )
     parent.serve()
     return 0

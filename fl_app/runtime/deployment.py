@@ -8,7 +8,7 @@ without the other cannot answer), and the run goes on with the other nodes. When
 the SuperLink exits the run cannot go on: the watch gives up with the command
 that continues the run from its checkpoint (``resume-from``).
 
-A SuperNode that dies is noticed through its heartbeats: Flower 1.41's SuperNode
+A SuperNode that dies is noticed through its heartbeats: Flower's SuperNode (1.41, 1.42)
 sends one every 30 s and the SuperLink marks it offline after two missed
 (``HEARTBEAT_DEFAULT_INTERVAL`` × ``HEARTBEAT_PATIENCE``, not configurable), and
 then answers the messages sent to it with an error reply, so a round that

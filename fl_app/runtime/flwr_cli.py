@@ -2,10 +2,10 @@
 SuperNodes, and the ``--run-config`` text those commands take.
 
 Every function takes the environment of the ``flwr`` commands (its ``FLWR_HOME`` names the SuperLink, see
-:func:`write_connection` and :func:`fl_app.runtime.superlink.flower_environment`), so the same calls drive a private
-local SuperLink (:mod:`fl_app.runtime.launch`), the loopback deployment (:mod:`fl_app.runtime.deployment`) and the compose one
-(:mod:`fl_app.compose_check`). ``flwr run --stream`` exits 0 even when the run failed, so a run's outcome is
-always read from ``flwr ls``.
+:func:`write_connection` and :func:`fl_app.runtime.superlink.flower_environment`), so the same calls drive a
+private local SuperLink (:mod:`fl_app.runtime.launch`), the loopback deployment (:mod:`fl_app.runtime.deployment`)
+and the compose one (``tests/compose_scenarios.py``). ``flwr run --stream`` exits 0 even when the run failed,
+so a run's outcome is always read from ``flwr ls``.
 """
 
 from __future__ import annotations
@@ -18,8 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from flwr.supercore.error import ApiErrorCode
-
+from fl_app.patches import seam
 from fl_app.runtime.common import PROJECT_ROOT
 from fl_app.runtime.processes import start_process, stop_processes
 from plugins.options import ConfigError
@@ -112,16 +111,22 @@ def online_supernodes(env: dict[str, str]) -> int:
         return 0
 
 
+API_ERROR_CODE = "flwr.supercore.error.ApiErrorCode"
+"""The error codes the flwr CLI's JSON output carries."""
+
+
 def register_supernodes(public_keys: Sequence[str], env: dict[str, str]) -> None:
     """``flwr supernode register`` each key; a key registered before (a restarted deployment) is fine."""
-    already = f"[code: {int(ApiErrorCode.PUBLIC_KEY_ALREADY_IN_USE)}]"
+    already = None
+    if seam.usable("a SuperNode key registered before (a restarted deployment) is refused", API_ERROR_CODE):
+        already = f"[code: {int(seam.get(API_ERROR_CODE).PUBLIC_KEY_ALREADY_IN_USE)}]"
     for key in public_keys:
         done = flwr_cli(["supernode", "register", key, CONNECTION, "--format", "json"], env)
         try:
             reply = json.loads(done.stdout)
         except json.JSONDecodeError:
             reply = {"error-message": done.stdout + done.stderr}
-        if not reply.get("success") and already not in reply.get("error-message", ""):
+        if not reply.get("success") and (already is None or already not in reply.get("error-message", "")):
             raise RuntimeError(f"could not register SuperNode key {key}: {reply.get('error-message', '').strip()}")
 
 

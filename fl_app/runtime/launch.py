@@ -22,6 +22,7 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -143,17 +144,43 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_on_local_superlink(config: RunConfig, args: argparse.Namespace) -> tuple[str, str]:
     """Start a private SuperLink, run the experiment on it, stop everything; the run's final status."""
-    federation = (
-        f"num-supernodes={args.num_supernodes} client-resources-num-cpus={args.num_cpus} "
-        f"client-resources-num-gpus={args.num_gpus}"
-    )
+    federation = {
+        "num-supernodes": args.num_supernodes,
+        "client-resources-num-cpus": args.num_cpus,
+        "client-resources-num-gpus": args.num_gpus,
+    }
+    return simulate_on_local_superlink(config.to_run_config(), federation, args.ray_address)
+
+
+def simulate_on_local_superlink(
+    run_config: Mapping[str, Any], federation: Mapping[str, Any], ray_address: str | None = None
+) -> tuple[str, str]:
+    """Flower's simulation runtime on a private local SuperLink, what Flower recommends in place of its
+    deprecated ``run_simulation``: ``flwr run`` of the project, its log streamed here, everything stopped after.
+
+    Parameters
+    ----------
+    run_config : Mapping[str, Any]
+        The run config (``[tool.flwr.app.config]`` keys).
+    federation : Mapping[str, Any]
+        Flower's simulation config (``num-supernodes``, ``client-resources-num-cpus``,
+        ``client-resources-num-gpus``, ``init-args-num-cpus``, ``init-args-num-gpus``).
+    ray_address : str or None
+        A running Ray cluster the simulation joins (``RAY_ADDRESS``); None: a Ray of its own.
+
+    Returns
+    -------
+    tuple[str, str]
+        The run's final status (``finished:completed`` when it completed) and its details.
+    """
     flwr_home = Path(tempfile.mkdtemp(prefix="alignfl-flwr-home-"))
     env = flower_environment(flwr_home)
-    if args.ray_address:
-        env["RAY_ADDRESS"] = args.ray_address  # Flower's ray.init() joins the cluster
+    if ray_address:
+        env["RAY_ADDRESS"] = ray_address  # Flower's ray.init() joins the cluster
+    overrides = " ".join(f"{key}={value}" for key, value in federation.items())
     try:
         with local_superlink(env) as watch:
-            return submit_and_follow(config.to_run_config(), env, ["--federation-config", federation], watch)
+            return submit_and_follow(run_config, env, ["--federation-config", overrides], watch)
     finally:
         shutil.rmtree(flwr_home, ignore_errors=True)
 

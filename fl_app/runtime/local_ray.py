@@ -4,8 +4,8 @@ Each node is a ``ray start`` of its own: the head with its own temp dir, and fur
 with a custom resource that names it (``node0``, ``node1``, ...) and free ports for everything Ray listens on,
 so that other Ray instances on the same machine are left alone. ``ray start`` runs in a session of its own and
 its daemons (GCS, raylet, agents, and the workers a raylet starts later) stay in that session: each node is a
-:class:`fl_app.runtime.processes.ProcessTree`, stopped by process id (never ``ray stop``, which stops every Ray process on
-the machine), also when the block raises or a stop signal arrives.
+:class:`fl_app.runtime.processes.ProcessTree`, stopped by process id (never ``ray stop``, which stops every Ray
+process on the machine), also when the block raises or a stop signal arrives.
 """
 
 from __future__ import annotations

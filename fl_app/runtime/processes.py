@@ -2,8 +2,8 @@
 parents died), and stop all of them by process id; stop signals turned into an exception that unwinds through
 every ``finally`` that stops processes.
 
-The launcher (:mod:`fl_app.runtime.launch`), the loopback deployment (:mod:`fl_app.runtime.deployment`) and the compose check
-(:mod:`fl_app.compose_check`) start and stop everything through here:
+The launcher (:mod:`fl_app.runtime.launch`), the loopback deployment (:mod:`fl_app.runtime.deployment`) and the
+compose check (``tests/compose_scenarios.py``) start and stop everything through here:
 
     with stop_signals():
         tree = start_process(["flower-superlink", ...], env, cwd, stdout=log)

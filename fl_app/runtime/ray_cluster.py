@@ -13,8 +13,16 @@ from __future__ import annotations
 import socket
 from dataclasses import dataclass
 
+from fl_app.patches import seam
 from plugins.options import ConfigError
 
+RESOLVE = "ray._private.services.canonicalize_bootstrap_address"
+GCS_CLIENT = "ray._raylet.GcsClient"
+NODE_INFO = "ray.core.generated.gcs_pb2.GcsNodeInfo"
+UNCHECKED = (
+    "a Ray address is not checked before the run starts (Ray itself waits 30 s or more for a wrong one), nor "
+    "are the client resources checked against the cluster's nodes"
+)
 GCS_TIMEOUT_S = 5.0
 START_HINT = (
     "start a cluster with `ray start --head --port 6379` on one machine and `ray start --address "
@@ -39,10 +47,8 @@ class RayNode:
 def resolve_ray_address(address: str) -> str:
     """``host:port`` of a cluster's GCS; ``auto`` is Ray's own lookup (``RAY_ADDRESS``, then the cluster the last
     ``ray start`` on this machine started)."""
-    from ray._private.services import canonicalize_bootstrap_address
-
     try:
-        resolved = canonicalize_bootstrap_address(address)
+        resolved = seam.get(RESOLVE)(address)
     except (ConnectionError, ValueError) as error:
         raise ValueError(f"{error}") from None
     if resolved is None:
@@ -56,17 +62,15 @@ def cluster_nodes(address: str, timeout_s: float = GCS_TIMEOUT_S) -> list[RayNod
     host, _, port = address.rpartition(":")
     with socket.create_connection((host, int(port)), timeout=timeout_s):
         pass
-    from ray._raylet import GcsClient  # Ray's client of the GCS, what `ray status` uses
-    from ray.core.generated.gcs_pb2 import GcsNodeInfo
-
-    try:
-        nodes = GcsClient(address=address).get_all_node_info(timeout=timeout_s)
+    alive = seam.get(NODE_INFO).GcsNodeState.ALIVE
+    try:  # Ray's client of the GCS, what `ray status` uses
+        nodes = seam.get(GCS_CLIENT)(address=address).get_all_node_info(timeout=timeout_s)
     except Exception as error:  # Ray raises its own RpcError
         raise ConnectionError(f"its GCS did not answer: {error}") from None
     return [
         RayNode(node_id.hex(), f"{info.node_manager_address}:{info.node_manager_port}", dict(info.resources_total))
         for node_id, info in nodes.items()
-        if info.state == GcsNodeInfo.GcsNodeState.ALIVE
+        if info.state == alive
     ]
 
 
@@ -104,7 +108,10 @@ def check_client_fits(nodes: list[RayNode], num_cpus: float, num_gpus: float, op
 
 
 def attach_to_cluster(address: str, option: str, client_cpus: float, client_gpus: float) -> str:
-    """Check the cluster at ``address`` answers and can hold a client; returns its resolved ``host:port``."""
+    """Check the cluster at ``address`` answers and can hold a client; returns its resolved ``host:port`` (the
+    address unchanged where Ray's internals that check it are not there as read: the seam warns)."""
+    if not seam.usable(UNCHECKED, RESOLVE, GCS_CLIENT, NODE_INFO):
+        return address
     resolved, nodes = check_ray_address(address, option)
     check_client_fits(nodes, client_cpus, client_gpus, option)
     print(f"[alignfl] {describe_cluster(resolved, nodes)}", flush=True)

@@ -2,7 +2,7 @@
 the one-shot ``supernode-register`` service of compose.tls.yml, started as ``python -m fl_app.deploy register``
 (:func:`fl_app.runtime.topology.register_command`), or ``python -m fl_app.runtime.register``.
 
-    python -m fl_app.runtime.register --superlink superlink:9093 --root-certificates certs/ca.crt certs/supernode-0/auth.pub
+    python -m fl_app.runtime.register --superlink superlink:9093 --root-certificates certs/ca.crt certs/*/auth.pub
 """
 
 from __future__ import annotations

@@ -32,9 +32,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import hydra
-import ray
 import torch
-from flwr.simulation import run_simulation
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
@@ -47,7 +45,6 @@ from omegaconf import DictConfig, OmegaConf
 from core.config import PARTITIONER_SECTION, SECTIONS, hydra_leaf, key_of_path
 from core.data import DatasetMissingError, check_dataset_available
 from core.partitioning.partitioners import PARTITIONERS, list_partitioners
-from fl_app.client_app import build_client_app
 from fl_app.config import (
     ConfigError,
     RunConfig,
@@ -62,8 +59,8 @@ from fl_app.inprocess import run_in_process
 from fl_app.progress import start_sweep, sweep_progress
 from fl_app.results import write_json
 from fl_app.runtime.common import PROJECT_ROOT
+from fl_app.runtime.launch import simulate_on_local_superlink
 from fl_app.runtime.ray_cluster import attach_to_cluster
-from fl_app.server_app import build_server_app
 from fl_app.sweeps.slurm import register_launcher
 from fl_app.sweeps.tracking import sweep_child, sweep_store
 from models import list_models
@@ -92,14 +89,18 @@ def _none_or(check: Any) -> Any:
     return lambda value: value is None or check(value)
 
 
+def _whole(check: Any) -> Any:
+    return lambda value: check(value) and float(value).is_integer()
+
+
 @dataclass(frozen=True)
 class SimSettings:
     """How one job's simulation uses the machine (``sim.*``; not run-config keys)."""
 
     backend: str = option(
         "ray",
-        "ray: Flower's simulation engine, clients in parallel on Ray; inprocess: the same "
-        "apps in the job's process, one client at a time (no start-up cost)",
+        "ray: Flower's simulation runtime, clients in parallel on Ray (flwr run on a private local SuperLink); "
+        "inprocess: the same apps in the job's process, one client at a time (no start-up cost)",
         lambda v: v in ("ray", "inprocess"),
         "choose one of ['inprocess', 'ray']",
     )
@@ -110,10 +111,10 @@ class SimSettings:
         "must be a positive integer",
     )
     client_cpus: float = option(
-        1.0,
+        1,
         "Ray CPUs per client: at most ray_cpus / client_cpus clients train at once",
-        positive,
-        "must be a positive number",
+        _whole(positive),
+        "must be a positive whole number (Flower's simulation config takes whole CPUs per client)",
     )
     client_gpus: float = option(
         0.0,
@@ -130,8 +131,8 @@ class SimSettings:
     ray_gpus: float | None = option(
         None,
         "GPUs this job's Ray may use (null: every visible GPU)",
-        _none_or(non_negative),
-        "must be a non-negative number or null",
+        _none_or(_whole(non_negative)),
+        "must be a non-negative whole number or null (Flower's simulation config takes whole GPUs)",
     )
     ray_address: str | None = option(
         None,
@@ -193,16 +194,15 @@ class SimSettings:
         resolved = attach_to_cluster(self.ray_address, "sim.ray_address", self.client_cpus, self.client_gpus)
         return dataclasses.replace(self, ray_address=resolved)
 
-    def backend_config(self) -> dict[str, Any]:
-        """Flower's ``backend_config``: resources per client, and a cap on this job's Ray or the cluster to join."""
-        init_args = {
-            key: value
-            for key, value in (("num_cpus", self.ray_cpus), ("num_gpus", self.ray_gpus), ("address", self.ray_address))
-            if value is not None
-        }
+    def federation_config(self) -> dict[str, Any]:
+        """Flower's simulation config (``flwr run --federation-config``): the nodes, resources per client, and a
+        cap on this job's own Ray (a running cluster, ``ray_address``, is joined through ``RAY_ADDRESS``)."""
+        caps = {"init-args-num-cpus": self.ray_cpus, "init-args-num-gpus": self.ray_gpus}
         return {
-            "client_resources": {"num_cpus": self.client_cpus, "num_gpus": self.client_gpus},
-            "init_args": init_args,
+            "num-supernodes": self.num_supernodes,
+            "client-resources-num-cpus": int(self.client_cpus),
+            "client-resources-num-gpus": float(self.client_gpus),
+            **{key: int(value) for key, value in caps.items() if value is not None},
         }
 
 
@@ -353,21 +353,19 @@ class ValidateSweep(Callback):
 
 
 def simulate(config: RunConfig, sim: SimSettings) -> None:
-    """Run one simulation; everything reaches the apps through their factories. ``sim.backend=inprocess``
-    calls the same ServerApp and ClientApp in this process, one client after the other: no Ray to start and
-    data loaded once for every job of the sweep, the same metrics."""
+    """Run one simulation. ``sim.backend=ray``: Flower's simulation runtime through ``flwr run`` on a private
+    local SuperLink, as the launcher runs it (what Flower 1.42 recommends in place of its deprecated
+    ``run_simulation``). ``sim.backend=inprocess`` calls the same ServerApp and ClientApp in this process, one
+    client after the other: no Ray to start and data loaded once for every job of the sweep, the same metrics."""
     if sim.torch_threads is not None:
         torch.set_num_threads(sim.torch_threads)
     values = config.to_run_config()
     if sim.backend == "inprocess":
         run_in_process(values, sim.num_supernodes)
         return
-    run_simulation(
-        server_app=build_server_app(values),
-        client_app=build_client_app(values),
-        num_supernodes=sim.num_supernodes,
-        backend_config=sim.backend_config(),
-    )
+    status, details = simulate_on_local_superlink(values, sim.federation_config(), sim.ray_address)
+    if status != "finished:completed":
+        raise RuntimeError(f"the simulation ended {status}: {details}")
 
 
 def run_job(
@@ -398,9 +396,6 @@ def run_job(
         log.error("job in %s failed:\n%s", job_dir, traceback.format_exc())
         record["error"] = f"{type(error).__name__}: {error}"
     finally:
-        # Flower stops Ray when a simulation ends normally; after an error it may not have.
-        if ray.is_initialized():
-            ray.shutdown()
         record["job-wall-time-s"] = time.time() - started
         job_dir.mkdir(parents=True, exist_ok=True)
         write_json(job_dir / JOB_RECORD, record)
