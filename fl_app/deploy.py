@@ -34,7 +34,8 @@ from core.data import DatasetMissingError
 from fl_app import register
 from fl_app.config import ConfigError, RunConfig, path_problem
 from fl_app.deployment import deployment, resume_advice
-from fl_app.flwr_cli import parse_overrides
+from fl_app.flwr_cli import PROJECT_ROOT, parse_overrides
+from fl_app.keys import default_certs, refuse_exposed_keys
 from fl_app.launch import prepare_config, report_outcome
 from fl_app.processes import Stopped, stop_signals
 from fl_app.topology import (
@@ -44,7 +45,15 @@ from fl_app.topology import (
     add_superlink_db_option,
     loopback_topology,
     make_certificates,
+    superlink_db_problem,
 )
+
+
+def check_superlink_db(path: Path | None) -> None:
+    """Refuse a ``--superlink-db`` that is a folder, not SQLite, unusable, or in a folder that cannot hold it."""
+    problem = superlink_db_problem(path.resolve()) if path is not None else None
+    if problem is not None:
+        raise ConfigError(f"--superlink-db {str(path)!r} is not allowed: {problem}")
 
 
 def check_folder(option: str, folder: Path) -> None:
@@ -79,7 +88,10 @@ def main(argv: list[str] | None = None) -> int:
         help="TLS on every API and SuperNode authentication (keys registered before nodes start)",
     )
     parser.add_argument(
-        "--certs", type=Path, help="make_certs.sh's output folder for --tls (default: made afresh in the work folder)"
+        "--certs",
+        type=Path,
+        help=f"make_certs.sh's folder for --tls, missing files made there (default {default_certs()}, outside the "
+        "checkout)",
     )
     add_node_options(parser)
     add_superlink_db_option(parser)
@@ -110,13 +122,11 @@ def prepare(args: argparse.Namespace) -> RunConfig:
     """Check the options and the run config before anything starts."""
     if args.certs is not None and not args.tls:
         raise ValueError("--certs is only used with --tls")
-    for option, folder in (
-        ("--work-dir", args.work_dir),
-        ("--certs", args.certs),
-        ("--superlink-db", args.superlink_db.parent if args.superlink_db else None),
-    ):
+    for option, folder in (("--work-dir", args.work_dir), ("--certs", args.certs)):
         if folder is not None:
             check_folder(option, folder.resolve())
+    check_superlink_db(args.superlink_db)
+    refuse_exposed_keys(PROJECT_ROOT, (args.certs or default_certs()) if args.tls else None)
     if args.rounds is not None and args.rounds < 1:  # named as the user wrote it, not as num-server-rounds
         raise ConfigError(f"--rounds must be at least 1, got {args.rounds}")
     overrides = parse_overrides(args.run_config)
@@ -131,7 +141,7 @@ def deploy_and_run(config: RunConfig, args: argparse.Namespace) -> int:
     work.mkdir(parents=True, exist_ok=True)
     certs = None
     if args.tls:
-        certs = make_certificates((args.certs or work / "certs").resolve(), args.num_supernodes)
+        certs = make_certificates((args.certs or default_certs()).resolve(), args.num_supernodes)
     print(
         f"[alignfl] deployment on 127.0.0.1: {args.num_supernodes} SuperNodes, "
         f"{'TLS + SuperNode authentication' if args.tls else 'plaintext'}, {args.executor} ClientApp executor, "
