@@ -3,10 +3,12 @@
 ``python -m fl_app.deploy`` starts every service on one machine. Across machines it takes a role:
 
     # the SuperLink's machine: SuperLink, the ServerApp's executor, TLS for the names the nodes dial,
-    # every node's key registered; runs one experiment once the nodes are online (or --serve)
-    python -m fl_app.deploy superlink --address 10.0.0.1 --num-supernodes 2 --tls --certs certs --rounds 5
-    # each node machine, with a copy of certs/ca.crt and its certs/supernode-<i>/
-    python -m fl_app.deploy supernodes --superlink 10.0.0.1:9093 --nodes 1 --num-supernodes 2 --tls --certs certs
+    # every node's key registered (in ~/.local/state/alignfl/certs); listens on 10.0.0.1 only; runs one
+    # experiment once the nodes are online (or --serve)
+    python -m fl_app.deploy superlink --address 10.0.0.1 --num-supernodes 2 --tls --rounds 5
+    # each node machine, with a copy of that folder's ca.crt and supernode-<i>/ in ~/alignfl-certs
+    python -m fl_app.deploy supernodes --superlink 10.0.0.1:9093 --nodes 1 --num-supernodes 2 --tls \
+        --certs ~/alignfl-certs
 
 The SuperLink side listens only where it is told: on ``--host``, else on the one address of this machine that
 ``--address`` names (127.0.0.1 without ``--address``), never on every interface unless ``--host 0.0.0.0`` says so
