@@ -65,7 +65,7 @@ from torch import Tensor
 
 from core.alignment import weighted_average
 from models.permutation import AxisRef, PermutationSpec, unit_view
-from plugins.options import check_fields, option, positive
+from plugins.options import check_fields, choice, option, positive
 
 StateDict = Mapping[str, Tensor]
 GROUND_METRICS = ("euclidean", "cosine")
@@ -85,25 +85,22 @@ class OTSettings:
 
     exact: bool = option(True, "exact OT (POT's emd; a permutation between equal widths); false: Sinkhorn")
     reg: float = option(0.01, "Sinkhorn's entropic regularisation (when not exact)", positive, "must be > 0")
-    ground_metric: str = option(
+    ground_metric: str = choice(
         "euclidean",
         "cost between two units' aligned incoming weights",
-        lambda v: v in GROUND_METRICS,
-        f"choose one of {list(GROUND_METRICS)}",
+        GROUND_METRICS,
     )
     squared: bool = option(False, "square the euclidean cost (the authors' recipe: not squared)")
-    normalize_cost: str = option(
+    normalize_cost: str = choice(
         "none",
         "normalise the cost matrix: none, log (log1p), or divide by its max, median or mean",
-        lambda v: v in COST_NORMALISATIONS,
-        f"choose one of {list(COST_NORMALISATIONS)}",
+        COST_NORMALISATIONS,
     )
     normalize_weights: bool = option(True, "compare units' weight vectors scaled to unit norm")
-    marginals: str = option(
+    marginals: str = choice(
         "uniform",
         "mass of a unit: uniform, or its importance (l1 or l2 norm of its incoming weights)",
-        lambda v: v in MARGINALS,
-        f"choose one of {list(MARGINALS)}",
+        MARGINALS,
     )
     correction: bool = option(True, "divide the map by its column sums: each reference unit a mean of units")
     past_correction: bool = option(True, "fused layers take their inputs through the previous layer's map")

@@ -35,7 +35,7 @@ from core.nodes import NodeDirectory
 from core.ot_fusion import OTSettings, align_onto, ot_fuse
 from core.strategy import Reply, RunContext, ServerStrategy
 from core.widths import ClientWidths, first_units, mixed_widths
-from plugins.options import ConfigError, option, option_from, source_settings
+from plugins.options import ConfigError, choice, option_from, source_settings
 from strategies.base import LocalUpdate
 from strategies.matched import permutation_spec
 from strategies.registry import STRATEGIES, Algorithm
@@ -55,12 +55,11 @@ class OTFusionSettings:
     otfusion_correction: bool = option_from(OTSettings, "correction")
     otfusion_past_correction: bool = option_from(OTSettings, "past_correction")
     otfusion_split_outgoing: bool = option_from(OTSettings, "split_outgoing")
-    otfusion_downsize: str = option(
+    otfusion_downsize: str = choice(
         "ot",
         "how a narrower client gets the global model: ot (fused onto the global model's first units) or slice "
         "(HeteroFL's first units)",
-        lambda v: v in DOWNSIZE,
-        f"choose one of {list(DOWNSIZE)}",
+        DOWNSIZE,
     )
 
     def transport(self) -> OTSettings:

@@ -188,8 +188,8 @@ def test_bad_values_are_refused_with_key_and_allowed(values, key, value, fragmen
     assert f"'{key}'" in message and repr(value) in message and fragment in message
 
 
-FORM_KEYS = {"results-dir", "resume-from", "data-root", "mlflow-uri", "device"}
-"""The string keys whose refusals describe a form (a path, a URI, ``cuda:<index>``) rather than list names."""
+FORM_KEYS = {"results-dir", "resume-from", "data-root", "mlflow-uri", "device", "client-widths"}
+"""The string keys whose refusals describe a form (a path, a URI, ``cuda:<index>``, a list of numbers) rather than list names."""
 
 
 def declared_choices(key: str) -> list[str] | None:

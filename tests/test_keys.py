@@ -1,5 +1,5 @@
 """Private keys stay out of git: make_certs.sh's default folder is outside the checkout, keys are mode 0600, a
-folder git would commit is refused, and :func:`fl_app.keys.exposed_private_keys` finds keys git would commit."""
+folder git would commit is refused, and :func:`fl_app.runtime.keys.exposed_private_keys` finds keys git would commit."""
 
 import os
 import stat
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from fl_app.keys import default_certs, exposed_private_keys, refuse_exposed_keys
+from fl_app.runtime.keys import default_certs, exposed_private_keys, refuse_exposed_keys
 from plugins.options import ConfigError
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
