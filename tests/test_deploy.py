@@ -9,7 +9,6 @@ import re
 import shlex
 import signal
 import sqlite3
-import stat
 import subprocess
 import time
 import tomllib
@@ -36,7 +35,6 @@ from fl_app.runtime import topology as topology_module
 from fl_app.runtime.common import PROJECT_ROOT, free_port
 from fl_app.runtime.deployment import Deployment, deployment, partner_of, resume_command
 from fl_app.runtime.flwr_cli import online_supernodes, parse_overrides
-from fl_app.runtime.keys import exposed_private_keys
 from fl_app.runtime.launch import prepare_config, report_outcome
 from fl_app.runtime.superlink import trust, wait_until
 from fl_app.runtime.topology import (
@@ -216,39 +214,6 @@ def test_deploy_takes_a_new_path_or_an_sqlite_file_for_the_superlinks_state(tmp_
     assert topology_module.superlink_db_problem(tmp_path / "empty.db") is None
     sqlite3.connect(tmp_path / "kept.db").execute("create table t (x)").connection.commit()
     assert topology_module.superlink_db_problem(tmp_path / "kept.db") is None
-
-
-def test_deploy_refuses_private_keys_that_git_would_commit_naming_them(exposed_key_repo, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(deploy, "deployment", None)  # starting one would fail loudly
-    argv = ["--num-supernodes", "1", "--run-config", 'dataset="digits"', "--work-dir", str(tmp_path / "work")]
-    monkeypatch.setattr(deploy, "PROJECT_ROOT", exposed_key_repo)  # a checkout with a key in it
-    assert deploy.main(argv) == 2
-    err = capsys.readouterr().err
-    assert f"private keys inside a git work tree that does not ignore them: {exposed_key_repo}/keys/auth" in err
-    assert "ca.key" not in err and not (tmp_path / "work").exists()
-    monkeypatch.setattr(deploy, "PROJECT_ROOT", PROJECT_ROOT)
-    assert deploy.main([*argv, "--tls", "--certs", str(exposed_key_repo / "keys")]) == 2  # --certs in a work tree
-    assert f"{exposed_key_repo}/keys/auth" in capsys.readouterr().err
-
-
-def test_deploys_keys_go_outside_the_checkout_by_default(tmp_path, monkeypatch, capsys):
-    """deploy.sh --tls's certificate step with its defaults, in a temporary HOME: keys land in
-    ~/.local/state/alignfl/certs, mode 0600, and nothing in the checkout holds a key git would commit."""
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    monkeypatch.delenv("XDG_STATE_HOME", raising=False)
-    before = exposed_private_keys(PROJECT_ROOT)
-
-    def not_started(topology, work):
-        raise RuntimeError(f"not started in this test; keys in {topology.certificates.folder}")
-
-    monkeypatch.setattr(deploy, "deployment", not_started)
-    argv = ["--tls", "--num-supernodes", "2", "--run-config", 'dataset="digits"', "--work-dir", str(tmp_path / "w")]
-    assert deploy.main(argv) == 1
-    folder = tmp_path / "home" / ".local" / "state" / "alignfl" / "certs"
-    assert f"keys in {folder}" in capsys.readouterr().err
-    for key in ("ca.key", "superlink.key", "supernode-1/auth", "supernode-1/runtime.key"):
-        assert stat.S_IMODE((folder / key).stat().st_mode) == 0o600, key
-    assert not list((tmp_path / "w").glob("**/*.key")) and exposed_private_keys(PROJECT_ROOT) == before
 
 
 def test_resume_command_continues_the_same_run(tmp_path):
