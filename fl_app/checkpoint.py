@@ -114,10 +114,11 @@ def load_checkpoint(folder: Path) -> Checkpoint:
         )
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:  # a truncated or foreign file
+    except Exception as error:  # a truncated or foreign file; torch's first line says which
+        first = next((line.strip() for line in str(error).splitlines() if line.strip()), "")
         raise ConfigError(
             f"run-config key 'resume-from' = {str(folder)!r}: {CHECKPOINT} cannot be read "
-            f"({type(error).__name__}: {error})"
+            f"({type(error).__name__}: {first})"
         ) from None
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise ConfigError(

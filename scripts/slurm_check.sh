@@ -11,8 +11,9 @@
 #   4. a second sweep of which one job is cancelled with scancel while it RUNS (its log written) and one while it is
 #      PENDING (where one is): SLURM's state of the running one is CANCELLED, the report names both as cancelled,
 #      with their SLURM job ids and logs, and the others complete and count
-#   5. one job with sim.backend=ray: Ray starts inside the SLURM job on the compute node (its log says so), the job
-#      COMPLETES, and Ray's processes end with it (its temp folder is named, and checked in step 6)
+#   5. one job with sim.backend=ray: Ray starts inside the SLURM job on the compute node (the job's log shows
+#      Flower's Ray backend starting and stopping, and a Ray session appears in the temp folder the job was given),
+#      the job COMPLETES, and Ray's processes end with it (that temp folder is checked in step 6)
 #   6. nothing left behind: no SLURM job, no daemon, no process of the jobs (Ray's included), no spool or state
 #      file
 # Prints a report (steps, wall times, PASS/FAIL) and exits non-zero on any failure.
@@ -270,24 +271,31 @@ nice -n "$NICE" env RAY_TMPDIR="$RAY_TMP" "$PY" -m fl_app.sweep -m hydra/launche
   "sim.num_supernodes=$CLIENTS" "train.num_server_rounds=$ROUNDS" sim.backend=ray sim.ray_cpus=$(( CPUS < 2 ? CPUS : 2 )) \
   seed=0 "hydra.sweep.dir=$WORK/sweep-ray" > "$WORK/log/sweep-ray.log" 2>&1
 code=$?
-check=$("$PY" - "$WORK" <<'PY'
+check=$("$PY" - "$WORK" "$RAY_TMP" <<'PY'
 import json, sys
 from pathlib import Path
-work = Path(sys.argv[1])
+work, ray_tmp = Path(sys.argv[1]), Path(sys.argv[2])
 problems = []
 jobs = json.loads((work / "sweep-ray" / "slurm-jobs.json").read_text())
 states = [job["state"] for job in jobs]
 if states != ["COMPLETED"]:
     problems.append(f"SLURM states {states}")
-logs = "".join(Path(job[name]).read_text() for job in jobs for name in ("stdout", "stderr") if Path(job[name]).exists())
-if "Started a local Ray instance" not in logs:
-    problems.append("the job's log does not show Ray starting on the compute node")
+# Ray's own "Started a local Ray instance" goes to a logger the job's Hydra logging leaves silent; Flower's backend
+# logs its start and end into the job's log, and Ray makes its session in the job's RAY_TMPDIR (sbatch exports it).
+job_logs = "".join(log.read_text() for log in (work / "sweep-ray").glob("**/sweep.log"))
+for line in ("Initialising: RayBackend", "Terminated RayBackend"):
+    if line not in job_logs:
+        problems.append(f"the job's log lacks Flower's {line!r}")
+sessions = sorted((ray_tmp / "ray").glob("session_2*"))
+if not any((session / "logs" / "gcs_server.out").exists() for session in sessions):
+    problems.append(f"no Ray session (its gcs_server log) in the job's RAY_TMPDIR {ray_tmp}/ray")
 summaries = list((work / "sweep-ray").glob("**/summary.json"))
 if len(summaries) != 1:
     problems.append(f"{len(summaries)} run summaries")
 print("; ".join(problems) if problems else
-      f"SLURM job {jobs[0]['slurm_job_id']} COMPLETED with Ray started in it ('Started a local Ray instance' in its "
-      f"log); final accuracy {json.loads(summaries[0].read_text())['final-accuracy']:.4f}")
+      f"SLURM job {jobs[0]['slurm_job_id']} COMPLETED with Ray started in it (Flower's RayBackend started and "
+      f"stopped in its log; Ray session {sessions[-1].name} in {ray_tmp}/ray); final accuracy "
+      f"{json.loads(summaries[0].read_text())['final-accuracy']:.4f}")
 sys.exit(1 if problems else 0)
 PY
 )

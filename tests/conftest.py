@@ -50,3 +50,20 @@ def private_partition_cache(tmp_path, monkeypatch):
     folder = tmp_path / "partitions"
     monkeypatch.setattr(partitions, "PARTITION_CACHE_DIR", str(folder))
     return folder
+
+
+@pytest.fixture
+def exposed_key_repo(tmp_path):
+    """A git work tree holding a private key its ignore rules do not cover (``keys/auth``), and one they do
+    (``certs/ca.key``): a checkout after ``make_certs.sh`` into a folder of its own."""
+    import subprocess
+
+    repo = tmp_path / "checkout"
+    (repo / "keys").mkdir(parents=True)
+    (repo / "certs").mkdir()
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    (repo / ".gitignore").write_text("certs/\n")
+    key = "-----BEGIN OPENSSH PRIVATE KEY-----\nAAAA\n-----END OPENSSH PRIVATE KEY-----\n"
+    (repo / "keys" / "auth").write_text(key)
+    (repo / "certs" / "ca.key").write_text(key.replace("OPENSSH ", ""))
+    return repo

@@ -8,6 +8,7 @@ import os
 import re
 import shlex
 import signal
+import sqlite3
 import subprocess
 import time
 import tomllib
@@ -30,6 +31,7 @@ from fl_app.config import parse_run_config
 from fl_app.provenance import checkout_commit
 from fl_app.runtime import deploy
 from fl_app.runtime import deployment as deployment_module
+from fl_app.runtime import topology as topology_module
 from fl_app.runtime.common import PROJECT_ROOT, free_port
 from fl_app.runtime.deployment import Deployment, deployment, partner_of, resume_command
 from fl_app.runtime.flwr_cli import online_supernodes, parse_overrides
@@ -179,6 +181,9 @@ def test_make_certs_signs_the_superlink_for_its_names_and_makes_flower_readable_
         (["--certs", "/tmp"], "--certs is only used with --tls"),
         (["--run-config", 'dataset="digits" lr=-1'], "lr"),
         (["--num-supernodes", "2", "--run-config", 'dataset="digits" min-available-nodes=3'], "min-available-nodes"),
+        (["--superlink-db", "/tmp"], "--superlink-db '/tmp' is not allowed: it is a folder"),
+        (["--superlink-db", __file__], "it is not an SQLite database"),
+        (["--superlink-db", "/proc/alignfl/state.db"], "its folder cannot hold a new file"),
     ],
 )
 def test_deploy_refuses_bad_input_before_starting_anything(argv, message, capsys, tmp_path):
@@ -201,6 +206,14 @@ def test_deploy_refuses_unwritable_folders_naming_them(argv, message, capsys, mo
     assert deploy.main(["--num-supernodes", "2", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_deploy_takes_a_new_path_or_an_sqlite_file_for_the_superlinks_state(tmp_path):
+    assert topology_module.superlink_db_problem(tmp_path / "new.db") is None
+    (tmp_path / "empty.db").touch()  # SQLite makes a database in an empty file
+    assert topology_module.superlink_db_problem(tmp_path / "empty.db") is None
+    sqlite3.connect(tmp_path / "kept.db").execute("create table t (x)").connection.commit()
+    assert topology_module.superlink_db_problem(tmp_path / "kept.db") is None
 
 
 def test_resume_command_continues_the_same_run(tmp_path):

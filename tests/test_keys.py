@@ -1,5 +1,5 @@
 """Private keys stay out of git: make_certs.sh's default folder is outside the checkout, keys are mode 0600, a
-folder git would commit is refused, and :func:`fl_app.keys.exposed_private_keys` finds keys git would commit."""
+folder git would commit is refused, and :func:`fl_app.runtime.keys.exposed_private_keys` finds keys git would commit."""
 
 import os
 import stat
@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from fl_app.keys import default_certs, exposed_private_keys, refuse_exposed_keys
+from fl_app.runtime import deploy
+from fl_app.runtime.keys import default_certs, exposed_private_keys, refuse_exposed_keys
 from plugins.options import ConfigError
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -99,3 +100,36 @@ def test_keys_that_git_would_commit_are_found_and_refused_naming_them(tmp_path):
         refuse_exposed_keys(tmp_path / "made", repo / "untracked", None)
     assert str(repo / "untracked" / "auth") in str(refused.value) and "tracked.pem" not in str(refused.value)
     refuse_exposed_keys(repo / "ignored", tmp_path / "made")
+
+
+def test_deploy_refuses_private_keys_that_git_would_commit_naming_them(exposed_key_repo, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(deploy, "deployment", None)  # starting one would fail loudly
+    argv = ["--num-supernodes", "1", "--run-config", 'dataset="digits"', "--work-dir", str(tmp_path / "work")]
+    monkeypatch.setattr(deploy, "PROJECT_ROOT", exposed_key_repo)  # a checkout with a key in it
+    assert deploy.main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"private keys inside a git work tree that does not ignore them: {exposed_key_repo}/keys/auth" in err
+    assert "ca.key" not in err and not (tmp_path / "work").exists()
+    monkeypatch.setattr(deploy, "PROJECT_ROOT", PROJECT_ROOT)
+    assert deploy.main([*argv, "--tls", "--certs", str(exposed_key_repo / "keys")]) == 2  # --certs in a work tree
+    assert f"{exposed_key_repo}/keys/auth" in capsys.readouterr().err
+
+
+def test_deploys_keys_go_outside_the_checkout_by_default(tmp_path, monkeypatch, capsys):
+    """deploy.sh --tls's certificate step with its defaults, in a temporary HOME: keys land in
+    ~/.local/state/alignfl/certs, mode 0600, and nothing in the checkout holds a key git would commit."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("XDG_STATE_HOME", raising=False)
+    before = exposed_private_keys(PROJECT_ROOT)
+
+    def not_started(topology, work):
+        raise RuntimeError(f"not started in this test; keys in {topology.certificates.folder}")
+
+    monkeypatch.setattr(deploy, "deployment", not_started)
+    argv = ["--tls", "--num-supernodes", "2", "--run-config", 'dataset="digits"', "--work-dir", str(tmp_path / "w")]
+    assert deploy.main(argv) == 1
+    folder = tmp_path / "home" / ".local" / "state" / "alignfl" / "certs"
+    assert f"keys in {folder}" in capsys.readouterr().err
+    for key in ("ca.key", "superlink.key", "supernode-1/auth", "supernode-1/runtime.key"):
+        assert stat.S_IMODE((folder / key).stat().st_mode) == 0o600, key
+    assert not list((tmp_path / "w").glob("**/*.key")) and exposed_private_keys(PROJECT_ROOT) == before

@@ -348,3 +348,12 @@ def flwr_home(pid: int) -> str | None:
     except OSError:
         return None
     return next((v.decode().split("=", 1)[1] for v in variables if v.startswith(b"FLWR_HOME=")), None)
+
+
+def test_the_launcher_refuses_private_keys_that_git_would_commit_naming_them(exposed_key_repo, monkeypatch, capsys):
+    monkeypatch.setattr(launch, "local_superlink", None)  # starting one would fail loudly
+    monkeypatch.setattr(launch, "PROJECT_ROOT", exposed_key_repo)
+    assert launch.main(["--num-supernodes", "1", "--run-config", 'dataset="digits"']) == 2
+    err = capsys.readouterr().err
+    assert "refused before starting: private keys inside a git work tree that does not ignore them: " in err
+    assert f"{exposed_key_repo}/keys/auth" in err and "ca.key" not in err and "Traceback" not in err

@@ -11,16 +11,14 @@ import pytest
 
 from fl_app.runtime import deploy, roles
 from fl_app.runtime.common import free_port
+from fl_app.runtime.reach import Unreachable, listen_host, tls_problem, wait_for_superlink
 from fl_app.runtime.roles import (
     RefusedKeys,
-    Unreachable,
     certificate_names,
     parser_for,
     subject_names,
     superlink_certificates,
     supernodes_topology,
-    tls_problem,
-    wait_for_tls,
 )
 from fl_app.runtime.topology import make_certificates
 
@@ -72,7 +70,44 @@ def test_a_node_checks_the_superlinks_certificate_and_reach_before_starting(tmp_
     closed = free_port()
     with pytest.raises(Unreachable, match="cannot be reached"):
         tls_problem(f"127.0.0.1:{closed}", str(certs / "ca.crt"), timeout_s=2.0)
-    assert "cannot be reached" in wait_for_tls(f"127.0.0.1:{closed}", str(certs / "ca.crt"), timeout_s=1.0)
+    assert "cannot be reached" in wait_for_superlink(f"127.0.0.1:{closed}", str(certs / "ca.crt"), timeout_s=1.0)
+
+
+def test_a_plaintext_node_machine_says_on_the_console_while_its_superlink_does_not_answer(tmp_path, capsys):
+    closed = free_port()
+    argv = ["supernodes", "--superlink", f"127.0.0.1:{closed}", "--nodes", "0", "--num-supernodes", "1"]
+    assert deploy.main([*argv, "--superlink-wait", "2", "--work-dir", str(tmp_path / "work")]) == 1
+    err = capsys.readouterr().err
+    assert f"the SuperLink at 127.0.0.1:{closed} cannot be reached" in err
+    assert "trying again every 1 s for up to 2 s (--superlink-wait)" in err
+    assert "SuperNodes not started" in err and "(tried for 2 s)" in err
+    port = free_port()
+    late: list[socket.socket] = []  # a SuperLink that starts later, kept open until the end of the test
+    threading.Timer(1.5, lambda: late.append(socket.create_server(("127.0.0.1", port)))).start()
+    assert wait_for_superlink(f"127.0.0.1:{port}", None, timeout_s=30.0) is None
+    captured = capsys.readouterr()
+    assert "cannot be reached" in captured.err and f"the SuperLink at 127.0.0.1:{port} answers" in captured.out
+    late[0].close()
+
+
+def test_the_superlink_listens_where_it_is_told_never_everywhere_unless_asked_by_name():
+    assert listen_host(None, []) == "127.0.0.1"  # no address the nodes dial: this machine only
+    assert listen_host(None, ["127.0.0.1", "localhost"]) == "127.0.0.1"  # a name with A and AAAA: its IPv4
+    assert listen_host("0.0.0.0", ["10.0.0.1"]) == "0.0.0.0"  # asked for by name
+    assert listen_host("10.0.0.1", []) == "10.0.0.1"
+    with pytest.raises(ValueError, match=r"none is an address of this machine.*give --host"):
+        listen_host(None, ["192.0.2.1"])  # TEST-NET-1: no machine's own address
+    parsed = parser_for("superlink").parse_args(["--num-supernodes", "1"])
+    assert parsed.host is None
+
+
+def test_a_plaintext_superlink_on_every_interface_is_warned_about(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(roles, "run_superlink_side", lambda args, config, work: 0)  # nothing starts
+    base = ["superlink", "--num-supernodes", "1", "--serve", "--work-dir", str(tmp_path / "work")]
+    assert deploy.main([*base, "--host", "0.0.0.0"]) == 0
+    assert "warning: a plaintext SuperLink on every interface (0.0.0.0)" in capsys.readouterr().err
+    assert deploy.main(base) == 0
+    assert "warning" not in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -98,6 +133,18 @@ def test_a_node_checks_the_superlinks_certificate_and_reach_before_starting(tmp_
         (["superlink", "--num-supernodes", "2", "--serve", "--rounds", "3"], "--serve runs no experiment"),
         (["superlink", "--num-supernodes", "0"], "--num-supernodes must be at least 1"),
         (["superlink", "--num-supernodes", "2", "--port", "70000"], "--port 70000 is not allowed"),
+        (
+            ["superlink", "--num-supernodes", "2", "--address", "192.0.2.1"],
+            "none is an address of this machine",
+        ),
+        (
+            ["superlink", "--num-supernodes", "2", "--superlink-db", "/tmp"],
+            "--superlink-db '/tmp' is not allowed: it is a folder",
+        ),
+        (
+            ["superlink", "--num-supernodes", "2", "--superlink-db", __file__],
+            "it is not an SQLite database",
+        ),
     ],
 )
 def test_roles_refuse_bad_options_before_starting_anything(argv, message, tmp_path, capsys):
@@ -178,3 +225,15 @@ def test_a_node_whose_key_is_not_registered_yet_is_started_again_until_the_wait_
     err = capsys.readouterr().err
     assert err.count("gave up (--superlink-wait)") == 1
     assert f"Register {tmp_path}/supernode-0/auth.pub on the SuperLink's machine" in err
+
+
+def test_the_roles_refuse_private_keys_that_git_would_commit_naming_them(exposed_key_repo, tmp_path, capsys):
+    keys = exposed_key_repo / "keys"
+    for argv in (
+        ["superlink", "--num-supernodes", "1", "--tls", "--address", "127.0.0.1", "--certs", str(keys)],
+        ["supernodes", "--superlink", "127.0.0.1:9093", "--nodes", "0", "--num-supernodes", "1", "--tls"]
+        + ["--certs", str(keys)],
+    ):
+        assert deploy.main([*argv, "--work-dir", str(tmp_path / "work")]) == 2
+        assert f"private keys inside a git work tree that does not ignore them: {keys}/auth" in capsys.readouterr().err
+        assert not (tmp_path / "work").exists()

@@ -42,7 +42,8 @@ def test_job_resources():
 
 def test_the_report_names_each_job_slurm_ended_and_counts_the_others(tmp_path):
     """Seed 0 completed; seed 1 was cancelled while it ran (its folder has no job.json); seed 2 was cancelled
-    before it started (no folder at all): both are failed, named with their SLURM id, state and log."""
+    before it started (no folder at all), seed 3 while it ran but before it made its folder (a log, no folder):
+    all are failed, named with their SLURM id, state and log."""
     for seed in (0, 1):
         _fake_job(
             tmp_path / f"seed={seed}", ["pan.mode=mul", f"seed={seed}"], "completed" if seed == 0 else None, 0.6, 0.7
@@ -59,18 +60,21 @@ def test_the_report_names_each_job_slurm_ended_and_counts_the_others(tmp_path):
                 str(logs / f"7_{n}" / f"7_{n}_0_log.out"),
                 str(logs / f"7_{n}" / f"7_{n}_0_log.err"),
             )
-            for n, state in ((0, "COMPLETED"), (1, "CANCELLED"), (2, "CANCELLED"))
+            for n, state in ((0, "COMPLETED"), (1, "CANCELLED"), (2, "CANCELLED"), (3, "CANCELLED"))
         ],
     )
-    assert [job.state for job in read_jobs_record(tmp_path)] == ["COMPLETED", "CANCELLED", "CANCELLED"]
+    (logs / "7_3").mkdir(parents=True)
+    (logs / "7_3" / "7_3_0_log.out").write_text("srun: got SIGCONT\n")
+    assert [job.state for job in read_jobs_record(tmp_path)] == ["COMPLETED", "CANCELLED", "CANCELLED", "CANCELLED"]
     report = sweep_report.write_report(tmp_path)
     with report.csv_path.open() as stream:
         (row,) = list(csv.DictReader(stream))
-    assert (row["seeds"], row["failed"], float(row["final-accuracy-mean"])) == ("1", "2", 0.6)
+    assert (row["seeds"], row["failed"], float(row["final-accuracy-mean"])) == ("1", "3", 0.6)
     failed = [line for line in report.markdown_path.read_text().splitlines() if line.startswith("- ")]
-    assert len(failed) == 2
+    assert len(failed) == 3
     assert f"SLURM job 7_1 CANCELLED, log {logs}/7_1/7_1_0_log.err: no job.json" in failed[0]
     assert f"SLURM job 7_2 CANCELLED before it started, log {logs}/7_2/7_2_0_log.err" in failed[1]
+    assert f"SLURM job 7_3 CANCELLED while it ran, before it made its folder, log {logs}/7_3/7_3_0_log.err" in failed[2]
 
 
 def test_a_sweep_that_ran_elsewhere_has_no_slurm_record(tmp_path):

@@ -16,6 +16,7 @@ from omegaconf import open_dict
 from core.config import RESULTS_ENV, default_results_root
 from fl_app.config import ConfigError, default_run_config, parse_run_config
 from fl_app.sweeps import report as sweep_report
+from fl_app.sweeps.slurm import slurm_problem
 from fl_app.sweeps.sweep import (
     GROUPS,
     JOB_RECORD,
@@ -176,6 +177,73 @@ def test_every_job_of_a_sweep_is_validated_before_it_runs(sweep_override, key, v
         with open_dict(cfg):
             cfg.hydra.overrides.task = [*TINY, "pan.a=0,0.1", "strategy=fedavg,fedprox", "seed=0,1"]
         assert validate_sweep(cfg) == 8
+
+
+def test_a_sweep_job_resuming_an_unreadable_checkpoint_is_refused_before_any_job(tmp_path):
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "checkpoint.pt").write_text("not a checkpoint")
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("config", overrides=TINY, return_hydra_config=True)
+        with open_dict(cfg):
+            cfg.hydra.overrides.task = [*TINY, f"resume_from={tmp_path / 'old'}", "seed=0"]
+        with pytest.raises(ConfigError, match=r"sweep job .*resume-from.*checkpoint.pt cannot be read"):
+            validate_sweep(cfg)
+
+
+def fake_slurm(folder: Path, ping: str, code: int) -> dict[str, str]:
+    """An environment whose PATH has an ``sbatch`` and an ``scontrol`` whose ``ping`` says ``ping``."""
+    folder.mkdir()
+    (folder / "sbatch").write_text("#!/bin/sh\nexit 1\n")
+    (folder / "scontrol").write_text(f"#!/bin/sh\necho '{ping}'\nexit {code}\n")
+    for tool in ("sbatch", "scontrol"):
+        (folder / tool).chmod(0o755)
+    return {"PATH": f"{folder}:{os.environ['PATH']}"}
+
+
+def test_slurm_is_checked_before_a_sweep_submits_to_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path / "nothing"))
+    assert "needs SLURM's sbatch, which is not on this machine's PATH" in slurm_problem()
+    monkeypatch.setenv("PATH", fake_slurm(tmp_path / "down", "Slurmctld(primary) at h1 is DOWN", 1)["PATH"])
+    assert "the SLURM controller does not answer (`scontrol ping`: Slurmctld(primary) at h1 is DOWN)" in slurm_problem()
+    monkeypatch.setenv("PATH", fake_slurm(tmp_path / "up", "Slurmctld(primary) at h1 is UP", 0)["PATH"])
+    assert slurm_problem() is None
+
+
+@pytest.mark.parametrize(
+    ("arguments", "path", "fragment"),
+    [
+        (["sim.ray_address=127.0.0.1:1"], None, "sim.ray_address='127.0.0.1:1': no Ray cluster answers there"),
+        (["resume_from=OLD"], None, "'resume-from' = 'OLD': checkpoint.pt cannot be read (UnpicklingError"),
+        (["-m", "hydra/launcher=slurm", "seed=0,1"], "", "needs SLURM's sbatch"),
+        (["-m", "hydra/launcher=slurm", "seed=0,1"], "down", "the SLURM controller does not answer"),
+    ],
+    ids=["ray-address", "corrupt-checkpoint", "no-sbatch", "no-controller"],
+)
+def test_a_run_or_sweep_refuses_in_one_line_what_the_launcher_refuses_before_any_folder(
+    tmp_path, arguments, path, fragment
+):
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "checkpoint.pt").write_text("not a checkpoint")
+    arguments = [argument.replace("OLD", str(tmp_path / "old")) for argument in arguments]
+    env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0"}
+    if path == "":  # python itself, and no sbatch
+        env["PATH"] = str(Path(sys.executable).parent)
+    elif path:
+        env.update(fake_slurm(tmp_path / path, "Slurmctld(primary) at h1 is DOWN", 1))
+    folder = "hydra.sweep.dir" if "-m" in arguments else "hydra.run.dir"
+    result = subprocess.run(
+        [sys.executable, "-m", "fl_app.sweep", *arguments, *TINY, f"{folder}={tmp_path / 'out'}"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    fragment = fragment.replace("OLD", str(tmp_path / "old"))
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [result.stderr.strip().splitlines()[-1]], result.stderr
+    assert "refused before starting" in result.stderr and fragment in result.stderr
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob("**/.hydra"))
 
 
 @pytest.mark.parametrize(

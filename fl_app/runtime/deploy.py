@@ -34,9 +34,10 @@ from core.data import DatasetMissingError
 from fl_app.config import ConfigError, RunConfig
 from fl_app.patches.polling_supernode import FLOWER_NODE_POLL_S
 from fl_app.runtime import register
-from fl_app.runtime.common import check_folder
+from fl_app.runtime.common import PROJECT_ROOT, check_folder
 from fl_app.runtime.deployment import deployment, resume_advice
 from fl_app.runtime.flwr_cli import parse_overrides
+from fl_app.runtime.keys import default_certs, refuse_exposed_keys
 from fl_app.runtime.launch import prepare_config, report_outcome
 from fl_app.runtime.processes import Stopped, stop_signals
 from fl_app.runtime.roles import role_main
@@ -44,6 +45,7 @@ from fl_app.runtime.topology import (
     COMPOSE_NUM_SUPERNODES,
     add_node_options,
     add_superlink_db_option,
+    check_superlink_db,
     loopback_topology,
     make_certificates,
 )
@@ -70,7 +72,10 @@ def main(argv: list[str] | None = None) -> int:
         help="TLS on every API and SuperNode authentication (keys registered before nodes start)",
     )
     parser.add_argument(
-        "--certs", type=Path, help="make_certs.sh's output folder for --tls (default: made afresh in the work folder)"
+        "--certs",
+        type=Path,
+        help=f"make_certs.sh's folder for --tls, missing files made there (default {default_certs()}, outside the "
+        "checkout)",
     )
     add_node_options(parser)
     add_superlink_db_option(parser)
@@ -101,13 +106,11 @@ def prepare(args: argparse.Namespace) -> RunConfig:
     """Check the options and the run config before anything starts."""
     if args.certs is not None and not args.tls:
         raise ValueError("--certs is only used with --tls")
-    for option, folder in (
-        ("--work-dir", args.work_dir),
-        ("--certs", args.certs),
-        ("--superlink-db", args.superlink_db.parent if args.superlink_db else None),
-    ):
+    for option, folder in (("--work-dir", args.work_dir), ("--certs", args.certs)):
         if folder is not None:
             check_folder(option, folder.resolve())
+    check_superlink_db(args.superlink_db)
+    refuse_exposed_keys(PROJECT_ROOT, (args.certs or default_certs()) if args.tls else None)
     if args.rounds is not None and args.rounds < 1:  # named as the user wrote it, not as num-server-rounds
         raise ConfigError(f"--rounds must be at least 1, got {args.rounds}")
     overrides = parse_overrides(args.run_config)
@@ -122,7 +125,7 @@ def deploy_and_run(config: RunConfig, args: argparse.Namespace) -> int:
     work.mkdir(parents=True, exist_ok=True)
     certs = None
     if args.tls:
-        certs = make_certificates((args.certs or work / "certs").resolve(), args.num_supernodes)
+        certs = make_certificates((args.certs or default_certs()).resolve(), args.num_supernodes)
     print(
         f"[alignfl] deployment on 127.0.0.1: {args.num_supernodes} SuperNodes, "
         f"{'TLS + SuperNode authentication' if args.tls else 'plaintext'}, {args.executor} ClientApp executor, "

@@ -32,7 +32,9 @@ from core.data import DatasetMissingError, check_dataset_available
 from core.partitioning.partitions import partition_dataset
 from fl_app.checkpoint import checkpointed_round, resume_checkpoint, run_folder
 from fl_app.config import ConfigError, RunConfig, parse_run_config, validate_run
+from fl_app.runtime.common import PROJECT_ROOT
 from fl_app.runtime.flwr_cli import parse_overrides, submit_and_follow
+from fl_app.runtime.keys import refuse_exposed_keys
 from fl_app.runtime.processes import Stopped, stop_signals
 from fl_app.runtime.ray_cluster import attach_to_cluster
 from fl_app.runtime.superlink import flower_environment, local_superlink
@@ -120,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with stop_signals():
             try:
+                refuse_exposed_keys(PROJECT_ROOT)  # keys a `git add` of the project would publish
                 if args.ray_address:
                     args.ray_address = attach_to_cluster(
                         args.ray_address, "--ray-address", args.num_cpus, args.num_gpus

@@ -3,26 +3,30 @@
 ``python -m fl_app.deploy`` starts every service on one machine. Across machines it takes a role:
 
     # the SuperLink's machine: SuperLink, the ServerApp's executor, TLS for the names the nodes dial,
-    # every node's key registered; runs one experiment once the nodes are online (or --serve)
-    python -m fl_app.deploy superlink --address 10.0.0.1 --num-supernodes 2 --tls --certs certs --rounds 5
-    # each node machine, with a copy of certs/ca.crt and its certs/supernode-<i>/
-    python -m fl_app.deploy supernodes --superlink 10.0.0.1:9093 --nodes 1 --num-supernodes 2 --tls --certs certs
+    # every node's key registered (in ~/.local/state/alignfl/certs); listens on 10.0.0.1 only; runs one
+    # experiment once the nodes are online (or --serve)
+    python -m fl_app.deploy superlink --address 10.0.0.1 --num-supernodes 2 --tls --rounds 5
+    # each node machine, with a copy of that folder's ca.crt and supernode-<i>/ in ~/alignfl-certs
+    python -m fl_app.deploy supernodes --superlink 10.0.0.1:9093 --nodes 1 --num-supernodes 2 --tls \
+        --certs ~/alignfl-certs
 
-The SuperLink side makes the certificate for the names and addresses given with ``--address`` (through
-``scripts/make_certs.sh``'s ``SUPERLINK_SANS``) and refuses a kept certificate that lacks one. A node machine
-first waits for the SuperLink to answer and checks that its certificate names the address dialled, and stops at
-once with the reason when it does not (Flower's SuperNode would retry without end); a node whose key the SuperLink
-does not know yet (a node machine started before the SuperLink's machine registered it) is started again every
-few seconds until ``--superlink-wait`` runs out (Flower's SuperNode would exit). Both stop every process they
-started, by process id, on Ctrl-C, SIGTERM or SIGHUP; a node machine serves until then.
+The SuperLink side listens only where it is told: on ``--host``, else on the one address of this machine that
+``--address`` names (127.0.0.1 without ``--address``), never on every interface unless ``--host 0.0.0.0`` says so
+(with a warning when TLS is off). It makes the certificate for the names and addresses given with ``--address``
+(through ``scripts/make_certs.sh``'s ``SUPERLINK_SANS``) in ``--certs`` (default
+:func:`fl_app.runtime.keys.default_certs`, outside the checkout) and refuses a kept certificate that lacks one.
+A node machine first waits for the SuperLink to answer (:mod:`fl_app.runtime.reach`), saying so on the console
+while it does not, and with TLS checks that its certificate names the address dialled, and stops at once with the
+reason when it does not (Flower's SuperNode would retry without end); a node whose key the SuperLink does not know
+yet (a node machine started before the SuperLink's machine registered it) is started again every few seconds until
+``--superlink-wait`` runs out (Flower's SuperNode would exit). Both stop every process they started, by process
+id, on Ctrl-C, SIGTERM or SIGHUP; a node machine serves until then.
 """
 
 from __future__ import annotations
 
 import argparse
 import ipaddress
-import socket
-import ssl
 import sys
 import tempfile
 import time
@@ -34,35 +38,28 @@ from cryptography import x509
 from core.data import DatasetMissingError
 from fl_app.config import ConfigError, RunConfig
 from fl_app.patches.polling_supernode import FLOWER_NODE_POLL_S
-from fl_app.runtime.common import check_folder, free_port
+from fl_app.runtime.common import PROJECT_ROOT, check_folder, free_port
 from fl_app.runtime.deployment import Deployment
 from fl_app.runtime.flwr_cli import parse_overrides
+from fl_app.runtime.keys import default_certs, refuse_exposed_keys
 from fl_app.runtime.launch import prepare_config, report_outcome
 from fl_app.runtime.processes import Stopped, stop_signals
+from fl_app.runtime.reach import ALL_INTERFACES, listen_host, split_address, wait_for_superlink
 from fl_app.runtime.topology import (
     COMPOSE_SUPERLINK_PORT,
     Certificates,
     Topology,
     add_node_options,
     add_superlink_db_option,
+    check_superlink_db,
     make_certificates,
 )
 
-REACH_TIMEOUT_S = 10.0
 SERVE_INTERVAL_S = 1.0
 REJOIN_INTERVAL_S = 5.0
 """Seconds before a SuperNode whose key the SuperLink refused is started again (see :class:`RefusedKeys`)."""
 KEY_REFUSED = "Failed to activate SuperNode"
 """What Flower's SuperNode logs (``[code: 2004]``, exit code 305) when the SuperLink does not know its key."""
-
-
-def split_address(address: str, option: str) -> tuple[str, int]:
-    """``host:port`` (``[v6]:port``) checked; a clear error naming the option otherwise."""
-    host, sep, port = address.rpartition(":")
-    host = host.strip("[]")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(f"{option} {address!r} is not allowed: give host:port with a port in 1-65535")
-    return host, int(port)
 
 
 def subject_names(addresses: list[str]) -> str:
@@ -107,44 +104,6 @@ def _canonical(address: str) -> str:
         return str(ipaddress.ip_address(address))
     except ValueError:
         return address
-
-
-class Unreachable(Exception):
-    """The SuperLink did not answer (yet): a node machine may start before it."""
-
-
-def tls_problem(address: str, ca: str, timeout_s: float = REACH_TIMEOUT_S) -> str | None:
-    """Why a SuperNode cannot talk TLS to the SuperLink at ``address`` (a certificate that does not name the
-    address or is not signed by ``ca``), or None; :class:`Unreachable` when nothing answers."""
-    host, port = split_address(address, "--superlink")
-    context = ssl.create_default_context(cafile=ca)
-    try:
-        with (
-            socket.create_connection((host, port), timeout=timeout_s) as connection,
-            context.wrap_socket(connection, server_hostname=host),
-        ):
-            return None
-    except ssl.SSLCertVerificationError as error:
-        return (
-            f"the SuperLink at {address} presents a certificate this node does not accept: "
-            f"{error.verify_message}; the SuperLink's certificate must name the address the nodes dial "
-            "(its --address) and be signed by the CA in --certs"
-        )
-    except (OSError, ssl.SSLError) as error:
-        raise Unreachable(f"the SuperLink at {address} cannot be reached: {error}") from None
-
-
-def wait_for_tls(address: str, ca: str, timeout_s: float) -> str | None:
-    """:func:`tls_problem` once the SuperLink answers; a certificate problem at once, unreachable after
-    ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            return tls_problem(address, ca)
-        except Unreachable as unreachable:
-            if time.monotonic() > deadline:
-                return f"{unreachable} (tried for {timeout_s:.0f} s)"
-            time.sleep(SERVE_INTERVAL_S)
 
 
 def superlink_topology(args: argparse.Namespace, work: Path, certs: Path | None) -> Topology:
@@ -198,12 +157,16 @@ def parser_for(role: str) -> argparse.ArgumentParser:
     parser.add_argument(
         "--certs",
         type=Path,
-        help="make_certs.sh's folder (superlink: made or completed there, "
-        "default in the work folder; supernodes: required with --tls)",
+        help="make_certs.sh's folder (superlink: made or completed there, default "
+        f"{default_certs()}, outside the checkout; supernodes: required with --tls)",
     )
     parser.add_argument("--work-dir", type=Path, help="logs, Flower homes and state (default: a new temporary folder)")
     if role == "superlink":
-        parser.add_argument("--host", default="0.0.0.0", help="the interface the SuperLink listens on (default all)")
+        parser.add_argument(
+            "--host",
+            help="the address the SuperLink listens on (default: the one address of this machine that --address "
+            "names; 127.0.0.1 without --address); 0.0.0.0 listens on every interface",
+        )
         parser.add_argument(
             "--port", type=int, default=COMPOSE_SUPERLINK_PORT, help=f"its port (default {COMPOSE_SUPERLINK_PORT})"
         )
@@ -240,9 +203,9 @@ def parser_for(role: str) -> argparse.ArgumentParser:
             "--superlink-wait",
             type=float,
             default=600.0,
-            help="with --tls: seconds to wait for the SuperLink to answer and to accept these "
-            "nodes' keys before giving up (a certificate that does not name --superlink stops "
-            "the nodes at once); default 600",
+            help="seconds to wait for the SuperLink to answer (and with --tls to accept these nodes' keys) "
+            "before giving up (a certificate that does not name --superlink stops the nodes at once); "
+            "default 600",
         )
         add_node_options(parser)
     return parser
@@ -254,14 +217,11 @@ def check(role: str, args: argparse.Namespace) -> RunConfig | None:
         raise ConfigError(f"--num-supernodes must be at least 1, got {args.num_supernodes}")
     if args.certs is not None and not args.tls:
         raise ConfigError("--certs is only used with --tls")
-    superlink_db = getattr(args, "superlink_db", None)
-    for option, folder in (
-        ("--work-dir", args.work_dir),
-        ("--certs", args.certs if role == "superlink" else None),
-        ("--superlink-db", superlink_db.parent if superlink_db else None),
-    ):
+    for option, folder in (("--work-dir", args.work_dir), ("--certs", args.certs if role == "superlink" else None)):
         if folder is not None:
             check_folder(option, folder.resolve())
+    check_superlink_db(getattr(args, "superlink_db", None))
+    refuse_exposed_keys(PROJECT_ROOT, (args.certs or default_certs()) if args.tls else None)
     if role == "supernodes":
         split_address(args.superlink, "--superlink")
         if not args.superlink_wait > 0:
@@ -284,6 +244,7 @@ def check(role: str, args: argparse.Namespace) -> RunConfig | None:
         return None
     if not 0 < args.port < 65536:
         raise ConfigError(f"--port {args.port} is not allowed: 1-65535")
+    args.host = listen_host(args.host, args.address)
     if args.tls and not args.address:
         raise ConfigError(
             "--tls needs --address: the names or addresses the SuperNodes dial, which the "
@@ -311,6 +272,14 @@ def role_main(role: str, argv: list[str]) -> int:
             except (ValueError, DatasetMissingError) as error:  # ConfigError is a ValueError
                 print(f"[alignfl] refused before starting: {error}", file=sys.stderr)
                 return 2
+            if role == "superlink" and args.host in ALL_INTERFACES and not args.tls:
+                print(
+                    f"[alignfl] warning: a plaintext SuperLink on every interface ({args.host}): whoever reaches "
+                    "this machine can join the federation as a SuperNode and read the models; use --tls, or "
+                    "--host with an address only the nodes reach",
+                    file=sys.stderr,
+                    flush=True,
+                )
             work = (args.work_dir or Path(tempfile.mkdtemp(prefix=f"alignfl-{role}-"))).resolve()
             work.mkdir(parents=True, exist_ok=True)
             if role == "superlink":
@@ -327,7 +296,7 @@ def role_main(role: str, argv: list[str]) -> int:
 def run_superlink_side(args: argparse.Namespace, config: RunConfig | None, work: Path) -> int:
     certs = None
     if args.tls:
-        certs = superlink_certificates((args.certs or work / "certs").resolve(), args.num_supernodes, args.address)
+        certs = superlink_certificates((args.certs or default_certs()).resolve(), args.num_supernodes, args.address)
     running = Deployment(superlink_topology(args, work, certs), work)
     try:
         running.start_superlink_side()
@@ -394,13 +363,13 @@ class RefusedKeys:
 def run_supernodes(args: argparse.Namespace, work: Path) -> int:
     certs = args.certs.resolve() if args.certs is not None else None
     topology = supernodes_topology(args, certs)
-    if certs is not None:
-        started = time.monotonic()
-        problem = wait_for_tls(args.superlink, topology.certificates.ca, args.superlink_wait)
-        if problem is not None:
-            problem += f" (checked in {time.monotonic() - started:.1f} s)"
-            print(f"[alignfl] SuperNodes not started: {problem}", file=sys.stderr)
-            return 1
+    started = time.monotonic()
+    ca = topology.certificates.ca if topology.certificates is not None else None
+    problem = wait_for_superlink(args.superlink, ca, args.superlink_wait)
+    if problem is not None:
+        problem += f" (checked in {time.monotonic() - started:.1f} s)"
+        print(f"[alignfl] SuperNodes not started: {problem}", file=sys.stderr)
+        return 1
     running = Deployment(topology, work)
     try:
         running.start_supernodes(sorted(args.nodes))

@@ -22,6 +22,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from fl_app.config import ConfigError, path_problem
 from fl_app.patches.polling_supernode import DEFAULT_NODE_POLL_S, FLOWER_NODE_POLL_S, node_poll_interval
 from fl_app.runtime.common import PROJECT_ROOT, free_port
 
@@ -69,10 +70,39 @@ def add_superlink_db_option(parser: argparse.ArgumentParser) -> None:
         "--superlink-db",
         type=Path,
         metavar="FILE",
-        help="keep the SuperLink's state (run history, registered SuperNodes) in this SQLite file, "
-        "to outlive the SuperLink (default: in its memory, which costs it about a third of the "
-        "CPU per round)",
+        help="keep the SuperLink's state (run history, registered SuperNodes) in this SQLite file (a new "
+        "path, or an earlier SuperLink's database), to outlive the SuperLink (default: in its memory, which "
+        "costs it about a third of the CPU per round)",
     )
+
+
+SQLITE_HEADER = b"SQLite format 3\x00"
+"""The first 16 bytes of every SQLite database file."""
+
+
+def superlink_db_problem(path: Path) -> str | None:
+    """Why ``--superlink-db`` cannot hold the SuperLink's state, or None: it must be a new file in a folder this
+    user can write to, or an existing SQLite database (an empty file too: SQLite makes one there) it can read and
+    write."""
+    if not path.exists():
+        problem = path_problem(path.parent, writable=True)
+        return None if problem is None else f"its folder cannot hold a new file ({problem})"
+    if path.is_dir():
+        return "it is a folder; give a file (a new one, or an earlier SuperLink's database)"
+    if not os.access(path, os.R_OK | os.W_OK):
+        return "this user cannot read and write it"
+    with path.open("rb") as file:
+        header = file.read(len(SQLITE_HEADER))
+    if header and header != SQLITE_HEADER:
+        return "it is not an SQLite database (give a new path, or an earlier SuperLink's database)"
+    return None
+
+
+def check_superlink_db(path: Path | None) -> None:
+    """Refuse a ``--superlink-db`` that is a folder, not SQLite, unusable, or in a folder that cannot hold it."""
+    problem = superlink_db_problem(path.resolve()) if path is not None else None
+    if problem is not None:
+        raise ConfigError(f"--superlink-db {str(path)!r} is not allowed: {problem}")
 
 
 def node_poll_option(seconds: float | None) -> str:

@@ -132,7 +132,8 @@ def _overrides(folder: Path) -> list[str]:
 
 def with_slurm_jobs(jobs: list[JobResult], sweep_dir: Path) -> list[JobResult]:
     """The jobs, where SLURM ran them (:data:`fl_app.sweeps.slurm.JOBS_RECORD`): a failed job's error names its SLURM
-    job id, end state and log, and a job SLURM ended before it started (no folder) is added as failed."""
+    job id, end state and log, and a job SLURM ended before it made its folder is added as failed (one with a log
+    was running, one without had not started)."""
     slurm = {tuple(job.overrides): job for job in read_jobs_record(sweep_dir)}
     if not slurm:
         return jobs
@@ -152,7 +153,9 @@ def with_slurm_jobs(jobs: list[JobResult], sweep_dir: Path) -> list[JobResult]:
                 tuple((k, v) for k, v in settings if k != SEED_KEY),
                 None,
                 None,
-                f"SLURM job {record.slurm_job_id} {record.state} before it started, log {record.stderr}",
+                f"SLURM job {record.slurm_job_id} {record.state} "
+                + ("while it ran, before it made its folder" if Path(record.stdout).exists() else "before it started")
+                + f", log {record.stderr}",
             )
         )
     return found

@@ -51,6 +51,32 @@ ENDED = (
 )
 """SLURM's job states after which a job runs no more."""
 POLL_S = 2.0
+PING_TIMEOUT_S = 20.0
+"""Seconds the SLURM controller has to answer ``scontrol ping`` before a sweep is refused."""
+
+
+def slurm_problem(timeout_s: float = PING_TIMEOUT_S) -> str | None:
+    """Why a sweep cannot submit its jobs to SLURM from this machine, or None: ``sbatch`` must be on the PATH
+    and the controller must answer ``scontrol ping``, or submitit would fail with its own traceback after the
+    sweep folder was made."""
+    if shutil.which("sbatch") is None:
+        return (
+            "hydra/launcher=slurm needs SLURM's sbatch, which is not on this machine's PATH: run the sweep on a "
+            "node that submits SLURM jobs, or leave hydra/launcher=slurm out to run the jobs here"
+        )
+    try:
+        ping = subprocess.run(["scontrol", "ping"], capture_output=True, text=True, timeout=timeout_s, check=False)
+    except FileNotFoundError:
+        return "hydra/launcher=slurm: sbatch is here but scontrol is not, so the SLURM controller cannot be asked"
+    except subprocess.TimeoutExpired:
+        return f"hydra/launcher=slurm: the SLURM controller did not answer `scontrol ping` within {timeout_s:.0f} s"
+    answer = " ".join((ping.stdout + ping.stderr).split())
+    if ping.returncode != 0 or " is UP" not in answer:
+        return (
+            f"hydra/launcher=slurm: the SLURM controller does not answer (`scontrol ping`: {answer or 'no output'}), "
+            "so sbatch could not submit the jobs"
+        )
+    return None
 
 
 def job_cpus(torch_threads: int | None, ray_cpus: int | None, client_cpus: float) -> int:

@@ -45,6 +45,7 @@ from omegaconf import DictConfig, OmegaConf
 from core.config import PARTITIONER_SECTION, SECTIONS, hydra_leaf, key_of_path
 from core.data import DatasetMissingError, check_dataset_available
 from core.partitioning.partitioners import PARTITIONERS, list_partitioners
+from fl_app.checkpoint import resume_checkpoint
 from fl_app.config import (
     ConfigError,
     RunConfig,
@@ -61,7 +62,7 @@ from fl_app.results import write_json
 from fl_app.runtime.common import PROJECT_ROOT
 from fl_app.runtime.launch import simulate_on_local_superlink
 from fl_app.runtime.ray_cluster import attach_to_cluster
-from fl_app.sweeps.slurm import register_launcher
+from fl_app.sweeps.slurm import register_launcher, slurm_problem
 from fl_app.sweeps.tracking import sweep_child, sweep_store
 from models import list_models
 from models.registry import model_options
@@ -305,6 +306,8 @@ def validate_sweep(config: DictConfig) -> int:
         job_cfg = loader.load_sweep_config(config, overrides)
         try:
             run_config, sim = job_settings(job_cfg, job_cfg.hydra.runtime.choices, sweep_dir)
+            if run_config.resume_from:
+                resume_checkpoint(run_config)  # a missing, unreadable or mismatched checkpoint
         except ConfigError as error:
             raise ConfigError(f"sweep job {' '.join(overrides) or '(no overrides)'}: {error}") from None
         datasets.add((run_config.dataset, run_config.data_root or None))
@@ -325,16 +328,25 @@ def refuse(message: str) -> NoReturn:
 
 class ValidateSweep(Callback):
     """Refuse a run, before Hydra makes its folder, or a multirun, before any job trains, when a job has a config
-    the schema rejects or a data set that is not on disk."""
+    the schema rejects, a data set that is not on disk, a checkpoint to resume that cannot be read or does not
+    fit, a Ray cluster that does not answer, or (``hydra/launcher=slurm``) no SLURM to submit to: what the
+    launcher and the deployment check before they start."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         try:
-            run_config, _ = job_settings(config, config.hydra.runtime.choices, Path(config.hydra.run.dir))
+            run_config, sim = job_settings(config, config.hydra.runtime.choices, Path(config.hydra.run.dir))
             check_dataset_available(run_config.dataset, run_config.data_root or None)
+            if run_config.resume_from:
+                resume_checkpoint(run_config)
+            sim.attach()
         except (ConfigError, DatasetMissingError) as error:
             refuse(str(error))
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        launcher = OmegaConf.select(config, "hydra.launcher._target_") or ""
+        problem = slurm_problem() if launcher.endswith("SlurmLauncher") else None
+        if problem is not None:
+            refuse(problem)
         target = OmegaConf.select(config, "hydra.sweeper._target_") or ""
         if not target.endswith(".BasicSweeper"):
             log.warning("sweeper %s: each job's config is validated when the job starts", target)
