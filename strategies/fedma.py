@@ -80,7 +80,8 @@ from flwr.common.logger import log
 from torch import Tensor, nn
 
 from core.alignment import get_cost, list_costs, moved_share, solve_group, weighted_average
-from core.bbp import BBPSettings, match_group, scatter_group, units_to_entries
+from core.bbp import BBPSettings
+from core.bbp_model import match_group, scatter_group, units_to_entries
 from core.model_io import federated_state
 from core.nodes import NodeDirectory
 from core.replies import CONFIG_RECORD, MODEL_RECORD
