@@ -1,4 +1,4 @@
-"""How long one BBP-MAP matching pass (:func:`core.bbp.bbp_matched_average`) takes over K VGG-9 clients.
+"""How long one BBP-MAP matching pass (:func:`core.bbp_model.bbp_matched_average`) takes over K VGG-9 clients.
 
 A pass matches every hidden group of the model, input side first, each until
 its assignment settles (at most ``iterations`` sweeps), and builds the grown
@@ -41,6 +41,7 @@ import torch
 from torch import Tensor
 
 import core.bbp as bbp
+from core.bbp_model import bbp_matched_average
 from models import PanSettings, build_model, permute_state, random_permutations
 from models.protocol import head_of
 
@@ -107,7 +108,7 @@ def time_pass(data: str, width: float, clients: int, args: argparse.Namespace, s
     clock = CpuClock()
     with instrumented(clock):
         wall, cpu = time.perf_counter(), time.process_time()
-        result = bbp.bbp_matched_average(states, [1.0] * clients, spec, settings, seed, head=head)
+        result = bbp_matched_average(states, [1.0] * clients, spec, settings, seed, head=head)
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     cost, solve = clock.spent.get("cost", 0.0), clock.spent.get("solve", 0.0)
     growth = sum(result.widths.values()) / sum(spec.group_sizes(states[0]).values()) - 1.0

@@ -24,6 +24,8 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable, Iterable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -49,45 +51,54 @@ WIDTH_RUNS = {
 }
 
 
-def _done(path: Path) -> set[str]:
-    return {row["id"] for row in read_jsonl(path)} if path.exists() else set()
+Planned = Iterable[tuple[dict[str, Any], Callable[[], dict[str, Any]]]]
+"""Rows to measure: each row's id and settings, and what measures it (its results, added to the row)."""
 
 
-def run_merge(seeds: list[int], out: Path) -> None:
+def _measure_rows(path: Path, planned: Planned) -> None:
+    """Every planned row whose id ``path`` lacks: measured, appended to ``path`` with the seconds it took, and
+    printed (so a stopped part resumes where it stopped)."""
+    done = {row["id"] for row in read_jsonl(path)} if path.exists() else set()
+    for row, measure in planned:
+        if row["id"] in done:
+            continue
+        started = time.perf_counter()
+        row = {**row, **measure()}
+        append_jsonl(path, {**row, "seconds": time.perf_counter() - started})
+        print(json.dumps(row), flush=True)
+
+
+def _merge(seed: int, k: int) -> dict[str, Any]:
+    """Each of ``k`` clients' accuracy, and each one-shot merge's (Sinkhorn OT's included)."""
     import torch
 
+    from core.model_io import build_run_model
     from core.ot_fusion import OTSettings, ot_fuse
     from core.training import evaluate
     from fl_app.analysis.merge import merge_accuracies, train_clients
     from fl_app.config import parse_run_config
 
-    path = out / "merge.jsonl"
-    done = _done(path)
-    for seed in seeds:
-        for k in MERGE_K:
-            row_id = f"seed{seed}-k{k}"
-            if row_id in done:
-                continue
-            started = time.perf_counter()
-            config = parse_run_config({**DATA, "seed": seed, "local-epochs": 2, "dirichlet-alpha": 0.5})
-            device = torch.device("cpu")
-            states, counts, dataset, classes = train_clients(config, k, same_init=False, device=device)
-            from core.model_io import build_run_model
-
-            model = build_run_model(config, dataset)
-            x, y = dataset.test_x, dataset.test_y
-            clients, merged, _ = merge_accuracies(
-                model, states, counts, x, y, MERGE_COSTS, 1, device, classes, reference=0
-            )
-            soft, _ = ot_fuse(states[0], states, counts, model.permutation_spec(), OTSettings(exact=False))
-            model.load_state_dict(soft)
-            merged["matched-ot-sinkhorn"] = evaluate(model, x, y, device)[1]
-            row = {"id": row_id, "seed": seed, "k": k, "clients": clients, "merged": merged}
-            append_jsonl(path, {**row, "seconds": time.perf_counter() - started})
-            print(json.dumps(row), flush=True)
+    config = parse_run_config({**DATA, "seed": seed, "local-epochs": 2, "dirichlet-alpha": 0.5})
+    device = torch.device("cpu")
+    states, counts, dataset, classes = train_clients(config, k, same_init=False, device=device)
+    model = build_run_model(config, dataset)
+    x, y = dataset.test_x, dataset.test_y
+    clients, merged, _ = merge_accuracies(model, states, counts, x, y, MERGE_COSTS, 1, device, classes, reference=0)
+    soft, _ = ot_fuse(states[0], states, counts, model.permutation_spec(), OTSettings(exact=False))
+    model.load_state_dict(soft)
+    merged["matched-ot-sinkhorn"] = evaluate(model, x, y, device)[1]
+    return {"clients": clients, "merged": merged}
 
 
-def _federated(run: dict[str, Any], out: Path, name: str) -> float:
+def run_merge(seeds: list[int], out: Path) -> None:
+    planned = (
+        ({"id": f"seed{seed}-k{k}", "seed": seed, "k": k}, partial(_merge, seed, k)) for seed in seeds for k in MERGE_K
+    )
+    _measure_rows(out / "merge.jsonl", planned)
+
+
+def _federated(run: dict[str, Any], out: Path, name: str) -> dict[str, Any]:
+    """The final accuracy of a federated run named ``name`` (in-process grid)."""
     from fl_app.client_app import build_client_app
     from fl_app.config import parse_run_config
     from fl_app.inprocess import InProcessGrid
@@ -97,38 +108,30 @@ def _federated(run: dict[str, Any], out: Path, name: str) -> float:
     summary = run_experiment(
         InProcessGrid(build_client_app(values), FED["min-available-nodes"]), parse_run_config(values)
     )
-    return summary["final-accuracy"]
+    return {"accuracy": summary["final-accuracy"]}
 
 
 def run_federated(seeds: list[int], out: Path) -> None:
-    path = out / "federated.jsonl"
-    done = _done(path)
-    for seed in seeds:
-        for alpha in ALPHAS:
-            for strategy in FED_STRATEGIES:
-                row_id = f"{strategy}-a{alpha}-seed{seed}"
-                if row_id in done:
-                    continue
-                started = time.perf_counter()
-                accuracy = _federated({"strategy": strategy, "dirichlet-alpha": alpha, "seed": seed}, out, row_id)
-                row = {"id": row_id, "strategy": strategy, "alpha": alpha, "seed": seed, "accuracy": accuracy}
-                append_jsonl(path, {**row, "seconds": time.perf_counter() - started})
-                print(json.dumps(row), flush=True)
+    def planned() -> Planned:
+        for seed in seeds:
+            for alpha in ALPHAS:
+                for strategy in FED_STRATEGIES:
+                    row = {"id": f"{strategy}-a{alpha}-seed{seed}", "strategy": strategy, "alpha": alpha, "seed": seed}
+                    run = {"strategy": strategy, "dirichlet-alpha": alpha, "seed": seed}
+                    yield row, partial(_federated, run, out, row["id"])
+
+    _measure_rows(out / "federated.jsonl", planned())
 
 
 def run_widths(seeds: list[int], out: Path) -> None:
-    path = out / "widths.jsonl"
-    done = _done(path)
-    for seed in seeds:
-        for label, run in WIDTH_RUNS.items():
-            row_id = f"{label.replace(' ', '_')}-seed{seed}"
-            if row_id in done:
-                continue
-            started = time.perf_counter()
-            accuracy = _federated({**run, "dirichlet-alpha": 0.5, "seed": seed, "local-epochs": 2}, out, row_id)
-            row = {"id": row_id, "method": label, "seed": seed, "accuracy": accuracy}
-            append_jsonl(path, {**row, "seconds": time.perf_counter() - started})
-            print(json.dumps(row), flush=True)
+    def planned() -> Planned:
+        for seed in seeds:
+            for label, width_run in WIDTH_RUNS.items():
+                row = {"id": f"{label.replace(' ', '_')}-seed{seed}", "method": label, "seed": seed}
+                run = {**width_run, "dirichlet-alpha": 0.5, "seed": seed, "local-epochs": 2}
+                yield row, partial(_federated, run, out, row["id"])
+
+    _measure_rows(out / "widths.jsonl", planned())
 
 
 def report(out: Path, seeds: list[int]) -> str:

@@ -1,4 +1,6 @@
-"""FedMA's Bayesian non-parametric matching (BBP-MAP), vectorised, for any model with a permutation spec.
+"""FedMA's Bayesian non-parametric matching (BBP-MAP), vectorised: its settings and the matching of units.
+
+:mod:`core.bbp_model` applies it to any model with a permutation spec, one group of units at a time.
 
 PFNM (Yurochkin et al., ICML 2019) and FedMA (Wang et al., ICLR 2020) treat the
 hidden units of one layer, pooled over K clients, as noisy draws of global
@@ -72,7 +74,7 @@ Where this deviates:
   sweep in order of first appearance (client 0's units first, in its order),
   which renames atoms but changes no assignment.
 * **Any permutation spec.** A unit's vector is every entry of its group that
-  is already aligned on its other axes (:func:`aligned_refs`), as the other
+  is already aligned on its other axes (:func:`core.bbp_model.aligned_refs`), as the other
   alignment costs use it (normalisation entries too), except the output
   layer's weights unless ``include_classifier``. With it, the last hidden
   layer's units are also told apart by what they vote for, which the output
@@ -97,17 +99,15 @@ cases by hand).
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar, NamedTuple
+from typing import ClassVar
 
 import torch
 from torch import Tensor
 
-from models.permutation import AxisRef, PermutationSpec, unit_view
+from models.permutation import AxisRef
 from plugins.options import check_fields, choice, is_kind, option, positive
-
-StateDict = Mapping[str, Tensor]
 
 ESTIMATES = ("posterior", "weighted")
 """How a global unit is computed from its members: the authors' posterior mean, or the weighted mean."""
@@ -186,14 +186,6 @@ class GroupMatch:
     @property
     def width(self) -> int:
         return self.units.shape[0]
-
-
-class BBPResult(NamedTuple):
-    """What :func:`bbp_matched_average` returns: the grown global state, each group's width and assignments."""
-
-    state: dict[str, Tensor]
-    widths: dict[str, int]
-    assignments: dict[str, tuple[Tensor, ...]]
 
 
 # --- the cost and one client's assignment -------------------------------------------------
@@ -332,7 +324,7 @@ def match_units(
     the clients in random order (drawn from ``generator``) until a sweep
     changes nothing.
     """
-    _check_weights(len(rows), weights)
+    check_weights(len(rows), weights)
     if any(r.dim() != 2 for r in rows) or len({r.shape[1] for r in rows}) != 1:
         raise ValueError(f"client unit vectors must be J x D matrices with one D, got {[tuple(r.shape) for r in rows]}")
     cap = max(settings.max_width, max(r.shape[0] for r in rows))
@@ -340,7 +332,7 @@ def match_units(
     for client in sorted(range(len(rows)), key=lambda k: -rows[k].shape[0]):
         atoms.add(client)
     atoms.renumber()
-    rng = _as_generator(generator)
+    rng = as_generator(generator)
     for _ in range(settings.iterations if len(rows) > 1 else 0):
         before = list(atoms.assignments)
         for client in torch.randperm(len(rows), generator=rng).tolist():
@@ -352,194 +344,8 @@ def match_units(
     return GroupMatch(tuple(atoms.assignments), atoms.units(weights))
 
 
-# --- groups of a permutation spec -----------------------------------------------------------
-
-
-def aligned_refs(spec: PermutationSpec, group: str, solved: Collection[str]) -> list[AxisRef]:
-    """The entries of ``group`` whose other permuted axes all belong to ``solved`` groups (already global)."""
-    axes = spec.axes_by_key()
-    return [
-        ref
-        for ref in spec.groups[group]
-        if all(name in solved for name, other in axes[ref.key] if other.axis != ref.axis)
-    ]
-
-
-def output_keys(spec: PermutationSpec, state: StateDict) -> set[str]:
-    """Floating entries with an axis 0 no group permutes (the classifier): never matched, averaged."""
-    touched = {ref.key for refs in spec.groups.values() for ref in refs if ref.axis == 0}
-    return {
-        key for key, tensor in state.items() if key not in touched and tensor.is_floating_point() and tensor.dim() >= 1
-    }
-
-
-def match_group(
-    states: Sequence[StateDict],
-    weights: Sequence[float],
-    spec: PermutationSpec,
-    group: str,
-    solved: Collection[str],
-    settings: BBPSettings,
-    generator: torch.Generator | int = 0,
-    *,
-    head: Collection[str],
-) -> GroupMatch:
-    """BBP-MAP of one group across K client states whose ``solved`` groups are already in global indexing.
-
-    A unit's vector concatenates its row of :func:`~models.permutation.unit_view`
-    for every entry of :func:`aligned_refs`: incoming weights (their inputs
-    already scattered onto the previous groups' global units), bias,
-    normalisation entries, and weights into a layer that is never permuted.
-    The output layer's entries ``head`` (:func:`models.protocol.head_of`) are
-    among them for the last hidden group; they are left out unless
-    ``settings.include_classifier``, as FedMA does.
-    """
-    if group not in spec.groups or set(solved) - set(spec.groups):
-        raise ValueError(f"group {group!r} and solved groups {sorted(solved)} must be among {list(spec.groups)}")
-    refs = [ref for ref in aligned_refs(spec, group, solved) if settings.include_classifier or ref.key not in head]
-    if not refs:
-        raise ValueError(
-            f"group {group!r} has no entry aligned on its other axes outside the output layer "
-            f"{sorted(head)}; solve {sorted(solved)} first"
-        )
-    views = [[unit_view(state[ref.key], ref) for ref in refs] for state in states]
-    match = match_units([torch.cat(parts, dim=1) for parts in views], weights, settings, generator)
-    return GroupMatch(match.assignments, match.units, tuple(refs), tuple(view.shape[1] for view in views[0]))
-
-
-def units_to_entries(match: GroupMatch, spec: PermutationSpec, state: StateDict) -> dict[str, Tensor]:
-    """The global entries ``match``'s units define, at the group's global width, typed like ``state``'s.
-
-    Output entries (:func:`output_keys`) are left out: they are averaged, not matched.
-    """
-    outputs = output_keys(spec, state)
-    entries: dict[str, Tensor] = {}
-    for ref, columns in zip(match.refs, torch.split(match.units, list(match.features), dim=1)):
-        if ref.key in outputs:
-            continue
-        template = state[ref.key]
-        shape = template.shape[: ref.axis] + (match.width * ref.block,) + template.shape[ref.axis + 1 :]
-        layout = (match.width,) + template.shape[: ref.axis] + (ref.block,) + template.shape[ref.axis + 1 :]
-        entries[ref.key] = columns.reshape(layout).movedim(0, ref.axis).reshape(shape).to(template.dtype)
-    return entries
-
-
-def scatter_units(tensor: Tensor, ref: AxisRef, assignment: Tensor, width: int) -> Tensor:
-    """``tensor`` with the units of ``ref`` moved to their global positions among ``width`` (zeros elsewhere)."""
-    before, after = tensor.shape[: ref.axis], tensor.shape[ref.axis + 1 :]
-    split = tensor.reshape(before + (tensor.shape[ref.axis] // ref.block, ref.block) + after)
-    grown = split.new_zeros(before + (width, ref.block) + after)
-    grown.index_copy_(ref.axis, assignment.to(tensor.device), split)
-    return grown.reshape(before + (width * ref.block,) + after)
-
-
-def scatter_group(
-    state: StateDict, spec: PermutationSpec, group: str, assignment: Tensor, width: int
-) -> dict[str, Tensor]:
-    """A client's state with every axis of ``group`` moved onto the global units (PFNM's weight patching).
-
-    Entries of the group that ``state`` lacks are skipped, so a caller can drop the ones it is done with.
-    """
-    scattered = dict(state)
-    for ref in spec.groups[group]:
-        if ref.key in scattered:
-            scattered[ref.key] = scatter_units(scattered[ref.key], ref, assignment, width)
-    return scattered
-
-
-# --- the whole model --------------------------------------------------------------------------
-
-
-def bbp_matched_average(
-    states: Sequence[StateDict],
-    weights: Sequence[float],
-    spec: PermutationSpec,
-    settings: BBPSettings | None = None,
-    generator: torch.Generator | int = 0,
-    class_counts: Tensor | Sequence[Sequence[float]] | None = None,
-    *,
-    head: Collection[str],
-) -> BBPResult:
-    """Match every group of ``spec`` by BBP-MAP, in spec order, and build the grown global state.
-
-    ``head`` is the output layer's keys (:func:`models.protocol.head_of`); see :func:`match_group`.
-
-    After a group is matched, its global entries come from the atoms and every
-    client's axes of the group are scattered onto the global units, so the next
-    group's inputs are in global indexing (zeros where a client has no unit).
-    Output entries (:func:`output_keys`) and entries no group touches are
-    averaged over the scattered clients with ``weights``; with
-    ``class_counts`` (``K x C``) the output entries with ``C`` rows are
-    averaged row by row with each class's counts, as FedMA does (a class no
-    client holds falls back to ``weights``). Integer entries come from the
-    first client.
-    """
-    settings = settings or BBPSettings()
-    _check_states(states, weights, spec)
-    share = torch.tensor([float(w) for w in weights], dtype=torch.float64)
-    share = share / share.sum()
-    mixes = {} if class_counts is None else _output_mixes(spec, states[0], share, class_counts)
-    rng = _as_generator(generator)
-    clients = [dict(state) for state in states]
-    merged: dict[str, Tensor] = {}
-    widths: dict[str, int] = {}
-    assignments: dict[str, tuple[Tensor, ...]] = {}
-    for group in spec.groups:
-        match = match_group(clients, weights, spec, group, widths, settings, rng, head=head)
-        merged.update(units_to_entries(match, spec, clients[0]))
-        clients = [
-            scatter_group(
-                {key: value for key, value in client.items() if key not in merged}, spec, group, assignment, match.width
-            )
-            for client, assignment in zip(clients, match.assignments)
-        ]
-        widths[group], assignments[group] = match.width, match.assignments
-    merged.update(_averaged(clients, share, mixes))
-    return BBPResult({key: merged[key] for key in states[0]}, widths, assignments)
-
-
-def _output_mixes(
-    spec: PermutationSpec, state: StateDict, share: Tensor, class_counts: Tensor | Sequence[Sequence[float]]
-) -> dict[str, Tensor]:
-    """``K x C`` averaging weights for each output entry with one row per class: each class's share of the
-    clients' counts (the clients' ``share`` for a class nobody holds)."""
-    counts = torch.as_tensor(class_counts, dtype=torch.float64)
-    if (
-        counts.dim() != 2
-        or counts.shape[0] != share.numel()
-        or not bool(torch.isfinite(counts).all())
-        or bool((counts < 0).any())
-    ):
-        raise ValueError(
-            f"class_counts must be a K x C matrix of finite counts >= 0 with K = {share.numel()}, "
-            f"got shape {tuple(counts.shape)}"
-        )
-    outputs = output_keys(spec, state)
-    keys = [key for key in outputs if state[key].shape[0] == counts.shape[1]]
-    if not keys:
-        raise ValueError(
-            f"class_counts has {counts.shape[1]} classes, but no output entry ({sorted(outputs)}) has that many rows"
-        )
-    totals = counts.sum(0)
-    mix = torch.where(totals > 0, counts / totals.clamp(min=1e-300), share[:, None])
-    return dict.fromkeys(keys, mix)
-
-
-def _averaged(clients: Sequence[StateDict], share: Tensor, mixes: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    """Every entry of the clients averaged with ``share`` (or its row-wise weights in ``mixes``); integer
-    entries are taken from the first client."""
-    averaged: dict[str, Tensor] = {}
-    for key, first in clients[0].items():
-        if not first.is_floating_point():
-            averaged[key] = first.clone()
-            continue
-        stacked = torch.stack([client[key].double() for client in clients])
-        mix = mixes.get(key, share)
-        averaged[key] = (mix.reshape(mix.shape + (1,) * (stacked.dim() - mix.dim())) * stacked).sum(0).to(first.dtype)
-    return averaged
-
-
-def _check_weights(clients: int, weights: Sequence[float]) -> None:
+def check_weights(clients: int, weights: Sequence[float]) -> None:
+    """Raise ValueError unless there is one finite weight > 0 per client, and at least one client."""
     if clients < 1 or len(weights) != clients:
         raise ValueError(
             f"need one weight per client and at least one client, got {clients} clients and {len(weights)} weights"
@@ -548,22 +354,8 @@ def _check_weights(clients: int, weights: Sequence[float]) -> None:
         raise ValueError(f"weights must be finite and > 0, got {list(weights)}")
 
 
-def _check_states(states: Sequence[StateDict], weights: Sequence[float], spec: PermutationSpec) -> None:
-    """Raise ValueError unless all states have the first one's keys and shapes and fit ``spec``."""
-    _check_weights(len(states), weights)
-    first = states[0]
-    for index, state in enumerate(states):
-        if set(state) != set(first):
-            raise ValueError(
-                f"client {index}'s state has other keys than client 0's: {sorted(set(state) ^ set(first))[:5]}"
-            )
-        odd = [key for key, tensor in first.items() if state[key].shape != tensor.shape]
-        if odd:
-            raise ValueError(f"client {index}'s entries {odd[:5]} have other shapes than client 0's")
-    spec.group_sizes(first)
-
-
-def _as_generator(generator: torch.Generator | int) -> torch.Generator:
+def as_generator(generator: torch.Generator | int) -> torch.Generator:
+    """``generator`` itself, or a new one seeded with it (an integer)."""
     if isinstance(generator, torch.Generator):
         return generator
     if not is_kind(generator, int):

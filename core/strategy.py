@@ -15,12 +15,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
-from torch import nn
+from torch import Tensor, nn
 
 from core.config import RunConfig
 from core.model_io import to_arrays
 from core.nodes import NodeDirectory
 from core.replies import CONFIG_RECORD, MODEL_RECORD, reply_problem
+from core.sub_models import ClientWidths, first_units
 from core.widths import refuse_mixed_widths
 from models import PermutationSpec
 from models.protocol import ModelHead, head_of
@@ -78,12 +79,18 @@ def weighted_mean(replies: Sequence[Reply]) -> ArrayRecord:
     return ArrayRecord({key: Array(value) for key, value in sums.items()})
 
 
+def states_and_weights(replies: Sequence[Reply]) -> tuple[list[dict[str, Tensor]], list[float]]:
+    """The replies' models as state dicts and their :attr:`Reply.weight`, in the order given: what an algorithm
+    that aligns, fuses or slices the models before averaging them takes."""
+    return [reply.arrays.to_torch_state_dict() for reply in replies], [reply.weight for reply in replies]
+
+
 class ServerStrategy:
     """An algorithm's server side; as it is, FedAvg (the global model is the example-weighted mean).
 
     Subclasses override :meth:`aggregate` and, where the algorithm needs them, :meth:`plan_train` (extra
     records, or other recipients), :meth:`reply_problem` (their extra reply records, named in
-    :attr:`extra_reply_arrays`), :meth:`on_empty_round`, :meth:`round_metrics`, :meth:`describe`,
+    :attr:`extra_reply_arrays`), :meth:`narrow` (with :attr:`client_widths`), :meth:`on_empty_round`, :meth:`round_metrics`, :meth:`describe`,
     :attr:`changes_shapes` and :meth:`state_dict` / :meth:`load_state_dict` (what they carry from round to
     round, named in :attr:`state_keys`). These are all the round runner and the checkpoint read.
     ``context`` is what the ServerApp built; ``settings`` the algorithm's own settings.
@@ -96,6 +103,10 @@ class ServerStrategy:
     mixed_widths: bool = False
     """Whether the algorithm takes clients of other widths than the global model's (``client-widths``,
     :mod:`core.widths`); the others refuse such a run when they are built."""
+    client_widths: ClientWidths | None = None
+    """The models of every client width, which such an algorithm builds in ``__init__`` when it takes them:
+    training messages then go at each client's width (the global model made that width by :meth:`narrow`) and
+    a reply is checked against the model of its width."""
     changes_shapes: bool = False
     """Whether :meth:`aggregate` may return arrays of other shapes than the global model's (FedMA's BBP-MAP
     opens new units): the round runner then checks only that the aggregate is finite, not that it fits."""
@@ -119,12 +130,22 @@ class ServerStrategy:
         sample: Callable[[], list[int]],
         nodes: NodeDirectory,
     ) -> dict[int, RecordDict]:
-        """Node id → training message content; by default the global model to each sampled node."""
+        """Node id → training message content; by default the global model to each sampled node, at the node's
+        width with :attr:`client_widths`."""
+        if self.client_widths is not None:
+            return self.client_widths.plan_train(arrays, config, sample(), nodes, self.narrow)
         return {node: RecordDict({MODEL_RECORD: arrays, CONFIG_RECORD: config}) for node in sample()}
 
     def reply_problem(self, content: RecordDict, reference: ArrayRecord) -> str | None:
         """What is wrong with one training reply, or None; extend it to check the extra records' contents."""
+        if self.client_widths is not None:
+            return self.client_widths.reply_problem(content, self.extra_reply_arrays)
         return reply_problem(content, reference, self.extra_reply_arrays)
+
+    def narrow(self, state: dict[str, Tensor], template: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The global model's ``state`` at the shapes ``template`` of a client of another width (with
+        :attr:`client_widths`); by default its first units (HeteroFL's sub-model)."""
+        return first_units(state, template)
 
     def aggregate(self, server_round: int, replies: list[Reply], reference: ArrayRecord) -> ArrayRecord | None:
         """The next global model from the checked replies (in partition order), or None to keep ``reference``."""

@@ -20,8 +20,9 @@ from core.widths import WIDTH_OPTION, WIDTH_RATE, client_widths, global_width, w
 from plugins.options import ConfigError
 
 if TYPE_CHECKING:
+    from core.config import RunConfig
     from core.nodes import NodeDirectory
-    from core.strategy import RunContext
+    from models import PermutationSpec
 
 
 def _shapes(model: torch.nn.Module) -> dict[str, Tensor]:
@@ -33,15 +34,20 @@ class ClientWidths:
 
     Parameters
     ----------
-    context : RunContext
-        The run; its model must have a permutation description (the server aligns or slices its groups).
+    config : RunConfig
+        The run's configuration (its model, widths and data set).
+    spec : PermutationSpec or None
+        The model's permutation description; required (the server aligns or slices its groups).
+    initial_state : dict of str to Tensor
+        The global model's state at its width.
     nested : bool
         Whether every client's model must fit inside the global model, group by group (HeteroFL's sub-models are
         the first units of every layer); refused otherwise, naming the group and its layer.
     """
 
-    def __init__(self, context: RunContext, nested: bool) -> None:
-        config, spec = context.config, context.spec
+    def __init__(
+        self, config: RunConfig, spec: PermutationSpec | None, initial_state: dict[str, Tensor], nested: bool
+    ) -> None:
         if spec is None:
             raise ConfigError(
                 f"run-config key 'model' = {config.model!r} is not allowed with strategy {config.strategy!r}: the "
@@ -49,7 +55,7 @@ class ClientWidths:
             )
         self.config, self.spec = config, spec
         self.global_width = global_width(config)
-        global_sizes = spec.group_sizes(context.initial_arrays.to_torch_state_dict())
+        global_sizes = spec.group_sizes(initial_state)
         input_shape, num_classes = dataset_info(config.dataset)
         self.templates: dict[float, dict[str, Tensor]] = {}
         for width in sorted(set(client_widths(config)) | {self.global_width}):

@@ -8,8 +8,9 @@ width of a client's model is then ``round(J * width-factor * multiplier)`` as th
 
 Models travel at their client's width: the server sends a narrower (or wider) model, the client's model takes
 the received widths when it loads it (:func:`core.model_io.load_arrays`) and replies at that width. A strategy
-whose server side sets :attr:`core.strategy.ServerStrategy.mixed_widths` handles that and uses
-:class:`core.sub_models.ClientWidths`; every other strategy refuses a run whose widths differ (:func:`refuse_mixed_widths`),
+whose server side sets :attr:`core.strategy.ServerStrategy.mixed_widths` handles that: it builds a
+:class:`core.sub_models.ClientWidths` as its ``client_widths``, and the round's messages and reply checks then go at each client's
+width; every other strategy refuses a run whose widths differ (:func:`refuse_mixed_widths`),
 before anything starts.
 """
 

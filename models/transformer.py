@@ -4,7 +4,7 @@ The network of Holm, Sajjad and Matjasec, "L46 FedMA Project", project report, Â
 
 Tokens: an input ``(C, H, W)`` is read as ``H`` tokens of ``C*W`` features each
 (row ``h`` of every channel is token ``h``). For the one-hot token datasets
-(``(1, length, vocabulary)``, see ``majority-tokens`` in :mod:`core.data`) the
+(``(1, length, vocabulary)``, see ``majority-tokens`` in :mod:`core.data.sources`) the
 linear token embedding is exactly an embedding table lookup (plus a shared
 bias); on images it embeds pixel rows, so the model runs on every dataset.
 

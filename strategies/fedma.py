@@ -80,11 +80,12 @@ from flwr.common.logger import log
 from torch import Tensor, nn
 
 from core.alignment import get_cost, list_costs, moved_share, solve_group, weighted_average
-from core.bbp import BBPSettings, match_group, scatter_group, units_to_entries
+from core.bbp import BBPSettings
+from core.bbp_model import match_group, scatter_group, units_to_entries
 from core.model_io import federated_state
 from core.nodes import NodeDirectory
 from core.replies import CONFIG_RECORD, MODEL_RECORD
-from core.strategy import Reply, RunContext, ServerStrategy
+from core.strategy import Reply, RunContext, ServerStrategy, states_and_weights
 from models import PermutationSpec, permute_state
 from models.protocol import head_of
 from plugins.options import choice, option, option_from, source_settings
@@ -289,8 +290,7 @@ class FedMA(ServerStrategy):
         self.stage, self.client_models = 0, {}
 
     def aggregate(self, server_round: int, replies: list[Reply], reference: ArrayRecord) -> ArrayRecord | None:
-        states = [reply.arrays.to_torch_state_dict() for reply in replies]
-        weights = [reply.weight for reply in replies]
+        states, weights = states_and_weights(replies)
         plan = completion_plan(self.spec, states[0], self.head)
         started = time.perf_counter()
         self.moved = {}

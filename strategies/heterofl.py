@@ -23,17 +23,15 @@ Where this differs from the authors' code:
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, RecordDict
+from flwr.app import ArrayRecord
 from torch import Tensor, nn
 
-from core.nodes import NodeDirectory
-from core.strategy import Reply, RunContext, ServerStrategy
-from core.sub_models import ClientWidths, first_units
+from core.strategy import Reply, RunContext, ServerStrategy, states_and_weights
+from core.sub_models import ClientWidths
 from core.widths import WIDTH_RATE
 from plugins.options import option
 from strategies.base import LocalUpdate
@@ -68,29 +66,12 @@ class HeteroFL(ServerStrategy):
 
     def __init__(self, context: RunContext) -> None:
         super().__init__(context)
-        self.widths = ClientWidths(context, nested=True)
-
-    def plan_train(
-        self,
-        server_round: int,
-        arrays: ArrayRecord,
-        config: ConfigRecord,
-        sample: Callable[[], list[int]],
-        nodes: NodeDirectory,
-    ) -> dict[int, RecordDict]:
-        return self.widths.plan_train(arrays, config, sample(), nodes, first_units)
-
-    def reply_problem(self, content: RecordDict, reference: ArrayRecord) -> str | None:
-        return self.widths.reply_problem(content, self.extra_reply_arrays)
+        self.client_widths = ClientWidths(
+            context.config, context.spec, context.initial_arrays.to_torch_state_dict(), nested=True
+        )  # sub-models: the first units (ServerStrategy.narrow)
 
     def aggregate(self, server_round: int, replies: list[Reply], reference: ArrayRecord) -> ArrayRecord | None:
-        return ArrayRecord(
-            nested_mean(
-                reference.to_torch_state_dict(),
-                [reply.arrays.to_torch_state_dict() for reply in replies],
-                [reply.weight for reply in replies],
-            )
-        )
+        return ArrayRecord(nested_mean(reference.to_torch_state_dict(), *states_and_weights(replies)))
 
 
 def hidden_layers(model: nn.Module) -> list[nn.Module]:

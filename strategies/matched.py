@@ -44,7 +44,7 @@ from flwr.app import ArrayRecord
 from flwr.common.logger import log
 
 from core.alignment import align_and_average, list_costs, moved_share
-from core.strategy import Reply, RunContext, ServerStrategy
+from core.strategy import Reply, RunContext, ServerStrategy, states_and_weights
 from models import PermutationSpec
 from plugins.options import ConfigError, choice, option, option_from, source_settings
 from strategies.base import LocalUpdate
@@ -120,8 +120,7 @@ class Matched(ServerStrategy):
         started = time.perf_counter()
         matched, permutations = align_and_average(
             reference.to_torch_state_dict(),
-            [reply.arrays.to_torch_state_dict() for reply in replies],
-            [reply.weight for reply in replies],
+            *states_and_weights(replies),
             self.spec,
             self.settings.matched_cost,
             self.settings.passes,

@@ -22,18 +22,16 @@ they come from are in that module's notes), and ``otfusion-downsize``.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from logging import INFO
 from typing import Any
 
-from flwr.app import ArrayRecord, ConfigRecord, RecordDict
+from flwr.app import ArrayRecord
 from flwr.common.logger import log
 from torch import Tensor
 
-from core.nodes import NodeDirectory
 from core.ot_fusion import OTSettings, align_onto, ot_fuse
-from core.strategy import Reply, RunContext, ServerStrategy
+from core.strategy import Reply, RunContext, ServerStrategy, states_and_weights
 from core.sub_models import ClientWidths, first_units
 from core.widths import mixed_widths
 from plugins.options import ConfigError, choice, option_from, source_settings
@@ -68,14 +66,6 @@ class OTFusionSettings:
         return source_settings(self, OTSettings)
 
 
-def downsize(
-    state: dict[str, Tensor], template: dict[str, Tensor], spec: Any, settings: OTSettings, how: str
-) -> dict[str, Tensor]:
-    """The global ``state`` at ``template``'s widths: its first units, or fused onto them by OT."""
-    reference = first_units(state, template)
-    return reference if how == "slice" else align_onto(reference, state, spec, settings)[0]
-
-
 class OTFusion(ServerStrategy):
     """FedAvg whose average is taken after carrying every client model onto the global model by OT (module notes)."""
 
@@ -85,36 +75,24 @@ class OTFusion(ServerStrategy):
         super().__init__(context)
         self.spec = permutation_spec(context, "otfusion")
         self.ot = self.settings.transport()
-        self.widths = ClientWidths(context, nested=False) if mixed_widths(context.config) else None
-        if self.widths is not None and not self.ot.past_correction:
+        self.client_widths = (
+            ClientWidths(context.config, context.spec, context.initial_arrays.to_torch_state_dict(), nested=False)
+            if mixed_widths(context.config)
+            else None
+        )
+        if self.client_widths is not None and not self.ot.past_correction:
             raise ConfigError(
                 "run-config key 'otfusion-past-correction' = False is not allowed with clients of different "
                 "widths (client-widths): a fused layer would keep the inputs of the client's width"
             )
         self.off_diagonal: dict[str, float] = {}
 
-    def plan_train(
-        self,
-        server_round: int,
-        arrays: ArrayRecord,
-        config: ConfigRecord,
-        sample: Callable[[], list[int]],
-        nodes: NodeDirectory,
-    ) -> dict[int, RecordDict]:
-        if self.widths is None:
-            return super().plan_train(server_round, arrays, config, sample, nodes)
-        return self.widths.plan_train(
-            arrays,
-            config,
-            sample(),
-            nodes,
-            lambda state, template: downsize(state, template, self.spec, self.ot, self.settings.otfusion_downsize),
-        )
-
-    def reply_problem(self, content: RecordDict, reference: ArrayRecord) -> str | None:
-        if self.widths is None:
-            return super().reply_problem(content, reference)
-        return self.widths.reply_problem(content, self.extra_reply_arrays)
+    def narrow(self, state: dict[str, Tensor], template: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The global ``state`` at ``template``'s widths: its first units, or fused onto them by OT."""
+        reference = first_units(state, template)
+        if self.settings.otfusion_downsize == "slice":
+            return reference
+        return align_onto(reference, state, self.spec, self.ot)[0]
 
     def round_metrics(self) -> dict[str, Any]:
         """Per group, the share of transported mass off the diagonal (mean over the clients of the global width;
@@ -124,13 +102,7 @@ class OTFusion(ServerStrategy):
 
     def aggregate(self, server_round: int, replies: list[Reply], reference: ArrayRecord) -> ArrayRecord | None:
         started = time.perf_counter()
-        fused, maps = ot_fuse(
-            reference.to_torch_state_dict(),
-            [reply.arrays.to_torch_state_dict() for reply in replies],
-            [reply.weight for reply in replies],
-            self.spec,
-            self.ot,
-        )
+        fused, maps = ot_fuse(reference.to_torch_state_dict(), *states_and_weights(replies), self.spec, self.ot)
         shares = [transport.off_diagonal() for transport in maps]
         groups = {group for share in shares for group in share}
         self.off_diagonal = {

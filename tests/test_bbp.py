@@ -1,4 +1,5 @@
-"""BBP-MAP (core/bbp.py): the vectorised matching equals a plain loop-based one, and it has FedMA's properties.
+"""BBP-MAP (core/bbp.py; over a model, core/bbp_model.py): the vectorised matching equals a plain loop-based
+one, and it has FedMA's properties.
 
 The reference below writes the paper's cost (PFNM / FedMA, as in the authors'
 ``matching/pfnm.py``) element by element with Python floats and keeps each
@@ -24,14 +25,8 @@ import torch
 from scipy.optimize import linear_sum_assignment
 from torch import Tensor
 
-from core.bbp import (
-    BBPSettings,
-    bbp_matched_average,
-    extended_cost,
-    match_group,
-    match_units,
-    output_keys,
-)
+from core.bbp import BBPSettings, extended_cost, match_units
+from core.bbp_model import bbp_matched_average, match_group, output_keys
 from models import PanSettings, permute_state, random_permutations
 from models.cnn import POOL, PlainConvNet
 from models.mlp import MLP

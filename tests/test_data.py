@@ -1,4 +1,4 @@
-"""Tests for core.data: the dataset registry, the loaders and the tensor cache.
+"""Tests for core.data: the dataset registry, the loaders (core.data.sources) and the tensor cache.
 
 Everything runs offline: real loaders read tiny files written here in
 torchvision's layouts. Partitioning is tests/test_partitioners.py's.
@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from core import data
+from core.data import sources
 
 pytestmark = pytest.mark.usefixtures("private_tensor_cache")
 
@@ -29,8 +30,8 @@ IDX_STEMS = (
     "t10k-labels-idx1-ubyte",
 )
 needs_debian_fashion_mnist = pytest.mark.skipif(
-    not all((data.DEBIAN_FASHION_MNIST_DIR / f"{stem}.gz").is_file() for stem in IDX_STEMS),
-    reason=f"Fashion-MNIST is not installed in {data.DEBIAN_FASHION_MNIST_DIR} "
+    not all((sources.DEBIAN_FASHION_MNIST_DIR / f"{stem}.gz").is_file() for stem in IDX_STEMS),
+    reason=f"Fashion-MNIST is not installed in {sources.DEBIAN_FASHION_MNIST_DIR} "
     "(apt-get install -y dataset-fashion-mnist)",
 )
 
@@ -220,7 +221,7 @@ def test_fashion_mnist_root_without_files_falls_back_to_debian(tmp_path: Path, n
 def test_fashion_mnist_missing_everywhere(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fresh_dataset_cache: None, no_network: None
 ) -> None:
-    monkeypatch.setattr(data, "DEBIAN_FASHION_MNIST_DIR", tmp_path / "not-installed")
+    monkeypatch.setattr(sources, "DEBIAN_FASHION_MNIST_DIR", tmp_path / "not-installed")
     with pytest.raises(data.DatasetMissingError, match="apt-get install -y dataset-") as info:
         data.check_dataset_available("fashion-mnist", None)
     assert str(tmp_path / "not-installed") in str(info.value)
@@ -236,7 +237,7 @@ def test_mnist_from_torchvision_root(tmp_path: Path, no_network: None) -> None:
     ds = data.load_dataset("mnist", str(tmp_path))
     assert ds.train_x.shape == (20, 1, 28, 28) and ds.test_x.shape == (10, 1, 28, 28)
     assert ds.train_y.dtype == torch.int64 and ds.test_y.tolist() == list(range(10))
-    raw = data._read_idx(tmp_path / "MNIST" / "raw" / "train-images-idx3-ubyte")
+    raw = sources._read_idx(tmp_path / "MNIST" / "raw" / "train-images-idx3-ubyte")
     raw = torch.from_numpy(raw.copy())
     assert torch.allclose(ds.train_x[:, 0], (raw.float() / 255 - 0.1307) / 0.3081, atol=1e-5)
 
@@ -300,7 +301,7 @@ def test_a_failed_download_to_the_default_root_leaves_no_folders(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, offline: None, name: str
 ) -> None:
     home = tmp_path / "home"
-    monkeypatch.setattr(data, "DEFAULT_DATA_ROOT", str(home / ".cache" / "alignfl" / "data"))
+    monkeypatch.setattr(sources, "DEFAULT_DATA_ROOT", str(home / ".cache" / "alignfl" / "data"))
     with pytest.raises(
         data.DatasetMissingError, match="(?s)Downloading them failed \\(offline\\?\\).*offline \\(test\\)"
     ):
@@ -312,7 +313,7 @@ def test_a_failed_download_to_the_default_root_leaves_no_folders(
 def test_a_failed_download_to_an_empty_data_root_leaves_it_empty(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, offline: None, fresh_dataset_cache: None, name: str
 ) -> None:
-    monkeypatch.setattr(data, "DEBIAN_FASHION_MNIST_DIR", tmp_path / "not-installed")
+    monkeypatch.setattr(sources, "DEBIAN_FASHION_MNIST_DIR", tmp_path / "not-installed")
     root = tmp_path / "root"
     root.mkdir()
     (root / "kept.txt").write_text("the user's")

@@ -10,7 +10,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 from torch import nn
 
-from core.bbp import match_group
+from core.bbp_model import match_group
 from core.model_io import federated_state
 from core.strategy import Reply
 from fl_app.config import build_context, parse_run_config

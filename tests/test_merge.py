@@ -9,18 +9,24 @@ import pytest
 import torch
 
 from core.bbp import BBPSettings
-from core.data import load_dataset
+from core.data import ImageDataset, load_dataset
 from fl_app.analysis.__main__ import main
 from fl_app.analysis.merge import merge_accuracies
 from models import build_model, permute_state, random_permutations
 
 
-def test_a_model_merged_with_its_permuted_copy_scores_like_the_model():
+def model_and_permuted_copy() -> tuple[ImageDataset, torch.nn.Module, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The digits, a small MLP, its state, and that state with every group's units randomly permuted."""
     digits = load_dataset("digits")
     torch.manual_seed(0)
     model = build_model("small-mlp", (1, 8, 8), 10)
     spec, state = model.permutation_spec(), model.state_dict()
     permuted = permute_state(spec, state, random_permutations(spec, state, torch.Generator().manual_seed(1)))
+    return digits, model, state, permuted
+
+
+def test_a_model_merged_with_its_permuted_copy_scores_like_the_model():
+    digits, model, state, permuted = model_and_permuted_copy()
     clients, merged, _ = merge_accuracies(
         model, [state, permuted], [1.0, 2.0], digits.test_x, digits.test_y, ["weight", "l1"], 1, torch.device("cpu")
     )
@@ -95,11 +101,7 @@ def test_the_bbp_merge_reports_its_accuracy_and_global_widths(tmp_path, capsys):
 
 
 def test_ot_fusion_merges_a_permuted_copy_back_and_models_of_different_widths_into_the_references():
-    digits = load_dataset("digits")
-    torch.manual_seed(0)
-    model = build_model("small-mlp", (1, 8, 8), 10)
-    spec, state = model.permutation_spec(), model.state_dict()
-    permuted = permute_state(spec, state, random_permutations(spec, state, torch.Generator().manual_seed(1)))
+    digits, model, state, permuted = model_and_permuted_copy()
     clients, merged, _ = merge_accuracies(
         model, [state, permuted], [1.0, 2.0], digits.test_x, digits.test_y, ["ot"], 1, torch.device("cpu")
     )
@@ -117,7 +119,7 @@ def test_ot_fusion_merges_a_permuted_copy_back_and_models_of_different_widths_in
         reference=1,
     )
     assert set(merged) == {"matched-ot", "ensemble"}  # plain and one-to-one averages need equal widths
-    assert widths == spec.group_sizes(state)
+    assert widths == model.permutation_spec().group_sizes(state)
 
 
 def test_the_command_fuses_clients_of_different_widths_by_ot(tmp_path):

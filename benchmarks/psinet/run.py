@@ -83,7 +83,7 @@ def prepare_data(out: Path, test_per_class: int) -> str:
     """
     if test_per_class == 0:
         return ""
-    from core.data import DEBIAN_FASHION_MNIST_DIR, _read_idx
+    from core.data.sources import DEBIAN_FASHION_MNIST_DIR, _read_idx
 
     raw = out / f"data-test{test_per_class}" / "FashionMNIST" / "raw"
     raw.mkdir(parents=True, exist_ok=True)

@@ -49,7 +49,8 @@ from flwr.app import ArrayRecord
 from torch import Tensor, nn
 
 from core.alignment import list_costs, matched_average, weighted_average
-from core.bbp import BBPSettings, bbp_matched_average
+from core.bbp import BBPSettings
+from core.bbp_model import bbp_matched_average
 from core.data import ImageDataset, dataset_info, list_datasets, load_dataset
 from core.model_io import build_model_at, build_run_model, load_arrays
 from core.ot_fusion import OTSettings, ot_fuse
