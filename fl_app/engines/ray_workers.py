@@ -92,7 +92,9 @@ class RayWorkerPool:
         self.started_ray = _start_ray(options)
         count = pool_size(options, ray.cluster_resources())
         threads = max(int(options.worker_cpus), 1)
-        spec = WorkerActor.options(num_cpus=options.worker_cpus, num_gpus=options.worker_gpus)
+        spec = WorkerActor.options(
+            num_cpus=options.worker_cpus, num_gpus=options.worker_gpus, scheduling_strategy="SPREAD"
+        )
         self.actors = [spec.remote(dict(overrides), vectorise, threads) for _ in range(count)]
         self.nodes = dict(zip(self.actors, ray.get([actor.node_id.remote() for actor in self.actors]), strict=True))
         log(INFO, "[alignfl] batched engine: %d Ray worker(s) on %d node(s)", count, len(set(self.nodes.values())))
