@@ -116,37 +116,45 @@ class StackedTrainer:
         return loss + self.penalty([params[n] for n in names], [anchor[n] for n in names])
 
     def run(self, clients: Sequence[ClientSteps]) -> StackedResult:
-        """Every client's steps; clients with a batch left step together, grouped by batch size."""
+        """Every client's steps. The clients are ordered by decreasing number of steps, then decreasing size of
+        the last batch, so that the clients with a batch left at any step, grouped by its size, are contiguous
+        rows of the stacked state: every group steps on views, without copies."""
         count = len(clients)
         if count != len(next(iter(self.params.values()))):
             raise ValueError(f"{count} clients for {len(next(iter(self.params.values())))} starting states")
+        order = sorted(range(count), key=lambda i: (-len(clients[i].batches), -len(clients[i].batches[-1])))
+        ordered = [clients[i] for i in order]
         device = next(iter(self.params.values())).device
-        offsets = torch.tensor([0] + [len(c.y) for c in clients]).cumsum(0).tolist()
-        all_x = torch.cat([c.x.to(device) for c in clients])
-        all_y = torch.cat([c.y.to(device) for c in clients])
-        corrections = self._stacked_corrections(clients)
-        losses: list[list[torch.Tensor]] = [[] for _ in clients]
+        permutation = torch.tensor(order, device=device)
+        for stack in (self.params, self.buffers, self.anchor):
+            for name, tensor in stack.items():
+                stack[name] = tensor.index_select(0, permutation)
+        offsets = torch.tensor([0] + [len(c.y) for c in ordered]).cumsum(0).tolist()
+        all_x = torch.cat([c.x.to(device) for c in ordered])
+        all_y = torch.cat([c.y.to(device) for c in ordered])
+        corrections = self._stacked_corrections(ordered)
+        losses: list[list[torch.Tensor]] = [[] for _ in ordered]
         was_training = self.model.training
         self.model.train()
         try:
-            for step in range(max(len(c.batches) for c in clients)):
-                groups: dict[int, list[int]] = {}
-                for index, client in enumerate(clients):
-                    if step < len(client.batches):
-                        groups.setdefault(len(client.batches[step]), []).append(index)
-                for members in groups.values():
-                    rows = torch.cat([clients[i].batches[step].to(device) + offsets[i] for i in members])
+            for step in range(len(ordered[0].batches)):
+                for first, stop in _runs([len(c.batches[step]) for c in ordered if step < len(c.batches)]):
+                    members = range(first, stop)
+                    rows = torch.cat([ordered[i].batches[step].to(device) + offsets[i] for i in members])
                     xb = all_x.index_select(0, rows).unflatten(0, (len(members), -1))
                     yb = all_y.index_select(0, rows).unflatten(0, (len(members), -1))
-                    group_losses = self._step(step, members, count, xb, yb, corrections)
-                    for i, loss in zip(members, group_losses.unbind()):
+                    group_losses = self._step(step, slice(first, stop), xb, yb, corrections)
+                    for i, loss in zip(members, group_losses.unbind(), strict=True):
                         losses[i].append(loss)
         finally:
             self.model.train(was_training)
         names = self.param_names + self.buffer_names
         stacked = {**self.params, **self.buffers}
-        states = [{n: stacked[n][i] for n in names} for i in range(count)]
-        return StackedResult(states, [torch.stack(c).tolist() if c else [] for c in losses])
+        position = {client: row for row, client in enumerate(order)}
+        return StackedResult(
+            [{n: stacked[n][position[i]] for n in names} for i in range(count)],
+            [torch.stack(losses[position[i]]).tolist() for i in range(count)],
+        )
 
     def _stacked_corrections(self, clients: Sequence[ClientSteps]) -> dict[str, torch.Tensor] | None:
         given = [c.correction is not None for c in clients]
@@ -157,59 +165,42 @@ class StackedTrainer:
         return {n: torch.stack([c.correction[n] for c in clients]) for n in self.param_names}  # type: ignore[index]
 
     def _step(
-        self,
-        step: int,
-        members: list[int],
-        count: int,
-        xb: torch.Tensor,
-        yb: torch.Tensor,
-        corrections: dict[str, torch.Tensor] | None,
+        self, step: int, rows: slice, xb: torch.Tensor, yb: torch.Tensor, corrections: dict[str, torch.Tensor] | None
     ) -> torch.Tensor:
-        """One SGD step of the clients ``members`` (their rows of the stacked state); returns their losses."""
-        everyone = len(members) == count
-        index = None if everyone else torch.tensor(members, device=xb.device)
-
-        def rows(stack: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-            return stack if index is None else {n: t.index_select(0, index) for n, t in stack.items()}
-
-        params, buffers = rows(self.params), rows(self.buffers)
-        grads, loss = self.step_of_client(params, buffers, rows(self.anchor), xb, yb)
+        """One SGD step of the clients in ``rows`` of the stacked state (views, updated in place; BatchNorm's
+        statistics are updated in place under ``vmap``); returns their losses."""
+        params = {n: t[rows] for n, t in self.params.items()}
+        buffers = {n: t[rows] for n, t in self.buffers.items()}
+        grads, loss = self.step_of_client(params, buffers, {n: t[rows] for n, t in self.anchor.items()}, xb, yb)
         with torch.no_grad():
             for name in self.param_names:
                 direction = grads[name]
                 if corrections is not None:
-                    correction = corrections[name]
-                    direction = direction.add_(correction if index is None else correction.index_select(0, index))
+                    direction = direction.add_(corrections[name][rows])
                 if self.weight_decay != 0:
                     direction = direction.add(params[name], alpha=self.weight_decay)
                 if self.momentum != 0:
-                    direction = self._momentum(name, step, index, direction, count)
-                updated = params[name].add(direction, alpha=-self.lr)
-                if index is None:
-                    self.params[name] = updated
-                else:
-                    self.params[name].index_copy_(0, index, updated)
-            if index is not None:  # BatchNorm statistics were updated in the selected copies
-                for name in self.buffer_names:
-                    self.buffers[name].index_copy_(0, index, buffers[name])
+                    direction = self._momentum(name, step, rows, direction)
+                params[name].add_(direction, alpha=-self.lr)
         return loss.detach()
 
-    def _momentum(
-        self, name: str, step: int, index: torch.Tensor | None, direction: torch.Tensor, count: int
-    ) -> torch.Tensor:
+    def _momentum(self, name: str, step: int, rows: slice, direction: torch.Tensor) -> torch.Tensor:
         """``PlainSGD``'s buffer: the first step's direction, then β·buffer + direction."""
+        if name not in self.momentum_buffers:
+            self.momentum_buffers[name] = torch.zeros_like(self.params[name])
+        buffer = self.momentum_buffers[name][rows]
         if step == 0:  # every client's first step is step 0
-            if name not in self.momentum_buffers:
-                self.momentum_buffers[name] = torch.zeros(
-                    (count, *direction.shape[1:]), dtype=direction.dtype, device=direction.device
-                )
-            buffer = direction.clone()
+            buffer.copy_(direction)
         else:
-            previous = self.momentum_buffers[name]
-            buffer = (previous if index is None else previous.index_select(0, index)).mul(self.momentum)
-            buffer.add_(direction, alpha=1.0)
-        if index is None:
-            self.momentum_buffers[name] = buffer
-        else:
-            self.momentum_buffers[name].index_copy_(0, index, buffer)
+            buffer.mul_(self.momentum).add_(direction, alpha=1.0)
         return buffer
+
+
+def _runs(sizes: list[int]) -> list[tuple[int, int]]:
+    """(start, stop) of the runs of equal values in ``sizes``."""
+    runs, first = [], 0
+    for index in range(1, len(sizes) + 1):
+        if index == len(sizes) or sizes[index] != sizes[first]:
+            runs.append((first, index))
+            first = index
+    return runs
