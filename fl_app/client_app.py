@@ -13,7 +13,7 @@ from functools import lru_cache
 from typing import Any
 
 import torch
-from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from torch import nn
 
@@ -119,12 +119,21 @@ def _model(config: RunConfig) -> tuple[nn.Module, torch.device]:
     return build_run_model(config, dataset).to(device), device
 
 
-DataSource = Callable[[RunConfig, int, int], ClientData]
-"""(config, partition id, number of partitions) → the client's data: :func:`client_data`, or a cache of it."""
+@dataclass(frozen=True)
+class Sources:
+    """Where a message's handling gets the client's data (config, partition id, number of partitions → its
+    :class:`ClientData`) and the received arrays' tensors: Flower's ClientApp slices and deserialises per message,
+    a worker that runs many messages may keep them."""
+
+    data: Callable[[RunConfig, int, int], ClientData] = client_data
+    arrays: Callable[[ArrayRecord], dict[str, torch.Tensor]] = ArrayRecord.to_torch_state_dict
+
+
+PER_MESSAGE = Sources()
 
 
 def _receive(
-    message: Message, context: Context, overrides: Mapping[str, Any], data_source: DataSource = client_data
+    message: Message, context: Context, overrides: Mapping[str, Any], sources: Sources = PER_MESSAGE
 ) -> tuple[RunConfig, int, ClientData, nn.Module, torch.device]:
     """Parse the config, locate the partition, set up the client's state (restored in a resumed run) and load
     the received global model."""
@@ -134,10 +143,11 @@ def _receive(
     begin_message(context, config, partition_id, int(message.content["config"]["server-round"]))
     try:
         model, device = _model(config)
-        data = data_source(config, partition_id, num_partitions)
+        data = sources.data(config, partition_id, num_partitions)
     except DatasetMissingError as error:  # on a cluster, which node lacks it
         raise DatasetMissingError(f"this node{where_this_runs()} lacks the data set: {error}") from None
-    load_arrays(model, message.content["arrays"])
+    arrays = message.content["arrays"]
+    load_arrays(model, arrays, sources.arrays(arrays))
     return config, partition_id, data, model, device
 
 
@@ -158,10 +168,10 @@ class TrainJob:
 
 
 def begin_train(
-    message: Message, context: Context, overrides: Mapping[str, Any], data_source: DataSource = client_data
+    message: Message, context: Context, overrides: Mapping[str, Any], sources: Sources = PER_MESSAGE
 ) -> TrainJob:
     """Everything a training message does before its local update trains."""
-    config, partition_id, data, model, device = _receive(message, context, overrides, data_source)
+    config, partition_id, data, model, device = _receive(message, context, overrides, sources)
     if is_holdout(partition_id, int(context.node_config["num-partitions"]), config.holdout_clients):
         raise ValueError(
             f"partition {partition_id} is held out (holdout-clients={config.holdout_clients}) "
@@ -190,19 +200,19 @@ def finish_train(job: TrainJob, metrics: Mapping[str, Any]) -> Message:
 
 
 def train_message(
-    message: Message, context: Context, overrides: Mapping[str, Any], data_source: DataSource = client_data
+    message: Message, context: Context, overrides: Mapping[str, Any], sources: Sources = PER_MESSAGE
 ) -> Message:
     """A training message's reply: the local update of the received model."""
-    job = begin_train(message, context, overrides, data_source)
+    job = begin_train(message, context, overrides, sources)
     metrics = job.update.train(job.model, job.data.train_x, job.data.train_y, job.generator, job.device)
     return finish_train(job, metrics)
 
 
 def evaluate_message(
-    message: Message, context: Context, overrides: Mapping[str, Any], data_source: DataSource = client_data
+    message: Message, context: Context, overrides: Mapping[str, Any], sources: Sources = PER_MESSAGE
 ) -> Message:
     """An evaluate message's reply: the client's scores of the received model on its local test split."""
-    config, partition_id, data, model, device = _receive(message, context, overrides, data_source)
+    config, partition_id, data, model, device = _receive(message, context, overrides, sources)
     new_client = is_holdout(partition_id, int(context.node_config["num-partitions"]), config.holdout_clients)
     update = get_strategy(config.strategy).client(config, context, message.content)
     # Every reply has the same keys (Flower aggregates only those); a new client's ``local-*`` scores

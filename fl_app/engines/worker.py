@@ -17,7 +17,7 @@ from logging import WARNING
 from typing import Any
 
 import torch
-from flwr.app import Context, Error, Message, MessageType
+from flwr.app import ArrayRecord, Context, Error, Message, MessageType
 from flwr.common.constant import ErrorCode
 from flwr.common.logger import log
 
@@ -26,6 +26,7 @@ from core.training import batch_order
 from core.vectorised import ClientSteps, StackedTrainer, stacked_state_names
 from fl_app.client_app import (
     ClientData,
+    Sources,
     TrainJob,
     begin_train,
     client_data,
@@ -54,6 +55,8 @@ class Worker:
         self._data: dict[tuple[RunConfig, int, int], ClientData] = {}
         self._device_data: dict[tuple[RunConfig, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._fell_back = False
+        self._received: dict[int, tuple[ArrayRecord, dict[str, torch.Tensor]]] = {}
+        self.sources = Sources(self.data, self.arrays)
 
     def data(self, config: RunConfig, partition_id: int, num_partitions: int) -> ClientData:
         """A client's data, sliced once per worker."""
@@ -62,8 +65,21 @@ class Worker:
             self._data[key] = client_data(config, partition_id, num_partitions)
         return self._data[key]
 
+    def arrays(self, record: ArrayRecord) -> dict[str, torch.Tensor]:
+        """A received ArrayRecord's tensors, deserialised once per :meth:`run` (a round's messages share one)."""
+        if id(record) not in self._received:
+            self._received[id(record)] = (record, record.to_torch_state_dict())
+        return self._received[id(record)][1]
+
     def run(self, jobs: Sequence[Job]) -> list[Message]:
         """One reply per message, in the order given; ``context.state`` of each node is updated in place."""
+        self._received = {}
+        try:
+            return self._run(jobs)
+        finally:
+            self._received = {}
+
+    def _run(self, jobs: Sequence[Job]) -> list[Message]:
         replies: list[Message | None] = [None] * len(jobs)
         stacked = [
             i for i, (m, _) in enumerate(jobs) if self.vectorise and m.metadata.message_type == MessageType.TRAIN
@@ -80,9 +96,9 @@ class Worker:
         try:
             kind = message.metadata.message_type
             if kind == MessageType.TRAIN:
-                return train_message(message, context, self.overrides, self.data)
+                return train_message(message, context, self.overrides, self.sources)
             if kind == MessageType.EVALUATE:
-                return evaluate_message(message, context, self.overrides, self.data)
+                return evaluate_message(message, context, self.overrides, self.sources)
             if kind == MessageType.QUERY:
                 return query_message(message, context)
             raise ValueError(f"message type {kind!r} is not one this ClientApp handles (train, evaluate, query)")
@@ -96,7 +112,7 @@ class Worker:
         groups: dict[tuple[Any, ...], list[tuple[int, TrainJob, dict[str, torch.Tensor]]]] = {}
         for index, (message, context) in enumerate(jobs):
             try:
-                job = begin_train(message, context, self.overrides, self.data)
+                job = begin_train(message, context, self.overrides, self.sources)
                 if job.update.not_vectorised is not None:
                     continue
                 start = stack_start(job)
