@@ -84,7 +84,7 @@ def test_a_client_that_raises_is_dropped_with_its_reason_and_the_others_train(ve
 
 @pytest.mark.slow
 def test_ray_workers_give_the_in_process_workers_rows(tmp_path):
-    from fl_app.engines.ray_workers import RayOptions
+    from fl_app.engines.grid import RayOptions
 
     values = _values("scaffold", tmp_path, "inprocess")
     run_batched(values, 6, vectorise="off")

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from fl_app.engines.batched import run_batched
-from fl_app.engines.ray_workers import RayOptions
+from fl_app.engines.grid import RayOptions
 from fl_app.local_ray import local_ray_cluster
 
 pytestmark = pytest.mark.slow

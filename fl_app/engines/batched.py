@@ -10,14 +10,11 @@ long-lived Ray actors (on a cluster with ``address``).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fl_app.config import parse_run_config
-from fl_app.engines.grid import BatchedGrid, InProcessPool, WorkerPool, describe_choice, vectorise_choice
+from fl_app.engines.grid import BatchedGrid, InProcessPool, RayOptions, WorkerPool, describe_choice, vectorise_choice
 from fl_app.server_app import run_experiment
-
-if TYPE_CHECKING:
-    from fl_app.engines.ray_workers import RayOptions
 
 
 def run_batched(
@@ -39,3 +36,19 @@ def run_batched(
         return run_experiment(BatchedGrid(pool, num_nodes), config)  # type: ignore[arg-type]
     finally:
         pool.close()
+
+
+def ray_options(
+    workers: int | None,
+    address: str | None,
+    client_cpus: float = 1.0,
+    client_gpus: float = 0.0,
+    ray_cpus: int | None = None,
+    ray_gpus: float | None = None,
+) -> RayOptions | None:
+    """The batched engine's workers as the launcher's and the sweeps' settings ask for them: one worker in this
+    process (no ``workers``, no ``address``), else Ray actors of ``client_cpus``/``client_gpus`` each, ``workers``
+    of them (None: as many as fit) on a Ray of this process's own or on the cluster at ``address``."""
+    if workers is None and address is None:
+        return None
+    return RayOptions(address, ray_cpus, ray_gpus, client_cpus, client_gpus, workers)

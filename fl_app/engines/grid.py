@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from logging import INFO
 from typing import Any, Protocol
 
@@ -28,6 +29,20 @@ from fl_app.inprocess import FIRST_NODE_ID, NODE_ID_STRIDE, set_task_identity
 from strategies import get_strategy
 
 VECTORISE_CHOICES = ("auto", "off")
+
+
+@dataclass(frozen=True)
+class RayOptions:
+    """Where the actors run and what each holds: ``address`` of a running cluster (None: a Ray of this process's
+    own, capped at ``num_cpus``/``num_gpus`` when given), resources per actor, and how many actors (None: as many
+    as the cluster's CPUs, and GPUs if asked for, hold)."""
+
+    address: str | None = None
+    num_cpus: int | None = None
+    num_gpus: float | None = None
+    worker_cpus: float = 1.0
+    worker_gpus: float = 0.0
+    num_workers: int | None = None
 
 
 class WorkerPool(Protocol):

@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from logging import INFO, WARNING
 from typing import Any
 
@@ -23,21 +22,8 @@ from flwr.app import Error, Message, RecordDict
 from flwr.common.constant import ErrorCode
 from flwr.common.logger import log
 
+from fl_app.engines.grid import RayOptions
 from fl_app.engines.worker import Job, Worker
-
-
-@dataclass(frozen=True)
-class RayOptions:
-    """Where the actors run and what each holds: ``address`` of a running cluster (None: a Ray of this process's
-    own, capped at ``num_cpus``/``num_gpus`` when given), resources per actor, and how many actors (None: as many
-    as the cluster's CPUs, and GPUs if asked for, hold)."""
-
-    address: str | None = None
-    num_cpus: int | None = None
-    num_gpus: float | None = None
-    worker_cpus: float = 1.0
-    worker_gpus: float = 0.0
-    num_workers: int | None = None
 
 
 @ray.remote
