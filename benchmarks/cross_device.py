@@ -92,7 +92,9 @@ def plain_run(config: RunConfig, num_clients: int) -> list[dict[str, Any]]:
             model.load_state_dict(global_state, strict=False)
             generator = round_generator(config.seed, server_round, pid)
             torch.manual_seed(int(torch.randint(0, 2**62, (1,), generator=generator)))
-            optimizer = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum)
+            optimizer = torch.optim.SGD(
+                model.parameters(), lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay
+            )
             model.train()
             for xb, yb in iterate_batches(train_x, train_y, config.batch_size, generator):
                 optimizer.zero_grad(set_to_none=True)

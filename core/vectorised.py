@@ -178,7 +178,7 @@ class StackedTrainer:
                 if corrections is not None:
                     direction = direction.add_(corrections[name][rows])
                 if self.weight_decay != 0:
-                    direction = direction.add(params[name], alpha=self.weight_decay)
+                    direction = direction.add_(params[name], alpha=self.weight_decay)  # grads are ours: in place
                 if self.momentum != 0:
                     direction = self._momentum(name, step, rows, direction)
                 params[name].add_(direction, alpha=-self.lr)
