@@ -36,7 +36,7 @@ from typing import Any
 
 from benchutil import append_jsonl, machine, median, read_jsonl, round_seconds, write_report
 
-from fl_app.topology import node_poll_interval
+from fl_app.patches.polling_supernode import node_poll_interval
 
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = str(ROOT / ".venv" / "bin" / "python") if (ROOT / ".venv" / "bin" / "python").exists() else sys.executable
@@ -54,7 +54,7 @@ ENDED = re.compile(r"ClientApp process pid \d+ ended with code 0 after ([\d.]+) 
 
 
 def valid_setup(setup: str) -> bool:
-    """Whether ``setup`` is ``EXECUTOR/NODE-POLL[/file]`` with values ``fl_app.deploy`` takes."""
+    """Whether ``setup`` is ``EXECUTOR/NODE-POLL[/file]`` with values ``fl_app.runtime.deploy`` takes."""
     executor, _, rest = setup.partition("/")
     poll, _, state = rest.partition("/")
     try:
@@ -94,7 +94,7 @@ def warm_startup_cpu_s(samples: int) -> tuple[list[float], float]:
     from flwr.supercore.constant import TaskType
     from flwr.supercore.superexec.executor import ExecutionSpec
 
-    from fl_app.warm_executor import WarmExecutor
+    from fl_app.patches.warm_executor import WarmExecutor
 
     before = children_cpu_s()
     executor = WarmExecutor(["--target", "deploy_round:clientapp_startup"])
@@ -140,7 +140,7 @@ def process_table() -> dict[int, tuple[int, float, str]]:
 
 
 def service_kind(command: str, superlink_port: str) -> str:
-    """Which part of the deployment a direct child of ``fl_app.deploy`` is."""
+    """Which part of the deployment a direct child of ``fl_app.runtime.deploy`` is."""
     if "flower-superlink" in command:
         return "SuperLink"
     if "supernode" in command:
@@ -159,7 +159,7 @@ def service_kind(command: str, superlink_port: str) -> str:
 
 def service_cpu_s(deploy_pid: int) -> dict[str, float]:
     """CPU-seconds so far of each kind of service the deployment started (each with every descendant, alive or
-    waited for), and of ``fl_app.deploy`` itself."""
+    waited for), and of ``fl_app.runtime.deploy`` itself."""
     table = process_table()
     children: dict[int, list[int]] = {}
     for pid, (parent, _, _) in table.items():

@@ -23,8 +23,8 @@ from pathlib import Path
 from flwr.app import Message, MessageType, RecordDict
 from flwr.server.superlink.linkstate import InMemoryLinkState
 
-from fl_app import flower_runtime
 from fl_app.inprocess import set_task_identity
+from fl_app.patches import flower_runtime
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from flower_state import simulation_state

@@ -29,7 +29,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fl_app.sweep_report import collect  # noqa: E402
+from fl_app.sweeps.report import collect  # noqa: E402
 
 DEFAULT_OUT = Path.home() / "alignfl-results" / "sweeps" / "presets"
 MACHINE = ("sim.ray_cpus=2", "sim.torch_threads=1")

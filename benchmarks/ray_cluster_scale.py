@@ -1,6 +1,6 @@
 """Scale on a Ray cluster: 1,000 clients, 1 % per round, on two Ray nodes against the same on one node.
 
-Both clusters are started on this machine (:mod:`fl_app.local_ray`) with the same total CPUs: one node with
+Both clusters are started on this machine (:mod:`fl_app.runtime.local_ray`) with the same total CPUs: one node with
 ``2 * cpus`` CPUs, or a head and a second node with ``cpus`` each. The simulation (the product's ServerApp and
 ClientApp through Flower's ``run_simulation``, as ``python -m fl_app.sweep sim.ray_address=...`` runs them)
 joins the cluster from this process. Per layout: each round's time (``elapsed-s`` differences), where the
@@ -23,8 +23,8 @@ from typing import Any
 from benchutil import append_jsonl, machine, round_seconds, run_metrics, write_report
 
 from fl_app.config import parse_run_config
-from fl_app.local_ray import local_ray_cluster
-from fl_app.sweep import SimSettings, simulate
+from fl_app.runtime.local_ray import local_ray_cluster
+from fl_app.sweeps.sweep import SimSettings, simulate
 
 EXPERIMENT = {
     "strategy": "fedavg",

@@ -19,6 +19,7 @@ onto each other mechanically (:func:`hydra_leaf`, :func:`key_of_path`).
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -95,7 +96,7 @@ class RunSection:
     log_divergence: bool = option(False, "log per-layer weight divergence of the clients' models every round")
     results_dir: str = option(
         "",
-        "where run folders go (absolute; empty: ~/alignfl-results)",
+        "where run folders go (absolute; empty: $ALIGNFL_RESULTS, else ~/alignfl-results)",
         **_absolute_or_empty("the app runs from a copy in another directory"),
     )
     run_name: str = option(
@@ -334,6 +335,20 @@ def key_of_path(section: str, leaf: str, keys: set[str]) -> str | None:
     return None
 
 
+RESULTS_ENV = "ALIGNFL_RESULTS"
+"""The environment variable that moves the default results root (``conf/config.yaml``'s Hydra folders read it too)."""
+
+
+def default_results_root() -> Path:
+    """The one folder every kind of run writes under by default: ``$ALIGNFL_RESULTS`` or ``~/alignfl-results``.
+
+    The launcher, ``deploy``, a plain ``flwr run``, sweeps (``<root>/sweeps/``) and the analysis tools
+    (``<root>/analysis/``) share it, so results are in one place whatever started the run.
+    """
+    given = os.environ.get(RESULTS_ENV)
+    return Path(given).expanduser().resolve() if given else Path.home() / "alignfl-results"
+
+
 def results_root(config: RunConfig) -> Path:
-    """Where run folders go: ``results-dir`` or ``~/alignfl-results``."""
-    return Path(config.results_dir) if config.results_dir else Path.home() / "alignfl-results"
+    """Where run folders go: ``results-dir``, else :func:`default_results_root`."""
+    return Path(config.results_dir) if config.results_dir else default_results_root()

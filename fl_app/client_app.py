@@ -27,7 +27,7 @@ from core.replies import MODEL_RECORD, NEW_CLIENT, NUM_EXAMPLES
 from core.training import round_generator, select_device
 from fl_app.config import parse_run_config
 from fl_app.node_state import begin_message, end_train
-from fl_app.ray_cluster import RAY_NODE_RECORD, ray_placement, where_this_runs
+from fl_app.results import RAY_NODE_RECORD, ray_placement, where_this_runs
 from strategies import get_strategy
 from strategies.base import LocalUpdate
 

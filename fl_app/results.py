@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -27,7 +28,6 @@ from core.divergence import divergence_by_layer, weight_divergence
 from core.replies import MODEL_RECORD, NEW_CLIENT
 from core.rounds import Participation
 from fl_app.provenance import git_commit
-from fl_app.ray_cluster import RAY_NODE_RECORD, joined_ray_cluster
 
 GlobalEvaluation = Callable[[ArrayRecord], tuple[float, float]]
 
@@ -57,6 +57,40 @@ def _client_values(records: list[RecordDict], key: str) -> dict[str, float]:
         if "partition-id" in metrics and key in metrics:
             values[str(int(metrics["partition-id"]))] = float(metrics[key])
     return dict(sorted(values.items(), key=lambda item: int(item[0])))
+
+
+# --- where clients ran ---
+
+RAY_NODE_RECORD = "ray-node"
+"""The ConfigRecord of a training reply that says on which Ray node the client ran (``node-id``, ``address``)."""
+
+
+def ray_placement() -> dict[str, str] | None:
+    """The Ray node this code runs on (``node-id``, ``address``) when it runs in a Ray worker, else None. Ray is
+    not imported here: a process that has not loaded it is not a Ray worker."""
+    ray: Any = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return None
+    context = ray.get_runtime_context()
+    if context.get_actor_id() is None and context.worker.mode != ray.WORKER_MODE:
+        return None
+    return {"node-id": context.get_node_id(), "address": ray.util.get_node_ip_address()}
+
+
+def where_this_runs() -> str:
+    """`` on Ray node <id> (<address>)`` inside a Ray worker, else an empty string: for error messages."""
+    placement = ray_placement()
+    return f" on Ray node {placement['node-id']} ({placement['address']})" if placement else ""
+
+
+def joined_ray_cluster() -> bool:
+    """Whether this process is a Ray driver that joined a running cluster (not a Ray it started itself, whose
+    one node says nothing worth recording). Ray is not imported here."""
+    ray: Any = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return False
+    node = getattr(ray._private.worker, "_global_node", None)
+    return node is not None and not node.head
 
 
 def _ray_nodes(records: list[RecordDict]) -> dict[str, dict[str, str]]:

@@ -23,7 +23,7 @@ from core.rounds import MetricAggregation, RoundRunner
 from core.training import evaluate, seed_everything, select_device
 from fl_app.checkpoint import Checkpoint, capture, resume_checkpoint, save_checkpoint
 from fl_app.config import ConfigError, build_context, parse_run_config
-from fl_app.object_pulls import retry_object_pulls_sooner
+from fl_app.patches.object_pulls import retry_object_pulls_sooner
 from fl_app.progress import RoundProgress
 from fl_app.results import RoundRecorder, finish_run, make_run_folder, write_json
 from fl_app.tracking import Tracking, check_tracking
@@ -137,19 +137,19 @@ def run_experiment(grid: Grid, config: RunConfig, partition_table: PartitionTabl
 
 
 def _simulation_partition_table(grid: Grid) -> PartitionTable | None:
-    """Flower's simulation runtime prepared (:func:`fl_app.flower_runtime.prepare_simulation`) when ``grid`` is its
+    """Flower's simulation runtime prepared (:func:`fl_app.patches.flower_runtime.prepare_simulation`) when ``grid`` is its
     in-memory grid. That module loads Flower's SuperLink state (about 1 s of imports), which a deployed ServerApp
     never needs, so it is imported only where the grid's own module is loaded already."""
     if "flwr.superlink.grid.inmemory_grid" not in sys.modules:
         return None
-    from fl_app.flower_runtime import prepare_simulation
+    from fl_app.patches.flower_runtime import prepare_simulation
 
     return prepare_simulation(grid)
 
 
 def _retry_reply_pulls_sooner() -> None:
     """A deployed ServerApp (Flower's HTTP grid, whose module is then loaded) pulls replies' objects with retries
-    after 0.05 s instead of 1 s (:mod:`fl_app.object_pulls`); the simulation's grid pulls none."""
+    after 0.05 s instead of 1 s (:mod:`fl_app.patches.object_pulls`); the simulation's grid pulls none."""
     if "flwr.superlink.grid.http_grid" not in sys.modules:
         return
     problem = retry_object_pulls_sooner()

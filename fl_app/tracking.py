@@ -48,7 +48,7 @@ SUMMARY_KEY = "tracking"
 EXPERIMENT = "alignfl"
 INSTALL_MLFLOW = "pip install 'alignfl[mlflow]'"
 PARENT_RUN_ENV = "ALIGNFL_MLFLOW_PARENT_RUN_ID"
-"""Set by a sweep job (:mod:`fl_app.sweep_tracking`): the MLflow run the job's run is a child of."""
+"""Set by a sweep job (:mod:`fl_app.sweeps.tracking`): the MLflow run the job's run is a child of."""
 RUN_NAME_ENV = "ALIGNFL_MLFLOW_RUN_NAME"
 """Set by a sweep job: the child run's name (its overrides)."""
 ARTIFACTS = ("config.json", "metrics.jsonl", "model.pt")

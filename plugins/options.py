@@ -68,7 +68,7 @@ def key_of(settings: type, name: str) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Setting:
-    """One field of a settings class, as the schema, the generated configs and the README table see it."""
+    """One field of a settings class, as the schema, the generated configs and the generated key tables see it."""
 
     key: str
     name: str

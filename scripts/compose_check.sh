@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The real compose deployment, end to end, on this machine (root, Debian; not part of CI). This script sets the
-# machine up; the scenarios are Python (fl_app/compose_check.py), run on the deployment code of fl_app:
+# machine up; the scenarios are Python (tests/compose_scenarios.py), run on the deployment code of fl_app:
 #   1. tools: Docker engine (Debian docker.io), Compose v2 and buildx (Debian trixie's docker-compose and
 #      docker-buildx packages unpacked into $DOCKER_CONFIG/cli-plugins) where absent; the project's .venv
 #      (scripts/setup.sh) for the flwr CLI, unless PYTHON names an interpreter that has them
@@ -9,7 +9,7 @@
 #   3. base image: Flower's flwr/superexec:1.42.0-py3.11-ubuntu24.04 where it can be had; else a stand-in
 #      with its layout (docker/base.Dockerfile on a debootstrap minbase bookworm rootfs), reused once built
 #   4. the project image (Dockerfile) on that base: host network, this machine's CA bundle as build secret
-#   5. python -m fl_app.compose_check: plain stack (docker-compose.yml), 3 SuperNodes online, a run of $ROUNDS
+#   5. tests/compose_scenarios.py: plain stack (docker-compose.yml), 3 SuperNodes online, a run of $ROUNDS
 #      rounds on digits (MLP); a run in which one SuperNode's containers are killed after round 1 must still
 #      complete; `down -v`; python -m fl_app.deploy (what ./scripts/deploy.sh runs: the same topology as local
 #      processes) with the same seed and run config, final accuracies compared; TLS + SuperNode authentication
@@ -139,7 +139,7 @@ step_tools() {
     ./scripts/setup.sh >"$LOGS/setup.log" 2>&1 || { tail_of "$LOGS/setup.log"; NOTE="scripts/setup.sh failed"; return 1; }
     PYTHON=$ROOT/.venv/bin/python
   fi
-  "$PYTHON" -c 'import fl_app.compose_check, flwr' 2>"$LOGS/python.log" \
+  PYTHONPATH="$ROOT/tests:$ROOT" "$PYTHON" -c 'import compose_scenarios, flwr' 2>"$LOGS/python.log" \
     || { tail_of "$LOGS/python.log"; NOTE="$PYTHON cannot import the project and flwr"; return 1; }
   NOTE="docker $(docker version --format '{{.Client.Version}}' 2>/dev/null) client, compose $(docker compose version --short), buildx $(docker buildx version | awk '{print $2}')${missing[*]:+; installed ${missing[*]}}${plugins[*]:+; plugins ${plugins[*]} from trixie}"
   return 0
@@ -259,14 +259,14 @@ step_image() {
   return 0
 }
 
-# --- 5. the scenarios (fl_app/compose_check.py) ---
+# --- 5. the scenarios (tests/compose_scenarios.py) ---
 
 # in the background, so that a stop signal reaches this script's trap at once, which passes it on and waits
 SCENARIOS_PID=""
 run_scenarios() {  # its steps go to $WORK/steps.tsv, which the report reads (scenario_steps)
-  log "$PYTHON -m fl_app.compose_check (log lines below; its steps are in the report)"
+  log "$PYTHON tests/compose_scenarios.py (log lines below; its steps are in the report)"
   # its defaults are the settings' own: only the variables that are set are passed
-  (cd "$ROOT" && exec "$PYTHON" -m fl_app.compose_check --work-dir "$WORK" ${ROUNDS:+--rounds "$ROUNDS"} \
+  (cd "$ROOT" && PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" exec "$PYTHON" tests/compose_scenarios.py --work-dir "$WORK" ${ROUNDS:+--rounds "$ROUNDS"} \
      ${SEED:+--seed "$SEED"} ${RUN_TIMEOUT_S:+--run-timeout "$RUN_TIMEOUT_S"} \
      ${KILL_MIN_NODES:+--kill-min-nodes "$KILL_MIN_NODES"} ${KILL_ROUNDS:+--kill-rounds "$KILL_ROUNDS"} \
      ${COMPARE_TOL:+--compare-tol "$COMPARE_TOL"} --skip "$SKIP") &
@@ -275,7 +275,7 @@ run_scenarios() {  # its steps go to $WORK/steps.tsv, which the report reads (sc
   SCENARIOS_PID=""
 }
 
-scenario_steps() {  # fl_app/compose_check.py's records (result, seconds, step, note; or a note), into the report
+scenario_steps() {  # tests/compose_scenarios.py's records (result, seconds, step, note; or a note), into the report
   local result secs name note
   [ -f "$WORK/steps.tsv" ] || return 0
   while IFS=$'\t' read -r result secs name note; do

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from core.config import RESULTS_ENV
 from core.data import load_dataset
 from core.model_io import federated_state
 from fl_app.analysis import (
@@ -29,6 +30,7 @@ from fl_app.analysis import (
     weight_divergence,
 )
 from fl_app.analysis.__main__ import SUBCOMMANDS, main
+from fl_app.analysis.common import check_out_dir
 from fl_app.analysis.shuffle import gaussian_inputs
 from fl_app.config import parse_run_config
 from models import PanSettings, PermutationSpec, build_model, list_models
@@ -531,3 +533,8 @@ def test_cli_refuses_a_folder_without_model(tmp_path, capsys):
     (tmp_path / "run").mkdir()
     assert main(["matching-ratio", "--global-model", str(tmp_path / "run"), "--out", str(tmp_path / "o")]) == 2
     assert "model.pt' is missing" in capsys.readouterr().err
+
+
+def test_a_tool_writes_under_the_results_root_of_every_run(tmp_path, monkeypatch):
+    monkeypatch.setenv(RESULTS_ENV, str(tmp_path))
+    assert check_out_dir(None, "merge").parent == tmp_path / "analysis"

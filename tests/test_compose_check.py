@@ -5,10 +5,10 @@ import json
 import subprocess
 from pathlib import Path
 
+import compose_scenarios
+import compose_stack
 import pytest
-
-from fl_app import compose_check
-from fl_app.compose_check import (
+from compose_scenarios import (
     CheckEnded,
     ComposeCheck,
     Recorder,
@@ -53,9 +53,9 @@ def test_a_failed_stack_start_skips_the_rest_and_still_takes_down_what_is_left(t
         calls.append(args)
         return subprocess.CompletedProcess(args, 0, "", "")
 
-    monkeypatch.setattr(compose_check.Stack, "up", up)
-    monkeypatch.setattr(compose_check.Stack, "compose", compose)
-    monkeypatch.setattr(compose_check, "project_leftovers", lambda: leftovers.pop(0))
+    monkeypatch.setattr(compose_stack.Stack, "up", up)
+    monkeypatch.setattr(compose_stack.Stack, "compose", compose)
+    monkeypatch.setattr(compose_scenarios, "project_leftovers", lambda: leftovers.pop(0))
     (tmp_path / "logs").mkdir()
     recorder = Recorder(tmp_path / "steps.tsv")
     ComposeCheck(Settings(tmp_path), recorder).run()
@@ -96,8 +96,8 @@ def test_a_run_must_be_served_by_faster_supernodes_and_warm_clientapp_processes(
         asked.append(args)
         return subprocess.CompletedProcess(args, 0, logs, "")
 
-    monkeypatch.setattr(compose_check.Stack, "compose", compose)
-    stack = compose_check.Stack(compose_check.PLAIN, tmp_path, "plain")
+    monkeypatch.setattr(compose_stack.Stack, "compose", compose)
+    stack = compose_stack.Stack(compose_stack.PLAIN, tmp_path, "plain")
     if problem is None:
         assert stack.served_by_warm_processes() == (
             "3 SuperNodes asking every 0.5 s, 3 warm ClientApp parents, 2 warm ClientApp processes ended with code 0"

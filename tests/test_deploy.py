@@ -1,4 +1,4 @@
-"""The deployment: docker-compose.yml and compose.tls.yml against fl_app/topology.py's commands, early refusals
+"""The deployment: docker-compose.yml and compose.tls.yml against fl_app/runtime/topology.py's commands, early refusals
 and the service watch (fast), and the same topology as real processes on loopback (slow: FedAvg and SCAFFOLD
 across 3 SuperNodes, a SuperNode killed mid-run with every default, the SuperLink killed mid-run and the run
 resumed with the printed command, TLS with SuperNode authentication)."""
@@ -25,16 +25,17 @@ from cryptography import x509
 from cryptography.hazmat.primitives.serialization import load_ssh_private_key, load_ssh_public_key
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from fl_app import deploy
-from fl_app import deployment as deployment_module
 from fl_app.checkpoint import CHECKPOINT, config_differences
 from fl_app.config import parse_run_config
-from fl_app.deployment import Deployment, deployment, partner_of, resume_command
-from fl_app.flwr_cli import PROJECT_ROOT, online_supernodes, parse_overrides
-from fl_app.launch import prepare_config, report_outcome
 from fl_app.provenance import checkout_commit
-from fl_app.superlink import free_port, trust, wait_until
-from fl_app.topology import (
+from fl_app.runtime import deploy
+from fl_app.runtime import deployment as deployment_module
+from fl_app.runtime.common import PROJECT_ROOT, free_port
+from fl_app.runtime.deployment import Deployment, deployment, partner_of, resume_command
+from fl_app.runtime.flwr_cli import online_supernodes, parse_overrides
+from fl_app.runtime.launch import prepare_config, report_outcome
+from fl_app.runtime.superlink import trust, wait_until
+from fl_app.runtime.topology import (
     Topology,
     clientapp_executor_command,
     compose_topology,
@@ -70,7 +71,7 @@ def compose_services(tls: bool) -> dict[str, dict]:
 
 
 def expected_commands(topology: Topology) -> dict[str, list[str]]:
-    """Every service's argv as fl_app/topology.py builds it, by compose service name."""
+    """Every service's argv as fl_app/runtime/topology.py builds it, by compose service name."""
     commands = {"superlink": superlink_command(topology), "superexec-serverapp": serverapp_executor_command(topology)}
     for node in range(topology.num_supernodes):
         commands[f"supernode-{node}"] = supernode_command(topology, node)
@@ -220,7 +221,7 @@ def test_the_executor_is_warm_unless_flowers_own_is_asked_for_and_a_resumed_run_
     assert clientapp_executor_command(topology, 1)[:4] == [
         "python",
         "-m",
-        "fl_app.warm_superexec",
+        "fl_app.patches.warm_superexec",
         "--runtime-api-address",
     ]
     own = replace(topology, executor="flower")
@@ -237,7 +238,13 @@ def test_the_executor_is_warm_unless_flowers_own_is_asked_for_and_a_resumed_run_
 
 def test_supernodes_poll_every_half_second_unless_flowers_own_is_asked_for_and_a_resumed_run_keeps_it(tmp_path, capsys):
     topology = loopback_topology(2, tmp_path)
-    assert supernode_command(topology, 1)[:5] == ["python", "-m", "fl_app.polling_supernode", "--poll-interval", "0.5"]
+    assert supernode_command(topology, 1)[:5] == [
+        "python",
+        "-m",
+        "fl_app.patches.polling_supernode",
+        "--poll-interval",
+        "0.5",
+    ]
     own = replace(topology, node_poll_s=None)
     assert supernode_command(own, 1)[0] == "flower-supernode"
     assert supernode_command(own, 1)[1:] == supernode_command(topology, 1)[5:]

@@ -8,8 +8,8 @@ import torch
 from flwr.simulation import run_simulation
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from fl_app import launch
 from fl_app.client_app import build_client_app
+from fl_app.runtime import launch
 from fl_app.server_app import build_server_app
 from models import build_model
 

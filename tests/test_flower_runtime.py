@@ -16,11 +16,12 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.simulation import run_simulation
 from flwr.supercore.task_identity import TaskIdentity
 
-import fl_app
+import fl_app.patches
 from core.nodes import send_and_receive, wait_for_nodes
-from fl_app import flower_runtime, server_app
+from fl_app import server_app
 from fl_app.client_app import build_client_app
 from fl_app.inprocess import InProcessGrid
+from fl_app.patches import flower_runtime
 
 
 @pytest.fixture(autouse=True)
@@ -122,9 +123,9 @@ def test_a_flower_without_one_of_its_internals_falls_back_with_the_warning(
     Flower's own lookup with the warning, and the ServerApp's simulation path asks every node."""
     grid, _, _ = simulation_state(3)
     monkeypatch.setitem(sys.modules, internal, None)  # importing from it now raises ImportError
-    monkeypatch.delitem(sys.modules, "fl_app.flower_runtime")
-    monkeypatch.setattr(fl_app, "flower_runtime", flower_runtime)  # the package attribute comes back after
-    changed = importlib.import_module("fl_app.flower_runtime")
+    monkeypatch.delitem(sys.modules, "fl_app.patches.flower_runtime")
+    monkeypatch.setattr(fl_app.patches, "flower_runtime", flower_runtime)  # the package attribute comes back after
+    changed = importlib.import_module("fl_app.patches.flower_runtime")
     assert changed is not flower_runtime and internal in str(changed.MISSING_INTERNALS)
     assert not changed.index_message_lookup()
     assert changed.prepare_simulation(grid) is None

@@ -11,10 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from fl_app import launch, processes
-from fl_app.config import ConfigError
-from fl_app.flwr_cli import PROJECT_ROOT, never_give_up, parse_overrides, to_toml_pairs
-from fl_app.launch import check_client_resources, prepare_config
+from core.config import RESULTS_ENV, results_root
+from fl_app.checkpoint import run_folder
+from fl_app.config import ConfigError, parse_run_config
+from fl_app.runtime import launch, processes
+from fl_app.runtime.common import PROJECT_ROOT
+from fl_app.runtime.flwr_cli import never_give_up, parse_overrides, to_toml_pairs
+from fl_app.runtime.launch import check_client_resources, prepare_config
 
 
 def test_overrides_parse_toml_values_and_quoted_strings():
@@ -37,6 +40,22 @@ def test_min_available_nodes_defaults_to_all_and_cannot_exceed_them(tmp_path):
     assert config.min_available_nodes == 7 and config.run_name
     with pytest.raises(ConfigError, match="min-available-nodes"):
         prepare_config({"dataset": "digits", "min-available-nodes": 9}, num_supernodes=3)
+
+
+@pytest.mark.parametrize("from_env", [True, False])
+def test_the_launcher_and_a_plain_flwr_run_write_under_one_results_root(tmp_path, monkeypatch, from_env):
+    """One default place: the launcher's run folder is ``<root>/<run-name>``, the root a plain ``flwr run``'s
+    ServerApp uses too (``$ALIGNFL_RESULTS``, else ``~/alignfl-results``), never the working directory."""
+    monkeypatch.chdir(tmp_path)
+    if from_env:
+        monkeypatch.setenv(RESULTS_ENV, str(tmp_path / "root"))
+    else:
+        monkeypatch.delenv(RESULTS_ENV, raising=False)
+        monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    root = tmp_path / "root" if from_env else tmp_path / "home" / "alignfl-results"
+    config = prepare_config({"dataset": "digits"}, num_supernodes=2)
+    assert run_folder(config) == root / config.run_name
+    assert results_root(parse_run_config({})) == root  # what the ServerApp of `flwr run .` uses
 
 
 def test_infeasible_partition_is_refused_before_starting(tmp_path):

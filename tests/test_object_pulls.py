@@ -1,4 +1,4 @@
-"""Flower's object pulls retry after 0.05 s in the processes that ask for it (fl_app/object_pulls.py)."""
+"""Flower's object pulls retry after 0.05 s in the processes that ask for it (fl_app/patches/object_pulls.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import sys
 import pytest
 from flwr.supercore.constant import PULL_INITIAL_BACKOFF
 
-from fl_app import object_pulls, server_app
+from fl_app import server_app
+from fl_app.patches import object_pulls
 
 PULLS = importlib.import_module(object_pulls.PULLS_MODULE)
 

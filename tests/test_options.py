@@ -103,7 +103,7 @@ def test_one_check_refuses_a_value_in_the_run_config_and_in_code(key, value, eng
 
 
 def test_pan_section_keys_and_help_are_unchanged():
-    """What pyproject.toml and the README show for PANs (test_config checks those files against the classes)."""
+    """What pyproject.toml and docs/configuration.md show for PANs (test_config checks those files against the classes)."""
     assert [(s.key, s.default, s.help) for s in settings_fields(PanSection)] == [
         ("pan-mode", "off", "off | add | mul"),
         ("pan-t", 1.0, "period T: sine periods across a layer's units"),

@@ -25,7 +25,7 @@ from core.partitioning.partitioners import (
     list_partitioners,
 )
 from core.partitioning.partitions import client_split, partition_dataset
-from fl_app import launch
+from fl_app.runtime import launch
 
 pytestmark = [
     pytest.mark.usefixtures("private_tensor_cache", "private_partition_cache"),

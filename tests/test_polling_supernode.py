@@ -1,4 +1,4 @@
-"""The SuperNode that asks for messages every --poll-interval seconds (fl_app/polling_supernode.py)."""
+"""The SuperNode that asks for messages every --poll-interval seconds (fl_app/patches/polling_supernode.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import logging
 
 import pytest
 
-from fl_app import polling_supernode
-from fl_app.topology import DEFAULT_NODE_POLL_S
+from fl_app.patches import polling_supernode
+from fl_app.patches.polling_supernode import DEFAULT_NODE_POLL_S
 
 
 def test_the_pull_step_is_asked_again_every_interval_until_a_message_comes(monkeypatch):

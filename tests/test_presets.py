@@ -15,9 +15,9 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from core.data import DatasetMissingError
-from fl_app import sweep
 from fl_app.config import parse_run_config
-from fl_app.sweep import hydra_to_run_config, job_settings, register_configs, sweep_job_overrides, validate_sweep
+from fl_app.sweeps import sweep
+from fl_app.sweeps.sweep import hydra_to_run_config, job_settings, register_configs, sweep_job_overrides, validate_sweep
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"

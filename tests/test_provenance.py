@@ -5,8 +5,8 @@ from __future__ import annotations
 import subprocess
 
 from fl_app import provenance
-from fl_app.flwr_cli import PROJECT_ROOT
-from fl_app.superlink import flower_environment
+from fl_app.runtime.common import PROJECT_ROOT
+from fl_app.runtime.superlink import flower_environment
 
 
 def test_the_launchers_commit_reaches_every_flower_process_and_wins_over_the_codes_folder(tmp_path, monkeypatch):

@@ -1,6 +1,6 @@
 """Simulations on a running Ray cluster: the address checked first, where clients ran, a node lost mid-run.
 
-The slow tests start a real two-node cluster on this machine (:mod:`fl_app.local_ray`: a head and a second
+The slow tests start a real two-node cluster on this machine (:mod:`fl_app.runtime.local_ray`: a head and a second
 raylet joined to it, each with its own custom resource, own temp dir and free ports) and stop exactly its
 processes, by pid, when the module is done, also when a test fails.
 """
@@ -16,15 +16,15 @@ from pathlib import Path
 import pytest
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 
-from fl_app import launch
 from fl_app.client_app import build_client_app
 from fl_app.config import ConfigError, parse_run_config
 from fl_app.inprocess import InProcessGrid
-from fl_app.local_ray import local_ray_cluster
-from fl_app.ray_cluster import RAY_NODE_RECORD, RayNode, check_client_fits, check_ray_address
-from fl_app.results import _ray_nodes
-from fl_app.superlink import free_port
-from fl_app.sweep import SimSettings, register_configs, run_job
+from fl_app.results import RAY_NODE_RECORD, _ray_nodes
+from fl_app.runtime import launch
+from fl_app.runtime.common import free_port
+from fl_app.runtime.local_ray import local_ray_cluster
+from fl_app.runtime.ray_cluster import RayNode, check_client_fits, check_ray_address
+from fl_app.sweeps.sweep import SimSettings, register_configs, run_job
 from tests.test_data import write_mnist_raw
 from tests.test_sweep import composed, sweep
 
@@ -242,7 +242,7 @@ def test_a_node_lost_mid_run_drops_its_messages_naming_it_and_the_next_rounds_tr
 
 
 class _FakePool:
-    """What :mod:`fl_app.ray_pool` uses of Flower's ``BasicActorPool``: the idle actors, their count, the
+    """What :mod:`fl_app.patches.ray_pool` uses of Flower's ``BasicActorPool``: the idle actors, their count, the
     resources per client, and adding actors."""
 
     def __init__(self, actors: list[str]) -> None:
@@ -258,7 +258,7 @@ class _FakePool:
 
 
 def test_a_lost_actor_and_the_idle_ones_on_its_node_leave_the_pool_and_replacements_fill_the_room(monkeypatch):
-    from fl_app import ray_pool
+    from fl_app.patches import ray_pool
 
     nodes = {"a1": ("ALIVE", "node-a"), "a2": ("ALIVE", "node-a"), "b1": ("DEAD", "node-b"), "b2": ("ALIVE", "node-b")}
     monkeypatch.setattr(ray_pool, "actor_node", lambda actor: (*nodes[actor], "10.0.0.2"))
@@ -273,7 +273,7 @@ def test_a_lost_actor_and_the_idle_ones_on_its_node_leave_the_pool_and_replaceme
 
 
 def test_a_message_waits_for_an_idle_actor_and_fails_at_once_when_none_is_left():
-    from fl_app import ray_pool
+    from fl_app.patches import ray_pool
 
     pool = _FakePool([])
     pool.num_actors = 1  # one actor, busy

@@ -9,8 +9,9 @@ import threading
 
 import pytest
 
-from fl_app import deploy, roles
-from fl_app.roles import (
+from fl_app.runtime import deploy, roles
+from fl_app.runtime.common import free_port
+from fl_app.runtime.roles import (
     RefusedKeys,
     Unreachable,
     certificate_names,
@@ -21,8 +22,7 @@ from fl_app.roles import (
     tls_problem,
     wait_for_tls,
 )
-from fl_app.superlink import free_port
-from fl_app.topology import make_certificates
+from fl_app.runtime.topology import make_certificates
 
 
 def test_the_superlink_certificate_names_every_address_the_nodes_dial(tmp_path):

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import csv
 
-from fl_app import sweep_report
-from fl_app.slurm import SlurmJob, job_cpus, job_gpus, read_jobs_record, write_jobs_record
+from fl_app.sweeps import report as sweep_report
+from fl_app.sweeps.slurm import SlurmJob, job_cpus, job_gpus, read_jobs_record, write_jobs_record
 from tests.test_sweep import _fake_job, composed
 
 

@@ -13,9 +13,10 @@ import yaml
 from hydra import compose, initialize_config_dir
 from omegaconf import open_dict
 
-from fl_app import sweep_report
+from core.config import RESULTS_ENV, default_results_root
 from fl_app.config import ConfigError, default_run_config, parse_run_config
-from fl_app.sweep import (
+from fl_app.sweeps import report as sweep_report
+from fl_app.sweeps.sweep import (
     GROUPS,
     JOB_RECORD,
     SET_PER_JOB,
@@ -91,6 +92,18 @@ def test_hydra_overrides_become_the_validated_run_config(tmp_path):
     assert (config.results_dir, config.run_name) == (str(tmp_path.resolve()), "run")
     assert sim.num_supernodes == 7
     assert sim.backend_config()["client_resources"] == {"num_cpus": 1, "num_gpus": 0.0}
+
+
+def test_sweeps_write_under_the_results_root_of_every_run(monkeypatch, tmp_path):
+    """A sweep, one job or many, is a folder of ``<root>/sweeps/`` under the launcher's root."""
+    for env in (str(tmp_path / "root"), None):
+        if env is None:
+            monkeypatch.delenv(RESULTS_ENV, raising=False)
+        else:
+            monkeypatch.setenv(RESULTS_ENV, env)
+        cfg = composed()
+        for folder in (cfg.hydra.run.dir, cfg.hydra.sweep.dir):
+            assert Path(folder).parent == default_results_root() / "sweeps"
 
 
 @pytest.mark.parametrize(
@@ -233,7 +246,7 @@ def test_a_job_that_cannot_run_is_recorded_as_failed_not_raised(tmp_path):
 
 
 def _fake_job(folder: Path, overrides: list[str], status: str | None, final: float = 0.0, best: float = 0.0) -> None:
-    """A job folder as fl_app.sweep leaves it: Hydra's overrides record, job.json, the run's summary.json."""
+    """A job folder as fl_app.sweeps.sweep leaves it: Hydra's overrides record, job.json, the run's summary.json."""
     (folder / ".hydra").mkdir(parents=True)
     (folder / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
     if status is None:  # the job died before writing its record

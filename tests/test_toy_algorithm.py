@@ -13,11 +13,12 @@ from hydra import compose, initialize_config_dir
 
 from core.strategy import Reply, ServerStrategy, weighted_mean
 from fl_app import config as fl_config
-from fl_app import deploy, launch, sweep
 from fl_app.config import REGENERATE, ConfigError, default_run_config, parse_run_config, write_pyproject
 from fl_app.inprocess import run_in_process
-from fl_app.launch import prepare_config
-from fl_app.sweep import hydra_to_run_config, register_configs
+from fl_app.runtime import deploy, launch
+from fl_app.runtime.launch import prepare_config
+from fl_app.sweeps import sweep
+from fl_app.sweeps.sweep import hydra_to_run_config, register_configs
 from plugins.options import option, unit_interval
 from strategies.base import LocalUpdate
 from strategies.registry import STRATEGIES, Algorithm
@@ -83,7 +84,7 @@ def test_an_in_process_simulation_runs_it(tmp_path, halfway):
 
 
 RUN_CONFIG = 'strategy="halfway" halfway-step=0.25 dataset="digits"'
-SWEEP_ARGS = ["fl_app.sweep", "strategy=halfway", "strategy.halfway_step=0.25"]
+SWEEP_ARGS = ["fl_app.sweeps.sweep", "strategy=halfway", "strategy.halfway_step=0.25"]
 
 
 @pytest.fixture()

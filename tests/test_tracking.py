@@ -21,7 +21,7 @@ from tensorboard.plugins.hparams import plugin_data_pb2
 from fl_app.config import ConfigError, parse_run_config, validate_run
 from fl_app.inprocess import run_in_process
 from fl_app.progress import RoundProgress, duration, start_sweep, sweep_progress
-from fl_app.sweep_tracking import write_hparams
+from fl_app.sweeps.tracking import write_hparams
 from fl_app.tracking import TRACKING_FILE, Tracking, scalars
 
 ROOT = Path(__file__).resolve().parents[1]

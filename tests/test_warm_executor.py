@@ -17,9 +17,9 @@ import pytest
 from flwr.supercore.constant import TaskType
 from flwr.supercore.superexec.executor import ExecutionSpec, LaunchResult, LaunchResultStatus
 
-from fl_app import warm_superexec
 from fl_app.config import default_run_config
-from fl_app.warm_executor import WarmExecutor
+from fl_app.patches import warm_superexec
+from fl_app.patches.warm_executor import WarmExecutor
 
 TIMEOUT_S = 120.0
 MESSAGE_TIMEOUT_S = 6.0

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from core.config import default_results_root
 from core.data import ImageDataset, list_datasets, load_dataset
 from core.model_io import build_run_model, federated_state
 from fl_app.config import ConfigError, RunConfig, parse_run_config
@@ -125,10 +126,11 @@ def check_model_path(path: str | Path, require_config: bool = True) -> tuple[Pat
 
 
 def check_out_dir(out: str | None, tool: str) -> Path:
-    """The output folder: absolute when given, else a new ``~/alignfl-results/analysis/<tool>-<time>``."""
+    """The output folder: absolute when given, else a new ``<results root>/analysis/<tool>-<time>`` (the root:
+    :func:`core.config.default_results_root`)."""
     if out is None:
         stamp = f"{datetime.now(UTC):%Y%m%d-%H%M%S-%f}"
-        return Path.home() / "alignfl-results" / "analysis" / f"{tool}-{stamp}"
+        return default_results_root() / "analysis" / f"{tool}-{stamp}"
     folder = Path(out)
     if not folder.is_absolute():
         raise AnalysisError(f"--out must be an absolute path, got '{out}'")
@@ -287,7 +289,8 @@ def add_common_arguments(parser: argparse.ArgumentParser, seed: bool = True) -> 
     parser.add_argument(
         "--out",
         default=None,
-        help="output folder, absolute path (default: a new ~/alignfl-results/analysis/<tool>-<timestamp>)",
+        help="output folder, absolute path (default: a new <results root>/analysis/<tool>-<timestamp>, the root being "
+        "$ALIGNFL_RESULTS or ~/alignfl-results)",
     )
 
 

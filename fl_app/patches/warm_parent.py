@@ -3,7 +3,7 @@
 Flower's own executor starts ``flwr-clientapp`` afresh for every message, and each such process pays seconds of
 CPU for Python, Flower, torch and the app's other dependencies before its first useful line. This process pays
 them once: it imports Flower's ClientApp runner and the app's module (``--app``), then, for every task its
-executor (:mod:`fl_app.warm_executor`) sends it, forks a child that does what ``flwr-clientapp`` does (connect
+executor (:mod:`fl_app.patches.warm_executor`) sends it, forks a child that does what ``flwr-clientapp`` does (connect
 to the SuperNode's Runtime API with the task's token, pull the message, install the FAB, load and run the
 ClientApp, push the reply and the context) and exits. Flower's isolation stays: one new process per message,
 state only through ``context.state``.
@@ -57,7 +57,7 @@ from importlib.metadata import packages_distributions
 from pathlib import Path
 from typing import Any
 
-from fl_app.object_pulls import retry_object_pulls_sooner
+from fl_app.patches.object_pulls import retry_object_pulls_sooner
 
 DEFAULT_APP = "fl_app.client_app"
 RUNNER = "flwr.supernode.runtime.run_clientapp"
@@ -329,7 +329,7 @@ def positive_seconds(text: str) -> float | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fl_app.warm_parent", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m fl_app.patches.warm_parent", description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests-fd", type=int, required=True, help="the pipe tasks arrive on")
     parser.add_argument("--events-fd", type=int, required=True, help="the pipe events leave on")
     parser.add_argument(

@@ -4,7 +4,7 @@ Each node is a ``ray start`` of its own: the head with its own temp dir, and fur
 with a custom resource that names it (``node0``, ``node1``, ...) and free ports for everything Ray listens on,
 so that other Ray instances on the same machine are left alone. ``ray start`` runs in a session of its own and
 its daemons (GCS, raylet, agents, and the workers a raylet starts later) stay in that session: each node is a
-:class:`fl_app.processes.ProcessTree`, stopped by process id (never ``ray stop``, which stops every Ray process on
+:class:`fl_app.runtime.processes.ProcessTree`, stopped by process id (never ``ray stop``, which stops every Ray process on
 the machine), also when the block raises or a stop signal arrives.
 """
 
@@ -23,10 +23,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fl_app.flwr_cli import PROJECT_ROOT
-from fl_app.processes import ProcessTree, log_tail, start_process, stop_processes
-from fl_app.ray_cluster import RayNode, cluster_nodes
-from fl_app.superlink import free_port
+from fl_app.runtime.common import PROJECT_ROOT, free_port
+from fl_app.runtime.processes import ProcessTree, log_tail, start_process, stop_processes
+from fl_app.runtime.ray_cluster import RayNode, cluster_nodes
 
 START_TIMEOUT_S = 90.0
 OBJECT_STORE_BYTES = 200 * 1024**2

@@ -33,15 +33,14 @@ from cryptography import x509
 
 from core.data import DatasetMissingError
 from fl_app.config import ConfigError, RunConfig
-from fl_app.deploy import check_folder
-from fl_app.deployment import Deployment
-from fl_app.flwr_cli import parse_overrides
-from fl_app.launch import prepare_config, report_outcome
-from fl_app.processes import Stopped, stop_signals
-from fl_app.superlink import free_port
-from fl_app.topology import (
+from fl_app.patches.polling_supernode import FLOWER_NODE_POLL_S
+from fl_app.runtime.common import check_folder, free_port
+from fl_app.runtime.deployment import Deployment
+from fl_app.runtime.flwr_cli import parse_overrides
+from fl_app.runtime.launch import prepare_config, report_outcome
+from fl_app.runtime.processes import Stopped, stop_signals
+from fl_app.runtime.topology import (
     COMPOSE_SUPERLINK_PORT,
-    FLOWER_NODE_POLL_S,
     Certificates,
     Topology,
     add_node_options,

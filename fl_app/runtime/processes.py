@@ -2,7 +2,7 @@
 parents died), and stop all of them by process id; stop signals turned into an exception that unwinds through
 every ``finally`` that stops processes.
 
-The launcher (:mod:`fl_app.launch`), the loopback deployment (:mod:`fl_app.deployment`) and the compose check
+The launcher (:mod:`fl_app.runtime.launch`), the loopback deployment (:mod:`fl_app.runtime.deployment`) and the compose check
 (:mod:`fl_app.compose_check`) start and stop everything through here:
 
     with stop_signals():

@@ -6,7 +6,7 @@ end well (a cancelled, timed-out or killed job raises) while the others may stil
 from ``sacct``, which a cluster without accounting does not answer. :class:`SlurmLauncher` therefore waits until
 every job has ended, each one's state read from SLURM (``scontrol``, else ``sacct``), and writes
 :data:`JOBS_RECORD` into the sweep folder: per job its overrides, SLURM job id, end state and log files. The
-sweep report (:mod:`fl_app.sweep_report`) reads it to list each failed job with its SLURM id, state and log
+sweep report (:mod:`fl_app.sweeps.report`) reads it to list each failed job with its SLURM id, state and log
 while the others' results count, also for a job that SLURM ended before it started.
 
 On the compute node the jobs run with the in-process backend (``sim_backend``: one client after the other in the

@@ -3,13 +3,13 @@
 docker-compose.yml runs one SuperLink, N SuperNodes and Flower's ``process``
 isolation: a ``flower-superexec`` beside the SuperLink starts each run's
 ``flwr-serverapp``, and one beside every SuperNode starts its ClientApp processes
-(``warm``, the default: each forked from a warm parent, fl_app/warm_superexec.py;
+(``warm``, the default: each forked from a warm parent, fl_app/patches/warm_superexec.py;
 ``flower``: Flower's own, a fresh ``flwr-clientapp`` per message); each SuperNode asks
-for messages every :data:`DEFAULT_NODE_POLL_S` seconds (fl_app/polling_supernode.py;
+for messages every :data:`DEFAULT_NODE_POLL_S` seconds (fl_app/patches/polling_supernode.py;
 Flower's own every 3 s). :func:`superlink_command` and its siblings build each service's argv
 from a :class:`Topology`: the compose files' (service names, container paths:
 :func:`compose_topology`) or loopback's (free ports on 127.0.0.1, a work folder:
-:func:`loopback_topology`, which :mod:`fl_app.deployment` starts as local
+:func:`loopback_topology`, which :mod:`fl_app.runtime.deployment` starts as local
 processes). ``tests/test_deploy.py`` checks that the compose files spell out
 exactly these commands.
 """
@@ -22,8 +22,8 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from fl_app.flwr_cli import PROJECT_ROOT
-from fl_app.superlink import free_port
+from fl_app.patches.polling_supernode import DEFAULT_NODE_POLL_S, FLOWER_NODE_POLL_S, node_poll_interval
+from fl_app.runtime.common import PROJECT_ROOT, free_port
 
 COMPOSE_SUPERLINK_PORT = 9093
 COMPOSE_RUNTIME_PORT = 9094
@@ -32,33 +32,13 @@ COMPOSE_CERTS = "/app/certs"
 COMPOSE_NUM_SUPERNODES = 3
 MAKE_CERTS = PROJECT_ROOT / "scripts" / "make_certs.sh"
 EXECUTORS = {
-    "warm": ["python", "-m", "fl_app.warm_superexec"],
+    "warm": ["python", "-m", "fl_app.patches.warm_superexec"],
     "flower": ["flower-superexec"],
 }
 """How each SuperNode's executor starts its ClientApp processes → the executor's command: ``warm`` forks
-each from a process that has imported Flower, torch and the app's dependencies once (fl_app/warm_superexec.py);
+each from a process that has imported Flower, torch and the app's dependencies once (fl_app/patches/warm_superexec.py);
 ``flower`` is Flower's own, a fresh ``flwr-clientapp`` process per message."""
 DEFAULT_EXECUTOR = "warm"
-FLOWER_NODE_POLL_S = 3.0
-"""Seconds Flower 1.41's SuperNode waits before asking its SuperLink again when it had no message."""
-DEFAULT_NODE_POLL_S = 0.5
-"""Seconds between an idle SuperNode's requests for a message (fl_app/polling_supernode.py): a wave of messages
-waits ~0.25 s for its nodes instead of ~1.5-3 s, for 2 requests a second per idle node."""
-
-
-def node_poll_interval(text: str) -> float | None:
-    """``--node-poll``: seconds in (0, 3], or ``flower`` (None: Flower's own SuperNode, every 3 s)."""
-    if text == "flower":
-        return None
-    try:
-        seconds = float(text)
-    except ValueError:
-        seconds = float("nan")
-    if not 0 < seconds <= FLOWER_NODE_POLL_S:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not allowed: seconds in (0, {FLOWER_NODE_POLL_S:g}], or 'flower' for Flower's own SuperNode"
-        )
-    return seconds
 
 
 def add_node_options(parser: argparse.ArgumentParser) -> None:
@@ -264,7 +244,9 @@ def serverapp_executor_command(topology: Topology) -> list[str]:
 
 def supernode_entry_point(topology: Topology) -> list[str]:
     """A SuperNode's program (the compose files' ``entrypoint``): Flower's, or the one that polls faster."""
-    return ["flower-supernode"] if topology.node_poll_s is None else ["python", "-m", "fl_app.polling_supernode"]
+    return (
+        ["flower-supernode"] if topology.node_poll_s is None else ["python", "-m", "fl_app.patches.polling_supernode"]
+    )
 
 
 def supernode_command(topology: Topology, node: int) -> list[str]:

@@ -2,8 +2,8 @@
 SuperNodes, and the ``--run-config`` text those commands take.
 
 Every function takes the environment of the ``flwr`` commands (its ``FLWR_HOME`` names the SuperLink, see
-:func:`write_connection` and :func:`fl_app.superlink.flower_environment`), so the same calls drive a private
-local SuperLink (:mod:`fl_app.launch`), the loopback deployment (:mod:`fl_app.deployment`) and the compose one
+:func:`write_connection` and :func:`fl_app.runtime.superlink.flower_environment`), so the same calls drive a private
+local SuperLink (:mod:`fl_app.runtime.launch`), the loopback deployment (:mod:`fl_app.runtime.deployment`) and the compose one
 (:mod:`fl_app.compose_check`). ``flwr run --stream`` exits 0 even when the run failed, so a run's outcome is
 always read from ``flwr ls``.
 """
@@ -20,11 +20,10 @@ from typing import Any
 
 from flwr.supercore.error import ApiErrorCode
 
-from fl_app.processes import start_process, stop_processes
+from fl_app.runtime.common import PROJECT_ROOT
+from fl_app.runtime.processes import start_process, stop_processes
 from plugins.options import ConfigError
 
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
-"""The project folder: ``flwr run`` builds the app from it."""
 CONNECTION = "alignfl-deployment"
 """The ``flwr`` CLI's name for a deployment's SuperLink (in the Flower home's ``config.toml``)."""
 STATUS_TIMEOUT_S = 120.0

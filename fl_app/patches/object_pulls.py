@@ -11,7 +11,7 @@ in this wait (py-spy, RESULTS.md).
 
 :func:`retry_object_pulls_sooner` makes the first wait :data:`FIRST_RETRY_S` (then doubling as before, to the same
 cap and the same limits on tries and time) in the process that calls it: the SuperNode
-(:mod:`fl_app.polling_supernode`) and the warm parent of its ClientApp processes (:mod:`fl_app.warm_parent`, whose
+(:mod:`fl_app.patches.polling_supernode`) and the warm parent of its ClientApp processes (:mod:`fl_app.patches.warm_parent`, whose
 children inherit it). It changes when objects are asked for, never what arrives. It is installed only on the
 Flower releases whose pulls were read (:data:`CHECKED_FLOWER`); anywhere else it says why and changes nothing.
 """

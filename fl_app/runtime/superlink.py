@@ -9,7 +9,6 @@ from it, by process id.
 from __future__ import annotations
 
 import os
-import socket
 import ssl
 import subprocess
 import sys
@@ -20,20 +19,14 @@ from pathlib import Path
 
 import httpx
 
-from fl_app.flwr_cli import PROJECT_ROOT, Watch
-from fl_app.processes import exit_description, log_tail, start_process, stop_processes
 from fl_app.provenance import COMMIT_ENV, git_commit
+from fl_app.runtime.common import PROJECT_ROOT, free_port
+from fl_app.runtime.flwr_cli import Watch
+from fl_app.runtime.processes import exit_description, log_tail, start_process, stop_processes
 
 SUPEREXEC_POLL_S = "0.1"
 """Seconds between a SuperExec's checks for new work (Flower's default 1 s idles every message 0.5 s on average;
 also set in the Dockerfile)."""
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def flower_environment(flwr_home: Path) -> dict[str, str]:
@@ -87,7 +80,7 @@ def wait_until(condition: Callable[[], bool], timeout_s: float, what: str, inter
 @contextmanager
 def local_superlink(env: dict[str, str], startup_timeout_s: float = 60.0) -> Iterator[Watch]:
     """Start ``flower-superlink`` in simulation mode (the flags ``flwr`` itself uses) with ``env`` from
-    :func:`flower_environment`; yields a :data:`~fl_app.flwr_cli.Watch` that gives up when the SuperLink exits.
+    :func:`flower_environment`; yields a :data:`~fl_app.runtime.flwr_cli.Watch` that gives up when the SuperLink exits.
     Everything it started is stopped after, by process id."""
     home = Path(env["FLWR_HOME"])
     (home / "local-superlink").mkdir(parents=True, exist_ok=True)

@@ -1,24 +1,20 @@
-"""Simulations on a running Ray cluster: the address checked before anything starts, and where each client ran.
+"""Simulations on a running Ray cluster: the address checked before anything starts.
 
 Flower's simulation calls ``ray.init()``, which joins a running cluster when given its address (``RAY_ADDRESS``
 or ``init_args.address``) and then refuses resource counts (``num_cpus``, ``num_gpus``): the cluster's nodes
 declared theirs when they were started, and the per-client ``num-cpus``/``num-gpus`` decide where each
 ClientApp actor goes. :func:`check_ray_address` asks the cluster's GCS for its live nodes (half a second), so a
 wrong address is refused before a SuperLink starts instead of after ``ray.init`` has waited for it for 30 s or
-more. :func:`ray_placement` is what a ClientApp reads of the Ray node it runs on, for its reply.
+more. Where each client ran is recorded by the apps (:func:`fl_app.results.ray_placement`).
 """
 
 from __future__ import annotations
 
 import socket
-import sys
 from dataclasses import dataclass
-from typing import Any
 
 from plugins.options import ConfigError
 
-RAY_NODE_RECORD = "ray-node"
-"""The ConfigRecord of a training reply that says on which Ray node the client ran (``node-id``, ``address``)."""
 GCS_TIMEOUT_S = 5.0
 START_HINT = (
     "start a cluster with `ray start --head --port 6379` on one machine and `ray start --address "
@@ -94,24 +90,6 @@ def describe_cluster(address: str, nodes: list[RayNode]) -> str:
     return f"Ray cluster {address}: {len(nodes)} live node(s), {cpus:g} CPUs, {gpus:g} GPUs"
 
 
-def ray_placement() -> dict[str, str] | None:
-    """The Ray node this code runs on (``node-id``, ``address``) when it runs in a Ray worker, else None. Ray is
-    not imported here: a process that has not loaded it is not a Ray worker."""
-    ray: Any = sys.modules.get("ray")
-    if ray is None or not ray.is_initialized():
-        return None
-    context = ray.get_runtime_context()
-    if context.get_actor_id() is None and context.worker.mode != ray.WORKER_MODE:
-        return None
-    return {"node-id": context.get_node_id(), "address": ray.util.get_node_ip_address()}
-
-
-def where_this_runs() -> str:
-    """`` on Ray node <id> (<address>)`` inside a Ray worker, else an empty string: for error messages."""
-    placement = ray_placement()
-    return f" on Ray node {placement['node-id']} ({placement['address']})" if placement else ""
-
-
 def check_client_fits(nodes: list[RayNode], num_cpus: float, num_gpus: float, option: str) -> None:
     """Refuse per-client resources that no live node can hold: Flower's actor pool would be empty."""
     if not any(
@@ -131,13 +109,3 @@ def attach_to_cluster(address: str, option: str, client_cpus: float, client_gpus
     check_client_fits(nodes, client_cpus, client_gpus, option)
     print(f"[alignfl] {describe_cluster(resolved, nodes)}", flush=True)
     return resolved
-
-
-def joined_ray_cluster() -> bool:
-    """Whether this process is a Ray driver that joined a running cluster (not a Ray it started itself, whose
-    one node says nothing worth recording). Ray is not imported here."""
-    ray: Any = sys.modules.get("ray")
-    if ray is None or not ray.is_initialized():
-        return False
-    node = getattr(ray._private.worker, "_global_node", None)
-    return node is not None and not node.head

@@ -1,6 +1,6 @@
-"""Aggregate a Hydra sweep of ``fl_app.sweep``: one row per configuration, mean ± std over its seeds.
+"""Aggregate a Hydra sweep of ``fl_app.sweeps.sweep``: one row per configuration, mean ± std over its seeds.
 
-    python -m fl_app.sweep_report ~/alignfl-results/sweeps/<date_time> [--x pan.a --y pan.t --metric final-accuracy]
+    python -m fl_app.sweeps.report ~/alignfl-results/sweeps/<date_time> [--x pan.a --y pan.t --metric final-accuracy]
 
 Writes ``summary.csv``, ``summary.md`` and ``heatmap.png`` into the sweep folder
 (a multirun does the same at its end, through :class:`ReportSweep`). Jobs are
@@ -28,9 +28,9 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from fl_app.slurm import read_jobs_record
-from fl_app.sweep import COMPLETED, JOB_RECORD
-from fl_app.sweep_tracking import finish_sweep_run, write_hparams
+from fl_app.sweeps.slurm import read_jobs_record
+from fl_app.sweeps.sweep import COMPLETED, JOB_RECORD
+from fl_app.sweeps.tracking import finish_sweep_run, write_hparams
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +131,7 @@ def _overrides(folder: Path) -> list[str]:
 
 
 def with_slurm_jobs(jobs: list[JobResult], sweep_dir: Path) -> list[JobResult]:
-    """The jobs, where SLURM ran them (:data:`fl_app.slurm.JOBS_RECORD`): a failed job's error names its SLURM
+    """The jobs, where SLURM ran them (:data:`fl_app.sweeps.slurm.JOBS_RECORD`): a failed job's error names its SLURM
     job id, end state and log, and a job SLURM ended before it started (no folder) is added as failed."""
     slurm = {tuple(job.overrides): job for job in read_jobs_record(sweep_dir)}
     if not slurm:
@@ -344,7 +344,7 @@ class ReportSweep(Callback):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fl_app.sweep_report", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m fl_app.sweeps.report", description=__doc__.split("\n\n")[0])
     parser.add_argument("sweep_dir", type=Path, help="the multirun's folder (hydra.sweep.dir)")
     parser.add_argument("--x", default="pan.a", help="heatmap columns: a swept key (default: pan.a)")
     parser.add_argument("--y", default="pan.t", help="heatmap rows: a swept key (default: pan.t)")

@@ -1,5 +1,5 @@
 """The loopback deployment while it runs: docker-compose.yml's services as local processes on 127.0.0.1
-(:func:`fl_app.topology.loopback_topology`), started in the compose file's order, watched while a run goes on,
+(:func:`fl_app.runtime.topology.loopback_topology`), started in the compose file's order, watched while a run goes on,
 and stopped by process id however the block that holds them is left.
 
 While the run goes on it watches the services: one that exits is reported at once
@@ -32,20 +32,27 @@ from pathlib import Path
 
 from fl_app.checkpoint import checkpointed_round, run_folder
 from fl_app.config import RunConfig, default_run_config
-from fl_app.flwr_cli import (
+from fl_app.patches.polling_supernode import DEFAULT_NODE_POLL_S
+from fl_app.runtime.common import PROJECT_ROOT
+from fl_app.runtime.flwr_cli import (
     CONNECTION,
-    PROJECT_ROOT,
     online_supernodes,
     register_supernodes,
     submit_and_follow,
     to_toml_pairs,
     write_connection,
 )
-from fl_app.processes import ProcessTree, exit_description, log_tail, process_table, start_process, stop_processes
-from fl_app.superlink import flower_environment, health_url, healthy, trust, wait_until
-from fl_app.topology import (
+from fl_app.runtime.processes import (
+    ProcessTree,
+    exit_description,
+    log_tail,
+    process_table,
+    start_process,
+    stop_processes,
+)
+from fl_app.runtime.superlink import flower_environment, health_url, healthy, trust, wait_until
+from fl_app.runtime.topology import (
     DEFAULT_EXECUTOR,
-    DEFAULT_NODE_POLL_S,
     Topology,
     clientapp_executor_command,
     node_poll_option,

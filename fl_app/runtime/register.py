@@ -1,8 +1,8 @@
 """Register SuperNode public keys with a SuperLink that authenticates SuperNodes (``--enable-supernode-auth``):
 the one-shot ``supernode-register`` service of compose.tls.yml, started as ``python -m fl_app.deploy register``
-(:func:`fl_app.topology.register_command`), or ``python -m fl_app.register``.
+(:func:`fl_app.runtime.topology.register_command`), or ``python -m fl_app.runtime.register``.
 
-    python -m fl_app.register --superlink superlink:9093 --root-certificates certs/ca.crt certs/supernode-0/auth.pub
+    python -m fl_app.runtime.register --superlink superlink:9093 --root-certificates certs/ca.crt certs/supernode-0/auth.pub
 """
 
 from __future__ import annotations
@@ -13,15 +13,15 @@ import sys
 import tempfile
 from pathlib import Path
 
-from fl_app.flwr_cli import register_supernodes, write_connection
-from fl_app.superlink import flower_environment, health_url, healthy, trust, wait_until
+from fl_app.runtime.flwr_cli import register_supernodes, write_connection
+from fl_app.runtime.superlink import flower_environment, health_url, healthy, trust, wait_until
 
 
 def main(argv: list[str] | None = None) -> int:
     """``--superlink HOST:PORT --root-certificates CA KEY.pub ...``: waits for the SuperLink, registers the keys;
     exit code 0 (registered, or registered before), 1 (failed) or 2 (a file is missing)."""
     parser = argparse.ArgumentParser(
-        prog="python -m fl_app.register",
+        prog="python -m fl_app.runtime.register",
         description="Register SuperNode public keys with a SuperLink that authenticates "
         "SuperNodes; waits for the SuperLink first.",
     )

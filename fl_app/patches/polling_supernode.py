@@ -1,4 +1,4 @@
-"""``flower-supernode`` that asks for messages every few tenths of a second: ``python -m fl_app.polling_supernode
+"""``flower-supernode`` that asks for messages every few tenths of a second: ``python -m fl_app.patches.polling_supernode
 [--poll-interval S] FLOWER ARGS``.
 
 Flower 1.41's SuperNode sleeps a fixed 3 s whenever its SuperLink has no message for it
@@ -7,7 +7,7 @@ next wave only once every reply is in. A round of training then evaluation waits
 poll, whatever the work. This entry point runs Flower's own ``flower-supernode`` (same arguments, loop and logs)
 with the pull step asking again every ``--poll-interval`` seconds until a message comes, so a wave waits half an
 interval on average (``--poll-interval flower``: Flower's loop untouched), and with object pulls that retry
-sooner (:mod:`fl_app.object_pulls`). The price is requests: each idle node asks its SuperLink ``1 / interval``
+sooner (:mod:`fl_app.patches.object_pulls`). The price is requests: each idle node asks its SuperLink ``1 / interval``
 times a second (Flower's: 1/3); with many nodes on one SuperLink, a longer interval keeps it cool.
 
 It is installed only on the Flower releases whose SuperNode loop was read (:data:`CHECKED_FLOWER`); anywhere else
@@ -29,14 +29,33 @@ from typing import Any
 from flwr.supercore import log
 from flwr.supernode.cli import flower_supernode
 
-from fl_app.object_pulls import retry_object_pulls_sooner
-from fl_app.topology import DEFAULT_NODE_POLL_S, FLOWER_NODE_POLL_S, node_poll_interval
+from fl_app.patches.object_pulls import retry_object_pulls_sooner
 
 CHECKED_FLOWER = frozenset({"1.41.0", "1.42.0"})
 """Flower releases whose SuperNode loop (``start_client_internal``: pull, else sleep 3 s; push) this was checked
 against."""
 LOOP_MODULE = "flwr.supernode.start_client_internal"
 PULL_STEP = "_pull_and_store_message"
+FLOWER_NODE_POLL_S = 3.0
+"""Seconds Flower 1.41's SuperNode waits before asking its SuperLink again when it had no message."""
+DEFAULT_NODE_POLL_S = 0.5
+"""Seconds between an idle SuperNode's requests for a message (fl_app/patches/polling_supernode.py): a wave of messages
+waits ~0.25 s for its nodes instead of ~1.5-3 s, for 2 requests a second per idle node."""
+
+
+def node_poll_interval(text: str) -> float | None:
+    """``--node-poll``: seconds in (0, 3], or ``flower`` (None: Flower's own SuperNode, every 3 s)."""
+    if text == "flower":
+        return None
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = float("nan")
+    if not 0 < seconds <= FLOWER_NODE_POLL_S:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not allowed: seconds in (0, {FLOWER_NODE_POLL_S:g}], or 'flower' for Flower's own SuperNode"
+        )
+    return seconds
 
 
 def pull_until_message(flower_pull: Callable[..., int | None], interval: float, *args: Any, **kwargs: Any) -> int:
@@ -59,7 +78,7 @@ def unusable() -> str | None:
 def parse(argv: list[str]) -> tuple[float | None, list[str]]:
     """This entry point's poll interval (None: Flower's own) and Flower's arguments."""
     parser = argparse.ArgumentParser(
-        prog="python -m fl_app.polling_supernode",
+        prog="python -m fl_app.patches.polling_supernode",
         add_help=False,
         allow_abbrev=False,
         description=__doc__.split("\n\n")[0],

@@ -1,4 +1,4 @@
-"""A SuperExec executor that hands each ClientApp task to a warm parent process (:mod:`fl_app.warm_parent`).
+"""A SuperExec executor that hands each ClientApp task to a warm parent process (:mod:`fl_app.patches.warm_parent`).
 
 Flower 1.41's SuperExec separates what to run from how: its loop acquires a task from the Runtime API and asks
 an executor (``flwr.supercore.superexec.executor.Executor``) to launch it from an ``ExecutionSpec``. Flower's
@@ -31,7 +31,7 @@ from flwr.supercore import log
 from flwr.supercore.constant import TaskType
 from flwr.supercore.superexec.executor import ExecutionSpec, Executor, LaunchResult, SubprocessExecutor
 
-PARENT_MODULE = "fl_app.warm_parent"
+PARENT_MODULE = "fl_app.patches.warm_parent"
 STOP_GRACE_S = 15.0
 
 
@@ -102,7 +102,7 @@ class WarmExecutor:
     """Flower's ``Executor`` protocol: ClientApp tasks go to a warm parent, anything else to ``fallback``."""
 
     def __init__(self, options: Sequence[str] = (), fallback: Executor | None = None) -> None:
-        """``options``: :mod:`fl_app.warm_parent`'s command-line options (``--app``, ``--message-timeout``,
+        """``options``: :mod:`fl_app.patches.warm_parent`'s command-line options (``--app``, ``--message-timeout``,
         ``--target``). ``fallback``: Flower's own executor unless given."""
         self.options = list(options)
         self.fallback: Executor = fallback if fallback is not None else SubprocessExecutor()

@@ -33,7 +33,7 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 
 from core.nodes import PartitionTable
-from fl_app.ray_pool import drop_lost_actors
+from fl_app.patches.ray_pool import drop_lost_actors
 
 try:  # Flower's internals: where a release moved one, the simulation keeps Flower's own lookup (see checked_flower)
     from flwr.server.superlink.linkstate import InMemoryLinkState

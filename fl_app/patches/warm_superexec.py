@@ -1,11 +1,11 @@
-"""``flower-superexec`` with warm ClientApp processes: ``python -m fl_app.warm_superexec [WARM OPTIONS] FLOWER ARGS``.
+"""``flower-superexec`` with warm ClientApp processes: ``python -m fl_app.patches.warm_superexec [WARM OPTIONS] FLOWER ARGS``.
 
 Flower 1.41's SuperExec takes its executor from ``get_executor`` and offers no option to name another one; this
 entry point runs Flower's own ``flower-superexec`` (same arguments, same loop, same logs) with
-``get_executor`` answering :class:`fl_app.warm_executor.WarmExecutor` for the subprocess executor, the only one
+``get_executor`` answering :class:`fl_app.patches.warm_executor.WarmExecutor` for the subprocess executor, the only one
 that starts local processes. Its own options come first and are taken off before Flower parses the rest:
 
-    python -m fl_app.warm_superexec --message-timeout 3600 --runtime-api-address 127.0.0.1:9094 --insecure
+    python -m fl_app.patches.warm_superexec --message-timeout 3600 --runtime-api-address 127.0.0.1:9094 --insecure
 
 It is installed only on the Flower releases whose SuperExec, executors and ClientApp runner were read
 (:data:`CHECKED_FLOWER`) and where processes can fork; anywhere else, or with ``--executor`` other than
@@ -29,8 +29,8 @@ from flwr.supercore.cli import flower_superexec
 from flwr.supercore.constant import ExecutorType
 from flwr.supercore.superexec.executor import Executor
 
-from fl_app.warm_executor import WarmExecutor
-from fl_app.warm_parent import DEFAULT_APP, positive_seconds
+from fl_app.patches.warm_executor import WarmExecutor
+from fl_app.patches.warm_parent import DEFAULT_APP, positive_seconds
 
 CHECKED_FLOWER = frozenset({"1.41.0", "1.42.0"})
 """Flower releases whose SuperExec loop (``run_superexec``), executor protocol and ClientApp runner
@@ -74,9 +74,12 @@ def unusable(flower_args: list[str]) -> str | None:
 
 
 def parse(argv: list[str]) -> tuple[list[str], list[str]]:
-    """This entry point's options (as :mod:`fl_app.warm_parent` options) and Flower's arguments."""
+    """This entry point's options (as :mod:`fl_app.patches.warm_parent` options) and Flower's arguments."""
     parser = argparse.ArgumentParser(
-        prog="python -m fl_app.warm_superexec", add_help=False, allow_abbrev=False, description=__doc__.split("\n\n")[0]
+        prog="python -m fl_app.patches.warm_superexec",
+        add_help=False,
+        allow_abbrev=False,
+        description=__doc__.split("\n\n")[0],
     )
     parser.add_argument(
         "--message-timeout",

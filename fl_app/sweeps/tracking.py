@@ -1,6 +1,6 @@
 """A sweep in the trackers: TensorBoard's HParams view over its jobs, and one MLflow parent run with a child per job.
 
-- TensorBoard: after the sweep (:mod:`fl_app.sweep_report`), each completed job's run folder gets its
+- TensorBoard: after the sweep (:mod:`fl_app.sweeps.report`), each completed job's run folder gets its
   hyper-parameters (the swept keys and the seed) and final figures as an HParams session, and the sweep folder
   the experiment that lists them; ``tensorboard --logdir <sweep folder>`` then shows the T/A/α grid in its HParams
   view beside every run's curves. Written again (not appended) when the report is written again.

@@ -1,0 +1,1 @@
+"""Every change alignfl makes to Flower's or Ray's behaviour."""

@@ -1,0 +1,190 @@
+"""Run the app with ``flwr run`` on a private local SuperLink and exit with the run's real outcome.
+
+``flwr run --stream`` exits 0 even when the run failed, a detached SuperLink keeps
+the environment of whoever started it, and the app runs from a copy in another
+directory. This launcher therefore validates the run config first, starts its
+own SuperLink (:func:`fl_app.runtime.superlink.local_superlink`: own Flower home, free
+ports, the settings the app needs), submits the run, streams its log, reads the
+final status (:mod:`fl_app.runtime.flwr_cli`), checks the run folder, and stops the
+SuperLink it started by process id, with every process it started in turn (its
+SuperExec, ``flwr-simulation``, Ray), also on SIGTERM, SIGINT (Ctrl-C) or SIGHUP,
+after which it exits with 128 + the signal's number (:mod:`fl_app.runtime.processes`).
+
+    python -m fl_app.launch --num-supernodes 10 --run-config "num-server-rounds=5 dirichlet-alpha=0.1"
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from core.config import default_results_root
+from core.data import DatasetMissingError, check_dataset_available
+from core.partitioning.partitions import partition_dataset
+from fl_app.checkpoint import checkpointed_round, resume_checkpoint, run_folder
+from fl_app.config import ConfigError, RunConfig, parse_run_config, validate_run
+from fl_app.runtime.flwr_cli import parse_overrides, submit_and_follow
+from fl_app.runtime.processes import Stopped, stop_signals
+from fl_app.runtime.ray_cluster import attach_to_cluster
+from fl_app.runtime.superlink import flower_environment, local_superlink
+
+
+def prepare_config(overrides: dict[str, Any], num_supernodes: int) -> RunConfig:
+    """Validate before anything starts; give the run an absolute results folder and a known name.
+
+    Unless set, ``min-available-nodes`` is every simulated node, so each round samples from all of them.
+    """
+    if num_supernodes < 1:  # before min-available-nodes' default, which would otherwise be blamed
+        raise ConfigError(f"--num-supernodes must be at least 1, got {num_supernodes}")
+    defaults = {"results-dir": str(default_results_root()), "min-available-nodes": num_supernodes}
+    config = parse_run_config({**defaults, **overrides})
+    if not config.run_name:
+        config = config.replace(
+            run_name=f"{datetime.now(UTC):%Y%m%d-%H%M%S}_{config.strategy}_"
+            f"{config.model}_{config.dataset}_seed{config.seed}"
+        )
+    if config.min_available_nodes > num_supernodes:
+        raise ConfigError(
+            f"run-config key 'min-available-nodes' = {config.min_available_nodes} exceeds "
+            f"--num-supernodes={num_supernodes}: the run would wait forever"
+        )
+    validate_run(config)  # folders first: an unusable results-dir or data-root is named as such
+    check_dataset_available(config.dataset, config.data_root or None)
+    if config.resume_from:
+        resume_checkpoint(config)  # a missing checkpoint or a changed key is refused here, not after submission
+    partition_dataset(
+        config.dataset,
+        config.data_root or None,
+        config.partitioner,
+        num_supernodes,
+        config.seed,
+        **config.partition_options(),
+    )  # an infeasible split fails here, not in every client
+    return config
+
+
+def torch_cuda_available() -> bool:
+    """Whether torch sees a CUDA device (torch is imported here only: the launcher starts in a second)."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def check_client_resources(num_cpus: int, num_gpus: float, cuda_available: bool) -> None:
+    """Refuse client resources that Ray cannot schedule, before a SuperLink starts: Flower only finds out
+    inside the run (an empty actor pool), after ``flwr run`` has already reported the submission."""
+    if num_cpus < 1:
+        raise ConfigError(f"--num-cpus={num_cpus} is not allowed: CPU cores per client must be an integer >= 1")
+    if not num_gpus >= 0:
+        raise ConfigError(
+            f"--num-gpus={num_gpus} is not allowed: GPUs per client must be >= 0 "
+            "(a fraction such as 0.25 puts four clients on one GPU)"
+        )
+    if not math.isfinite(num_gpus) or (num_gpus > 1 and num_gpus != int(num_gpus)):
+        raise ConfigError(f"--num-gpus={num_gpus} is not allowed: above 1, Ray hands out whole GPUs only")
+    if num_gpus > 0 and not cuda_available:
+        raise ConfigError(
+            f"--num-gpus={num_gpus} but torch sees no CUDA device here, so no client could be "
+            "scheduled; use --num-gpus 0 (clients then train on CPU)"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fl_app.launch", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--run-config", default="", help="'key=value ...' overrides of [tool.flwr.app.config]")
+    parser.add_argument("--num-supernodes", type=int, default=10, help="number of simulated clients (default 10)")
+    parser.add_argument("--num-cpus", type=int, default=1, help="CPU cores reserved per simulated client")
+    parser.add_argument(
+        "--num-gpus",
+        type=float,
+        default=0.0,
+        help="GPUs per simulated client; fractions share one GPU (e.g. 0.25 = 4 clients per GPU)",
+    )
+    parser.add_argument(
+        "--ray-address",
+        default=os.environ.get("RAY_ADDRESS") or None,
+        help="run the clients on this running Ray cluster (HOST:PORT of its head, or auto; default "
+        "$RAY_ADDRESS): its nodes' resources, not this machine's, decide where clients run",
+    )
+    args = parser.parse_args(argv)
+    config = None
+    try:
+        with stop_signals():
+            try:
+                if args.ray_address:
+                    args.ray_address = attach_to_cluster(
+                        args.ray_address, "--ray-address", args.num_cpus, args.num_gpus
+                    )
+                check_client_resources(args.num_cpus, args.num_gpus, bool(args.ray_address) or torch_cuda_available())
+                config = prepare_config(parse_overrides(args.run_config), args.num_supernodes)
+            except (ValueError, DatasetMissingError) as error:  # ConfigError is a ValueError
+                print(f"[alignfl] refused before starting: {error}", file=sys.stderr)
+                return 2
+            status, details = run_on_local_superlink(config, args)
+    except Stopped as stop:
+        print(
+            f"[alignfl] stopped by {stop}: every process the launcher started has been stopped.{resume_hint(config)}",
+            file=sys.stderr,
+        )
+        return stop.exit_code
+    except RuntimeError as error:  # the SuperLink did not start
+        print(f"[alignfl] FAILED: {error}", file=sys.stderr)
+        return 1
+    return report_outcome(config, status, details)
+
+
+def run_on_local_superlink(config: RunConfig, args: argparse.Namespace) -> tuple[str, str]:
+    """Start a private SuperLink, run the experiment on it, stop everything; the run's final status."""
+    federation = (
+        f"num-supernodes={args.num_supernodes} client-resources-num-cpus={args.num_cpus} "
+        f"client-resources-num-gpus={args.num_gpus}"
+    )
+    flwr_home = Path(tempfile.mkdtemp(prefix="alignfl-flwr-home-"))
+    env = flower_environment(flwr_home)
+    if args.ray_address:
+        env["RAY_ADDRESS"] = args.ray_address  # Flower's ray.init() joins the cluster
+    try:
+        with local_superlink(env) as watch:
+            return submit_and_follow(config.to_run_config(), env, ["--federation-config", federation], watch)
+    finally:
+        shutil.rmtree(flwr_home, ignore_errors=True)
+
+
+def resume_hint(config: RunConfig | None) -> str:
+    """How to continue a stopped run, if it checkpointed a round."""
+    done = checkpointed_round(config) if config is not None else None
+    if done is None:
+        return ""
+    return (
+        f' Rounds up to {done} are checkpointed; add resume-from="{run_folder(config)}" to --run-config to '
+        "continue the run."
+    )
+
+
+def report_outcome(config: RunConfig, status: str, details: str) -> int:
+    """Print the run's outcome and where its results are; the exit code: 0 only for a completed run
+    whose summary was written."""
+    folder = run_folder(config)
+    summary = folder / "summary.json"
+    if status != "finished:completed" or not summary.exists():
+        print(f"[alignfl] run FAILED ({status}): {details}", file=sys.stderr)
+        return 1
+    result = json.loads(summary.read_text())
+    print(
+        f"[alignfl] run completed: final accuracy {result['final-accuracy']:.4f} "
+        f"(best {result['best-accuracy']:.4f}); results in {folder}",
+        flush=True,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Hydra sweeps: the sweep, its report, its tracking and the SLURM launcher."""

@@ -1,0 +1,469 @@
+"""Hydra entry point: one in-process Flower simulation per Hydra job.
+
+    python -m fl_app.sweep pan.mode=mul pan.t=4 pan.a=0.1 data.dirichlet_alpha=0.1 seed=1
+    python -m fl_app.sweep -m pan.mode=mul pan.t=1,4,8 pan.a=0,0.05,0.1 data.dirichlet_alpha=0.1,1.0 seed=0,1,2
+
+The Hydra configs are generated from the settings classes (:func:`register_configs`: the
+common sections of :mod:`core.config`, every registered algorithm under ``strategy/`` and
+every model under ``model/``), so their defaults are the schema's. Paths map onto run-config
+keys mechanically (:func:`core.config.key_of_path`: ``data.root`` is ``data-root``,
+``strategy.proximal_mu`` is ``proximal-mu``), and the result is validated by
+:func:`fl_app.config.parse_run_config`, the schema ``flwr run`` uses. An override of a key
+that only an unselected algorithm or model has is refused before Hydra starts, naming its
+owner. A single run is checked before Hydra makes its folder, and a multirun checks every
+job's config before the first job trains (:class:`ValidateSweep`; both exit with code 2).
+Each job writes its run folder ``<job dir>/run`` and a ``job.json`` (status, error, wall
+time) that :mod:`fl_app.sweeps.report` reads; a job that fails is logged and recorded, and
+the sweep goes on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import re
+import sys
+import time
+import traceback
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NoReturn
+
+import hydra
+import ray
+import torch
+from flwr.simulation import run_simulation
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+from hydra.core.config_store import ConfigStore
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.experimental.callback import Callback
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+
+from core.config import PARTITIONER_SECTION, SECTIONS, hydra_leaf, key_of_path
+from core.data import DatasetMissingError, check_dataset_available
+from core.partitioning.partitioners import PARTITIONERS, list_partitioners
+from fl_app.client_app import build_client_app
+from fl_app.config import (
+    ConfigError,
+    RunConfig,
+    owned_settings,
+    parse_run_config,
+    pyproject_problem,
+    results_root,
+    validate_run,
+)
+from fl_app.inprocess import run_in_process
+from fl_app.progress import start_sweep, sweep_progress
+from fl_app.results import write_json
+from fl_app.runtime.common import PROJECT_ROOT
+from fl_app.runtime.ray_cluster import attach_to_cluster
+from fl_app.server_app import build_server_app
+from fl_app.sweeps.slurm import register_launcher
+from fl_app.sweeps.tracking import sweep_child, sweep_store
+from models import list_models
+from models.registry import model_options
+from plugins.options import non_negative, option, positive, settings_fields
+from strategies import get_strategy, list_strategies
+
+log = logging.getLogger(__name__)
+
+GROUPS = ("strategy", "model")
+"""Config groups whose choice is a run-config key of the same name; their options hold that algorithm's or
+model's own settings."""
+#: Run-config keys each job sets itself: every node must join, and the run folder goes in the job's folder.
+SET_PER_JOB = ("min-available-nodes", "results-dir", "run-name")
+#: Top-level sections of the Hydra config that are not run-config keys.
+NOT_RUN_CONFIG = ("sim", "hydra")
+RUN_NAME = "run"
+JOB_RECORD = "job.json"
+COMPLETED, FAILED = "completed", "failed"
+
+
+STRING_SETTINGS = ("backend", "ray_address")
+
+
+def _none_or(check: Any) -> Any:
+    return lambda value: value is None or check(value)
+
+
+@dataclass(frozen=True)
+class SimSettings:
+    """How one job's simulation uses the machine (``sim.*``; not run-config keys)."""
+
+    backend: str = option(
+        "ray",
+        "ray: Flower's simulation engine, clients in parallel on Ray; inprocess: the same "
+        "apps in the job's process, one client at a time (no start-up cost)",
+        lambda v: v in ("ray", "inprocess"),
+        "choose one of ['inprocess', 'ray']",
+    )
+    num_supernodes: int = option(
+        10,
+        "clients; the job also sets run-config min-available-nodes to this",
+        lambda v: isinstance(v, int) and v > 0,
+        "must be a positive integer",
+    )
+    client_cpus: float = option(
+        1.0,
+        "Ray CPUs per client: at most ray_cpus / client_cpus clients train at once",
+        positive,
+        "must be a positive number",
+    )
+    client_gpus: float = option(
+        0.0,
+        "Ray GPUs per client (e.g. 0.25: four clients share one GPU)",
+        non_negative,
+        "must be a non-negative number",
+    )
+    ray_cpus: int | None = option(
+        None,
+        "CPUs this job's Ray may use (null: every core); cap it when jobs run in parallel",
+        _none_or(lambda v: isinstance(v, int) and v > 0),
+        "must be a positive integer or null",
+    )
+    ray_gpus: float | None = option(
+        None,
+        "GPUs this job's Ray may use (null: every visible GPU)",
+        _none_or(non_negative),
+        "must be a non-negative number or null",
+    )
+    ray_address: str | None = option(
+        None,
+        "a running Ray cluster the job's clients run on (HOST:PORT of its head, "
+        "or auto); its nodes' resources decide where; null: a Ray of the job's own",
+        _none_or(lambda v: isinstance(v, str) and v != ""),
+        "must be a non-empty string (HOST:PORT or auto) or null",
+    )
+    torch_threads: int | None = option(
+        None,
+        "torch threads of the job's own process (server-side evaluation); null: torch's default",
+        _none_or(lambda v: isinstance(v, int) and v > 0),
+        "must be a positive integer or null",
+    )
+
+    @classmethod
+    def from_config(cls, sim: Mapping[str, Any]) -> SimSettings:
+        """Check ``sim.*`` the way the schema checks run-config keys: name the key, the value, what is allowed."""
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(sim) - known)
+        if unknown:
+            raise ConfigError(
+                f"sim has key(s) {['sim.' + k for k in unknown]} it does not know; "
+                f"the keys are {sorted('sim.' + k for k in known)}"
+            )
+        settings = cls(**sim)
+        for name, spec in cls.__dataclass_fields__.items():
+            value = getattr(settings, name)
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float, str, type(None)))
+                or (isinstance(value, str) and name not in STRING_SETTINGS)
+                or not spec.metadata["check"](value)
+            ):
+                raise ConfigError(f"'sim.{name}' = {value!r} is not allowed: {spec.metadata['allowed']}")
+        if settings.ray_cpus is not None and settings.client_cpus > settings.ray_cpus:
+            raise ConfigError(
+                f"sim.client_cpus = {settings.client_cpus} is not allowed: must be at most "
+                f"sim.ray_cpus = {settings.ray_cpus}, or no client could ever be scheduled"
+            )
+        if settings.ray_address is not None:
+            if settings.backend != "ray":
+                raise ConfigError(
+                    f"sim.ray_address = {settings.ray_address!r} needs sim.backend=ray, got {settings.backend!r}"
+                )
+            given = [f"sim.{name}" for name in ("ray_cpus", "ray_gpus") if getattr(settings, name) is not None]
+            if given:
+                raise ConfigError(
+                    f"{given} must be null with sim.ray_address: Ray refuses resource counts when it "
+                    "joins a running cluster, whose nodes declared theirs when they were started"
+                )
+        return settings
+
+    def attach(self) -> SimSettings:
+        """With ``ray_address``: the cluster checked (it answers, a client fits on a node) and its address
+        resolved; else itself."""
+        if self.ray_address is None:
+            return self
+        resolved = attach_to_cluster(self.ray_address, "sim.ray_address", self.client_cpus, self.client_gpus)
+        return dataclasses.replace(self, ray_address=resolved)
+
+    def backend_config(self) -> dict[str, Any]:
+        """Flower's ``backend_config``: resources per client, and a cap on this job's Ray or the cluster to join."""
+        init_args = {
+            key: value
+            for key, value in (("num_cpus", self.ray_cpus), ("num_gpus", self.ray_gpus), ("address", self.ray_address))
+            if value is not None
+        }
+        return {
+            "client_resources": {"num_cpus": self.client_cpus, "num_gpus": self.client_gpus},
+            "init_args": init_args,
+        }
+
+
+def _section_node(section: str, settings: type, skip: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The Hydra node of a settings class: leaf → default."""
+    return {hydra_leaf(section, s.key): s.default for s in settings_fields(settings) if s.key not in skip}
+
+
+def register_configs() -> None:
+    """Put the generated configs into Hydra's ConfigStore (again after an algorithm or model registers)."""
+    store = ConfigStore.instance()
+    store.store(name="alignfl_run", node=_section_node("", SECTIONS[""], ("strategy", "model", *SET_PER_JOB)))
+    partitioners = {}
+    for name in list_partitioners():
+        partitioners.update(_section_node(PARTITIONER_SECTION, PARTITIONERS.get(name).settings))
+    for section, settings in SECTIONS.items():
+        if section:
+            node = _section_node(section, settings, SET_PER_JOB)
+            store.store(
+                group=section, name="default", node={**node, **partitioners} if section == PARTITIONER_SECTION else node
+            )
+    register_launcher()
+    store.store(
+        group="sim", name="default", node={f: spec.default for f, spec in SimSettings.__dataclass_fields__.items()}
+    )
+    for name in list_strategies():
+        store.store(group="strategy", name=name, node=_section_node("", get_strategy(name).settings))
+    for name in list_models():
+        store.store(group="model", name=name, node=_section_node("", model_options(name)))
+
+
+def _leaves(node: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"pan": {"t": 4}}`` → ``{"pan.t": 4}``."""
+    leaves: dict[str, Any] = {}
+    for key, value in node.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            leaves.update(_leaves(value, f"{path}."))
+        else:
+            leaves[path] = value
+    return leaves
+
+
+def hydra_to_run_config(cfg: DictConfig, choices: Mapping[str, Any]) -> dict[str, Any]:
+    """The run-config keys a composed Hydra config sets; a path that maps to no key is refused."""
+    sections = [key for key in cfg if key not in NOT_RUN_CONFIG]
+    container = OmegaConf.to_container(OmegaConf.masked_copy(cfg, sections), resolve=True)
+    assert isinstance(container, dict)
+    keys = set(owned_settings()) | {s.key for settings in SECTIONS.values() for s in settings_fields(settings)}
+    values: dict[str, Any] = {group: choices[group] for group in GROUPS}
+    unmapped = []
+    for path, value in _leaves(container).items():
+        section, _, leaf = path.rpartition(".")
+        key = key_of_path("" if section in GROUPS else section, leaf, keys)
+        if key is None:
+            unmapped.append(path)
+        else:
+            values[key] = value
+    if unmapped:
+        raise ConfigError(
+            f"Hydra key(s) {sorted(unmapped)} map to no run-config key; a path is "
+            "<section>.<key with _ for ->, e.g. train.lr or data.dirichlet_alpha"
+        )
+    return values
+
+
+def job_settings(cfg: DictConfig, choices: Mapping[str, Any], results_dir: Path) -> tuple[RunConfig, SimSettings]:
+    """The validated run config (its run folder in ``results_dir``) and simulation settings of one job."""
+    sim = SimSettings.from_config(OmegaConf.to_container(cfg.sim, resolve=True))  # type: ignore[arg-type]
+    values = {
+        **hydra_to_run_config(cfg, choices),
+        "min-available-nodes": sim.num_supernodes,
+        "results-dir": str(results_dir.resolve()),
+        "run-name": RUN_NAME,
+    }
+    config = parse_run_config(values)
+    validate_run(config)
+    return config, sim
+
+
+def sweep_job_overrides(config: DictConfig) -> list[list[str]]:
+    """Every job's overrides, expanded as Hydra's basic sweeper expands them (its params, then the command line)."""
+    params = OmegaConf.select(config, "hydra.sweeper.params") or {}
+    arguments = [f"{key}={value}" for key, value in params.items()] + list(config.hydra.overrides.task)
+    parser = OverridesParser.create(config_loader=GlobalHydra.instance().config_loader())
+    return [job for batch in BasicSweeper.split_arguments(parser.parse_overrides(arguments), None) for job in batch]
+
+
+def validate_sweep(config: DictConfig) -> int:
+    """Compose and validate every job of a multirun, then check each dataset it needs is on disk.
+
+    Raises the schema's :class:`ConfigError` (prefixed with the job's overrides) at the first bad job;
+    returns the number of jobs.
+    """
+    loader = GlobalHydra.instance().config_loader()
+    sweep_dir = Path(config.hydra.sweep.dir)
+    jobs = sweep_job_overrides(config)
+    datasets, clusters = set(), {}
+    for overrides in jobs:
+        job_cfg = loader.load_sweep_config(config, overrides)
+        try:
+            run_config, sim = job_settings(job_cfg, job_cfg.hydra.runtime.choices, sweep_dir)
+        except ConfigError as error:
+            raise ConfigError(f"sweep job {' '.join(overrides) or '(no overrides)'}: {error}") from None
+        datasets.add((run_config.dataset, run_config.data_root or None))
+        if sim.ray_address is not None:
+            clusters.setdefault((sim.ray_address, sim.client_cpus, sim.client_gpus), sim)
+    for name, root in sorted(datasets, key=str):
+        check_dataset_available(name, root)
+    for sim in clusters.values():
+        sim.attach()
+    return len(jobs)
+
+
+def refuse(message: str) -> NoReturn:
+    """End the command before anything starts: the message, exit code 2, no traceback."""
+    print(f"[alignfl] refused before starting: {message}", file=sys.stderr)
+    raise SystemExit(2)  # Hydra turns a callback's exception into a warning and carries on; exiting stops it
+
+
+class ValidateSweep(Callback):
+    """Refuse a run, before Hydra makes its folder, or a multirun, before any job trains, when a job has a config
+    the schema rejects or a data set that is not on disk."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        try:
+            run_config, _ = job_settings(config, config.hydra.runtime.choices, Path(config.hydra.run.dir))
+            check_dataset_available(run_config.dataset, run_config.data_root or None)
+        except (ConfigError, DatasetMissingError) as error:
+            refuse(str(error))
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        target = OmegaConf.select(config, "hydra.sweeper._target_") or ""
+        if not target.endswith(".BasicSweeper"):
+            log.warning("sweeper %s: each job's config is validated when the job starts", target)
+            return
+        try:
+            count = validate_sweep(config)
+        except (ConfigError, DatasetMissingError) as error:
+            refuse(f"invalid sweep, no job was started: {error}")
+        except Exception as error:  # a sweep that cannot be checked is not started either
+            log.error("validating the sweep failed:\n%s", traceback.format_exc())
+            raise SystemExit(
+                f"could not validate the sweep, no job was started: {type(error).__name__}: {error}"
+            ) from None
+        log.info("all %d jobs of the sweep passed the run-config schema", count)
+        start_sweep(Path(config.hydra.sweep.dir), count)
+
+
+def simulate(config: RunConfig, sim: SimSettings) -> None:
+    """Run one simulation; everything reaches the apps through their factories. ``sim.backend=inprocess``
+    calls the same ServerApp and ClientApp in this process, one client after the other: no Ray to start and
+    data loaded once for every job of the sweep, the same metrics."""
+    if sim.torch_threads is not None:
+        torch.set_num_threads(sim.torch_threads)
+    values = config.to_run_config()
+    if sim.backend == "inprocess":
+        run_in_process(values, sim.num_supernodes)
+        return
+    run_simulation(
+        server_app=build_server_app(values),
+        client_app=build_client_app(values),
+        num_supernodes=sim.num_supernodes,
+        backend_config=sim.backend_config(),
+    )
+
+
+def run_job(
+    cfg: DictConfig, choices: Mapping[str, Any], job_dir: Path, sweep_dir: Path | None = None
+) -> dict[str, Any]:
+    """Validate, simulate and record one job; an error is logged and recorded, never raised. ``sweep_dir``: the
+    multirun's folder, whose MLflow parent run the job's run joins (:func:`fl_app.sweeps.tracking.sweep_child`)."""
+    started = time.time()
+    record: dict[str, Any] = {
+        "status": FAILED,
+        "error": None,
+        "run-folder": None,
+        "slurm-job-id": os.environ.get("SLURM_JOB_ID"),
+    }  # where SLURM ran it
+    try:
+        config, sim = job_settings(cfg, choices, job_dir)
+        config = sweep_store(config, sweep_dir)
+        sim = sim.attach()  # the jobs of a sweep join the cluster one after another
+        run_folder = Path(config.resume_from) if config.resume_from else results_root(config) / config.run_name
+        if run_folder.exists() and not config.resume_from:  # its metrics.jsonl would get a second run's rounds
+            raise FileExistsError(f"{run_folder} holds an earlier run; give the sweep a new hydra.sweep.dir")
+        with sweep_child(config, sweep_dir, job_dir):
+            simulate(config, sim)
+        if not (run_folder / "summary.json").is_file():
+            raise RuntimeError(f"the simulation ended without writing {run_folder / 'summary.json'}")
+        record.update(status=COMPLETED, **{"run-folder": str(run_folder)})
+    except Exception as error:  # a failed job is reported and the sweep goes on
+        log.error("job in %s failed:\n%s", job_dir, traceback.format_exc())
+        record["error"] = f"{type(error).__name__}: {error}"
+    finally:
+        # Flower stops Ray when a simulation ends normally; after an error it may not have.
+        if ray.is_initialized():
+            ray.shutdown()
+        record["job-wall-time-s"] = time.time() - started
+        job_dir.mkdir(parents=True, exist_ok=True)
+        write_json(job_dir / JOB_RECORD, record)
+    return record
+
+
+class JobFailed(RuntimeError):
+    """A single (non-multirun) job failed: the command exits non-zero."""
+
+
+@hydra.main(version_base="1.3", config_path=str(PROJECT_ROOT / "conf"), config_name="config")
+def hydra_main(cfg: DictConfig) -> str:
+    """One Hydra job; returns its status (a multirun's report is written by ``fl_app.sweeps.report``)."""
+    hydra_config = HydraConfig.get()
+    multirun = hydra_config.mode == RunMode.MULTIRUN
+    sweep_dir = Path(hydra_config.sweep.dir) if multirun else None
+    record = run_job(cfg, hydra_config.runtime.choices, Path(hydra_config.runtime.output_dir), sweep_dir)
+    if sweep_dir is not None:
+        print(f"[alignfl] {sweep_progress(sweep_dir, JOB_RECORD, COMPLETED)}", flush=True)
+    if record["status"] == FAILED and not multirun:
+        raise JobFailed(record["error"])
+    return record["status"]
+
+
+_OVERRIDE = re.compile(r"^(?P<group>strategy|model)(?:\.(?P<leaf>\w+))?=(?P<value>.*)$")
+
+
+def unowned_override(arguments: list[str]) -> str | None:
+    """Why an override sets a key that the chosen algorithm or model (every choice of a swept group) lacks, or
+    None; Hydra itself would only say that the key is not in the config."""
+    choices = {"strategy": ["fedavg"], "model": ["mlp"]}
+    leaves: list[tuple[str, str]] = []
+    for argument in arguments:
+        match = _OVERRIDE.match(argument.lstrip("+~"))
+        if match is None:
+            continue
+        if match["leaf"] is None:
+            choices[match["group"]] = match["value"].split(",")
+        else:
+            leaves.append((match["group"], match["leaf"]))
+    owned = owned_settings()
+    for group, leaf in leaves:
+        key = leaf.replace("_", "-")
+        owners = list(owned[key].owners) if key in owned else []
+        strays = [choice for choice in choices[group] if choice not in owners]
+        if not owners:
+            return f"override {group}.{leaf}: no {group} has a setting '{key}'"
+        if strays:
+            return (
+                f"override {group}.{leaf}: '{key}' belongs to {group} {owners}, not to {group} {strays}; "
+                f"set {group}={owners[0]} or leave the override out"
+            )
+    return None
+
+
+def main() -> None:
+    """``python -m fl_app.sweep``: refuse an override no chosen algorithm or model has, or a stale
+    ``pyproject.toml`` run-config table (as the launcher does), then run Hydra."""
+    register_configs()
+    problem = unowned_override(sys.argv[1:]) or pyproject_problem()
+    if problem is not None:
+        refuse(problem)
+    hydra_main()
+
+
+if __name__ == "__main__":
+    main()
