@@ -90,3 +90,41 @@ def test_ray_workers_give_the_in_process_workers_rows(tmp_path):
     run_batched(values, 6, vectorise="off")
     run_batched({**values, "run-name": "ray"}, 6, vectorise="off", ray=RayOptions(num_cpus=2))
     assert _rows(tmp_path, "ray") == _rows(tmp_path, "inprocess")
+
+
+def test_sweep_jobs_on_the_batched_engine_give_the_in_process_rows(tmp_path):
+    from fl_app.sweeps.sweep import register_configs, run_job
+    from tests.test_sweep import TINY, composed
+
+    register_configs()
+    rows = {}
+    for backend in ("inprocess", "batched"):  # stacked updates round otherwise: test_vectorised.py bounds that
+        sim = [f"sim.backend={backend}", "sim.vectorise=off"]
+        cfg = composed([*TINY, "train.num_server_rounds=2", "sim.num_supernodes=4", *sim])
+        record = run_job(cfg, cfg.hydra.runtime.choices, tmp_path / backend)
+        assert record["status"] == "completed", record["error"]
+        lines = (Path(record["run-folder"]) / "metrics.jsonl").read_text().splitlines()
+        rows[backend] = [{k: v for k, v in json.loads(line).items() if k != "elapsed-s"} for line in lines]
+    assert rows["batched"] == rows["inprocess"] and len(rows["batched"]) == 3
+
+
+def test_the_batched_engines_sim_settings_are_checked():
+    from fl_app.sweeps.sweep import SimSettings
+
+    assert SimSettings.from_config({"backend": "batched", "workers": 2, "vectorise": "off"}).workers == 2
+    with pytest.raises(ConfigError, match="sim.workers = 2 needs sim.backend=batched, got 'ray'"):
+        SimSettings.from_config({"workers": 2})
+    with pytest.raises(ConfigError, match=r"'sim.vectorise' = 'on' is not allowed: choose one of \['auto', 'off'\]"):
+        SimSettings.from_config({"backend": "batched", "vectorise": "on"})
+    assert SimSettings.from_config({"backend": "batched", "ray_address": "10.0.0.1:6379"}).ray_address
+
+
+def test_the_launcher_runs_the_batched_engine_without_a_superlink(tmp_path, capsys):
+    from fl_app.runtime import launch
+
+    overrides = f'dataset="digits" num-server-rounds=1 results-dir="{tmp_path}" run-name="b" tracking="none"'
+    assert launch.main(["--backend", "batched", "--num-supernodes", "3", "--run-config", overrides]) == 0
+    assert "run completed" in capsys.readouterr().out and (tmp_path / "b" / "summary.json").exists()
+    with pytest.raises(SystemExit):
+        launch.main(["--workers", "2"])
+    assert "--workers needs --backend batched" in capsys.readouterr().err

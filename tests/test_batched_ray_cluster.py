@@ -1,7 +1,7 @@
 """The batched engine's Ray workers on a real two-node cluster: both nodes train, and a node lost mid-run drops
 its clients with a reason naming it while the run goes on on the other node.
 
-The cluster is a head and a second raylet on this machine (:mod:`fl_app.local_ray`), stopped by process id
+The cluster is a head and a second raylet on this machine (:mod:`fl_app.runtime.local_ray`), stopped by process id
 when the module is done, also when a test fails.
 """
 
@@ -17,7 +17,7 @@ import pytest
 
 from fl_app.engines.batched import run_batched
 from fl_app.engines.grid import RayOptions
-from fl_app.local_ray import local_ray_cluster
+from fl_app.runtime.local_ray import local_ray_cluster
 
 pytestmark = pytest.mark.slow
 

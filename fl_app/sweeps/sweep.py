@@ -57,6 +57,7 @@ from fl_app.config import (
     results_root,
     validate_run,
 )
+from fl_app.engines.batched import ray_options, run_batched
 from fl_app.inprocess import run_in_process
 from fl_app.progress import start_sweep, sweep_progress
 from fl_app.results import write_json
@@ -84,7 +85,7 @@ JOB_RECORD = "job.json"
 COMPLETED, FAILED = "completed", "failed"
 
 
-STRING_SETTINGS = ("backend", "ray_address")
+STRING_SETTINGS = ("backend", "ray_address", "vectorise")
 
 
 def _none_or(check: Any) -> Any:
@@ -98,9 +99,24 @@ class SimSettings:
     backend: str = option(
         "ray",
         "ray: Flower's simulation engine, clients in parallel on Ray; inprocess: the same "
-        "apps in the job's process, one client at a time (no start-up cost)",
-        lambda v: v in ("ray", "inprocess"),
-        "choose one of ['inprocess', 'ray']",
+        "apps in the job's process, one client at a time (no start-up cost); batched: a round's messages at once "
+        "to long-lived workers (the job's process, or Ray actors: sim.workers, sim.ray_address)",
+        lambda v: v in ("ray", "inprocess", "batched"),
+        "choose one of ['batched', 'inprocess', 'ray']",
+    )
+    vectorise: str = option(
+        "auto",
+        "batched engine: auto trains a round's clients as one stacked update where the algorithm and "
+        "the model allow it (the log says); off: one after another",
+        lambda v: v in ("auto", "off"),
+        "choose one of ['auto', 'off']",
+    )
+    workers: int | None = option(
+        None,
+        "batched engine: this many Ray actors as workers (client_cpus, client_gpus each); null: one "
+        "worker in the job's process, or with sim.ray_address as many as the cluster holds",
+        _none_or(lambda v: isinstance(v, int) and v > 0),
+        "must be a positive integer or null",
     )
     num_supernodes: int = option(
         10,
@@ -171,10 +187,13 @@ class SimSettings:
                 f"sim.client_cpus = {settings.client_cpus} is not allowed: must be at most "
                 f"sim.ray_cpus = {settings.ray_cpus}, or no client could ever be scheduled"
             )
+        if settings.workers is not None and settings.backend != "batched":
+            raise ConfigError(f"sim.workers = {settings.workers} needs sim.backend=batched, got {settings.backend!r}")
         if settings.ray_address is not None:
-            if settings.backend != "ray":
+            if settings.backend not in ("ray", "batched"):
                 raise ConfigError(
-                    f"sim.ray_address = {settings.ray_address!r} needs sim.backend=ray, got {settings.backend!r}"
+                    f"sim.ray_address = {settings.ray_address!r} needs sim.backend=ray or batched, "
+                    f"got {settings.backend!r}"
                 )
             given = [f"sim.{name}" for name in ("ray_cpus", "ray_gpus") if getattr(settings, name) is not None]
             if given:
@@ -354,12 +373,19 @@ class ValidateSweep(Callback):
 def simulate(config: RunConfig, sim: SimSettings) -> None:
     """Run one simulation; everything reaches the apps through their factories. ``sim.backend=inprocess``
     calls the same ServerApp and ClientApp in this process, one client after the other: no Ray to start and
-    data loaded once for every job of the sweep, the same metrics."""
+    data loaded once for every job of the sweep, the same metrics; ``batched`` hands a round's messages to
+    long-lived workers at once (:mod:`fl_app.engines`)."""
     if sim.torch_threads is not None:
         torch.set_num_threads(sim.torch_threads)
     values = config.to_run_config()
     if sim.backend == "inprocess":
         run_in_process(values, sim.num_supernodes)
+        return
+    if sim.backend == "batched":
+        workers = ray_options(
+            sim.workers, sim.ray_address, sim.client_cpus, sim.client_gpus, sim.ray_cpus, sim.ray_gpus
+        )
+        run_batched(values, sim.num_supernodes, sim.vectorise, workers)
         return
     run_simulation(
         server_app=build_server_app(values),
