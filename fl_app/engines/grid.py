@@ -10,7 +10,6 @@ engine runs (:func:`fl_app.server_app.run_experiment`).
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from logging import INFO
@@ -25,7 +24,7 @@ from core.model_io import build_model_for
 from core.vectorised import unsupported
 from fl_app.config import ConfigError
 from fl_app.engines.worker import Job, Worker
-from fl_app.inprocess import FIRST_NODE_ID, NODE_ID_STRIDE, set_task_identity
+from fl_app.inprocess import FIRST_NODE_ID, NODE_ID_STRIDE, give_message_id, set_task_identity
 from strategies import get_strategy
 
 VECTORISE_CHOICES = ("auto", "off")
@@ -107,7 +106,7 @@ class BatchedGrid:
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> list[Message]:
         jobs = []
         for message in messages:
-            message.metadata.__dict__["_message_id"] = uuid.uuid4().hex  # what Flower's grids do on push
+            give_message_id(message)
             jobs.append((message, self.contexts[message.metadata.dst_node_id]))
         return [reply for reply in self.pool.run(jobs, timeout) if reply is not None]
 
