@@ -13,6 +13,6 @@ if not torch.cuda.is_available():
 print(f"gpu_check.sh: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, CUDA {torch.version.cuda}")
 PYCHECK
 OUT="${OUT:-$(mktemp -d /tmp/alignfl-gpu-check-XXXXXX)}"
-timeout 150 "$PY" -m pytest -q -n 0 -m cuda tests/test_cuda.py
-timeout 330 "$PY" benchmarks/cross_device.py --out "$OUT" "$@"
+timeout 90 "$PY" -m pytest -q -n 0 -m cuda tests/test_cuda.py
+timeout 390 "$PY" benchmarks/cross_device.py --out "$OUT" "$@"
 echo "gpu_check.sh: table in $OUT/report.md"
