@@ -53,7 +53,8 @@ class WorkerPool(Protocol):
 
 
 class InProcessPool:
-    """One worker in this process: the messages run one after another (or stacked), contexts updated in place."""
+    """One worker in this process: the messages run one after another (or stacked), contexts updated in place.
+    Nothing interrupts a message here, so ``round-timeout`` drops no client (as on the in-process engine)."""
 
     def __init__(self, overrides: Mapping[str, Any], vectorise: bool) -> None:
         self.worker = Worker(overrides, vectorise)
