@@ -1,5 +1,5 @@
 """A round of the loopback deployment with Flower's executor and SuperNode, and with the warm executor and the
-SuperNode that polls faster, side by side (issue 24).
+SuperNode that polls faster, side by side.
 
 Two measurements, each taken for every set-up in turn so that all see the same load:
 

@@ -1,4 +1,4 @@
-"""FedMA with its own matching (BBP-MAP, the global model may grow) against one-to-one matching and FedAvg (issue 16).
+"""FedMA with its own matching (BBP-MAP, the global model may grow) against one-to-one matching and FedAvg.
 
 ``--part merge``: one-shot merges of K differently initialised models (small-mlp, Fashion-MNIST, Dirichlet 0.5,
 ``--merge-epochs`` local epochs each): plain average, one-to-one weight matching, BBP-MAP and the ensemble,

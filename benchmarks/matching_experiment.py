@@ -1,6 +1,6 @@
-"""FedAvg versus matched averaging versus FedMA across client counts at equal communication (issue 4).
+"""FedAvg versus matched averaging versus FedMA across client counts at equal communication.
 
-Seed paper 002 compares the methods at an equal number of client-server
+Holm, Sajjad and Matjasec, "L46 FedMA Project" (project report), compare the methods at an equal number of client-server
 exchanges: one FedMA round costs one communication per layer, so FedAvg gets as
 many rounds as FedMA has communications. Here every server round of a run is
 one communication (``fedma`` spends ``G + 1`` of them per cycle for a model

@@ -1,4 +1,4 @@
-"""How long the ``matched`` strategy takes to align and average K client models (issue 4).
+"""How long the ``matched`` strategy takes to align and average K client models.
 
 For every model and K, K client states are made from one model (``permuted``:
 each a random permutation of every group plus Gaussian noise of ``--noise``
@@ -6,7 +6,7 @@ times each entry's standard deviation, as if clients had drifted a little;
 ``independent``: K differently initialised models, the hardest case for
 coordinate descent) and :func:`core.alignment.matched_average` aligns them
 onto the global model and averages them, exactly as one ``matched`` round does
-(``match-reference=global``, one pass). Reported per setting: the medians over
+(``matched-reference=global``, one pass). Reported per setting: the medians over
 ``--repeats`` of the wall time and of the CPU time, the latter split into
 
 * ``cost matrices``: inside :meth:`core.alignment.PairScores.share`

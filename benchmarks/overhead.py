@@ -187,7 +187,7 @@ def report(rows: list[dict[str, Any]]) -> str:
         lines += [
             "",
             f"median {label} seconds per round after round 1: simulation {simulation:.2f}, "
-            f"plain PyTorch {plain:.2f}, ratio {simulation / plain:.3f} (target <= 1.05, issue 18)",
+            f"plain PyTorch {plain:.2f}, ratio {simulation / plain:.3f} (target <= 1.05)",
         ]
     return "\n".join(lines)
 

@@ -1,4 +1,6 @@
-"""PANs off versus on, under FedAvg across Dirichlet α and under five algorithms at small α (issue 3).
+"""PANs off versus on, under FedAvg across Dirichlet α and under five algorithms at small α.
+
+Li et al., "Federated Learning with Position-Aware Neurons", CVPR 2022.
 
 Each run is one in-process Flower simulation (the same ServerApp/ClientApp as
 ``flwr run``) writing its own run folder; finished runs are skipped, so the
@@ -10,7 +12,7 @@ accuracy over the last 5 rounds) and a plot.
     python benchmarks/pan_experiment.py --part algorithms --seeds 0 1 2
     python benchmarks/pan_experiment.py --report --seeds 0 1 2
 
-``--part authors`` (issue 17): FedAvg with PANs off / mul T=1 A=0.1 / add T=1 A=0.15 in the PANs authors' own
+``--part authors``: FedAvg with PANs off / mul T=1 A=0.1 / add T=1 A=0.15 in the PANs authors' own
 training setting (their code: batch 64, SGD lr 0.05 momentum 0.9 weight decay 1e-5, a 10-round linear lr
 warm-up, the server's unweighted mean of the client models) on the MLP, Dirichlet 0.1, 10 clients all taking
 part, E = 2, 30 rounds; each final model then gets the shuffle test (P_sf = 1: every hidden layer fully
@@ -47,7 +49,7 @@ AUTHORS: dict[str, Any] = {
     "lr-warmup-rounds": 10,
     "server-weighting": "uniform",
 }
-"""The PANs authors' training setting (their code; ALGORITHMS.md section 1)."""
+"""The PANs authors' training setting (their code, github.com/lxcnju/FedPAN)."""
 SHUFFLE_P_SF = (0.5, 1.0)
 ALGORITHM_SETTINGS: dict[str, dict[str, Any]] = {"scaffold": {"momentum": 0.0}}
 """Per-algorithm overrides of the shared scale. SCAFFOLD runs plain SGD, as in its paper: with the shared

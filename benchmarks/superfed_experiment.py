@@ -1,6 +1,7 @@
-"""SuPerFed against FedAvg, FedProx, FedPer and Ditto under a pathological split, and under label noise (issue 6).
+"""SuPerFed against FedAvg, FedProx, FedPer and Ditto under a pathological split, and under label noise.
 
-Seed paper 004, Table 1 (pathological non-IID, TwoNN, K = 50) and Table 4 (label
+Hahn, Jeong and Lee, "Connecting Low-Loss Subspace for Personalized Federated Learning", KDD 2022,
+Table 1 (pathological non-IID, TwoNN, K = 50) and Table 4 (label
 noise, ECE/MCE), scaled down to this machine. ``--part pathological``: every
 client holds 2 classes (the ``pathological`` partitioner), K trained clients, 10%
 of them per round, plus ``--holdout`` partitions that never train and score the
@@ -16,7 +17,7 @@ prints the Markdown tables and writes the plot of accuracy along λ.
     python benchmarks/superfed_experiment.py --part noise --seeds 0
     python benchmarks/superfed_experiment.py --report --seeds 0 1 2
 
-``--part authors`` (issue 17): the authors' own setting, scaled only in R: their fixed-pairs split (client k holds
+``--part authors``: the authors' own setting, scaled only in R: their fixed-pairs split (client k holds
 classes {k//10, 5 + k//10} for K = 50), their bias-free TwoNN 784-200-200-200-10, K = 50 with 5 per round, E = 10,
 B = 10, lr 0.01 decayed by 0.999 per round, mu = 0.01, the local model initialised as their code does, no held-out
 clients; R = 50 instead of 500. SuPerFed-MM, SuPerFed-LM and FedAvg:
@@ -49,7 +50,7 @@ from pan_experiment import mean_std, simulate  # noqa: E402  (a sibling script, 
 DEFAULT_OUT = HERE / "runs" / "superfed"
 LAMBDAS = tuple(i / 10 for i in range(11))
 
-# The paper's settings (Appendix A, ALGORITHMS.md §4) but for R, E, B and lr (command-line options).
+# The paper's settings (Appendix A) but for R, E, B and lr (command-line options).
 COMMON: dict[str, Any] = {
     "dataset": "fashion-mnist",
     "model": "twonn",
@@ -62,7 +63,7 @@ COMMON: dict[str, Any] = {
 SUPERFED: dict[str, Any] = {"strategy": "superfed", "superfed-start": 0.4, "superfed-mu": 0.01}
 PATHOLOGICAL: dict[str, Any] = {"partitioner": "pathological", "classes-per-client": 2}
 AUTHORS: dict[str, Any] = {"partitioner": "fixed-pairs", "samples-per-client": 0, "hidden-layers": 3, "bias": False}
-"""The SuPerFed authors' split and network (their code; ALGORITHMS.md section 4); SuPerFed also starts its local
+"""The SuPerFed authors' split and network (their code, github.com/vaseline555/SuPerFed); SuPerFed also starts its local
 models as their code does (``superfed-local-init``)."""
 AUTHORS_METHODS = ("SuPerFed-MM", "SuPerFed-LM", "FedAvg")
 METHODS: dict[str, dict[str, Any]] = {  # the order runs go in: the main comparison first
@@ -71,7 +72,7 @@ METHODS: dict[str, dict[str, Any]] = {  # the order runs go in: the main compari
     "SuPerFed-LM": {**SUPERFED, "superfed-mode": "lm", "superfed-nu": 2.0},
     "Ditto": {"strategy": "ditto"},
     "FedPer": {"strategy": "fedper"},
-    "FedProx": {"strategy": "fedprox", "proximal-mu": 0.01},
+    "FedProx": {"strategy": "fedprox", "fedprox-mu": 0.01},
 }
 NOISE: dict[str, dict[str, Any]] = {
     "pair 0.1": {"label-noise": "pair", "label-noise-rate": 0.1},

@@ -3,7 +3,7 @@
 Runs the default run config (FedAvg, MLP, Fashion-MNIST, Dirichlet 0.5, 10 clients) in-process for a few rounds
 with ``tracking`` as asked, and times every call the ServerApp makes to :class:`fl_app.tracking.Tracking`
 (opening, each round's ``log_rows``, the end's ``finish`` and ``close``) against the rounds' wall time from
-``metrics.jsonl``. The target (issue 25): each round's tracking at most 1 % of the round.
+``metrics.jsonl``. The target: each round's tracking at most 1 % of the round.
 
     .venv/bin/python benchmarks/tracking_cost.py --rounds 4 --tracking tensorboard
     .venv/bin/python benchmarks/tracking_cost.py --rounds 4 --tracking both

@@ -25,7 +25,8 @@ model instead of once per visit; the permutations found are the same.
 Costs (registered by name, see :func:`list_costs`):
 
 ``weight``
-    Git Re-Basin's weight matching (Ainsworth et al., 2023). For one group,
+    Weight matching of Ainsworth, Hayase and Srinivasa, "Git Re-Basin: Merging
+    Models modulo Permutation Symmetries", ICLR 2023. For one group,
     maximise ``sum <W_ref, P W_other>`` over every entry touching the group, on
     its incoming *and* outgoing axes, with the other groups' current
     permutations applied to the entries' other axes. Groups are visited in a
@@ -34,14 +35,14 @@ Costs (registered by name, see :func:`list_costs`):
     sequential pass (as ``l1``, with inner products) rather than the identity;
     see :func:`weight_matching` for why.
 ``l1``
-    Simple-FedMA (seed paper 002): minimise the sum of absolute weight
-    differences. Groups are solved once, in spec order (input side first). A
-    group's cost uses every entry whose other permuted axes all belong to groups
-    already solved, with those permutations applied: the incoming weights, bias
-    and normalisation entries, plus outgoing weights into a layer whose outputs
-    are never permuted (the classifier) -- ALGORITHMS.md §2's "outgoing weights
-    where the next layer's permutation is already fixed". Weights into a later,
-    unsolved group are left out.
+    Simple-FedMA (Holm, Sajjad and Matjasec, "L46 FedMA Project", project
+    report): minimise the sum of absolute weight differences. Groups are solved
+    once, in spec order (input side first). A group's cost uses every entry
+    whose other permuted axes all belong to groups already solved, with those
+    permutations applied: the incoming weights, bias and normalisation entries,
+    plus the outgoing weights into a layer whose outputs are never permuted (the
+    classifier), where the next layer's permutation is already fixed. Weights
+    into a later, unsolved group are left out.
 """
 
 from __future__ import annotations

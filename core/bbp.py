@@ -99,13 +99,13 @@ from __future__ import annotations
 import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import torch
 from torch import Tensor
 
 from models.permutation import AxisRef, PermutationSpec, unit_view
-from plugins.options import check_fields, is_kind, option, positive
+from plugins.options import check_fields, choice, is_kind, option, positive
 
 StateDict = Mapping[str, Tensor]
 
@@ -119,11 +119,14 @@ POPULARITY_CAP = 10
 class BBPSettings:
     """BBP-MAP's hyper-parameters, declared once here; the defaults are the FedMA authors'.
 
-    FedMA's run-config keys ``bbp-<field>`` borrow these fields
-    (:class:`strategies.fedma.FedMASettings`), so their defaults, help and
-    checks are these. ``sigma`` and ``sigma0`` are variances, as in the
-    authors' code; ``max_width`` is the hard cap of the module notes.
+    A settings family (:mod:`plugins.options`): FedMA's run-config keys
+    ``bbp-<field>`` borrow these fields (:class:`strategies.fedma.FedMASettings`),
+    so their defaults, help and checks are these, and their keys the same
+    wherever they are borrowed. ``sigma`` and ``sigma0`` are variances, as in
+    the authors' code; ``max_width`` is the hard cap of the module notes.
     """
+
+    key_prefix: ClassVar[str] = "bbp"
 
     sigma: float = option(
         1.0, "BBP-MAP: variance of a client unit around its global unit", positive, "must be a finite number > 0"
@@ -149,12 +152,11 @@ class BBPSettings:
     iterations: int = option(
         5, "BBP-MAP: most sweeps over the clients after the first pass", lambda v: v >= 0, "must be an integer >= 0"
     )
-    estimate: str = option(
+    estimate: str = choice(
         "posterior",
         "BBP-MAP: a global unit from its members: posterior (the authors' "
         "posterior mean) or weighted (the clients' weighted mean)",
-        lambda v: v in ESTIMATES,
-        f"choose one of {list(ESTIMATES)}",
+        ESTIMATES,
     )
     include_classifier: bool = option(
         False,

@@ -33,6 +33,7 @@ from plugins.options import (
     NoOptions,
     Setting,
     check_settings,
+    choice,
     non_negative,
     option,
     option_from,
@@ -48,18 +49,32 @@ SERVER_WEIGHTINGS = ("examples", "uniform")
 TRACKING_CHOICES = ("tensorboard", "mlflow", "both", "none")
 
 
-def _one_of(choices: tuple[str, ...]) -> dict[str, Any]:
-    return {"check": lambda value: value in choices, "allowed": f"choose one of {sorted(choices)}"}
+MLFLOW_SCHEMES = ("databricks", "file", "http", "https", "mssql", "mysql", "postgresql", "sqlite")
+"""The schemes of MLflow's own tracking stores (a database's may name its driver: ``postgresql+psycopg2``)."""
 
 
 def _mlflow_uri(value: str) -> bool:
-    """An MLflow tracking URI with a scheme; a SQLite file by absolute path (the app runs from a copy)."""
+    """An MLflow tracking URI of a known scheme; a file or SQLite store by absolute path (the app runs from a
+    copy)."""
     if not value:
         return True
     scheme, _, rest = value.partition(":")
-    if scheme == "sqlite":
+    engine = scheme.split("+", 1)[0]
+    if engine not in MLFLOW_SCHEMES or ("+" in scheme and engine in ("databricks", "file", "http", "https")):
+        return False
+    if engine == "sqlite":
         return rest.startswith("////")
-    return bool(scheme) and (rest.startswith("//") or scheme == "databricks")
+    if engine == "file":
+        return rest.startswith("///")
+    return rest.startswith("//") or value == "databricks"
+
+
+def _widths(value: str) -> bool:
+    """Comma-separated finite numbers > 0, or empty."""
+    try:
+        return all(positive(float(item)) for item in value.split(",")) if value.strip() else True
+    except ValueError:
+        return False
 
 
 def _absolute_or_empty(what: str) -> dict[str, Any]:
@@ -75,9 +90,7 @@ class RunSection:
 
     strategy: str = option("fedavg", "the federated algorithm (listed below the tables)")
     model: str = option("mlp", "the network (listed below the tables)")
-    dataset: str = option(
-        "fashion-mnist", "the data set", lambda v: v in list_datasets(), "choose a registered data set"
-    )
+    dataset: str = choice("fashion-mnist", "the data set", list_datasets)
     seed: int = option(
         0, "seeds data splits, initialisation, sampling and every client's batches", lambda v: v >= 0, "must be >= 0"
     )
@@ -87,12 +100,20 @@ class RunSection:
         lambda v: v in DEVICE_CHOICES or v.startswith("cuda:"),
         f"one of {list(DEVICE_CHOICES)} or 'cuda:<index>'",
     )
-    init: str = option(
-        "default",
-        "weight init after the model is built (default: as built; he: He-normal)",
-        lambda v: v in INITS,
-        f"choose one of {sorted(INITS)}",
+    client_widths: str = option(
+        "",
+        "width multiplier of each partition's model (times width-factor), cycled over partitions, e.g. "
+        "0.25,0.5,1 (empty: every client at the global width); different widths need a strategy that takes them",
+        _widths,
+        "must be comma-separated numbers > 0, or empty",
     )
+    global_width: float = option(
+        0.0,
+        "width multiplier of the global model (0: the widest of client-widths, or 1)",
+        non_negative,
+        "must be a finite number >= 0 (0: the widest client width)",
+    )
+    init: str = choice("default", "weight init after the model is built (default: as built; he: He-normal)", INITS)
     log_divergence: bool = option(False, "log per-layer weight divergence of the clients' models every round")
     results_dir: str = option(
         "",
@@ -110,19 +131,19 @@ class RunSection:
         "an earlier run's folder (absolute) to continue from its checkpoint.pt",
         **_absolute_or_empty("the folder holding checkpoint.pt"),
     )
-    tracking: str = option(
+    tracking: str = choice(
         "tensorboard",
         "where each round's metrics also go: tensorboard (event files in the run "
         "folder), mlflow (an MLflow run; needs pip install 'alignfl[mlflow]'), both, or none",
-        **_one_of(TRACKING_CHOICES),
+        TRACKING_CHOICES,
     )
     mlflow_uri: str = option(
         "",
         "MLflow tracking URI for tracking=mlflow or both: sqlite:////abs/file.db, "
         "http://host:port, ... (empty: sqlite under the results folder)",
         _mlflow_uri,
-        "must be an MLflow tracking URI with a scheme (sqlite:////absolute/path.db, "
-        "http(s)://host:port, postgresql://..., databricks), or empty",
+        f"must be an MLflow tracking URI of a scheme in {list(MLFLOW_SCHEMES)} (sqlite:////absolute/path.db, "
+        "file:///absolute/folder, http(s)://host:port, postgresql://..., databricks), or empty",
     )
 
 
@@ -145,11 +166,11 @@ class TrainSection:
     )
     momentum: float = option(0.9, "client SGD momentum", lambda v: 0 <= v < 1, "must lie in [0, 1)")
     weight_decay: float = option(1e-5, "client SGD weight decay", non_negative, "must be a finite number >= 0")
-    server_weighting: str = option(
+    server_weighting: str = choice(
         "examples",
         "how the server weighs client models: by their example counts "
         "(FedAvg) or uniformly (the PANs authors' unweighted mean)",
-        **_one_of(SERVER_WEIGHTINGS),
+        SERVER_WEIGHTINGS,
     )
     fraction_train: float = option(
         1.0, "share of the clients sampled for training each round", unit_interval, "must lie in (0, 1]"
@@ -192,11 +213,10 @@ class DataSection:
         "where the data set lives (absolute; empty: its default location)",
         **_absolute_or_empty("a torchvision-style root"),
     )
-    partitioner: str = option(
+    partitioner: str = choice(
         "dirichlet",
         "how the training set is split over clients",
-        lambda v: v in list_partitioners(),
-        "choose a registered partitioner",
+        list_partitioners,
     )
     train_size: int = option(
         0,
@@ -219,7 +239,7 @@ class DataSection:
         lambda v: v >= 0,
         "must be an integer >= 0",
     )
-    label_noise: str = option("none", "kind of noise put on clients' training labels", **_one_of(LABEL_NOISE_KINDS))
+    label_noise: str = choice("none", "kind of noise put on clients' training labels", LABEL_NOISE_KINDS)
     label_noise_rate: float = option(
         0.0, "share of training labels changed", lambda v: 0 <= v < 1, "must lie in [0, 1)"
     )

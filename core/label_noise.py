@@ -1,4 +1,6 @@
-"""Synthetic label noise on clients' training labels (SuPerFed's robustness experiment, seed 004, App. A.4).
+"""Synthetic label noise on clients' training labels (SuPerFed's robustness experiment, App. A.4).
+
+Hahn, Jeong and Lee, "Connecting Low-Loss Subspace for Personalized Federated Learning", KDD 2022.
 
 Only training labels are corrupted; clients' local test splits and the server's
 test set keep their true labels. The corruption is a function of (seed,

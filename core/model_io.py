@@ -6,7 +6,6 @@ PAN encodings are non-persistent buffers and integer counters such as BatchNorm'
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
@@ -14,6 +13,7 @@ import torch
 from flwr.app import ArrayRecord
 from torch import nn
 
+from core.widths import global_width, width_options
 from models import PermutationSpec, build_model
 from models.init import INITS
 
@@ -24,9 +24,14 @@ if TYPE_CHECKING:
 
 def build_model_for(config: RunConfig, input_shape: tuple[int, int, int], num_classes: int) -> nn.Module:
     """The run's network for inputs of ``input_shape`` and ``num_classes`` classes, with the run's PAN
-    settings, the model's own options and the run's weight init (:data:`models.init.INITS`)."""
-    options = {f.name: getattr(config.model_options, f.name) for f in dataclasses.fields(config.model_options)}
-    model = build_model(config.model, input_shape, num_classes, config.pan, **options)
+    settings, the model's own options at the global model's width (:mod:`core.widths`) and the run's weight
+    init (:data:`models.init.INITS`)."""
+    return build_model_at(config, input_shape, num_classes, global_width(config))
+
+
+def build_model_at(config: RunConfig, input_shape: tuple[int, int, int], num_classes: int, width: float) -> nn.Module:
+    """:func:`build_model_for` at ``width`` times the model's ``width-factor``."""
+    model = build_model(config.model, input_shape, num_classes, config.pan, **width_options(config, width))
     INITS[config.init](model)
     return model
 

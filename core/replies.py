@@ -3,11 +3,13 @@
 Every message names its records the same way (:data:`MODEL_RECORD`, :data:`METRICS_RECORD`,
 :data:`CONFIG_RECORD`); a reply that does not fit the global model, carries other records
 than expected, reports a count that is not a number, or reports other metric keys than the
-other replies is dropped by the round runner with the reason these checks give.
+other replies is dropped by the round runner with the reason these checks give. A run's summary counts the
+reasons by cause (:func:`drop_cause`); ``metrics.jsonl`` keeps each reason whole.
 """
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from collections.abc import Sequence
 
@@ -93,3 +95,39 @@ def odd_metric_keys(contents: Sequence[RecordDict]) -> list[str | None]:
         f"missing {sorted(common - keys)[:5]}"
         for keys in key_sets
     ]
+
+
+_FLOWER_ERROR = re.compile(r"^(.*?)<class '(?:[\w.]+\.)?(\w+)'>:<'(.*)'>\s*$", re.DOTALL)
+"""Flower's text for an exception a ClientApp or its backend raised: ``<class 'mod.Name'>:<'message'>``."""
+_CLIENTAPP_PREFIX = re.compile(r"^\s*Exception ClientAppException occurred\. Message:\s*")
+"""What Flower's Ray actor puts before the message of an exception raised inside the ClientApp."""
+_PARTICULARS = (
+    (re.compile(r"(?<![\w/.])/[^\s'\",;)\]]+"), "<path>"),
+    (re.compile(r"\b\d{1,3}(?:\.\d{1,3}){3}(?::\d+)?\b|\[[0-9a-fA-F:]+\](?::\d+)?"), "<address>"),
+    (re.compile(r"\b[0-9a-fA-F]{16,}\b"), "<id>"),
+    (re.compile(r"'[^'\s]{1,80}'"), "'<name>'"),
+    (re.compile(r"(?<!error code )(?<![\w.])-?\d+(?:\.\d+)?(?:e-?\d+)?\b"), "<n>"),
+)
+"""What differs between two reports of one cause: paths, addresses, ids (a Ray node's), quoted names (a
+key, a record), numbers (how many actors remain, a shape); an error code is kept."""
+
+
+def drop_cause(reason: str) -> str:
+    """The cause of a dropped client's reason: its first line with the particulars masked, so that one cause (a
+    lost Ray node, a node lacking the data set) is counted once however many nodes, paths or actors it names.
+
+    Examples
+    --------
+    >>> drop_cause("metric 'num-examples' must be a positive number, got -3")
+    "metric '<name>' must be a positive number, got <n>"
+    """
+    text = reason
+    wrapped = _FLOWER_ERROR.match(text)
+    if wrapped is not None:
+        before, name, message = wrapped.groups()
+        message = _CLIENTAPP_PREFIX.sub("", message)
+        text = before + (message if name == "ClientAppException" else f"{name}: {message}")
+    text = next((line.strip() for line in text.splitlines() if line.strip()), "")
+    for pattern, mask in _PARTICULARS:
+        text = pattern.sub(mask, text)
+    return text

@@ -4,7 +4,7 @@ A :class:`ServerStrategy` may add records to the training messages
 (:meth:`ServerStrategy.plan_train`), check the contents of its own extra reply records
 (:meth:`ServerStrategy.reply_problem`), and folds the checked replies into the next global
 model (:meth:`ServerStrategy.aggregate`, FedAvg's weighted mean by default). It is built
-from the :class:`RunContext` the ServerApp made; the rounds themselves are
+from the :class:`RunContext` the ServerApp made (:func:`build_context`); the rounds themselves are
 :class:`core.rounds.RoundRunner`'s, the same for every algorithm.
 """
 
@@ -16,12 +16,15 @@ from typing import Any
 
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
+from torch import nn
 
 from core.config import RunConfig
+from core.model_io import to_arrays
 from core.nodes import NodeDirectory
 from core.replies import CONFIG_RECORD, METRICS_RECORD, MODEL_RECORD, NUM_EXAMPLES, reply_problem
+from core.widths import refuse_mixed_widths
 from models import PermutationSpec
-from models.protocol import ModelHead
+from models.protocol import ModelHead, head_of
 from plugins.options import settings_fields
 
 
@@ -36,6 +39,14 @@ class RunContext:
     spec: PermutationSpec | None
     head: ModelHead
     layout: Any = None
+
+
+def build_context(config: RunConfig, model: nn.Module) -> RunContext:
+    """The run context of ``config`` and its freshly built ``model``: the model's arrays, and what the model
+    declares of itself (permutation description, head, group layout), asked of the model, never guessed."""
+    spec = model.permutation_spec() if hasattr(model, "permutation_spec") else None
+    layout = model.layout() if hasattr(model, "layout") else None
+    return RunContext(config, to_arrays(model), spec, head_of(model), layout)
 
 
 @dataclass(frozen=True)
@@ -76,6 +87,9 @@ class ServerStrategy:
     """ArrayRecords a training reply carries beside ``"arrays"`` (e.g. SCAFFOLD's control update)."""
     state_keys: frozenset[str] = frozenset()
     """The entries :meth:`state_dict` may hold (none: the rounds depend only on the global model)."""
+    mixed_widths: bool = False
+    """Whether the algorithm takes clients of other widths than the global model's (``client-widths``,
+    :mod:`core.widths`); the others refuse such a run when they are built."""
     changes_shapes: bool = False
     """Whether :meth:`aggregate` may return arrays of other shapes than the global model's (FedMA's BBP-MAP
     opens new units): the round runner then checks only that the aggregate is finite, not that it fits."""
@@ -83,6 +97,8 @@ class ServerStrategy:
     def __init__(self, context: RunContext) -> None:
         self.context = context
         self.settings = context.config.settings
+        if not self.mixed_widths:
+            refuse_mixed_widths(context.config)
 
     def describe(self) -> str:
         """One line for the log: the algorithm's registered name and its settings as run-config keys."""

@@ -27,7 +27,7 @@ from flwr.app import ArrayRecord
 
 from core.config import RunConfig, results_root
 from core.rounds import RoundRunner
-from fl_app.config import default_run_config
+from fl_app.config import default_run_config, rename_old_keys
 from plugins.options import ConfigError
 
 CHECKPOINT = "checkpoint.pt"
@@ -125,7 +125,7 @@ def load_checkpoint(folder: Path) -> Checkpoint:
         )
     return Checkpoint(
         int(payload["round"]),
-        dict(payload["config"]),
+        rename_old_keys(payload["config"]),  # a checkpoint written before a key was renamed resumes
         ArrayRecord(dict(payload["arrays"])),
         dict(payload["strategy"]),
         dict(payload["recorder"]),

@@ -25,7 +25,7 @@ from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 
 from core.config import RunConfig, results_root
 from core.divergence import divergence_by_layer, weight_divergence
-from core.replies import MODEL_RECORD, NEW_CLIENT
+from core.replies import MODEL_RECORD, NEW_CLIENT, drop_cause
 from core.rounds import Participation
 from fl_app.provenance import git_commit
 
@@ -255,8 +255,9 @@ class RoundRecorder:
 
     def summary(self) -> dict[str, Any]:
         """Final and best global accuracy, mean and best of the last 5 rounds (accuracy zig-zags), wall time,
-        how many clients' updates each round aggregated (rounds 1, 2, ...), and each reason a client's update
-        was dropped for with how often (a node lost, or lacking the data, shows here)."""
+        how many clients' updates each round aggregated (rounds 1, 2, ...), and each cause a client's update
+        was dropped for with how often (a node lost, or lacking the data, shows here; :func:`drop_cause`: the
+        reasons' particulars masked, which ``metrics.jsonl`` keeps)."""
         trained = [r for r in self.rows if r["round"] > 0] or self.rows
         last = trained[-1]
         best = max(trained, key=lambda r: r["accuracy"])
@@ -273,7 +274,9 @@ class RoundRecorder:
             "wall-time-s": time.time() - self.started,
             "clients-per-round": [r.get("clients-trained", 0) for r in self.rows if r["round"] > 0],
             "dropped-reasons": dict(
-                Counter(reason for r in self.rows for reason in r.get("clients-dropped-reasons", {}).values())
+                Counter(
+                    drop_cause(reason) for r in self.rows for reason in r.get("clients-dropped-reasons", {}).values()
+                )
             ),
             **{f"final-{key}": last.get(key) for key in self.extra_keys},
         }

@@ -1,11 +1,10 @@
 """Networks for alignfl: a name registry, PAN layers and each model's permutation symmetry.
 
-Importing this package registers every network (``mlp``, ``small-mlp``, ``twonn``,
-``twocnn``, ``vgg9``, ``vgg11``, ``resnet20``, ``transformer-1``,
-``psi-vgg9``, ``psi-vgg11``); build one with :func:`build_model`.
+Importing this package imports every module in it, and each registers its networks
+(:func:`list_models` names them), so a module dropped here adds its networks with no other
+line to edit; build one with :func:`build_model`.
 """
 
-from models import cnn, mlp, mobilenet, psinet, resnet, transformer, vgg  # noqa: F401  (importing registers the networks)
 from models.pan import PanSettings, PositionEncoding
 from models.permutation import (
     AxisRef,
@@ -18,7 +17,8 @@ from models.permutation import (
     random_permutations,
     unit_view,
 )
-from models.registry import build_model, list_models  # first: model modules import it
+from models.registry import build_model, list_models
+from plugins.registry import import_modules
 
 __all__ = [
     "AxisRef",
@@ -35,3 +35,5 @@ __all__ = [
     "random_permutations",
     "unit_view",
 ]
+
+import_modules(__name__, __path__)  # last: the modules import the names above

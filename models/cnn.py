@@ -8,8 +8,8 @@ norm that has state), ``fcs.{i}`` (hidden fully connected layers) and ``classifi
 
 Normalisation (:data:`NORMS`): ``none`` (the VGG default), ``bn`` (BatchNorm) or
 ``gn`` (GroupNorm) after every conv, before the PAN. The GroupNorm has **one group**
-(the statistics of a sample over all channels of the layer). Seed 001 does not say
-how many groups its FedAvg+GN ablation uses; one group keeps every permutation of a
+(the statistics of a sample over all channels of the layer). The Fed2 paper (Yu et al.,
+KDD 2021) does not say how many groups its FedAvg+GN ablation uses; one group keeps every permutation of a
 layer's channels a symmetry of the net (with G > 1 groups only permutations inside
 a group and of whole groups are), which the matching strategies and analysis tools
 rely on. Hidden FCs never get a norm.

@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from models.options import BiasOptions
+from models.cnn import scale_widths
+from models.options import BiasOptions, WidthOptions
 from models.pan import PanSettings, PositionEncoding
 from models.permutation import PermutationSpec, inputs_of, outputs_of
 from models.registry import MODELS, InputShape, Model
@@ -69,24 +70,28 @@ class MLP(nn.Module):
         )
 
 
+def _hidden(widths: tuple[int, ...], width_factor: float) -> tuple[int, ...]:
+    return tuple(int(w) for w in scale_widths(widths, width_factor))
+
+
 def mlp(input_shape: InputShape, num_classes: int, pan: PanSettings) -> MLP:
-    """PANs paper MLP: 1024-1024-1024 hidden units."""
+    """PANs paper MLP: 1024-1024-1024 hidden units (no width option: a run's default model has no options)."""
     return MLP(input_shape, num_classes, (1024, 1024, 1024), pan)
 
 
 MODELS.register(Model("mlp", mlp))
 
 
-def small_mlp(input_shape: InputShape, num_classes: int, pan: PanSettings) -> MLP:
-    """FedMA study MLP: 20-100-120-84 hidden units."""
-    return MLP(input_shape, num_classes, (20, 100, 120, 84), pan)
+def small_mlp(input_shape: InputShape, num_classes: int, pan: PanSettings, width_factor: float) -> MLP:
+    """FedMA study MLP: 20-100-120-84 hidden units (times ``width_factor``)."""
+    return MLP(input_shape, num_classes, _hidden((20, 100, 120, 84), width_factor), pan)
 
 
-MODELS.register(Model("small-mlp", small_mlp))
+MODELS.register(Model("small-mlp", small_mlp, WidthOptions))
 
 
 @dataclass(frozen=True)
-class TwoNNOptions(BiasOptions):
+class TwoNNOptions(BiasOptions, WidthOptions):
     hidden_layers: int = option(
         2,
         "hidden layers of 200 units (2: FedAvg's 2NN; 3: the SuPerFed authors' TwoNN)",
@@ -95,10 +100,12 @@ class TwoNNOptions(BiasOptions):
     )
 
 
-def twonn(input_shape: InputShape, num_classes: int, pan: PanSettings, bias: bool, hidden_layers: int) -> MLP:
-    """FedAvg paper's 2NN: 200-200 hidden units; with ``hidden-layers=3 bias=false`` the SuPerFed authors'
-    784-200-200-200-C net."""
-    return MLP(input_shape, num_classes, (200,) * hidden_layers, pan, bias)
+def twonn(
+    input_shape: InputShape, num_classes: int, pan: PanSettings, bias: bool, width_factor: float, hidden_layers: int
+) -> MLP:
+    """FedAvg paper's 2NN: 200-200 hidden units (times ``width_factor``); with ``hidden-layers=3 bias=false`` the
+    SuPerFed authors' 784-200-200-200-C net."""
+    return MLP(input_shape, num_classes, _hidden((200,) * hidden_layers, width_factor), pan, bias)
 
 
 MODELS.register(Model("twonn", twonn, TwoNNOptions))

@@ -1,4 +1,8 @@
-"""MobileNetV1 (Howard et al. 2017) and its Ψ-Net form (seed 001 evaluates Ψ-Net on MobileNetV1).
+"""MobileNetV1 and its Ψ-Net form (Fed2 evaluates Ψ-Net on MobileNetV1).
+
+Howard et al., "MobileNets: Efficient Convolutional Neural Networks for Mobile Vision
+Applications", arXiv:1704.04861, 2017; Yu et al., "Fed2: Feature-Aligned Federated
+Learning", KDD 2021.
 
 Structure: a 3x3 conv (32 channels), then 13 depthwise-separable blocks (a 3x3
 depthwise conv, one filter per channel, then a 1x1 pointwise conv; each conv
@@ -45,7 +49,7 @@ aggregation, and :attr:`PsiMobileNet.class_groups` work as for the Ψ-VGGs.
 Grouped widths are ``ceil(w / G)`` per group; grouped pointwise convs are
 :class:`models.psinet.GroupedConv2d` and so keep its per-group bias. ``psi_depth``
 counts blocks (0 to 13; the run config's default 2 shares the stem and the
-32/64-channel blocks); seed 001 names MobileNetV1 but gives neither its depth
+32/64-channel blocks); the Fed2 paper names MobileNetV1 but gives neither its depth
 nor its input adaptation.
 """
 

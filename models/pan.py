@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from plugins.options import check_fields, non_negative, option
+from plugins.options import check_fields, choice, non_negative, option
 
 PAN_MODES = ("off", "add", "mul")
 
@@ -38,7 +38,7 @@ class PanSettings:
     reports this once for all layers.
     """
 
-    mode: str = option("off", "off | add | mul", lambda v: v in PAN_MODES, f"choose one of {sorted(PAN_MODES)}")
+    mode: str = choice("off", "off | add | mul", PAN_MODES)
     period: float = option(
         1.0, "period T: sine periods across a layer's units", non_negative, "must be a finite number >= 0"
     )

@@ -147,9 +147,25 @@ def permute_axis(tensor: Tensor, ref: AxisRef, perm: Tensor) -> Tensor:
 def permute_state(spec: PermutationSpec, state: Mapping[str, Tensor], perms: Mapping[str, Tensor]) -> dict[str, Tensor]:
     """Apply ``perms`` (group name -> permutation) to a state dict.
 
-    Returns a new dict of new tensors; keys the spec does not touch are cloned
-    unchanged. Groups missing from ``perms`` are left as they are, so a matcher
-    can fix one group at a time.
+    Parameters
+    ----------
+    spec : PermutationSpec
+        The model's permutation description.
+    state : mapping of str to Tensor
+        A state dict of that model.
+    perms : mapping of str to Tensor
+        Group name -> permutation (new unit ``i`` is old unit ``perm[i]``). Groups missing here are left as
+        they are, so a matcher can fix one group at a time.
+
+    Returns
+    -------
+    dict of str to Tensor
+        A new dict of new tensors; keys the spec does not touch are cloned unchanged.
+
+    Raises
+    ------
+    ValueError
+        For a group the spec lacks, or a permutation of the wrong size.
     """
     unknown = sorted(set(perms) - set(spec.groups))
     if unknown:

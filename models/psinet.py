@@ -1,4 +1,4 @@
-"""Ψ-Net form of the VGG nets (Yu et al., "Heterogeneous Federated Learning", seed 001, §3.2).
+"""Ψ-Net form of the VGG nets (Yu et al., "Fed2: Feature-Aligned Federated Learning", KDD 2021, §3.2).
 
 The first ``psi_depth`` hidden layers stay ordinary and shared (conv -> BatchNorm ->
 PAN -> ReLU; hidden FCs without a norm, as in VGG). From layer ``psi_depth`` on
@@ -126,7 +126,7 @@ def group_layout(keys: Iterable[str]) -> GroupLayout:
 
 
 def held_groups(class_groups: Sequence[int], labels: Tensor) -> tuple[int, ...]:
-    """The groups with at least one class present in ``labels`` (seed 001, Eq. 6)."""
+    """The groups with at least one class present in ``labels`` (Fed2, Eq. 6)."""
     present = torch.unique(labels).tolist()
     return tuple(sorted({class_groups[int(c)] for c in present}))
 
@@ -134,8 +134,19 @@ def held_groups(class_groups: Sequence[int], labels: Tensor) -> tuple[int, ...]:
 class GroupedConv2d(nn.Module):
     """``G`` conv groups stored as ``groups.{g}`` (an ``nn.Conv2d`` each, for storage and init).
 
-    ``branching``: every group reads all input channels (the first grouped layer);
-    otherwise group ``g`` reads only input group ``g``.
+    Parameters
+    ----------
+    in_channels : int
+        Input channels of the whole layer.
+    group_width : int
+        Output channels of each group.
+    num_groups : int
+        ``G``.
+    kernel_size : int
+        Square kernel size (padding keeps the spatial size).
+    branching : bool
+        Every group reads all input channels (the first grouped layer); otherwise group ``g`` reads only
+        input group ``g``.
     """
 
     def __init__(self, in_channels: int, group_width: int, num_groups: int, kernel_size: int, branching: bool) -> None:

@@ -1,4 +1,6 @@
-"""A one-block, single-head transformer classifier (``transformer-1``), the network of seed paper 002 §3.2.
+"""A one-block, single-head transformer classifier (``transformer-1``).
+
+The network of Holm, Sajjad and Matjasec, "L46 FedMA Project", project report, §3.2.
 
 Tokens: an input ``(C, H, W)`` is read as ``H`` tokens of ``C*W`` features each
 (row ``h`` of every channel is token ``h``). For the one-hot token datasets
@@ -187,7 +189,7 @@ class Transformer1(nn.Module):
 
 
 def transformer_1(input_shape: InputShape, num_classes: int, pan: PanSettings) -> Transformer1:
-    """Pre-LN, width 64, one 64-wide head, MLP 256 (4x, as in seed 002's large model)."""
+    """Pre-LN, width 64, one 64-wide head, MLP 256 (4x, as in the L46 FedMA Project's large model)."""
     return Transformer1(input_shape, num_classes, width=64, head_width=64, hidden=256, norm_first=True, pan=pan)
 
 

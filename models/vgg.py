@@ -1,8 +1,9 @@
 """VGG networks (3x3 convs, padding 1, ReLU) built on :class:`models.cnn.PlainConvNet`.
 
 ``vgg9`` and ``vgg11`` have no normalisation, as in the FL literature; ``vgg9-bn`` and
-``vgg9-gn`` add BatchNorm or one-group GroupNorm after every conv (seed 001's
-normalisation ablation; see :mod:`models.cnn` for the GroupNorm's group count).
+``vgg9-gn`` add BatchNorm or one-group GroupNorm after every conv (the normalisation
+ablation of Yu et al., "Fed2: Feature-Aligned Federated Learning", KDD 2021; see
+:mod:`models.cnn` for the GroupNorm's group count).
 Every VGG takes the model option ``width_factor`` (run-config key ``width-factor``),
 which scales every conv and hidden FC width (1: the published widths).
 

@@ -7,6 +7,17 @@ defaults written in the settings classes are the only ones:
 ``pyproject.toml``'s run config and the Hydra configs are derived from them. A lower
 layer's settings that the run config carries under its own keys (PANs, BBP-MAP) are
 declared once, in that layer, and borrowed field by field (:func:`option_from`).
+
+Key names. An algorithm's own keys carry its name as a prefix (``moon-mu``,
+``fedavgm-server-lr``), so a key says whose it is; its registration refuses one
+that does not (:func:`prefix_problems`). Two kinds of borrowed field keep this:
+
+* a settings *family* declares ``key_prefix`` (``BBPSettings.key_prefix = "bbp"``):
+  its fields mean the same wherever they are borrowed, so they keep one key,
+  ``<key_prefix>-<field>`` (``bbp-sigma`` in ``fedma`` and in the merge tool);
+* a class without ``key_prefix`` shares only a declaration (default, help, check)
+  between algorithms (``strategies.fedavgm.ServerStep``): each algorithm borrows it
+  under its own prefix (``fedavgm-server-lr``, ``scaffold-server-lr``).
 """
 
 from __future__ import annotations
@@ -14,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import Any, get_type_hints
 
 
@@ -26,6 +37,30 @@ def option(default: Any, help: str, check: Callable[[Any], bool] | None = None, 
     """A settings field: its default, one line of help, and the check its value must pass (``allowed`` says
     what passes, for the error message)."""
     return dataclasses.field(default=default, metadata={"help": help, "check": check, "allowed": allowed})
+
+
+class Choices:
+    """What a choice key allows, listed when a refusal is written (a registry's names then include those
+    registered after the settings class was declared)."""
+
+    def __init__(self, names: Collection[str] | Callable[[], Collection[str]]) -> None:
+        self.names = names if callable(names) else lambda: names
+
+    def __contains__(self, value: object) -> bool:
+        return value in self.names()
+
+    def __str__(self) -> str:
+        return f"choose one of {sorted(self.names())}"
+
+
+def choice(default: str, help: str, names: Collection[str] | Callable[[], Collection[str]]) -> Any:
+    """A settings field that takes one of ``names`` (or of the names a registry's function lists); a refusal
+    lists them all."""
+    choices = Choices(names)
+    return dataclasses.field(
+        default=default,
+        metadata={"help": help, "check": lambda value: value in choices, "allowed": choices, "choices": choices},
+    )
 
 
 def positive(value: float) -> bool:
@@ -157,6 +192,44 @@ def option_from(source: type, name: str) -> Any:
     return dataclasses.field(
         default=declared[name].default, metadata={**declared[name].metadata, "source": (source, name)}
     )
+
+
+def prefix_problems(owner: str, settings: type) -> list[str]:
+    """Why keys of ``settings`` break the key-name rule (module notes) for ``owner``, an algorithm's name.
+
+    Parameters
+    ----------
+    owner : str
+        The name the settings are registered under; its own keys must start with ``<owner>-``.
+    settings : type
+        A settings class (fields made with :func:`option` or :func:`option_from`).
+
+    Returns
+    -------
+    list of str
+        One sentence per key that breaks the rule, naming the key and the expected prefix; empty when all
+        keep it.
+    """
+    problems = []
+    for f in dataclasses.fields(settings):
+        if "help" not in f.metadata:
+            continue
+        key = key_of(settings, f.name)
+        source, name = f.metadata.get("source", (None, ""))
+        family = getattr(source, "key_prefix", "")
+        if family:
+            expected = f"{family}-{key_of(source, name)}"
+            if key != expected:
+                problems.append(
+                    f"key '{key}' borrows {source.__name__}.{name}, whose key is '{expected}' wherever it is borrowed "
+                    f"(name the field {expected.replace('-', '_')})"
+                )
+        elif not key.startswith(f"{owner}-"):
+            problems.append(
+                f"key '{key}' of {settings.__name__} must start with '{owner}-': an algorithm's own keys carry its "
+                f"name (name the field {owner.replace('-', '_')}_{f.name})"
+            )
+    return problems
 
 
 def source_settings(settings: Any, source: type) -> Any:

@@ -3,11 +3,15 @@
 Each kind keeps one :class:`Registry` of its entries, frozen dataclasses with a ``name``
 that describe the part (what builds it, its settings class, what it declares of itself).
 A part registers with one call in its own module, ``REGISTRY.register(Entry("name", ...))``,
-so adding one means adding that module and nothing grows a table or an if/elif elsewhere.
+and a package of parts imports all its modules (:func:`import_modules`), so adding one means
+dropping that module into the package: nothing grows an import line, a table or an if/elif.
 """
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
+from collections.abc import Iterable
 from typing import Generic, Protocol, TypeVar
 
 
@@ -52,3 +56,28 @@ class Registry(Generic[E]):
     def names(self) -> list[str]:
         """Every registered name, sorted."""
         return sorted(self._entries)
+
+
+def import_modules(package: str, path: Iterable[str]) -> list[str]:
+    """Import every module of ``package`` (found on its ``__path__``), so each registers what it declares.
+
+    A package of parts (``strategies``, ``models``) calls this at the end of its ``__init__``, after the
+    names its modules import from it, so a module dropped into the package registers itself with no other
+    line to edit. Modules whose name starts with ``_`` are left out (drafts, private helpers).
+
+    Parameters
+    ----------
+    package : str
+        The package's dotted name (its ``__name__``).
+    path : iterable of str
+        The package's ``__path__``.
+
+    Returns
+    -------
+    list of str
+        The dotted names imported, in file-name order.
+    """
+    names = [f"{package}.{module.name}" for module in pkgutil.iter_modules(path) if not module.name.startswith("_")]
+    for name in names:
+        importlib.import_module(name)
+    return names

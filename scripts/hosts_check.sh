@@ -7,21 +7,31 @@
 # it by address (host A) and by name (host B, through the namespace's /etc/hosts). Then:
 #   1. the run goes on when host B's link is cut mid-run (`ip link set … down`): B's messages are dropped with
 #      Flower's reason (the node failed to report a heartbeat: unreachable), within the SuperLink's bounded wait;
-#   2. the link comes back and B takes part again in a later round (clients trained per round shows it);
+#   2. the link comes back and B trains again in a round sampled after that, within RETURN_WAIT_S seconds
+#      (Flower 1.42's SuperNode retries its heartbeat and requests at most 20 s apart); the run has ROUNDS rounds
+#      so that rounds go on for longer than that: where the rounds left, at the pace seen so far, cannot fill it,
+#      the check says so and fails, as it fails (with the timing) when B does not train again in time or the
+#      run ends first;
 #   3. the run completes;
 #   4. a SuperNode that dials a name the SuperLink's certificate does not name stops at once, saying so.
 # At the end every process it started is stopped by process id, and every namespace, link and hosts file it
 # made is deleted (also on failure or Ctrl-C). The report: <work>/report.md.
-#   sudo scripts/hosts_check.sh [WORK_DIR]
+#
+#   sudo scripts/hosts_check.sh [--work-dir DIR]
+# Environment: ROUNDS (40: rounds of the run), RETURN_WAIT_S (90: how long B may take to train again once its
+# link is back), PYTHON (the project's .venv).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
+. scripts/check_options.sh
+parse_check_options "$0" "$@"
 PY=${PYTHON:-$ROOT/.venv/bin/python}
 [ "$(id -u)" = 0 ] || { echo "hosts_check.sh: run as root (it makes network namespaces)" >&2; exit 2; }
 command -v ip >/dev/null || { echo "hosts_check.sh: 'ip' (iproute2) is required" >&2; exit 2; }
-WORK=$(realpath -m "${1:-$(mktemp -d /tmp/alignfl-hosts-XXXXXX)}")
+WORK=$(realpath -m "${WORK:-$(mktemp -d /tmp/alignfl-hosts-XXXXXX)}")
 mkdir -p "$WORK"
-ROUNDS=${ROUNDS:-10}
+ROUNDS=${ROUNDS:-40}
+RETURN_WAIT_S=${RETURN_WAIT_S:-90}
 TAG=afl$$                      # names of this run's namespaces and links (at most 15 characters)
 NS_LINK=$TAG-link NS_A=$TAG-a NS_B=$TAG-b
 NET=10.231.7 LINK_IP=10.231.7.1 A_IP=10.231.7.2 B_IP=10.231.7.3 PORT=9093
@@ -133,11 +143,13 @@ grep -q "not valid for 'wrong-name'" "$WORK/wrong-name.log" && [ "$code" = 1 ] &
   log "FAILED: the SuperNode dialling wrong-name exited $code after $took s:"; cat "$WORK/wrong-name.log"; exit 1; }
 log "a SuperNode dialling wrong-name:$PORT stopped after $took s (load $(cut -d' ' -f1 /proc/loadavg)) with exit code $code: $(grep -o 'SuperNodes not started.*' "$WORK/wrong-name.log")"
 
-# 1.-3. Cut host B's link after round 2, restore it once B's messages were dropped, wait for the run's end.
-"$PY" - "$RESULTS/hosts/metrics.jsonl" "$NS_B" "$TAG"b "$LINK_PID" "$WORK/report.md" <<'EOF'
-import json, os, subprocess, sys, time
+# 1.-3. Cut host B's link after round 2, restore it once B's messages were dropped, wait (bounded) for B to train
+# in a round sampled after that, then for the run's end.
+"$PY" - "$RESULTS/hosts/metrics.jsonl" "$NS_B" "$TAG"b "$LINK_PID" "$WORK/report.md" "$ROUNDS" "$RETURN_WAIT_S" <<'EOF'
+import json, os, statistics, subprocess, sys, time
 from pathlib import Path
 metrics, ns, link, link_pid, report = Path(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
+rounds, return_wait = int(sys.argv[6]), float(sys.argv[7])
 
 def note(text):
     print(f"[hosts_check] {text}", flush=True)
@@ -151,30 +163,55 @@ def wait(condition, what, timeout=1800):
     deadline = time.monotonic() + timeout
     while not condition():
         if time.monotonic() > deadline:
-            sys.exit(f"gave up after {timeout} s waiting for {what}")
+            return False
         try:
             os.kill(link_pid, 0)
         except ProcessLookupError:
             if not condition():
-                sys.exit(f"the SuperLink side ended before {what}")
+                sys.exit(f"FAILED: the SuperLink side ended before {what}")
         time.sleep(0.5)
+    return True
 
-wait(lambda: any(row["round"] == 2 for row in rows()), "round 2")
+if not wait(lambda: any(row["round"] == 2 for row in rows()), "round 2"):
+    sys.exit("FAILED: no round 2 within 1800 s")
 subprocess.run(["ip", "-n", ns, "link", "set", link, "down"], check=True)
 cut = time.monotonic()
 note(f"host B's link cut after round 2 (ip -n {ns} link set {link} down)")
 dropped = lambda: [row for row in rows() if row["round"] > 2 and row.get("clients-dropped-reasons", {}).get("1")]
-wait(lambda: dropped(), "host B's messages to be dropped")
+if not wait(lambda: dropped(), "host B's messages to be dropped"):
+    sys.exit("FAILED: host B's messages were not dropped within 1800 s of the cut")
 row = dropped()[0]
 note(f"round {row['round']}: node 1 dropped {time.monotonic() - cut:.0f} s after the cut: "
      f"{row['clients-dropped-reasons']['1']!r}; clients trained {row['clients-trained']}")
 subprocess.run(["ip", "-n", ns, "link", "set", link, "up"], check=True)
-back = max(r["round"] for r in rows())
-note(f"host B's link restored after round {back}")
-wait(lambda: any(r["round"] > back and r["clients-trained"] == 2 for r in rows()), "host B to train again")
-again = next(r for r in rows() if r["round"] > back and r["clients-trained"] == 2)
-note(f"round {again['round']}: both nodes trained again")
-note("clients trained per round: " + ", ".join(f"{r['round']}:{r.get('clients-trained', '-')}" for r in rows()[1:]))
+restored = time.monotonic()
+seen = rows()
+back = max(r["round"] for r in seen)
+# A round that B trains in was sampled after its link came back: a round in flight now sampled node A only (the
+# SuperLink had marked B offline), so any round after `back` in which both nodes trained counts.
+times = [b["elapsed-s"] - a["elapsed-s"] for a, b in zip(seen[1:], seen[2:]) if not b.get("clients-dropped")]
+typical = statistics.median(times) if times else float("nan")
+left = rounds - back
+note(f"host B's link restored after round {back}; {left} rounds left, a round takes ~{typical:.1f} s "
+     f"(median of the rounds without drops), B has {return_wait:.0f} s (RETURN_WAIT_S) to train again")
+if not left * typical > return_wait:
+    sys.exit(f"FAILED: {left} rounds of ~{typical:.1f} s ({left * typical:.0f} s) cannot cover RETURN_WAIT_S="
+             f"{return_wait:.0f} s after the link came back: the check could not tell a node that never returns "
+             "from a run that ended first; raise ROUNDS")
+again = lambda: next((r for r in rows() if r["round"] > back and r["clients-trained"] == 2), None)
+ended = lambda: any(r["round"] == rounds for r in rows())
+wait(lambda: again() is not None or ended(), "host B to train again", timeout=return_wait)
+took = time.monotonic() - restored
+row = again()
+trained = ", ".join(f"{r['round']}:{r.get('clients-trained', '-')}" for r in rows()[1:])
+if row is None:
+    last = max(r["round"] for r in rows())
+    why = "the run ended first" if ended() else f"RETURN_WAIT_S={return_wait:.0f} s ran out"
+    sys.exit(f"FAILED: host B did not train again in rounds {back + 1}-{last}, {took:.0f} s after its link came "
+             f"back ({why}); clients trained per round: {trained}")
+note(f"round {row['round']}: both nodes trained again, written {took:.0f} s after the link came back "
+     f"({row['round'] - back} rounds later, {rounds - row['round']} rounds still to go)")
+note("clients trained per round so far: " + trained)
 EOF
 set +e
 wait "$LINK_PID"

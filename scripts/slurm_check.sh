@@ -8,9 +8,13 @@
 #   3. a 2 x 2 sweep (pan.mode=off,mul pan.a=0.1 seed=0,1 on digits) through hydra/launcher=slurm: each job ran
 #      as a SLURM job (its SLURM job id in its job folder, its end state COMPLETED in SLURM's job completion log),
 #      and its report equals the same sweep run locally (the basic launcher), figure for figure
-#   4. a second sweep of which one job is cancelled with scancel while the others run: the report names that job
-#      as cancelled, with its SLURM job id and log, and the others complete and count
-#   5. nothing left behind: no SLURM job, no daemon, no process of the jobs, no spool or state file
+#   4. a second sweep of which one job is cancelled with scancel while it RUNS (its log written) and one while it is
+#      PENDING (where one is): SLURM's state of the running one is CANCELLED, the report names both as cancelled,
+#      with their SLURM job ids and logs, and the others complete and count
+#   5. one job with sim.backend=ray: Ray starts inside the SLURM job on the compute node (its log says so), the job
+#      COMPLETES, and Ray's processes end with it (its temp folder is named, and checked in step 6)
+#   6. nothing left behind: no SLURM job, no daemon, no process of the jobs (Ray's included), no spool or state
+#      file
 # Prints a report (steps, wall times, PASS/FAIL) and exits non-zero on any failure.
 #
 #   scripts/slurm_check.sh [--work-dir DIR]
@@ -34,6 +38,7 @@ STARTED=$(date +%s)
 RESULTS=()
 FAILED=0
 PIDS=()          # daemons this script started, in start order
+RAY_TMP=/tmp/afl-ray-$$   # step 5's Ray (its socket paths must stay short); step 6 looks for its processes
 
 say() { echo "[slurm_check] $*"; }
 record() {       # record STEP STATUS DETAIL
@@ -200,49 +205,103 @@ PY
   fi
 fi
 
-# --- 4. one job of a second sweep cancelled ---------------------------------------------------------------------
+# --- 4. jobs of a second sweep cancelled: one while RUNNING, one while PENDING --------------------------------
 step_start=$(date +%s)
 nice -n "$NICE" "$PY" -m fl_app.sweep -m hydra/launcher=slurm dataset=digits "sim.num_supernodes=$CLIENTS" \
-  "train.num_server_rounds=$ROUNDS" seed=0,1,2 "hydra.sweep.dir=$WORK/sweep-cancel" > "$WORK/log/sweep-cancel.log" 2>&1 &
+  "train.num_server_rounds=$ROUNDS" seed=0,1,2,3 "hydra.sweep.dir=$WORK/sweep-cancel" > "$WORK/log/sweep-cancel.log" 2>&1 &
 sweep_pid=$!
-array=""
-for _ in $(seq 120); do
-  array=$(squeue -h -o %F 2>/dev/null | head -1)
-  [ -n "$array" ] && break
+running="" pending="" started=""
+for _ in $(seq 600); do   # a task RUNNING whose job has begun (submitit's log written): the sweep's job runs
+  running=$(squeue -h -r -t RUNNING -o %i 2>/dev/null | head -1)
+  if [ -n "$running" ]; then
+    started=$(find "$WORK/sweep-cancel/.submitit" -name "${running}_*_log.out" 2>/dev/null | head -1)
+    [ -n "$started" ] && break
+  fi
+  kill -0 $sweep_pid 2>/dev/null || break
   sleep 0.5
 done
-cancelled="${array}_2"
-[ -n "$array" ] && scancel "$cancelled"
+pending=$(squeue -h -r -t PENDING -o %i 2>/dev/null | tail -1)  # none where every task runs at once
+cancelled="$running${pending:+ $pending}"
+[ -n "$started" ] && scancel $cancelled
+cancel_s=$(( $(date +%s) - step_start ))
 wait $sweep_pid
 code=$?
-check=$("$PY" - "$WORK" "$cancelled" <<'PY'
-import csv, sys
+check=$("$PY" - "$WORK" "$running" "$pending" "$started" <<'PY'
+import csv, json, subprocess, sys
 from pathlib import Path
-work, cancelled = Path(sys.argv[1]), sys.argv[2]
+work, running, pending, started = Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+problems = [] if started else [f"no task of the sweep was seen running with its log (running: {running!r})"]
+cancelled = [job for job in (running, pending) if job]
 table = (work / "sweep-cancel" / "summary.md").read_text()
 with (work / "sweep-cancel" / "summary.csv").open() as stream:
     (row,) = list(csv.DictReader(stream))
-problems = []
-if (row["seeds"], row["failed"]) != ("2", "1"):
-    problems.append(f"seeds {row['seeds']}, failed {row['failed']} (expected 2 completed, 1 failed)")
-named = [line for line in table.splitlines() if line.startswith("- ") and f"SLURM job {cancelled} CANCELLED" in line]
-if not named or ".submitit" not in named[0]:
-    problems.append(f"the report does not name {cancelled} as cancelled with its log:\n{table}")
-print("; ".join(problems) if problems else f"{named[0][2:]}; 2 other jobs completed and count")
+if (row["seeds"], row["failed"]) != (str(4 - len(cancelled)), str(len(cancelled))):
+    problems.append(f"seeds {row['seeds']}, failed {row['failed']} (expected {4 - len(cancelled)} completed, "
+                    f"{len(cancelled)} failed)")
+named = {}
+for job in cancelled:
+    lines = [line for line in table.splitlines() if line.startswith("- ") and f"SLURM job {job} CANCELLED" in line]
+    if not lines or ".submitit" not in lines[0]:
+        problems.append(f"the report does not name {job} as cancelled with its log:\n{table}")
+    else:
+        named[job] = lines[0][2:]
+if running and not problems:  # SLURM's own state of the array task (scontrol keeps it for MinJobAge)
+    shown = subprocess.run(["scontrol", "show", "job", "-o", running], capture_output=True, text=True).stdout
+    state = next((item.split("=", 1)[1] for item in shown.split() if item.startswith("JobState=")), None)
+    recorded = {job["slurm_job_id"]: job["state"] for job in json.loads((work / "sweep-cancel" / "slurm-jobs.json").read_text())}
+    if (state, recorded.get(running)) != ("CANCELLED", "CANCELLED"):
+        problems.append(f"running job {running}: SLURM's state {state}, the sweep's record {recorded.get(running)}")
+print("; ".join(problems) if problems else
+      f"running job {running} (its log {Path(started).name} written) CANCELLED by SLURM; "
+      + (f"pending job {pending} cancelled too; " if pending else "no job was pending; ")
+      + " | ".join(named.values()) + f"; the other {4 - len(cancelled)} completed and count")
 sys.exit(1 if problems else 0)
 PY
 )
 if [ $? -eq 0 ] && [ $code -ne 0 ]; then
-  record "scancel one job of a second sweep" PASS "$(( $(date +%s) - step_start )) s, sweep exit $code; $check"
+  record "scancel a running and a pending job" PASS "$(( $(date +%s) - step_start )) s (cancelled at ${cancel_s} s), sweep exit $code; $check"
 else
-  record "scancel one job of a second sweep" FAIL "sweep exit $code (non-zero expected); $check"
+  record "scancel a running and a pending job" FAIL "sweep exit $code (non-zero expected); $check"
 fi
 
-# --- 5. nothing left behind -------------------------------------------------------------------------------------
+# --- 5. one job with sim.backend=ray: its own Ray on the compute node -------------------------------------------
+step_start=$(date +%s)
+nice -n "$NICE" env RAY_TMPDIR="$RAY_TMP" "$PY" -m fl_app.sweep -m hydra/launcher=slurm dataset=digits \
+  "sim.num_supernodes=$CLIENTS" "train.num_server_rounds=$ROUNDS" sim.backend=ray sim.ray_cpus=$(( CPUS < 2 ? CPUS : 2 )) \
+  seed=0 "hydra.sweep.dir=$WORK/sweep-ray" > "$WORK/log/sweep-ray.log" 2>&1
+code=$?
+check=$("$PY" - "$WORK" <<'PY'
+import json, sys
+from pathlib import Path
+work = Path(sys.argv[1])
+problems = []
+jobs = json.loads((work / "sweep-ray" / "slurm-jobs.json").read_text())
+states = [job["state"] for job in jobs]
+if states != ["COMPLETED"]:
+    problems.append(f"SLURM states {states}")
+logs = "".join(Path(job[name]).read_text() for job in jobs for name in ("stdout", "stderr") if Path(job[name]).exists())
+if "Started a local Ray instance" not in logs:
+    problems.append("the job's log does not show Ray starting on the compute node")
+summaries = list((work / "sweep-ray").glob("**/summary.json"))
+if len(summaries) != 1:
+    problems.append(f"{len(summaries)} run summaries")
+print("; ".join(problems) if problems else
+      f"SLURM job {jobs[0]['slurm_job_id']} COMPLETED with Ray started in it ('Started a local Ray instance' in its "
+      f"log); final accuracy {json.loads(summaries[0].read_text())['final-accuracy']:.4f}")
+sys.exit(1 if problems else 0)
+PY
+)
+if [ $? -eq 0 ] && [ $code -eq 0 ]; then
+  record "a job with sim.backend=ray on the node" PASS "$(( $(date +%s) - step_start )) s; $check"
+else
+  record "a job with sim.backend=ray on the node" FAIL "sweep exit $code; $check; log $WORK/log/sweep-ray.log"
+fi
+
+# --- 6. nothing left behind -------------------------------------------------------------------------------------
 left_jobs=$(squeue -h 2>/dev/null | wc -l)
 daemons=("${PIDS[@]}")
 stop_daemons
-rm -rf "$WORK/state" "$WORK/spool" "$WORK/munge"
+rm -rf "$WORK/state" "$WORK/spool" "$WORK/munge" "$RAY_TMP"
 alive=()
 for pid in "${daemons[@]}"; do kill -0 "$pid" 2>/dev/null && alive+=("$pid"); done
 # Processes of the jobs: any live (not zombie) slurmstepd, or process whose command line names the work folder
@@ -251,7 +310,7 @@ strays=$(for p in /proc/[0-9]*; do
   { read -r _ _ state _ < "$p/stat"; cmd=$(tr '\0' ' ' < "$p/cmdline"); } 2>/dev/null || continue
   [ "$state" = Z ] && continue
   case "$cmd" in *slurm_check.sh*) continue;; esac
-  case "$cmd" in *slurmstepd*|*"$WORK"*) echo "${p#/proc/}";; esac
+  case "$cmd" in *slurmstepd*|*"$WORK"*|*"$RAY_TMP"*) echo "${p#/proc/}";; esac
 done | tr '\n' ' ')
 if [ "$left_jobs" = 0 ] && [ ${#alive[@]} = 0 ] && [ -z "${strays// }" ] && [ ! -e "$WORK/state" ] && [ ! -e "$WORK/spool" ]; then
   record "nothing left (jobs, daemons, processes, spool)" PASS "stopped pids ${daemons[*]}"

@@ -1,4 +1,5 @@
-"""Ditto (Li et al., ICML 2021): FedAvg for the global model, plus a personal model pulled towards it.
+"""Ditto (Li, Hu, Beirami and Smith, "Ditto: Fair and Robust Federated Learning Through Personalization",
+ICML 2021): FedAvg for the global model, plus a personal model pulled towards it.
 
 A selected client runs FedAvg's local update on the received global model w and
 sends it back; it also trains its personal model v (kept in ``context.state``,
@@ -96,5 +97,6 @@ STRATEGIES.register(
         DittoUpdate,
         "Ditto: FedAvg plus a personal model pulled towards the global one (ditto-lambda)",
         DittoSettings,
+        paper="Li et al., Ditto: Fair and Robust Federated Learning Through Personalization, ICML 2021",
     )
 )

@@ -1,4 +1,8 @@
-"""FedAvgM (Hsu et al., 2019): the server applies the averaged update with momentum."""
+"""FedAvgM: the server applies the averaged update with momentum.
+
+Hsu, Qi and Brown, "Measuring the Effects of Non-Identical Data Distribution for Federated
+Visual Classification", arXiv:1909.06335, 2019.
+"""
 
 from __future__ import annotations
 
@@ -11,14 +15,15 @@ import torch
 from flwr.app import Array, ArrayRecord
 
 from core.strategy import Reply, RunContext, ServerStrategy, weighted_mean
-from plugins.options import non_negative, option
+from plugins.options import non_negative, option, option_from
 from strategies.base import LocalUpdate
 from strategies.registry import STRATEGIES, Algorithm
 
 
 @dataclass(frozen=True)
-class ServerStepSettings:
-    """The server's step towards the clients' average (shared by FedAvgM and SCAFFOLD)."""
+class ServerStep:
+    """The server's step towards the clients' average: declared once, borrowed under their own keys by FedAvgM
+    (``fedavgm-server-lr``) and SCAFFOLD (``scaffold-server-lr``)."""
 
     server_lr: float = option(
         1.0, "step size of the server's update of the global model", non_negative, "must be a finite number >= 0"
@@ -26,13 +31,17 @@ class ServerStepSettings:
 
 
 @dataclass(frozen=True)
-class FedAvgMSettings(ServerStepSettings):
-    server_momentum: float = option(0.9, "momentum of the server's update", lambda v: 0 <= v < 1, "must lie in [0, 1)")
+class FedAvgMSettings:
+    fedavgm_server_lr: float = option_from(ServerStep, "server_lr")
+    fedavgm_server_momentum: float = option(
+        0.9, "momentum of the server's update", lambda v: 0 <= v < 1, "must lie in [0, 1)"
+    )
 
 
 class FedAvgM(ServerStrategy):
-    """x ← x − server-lr · m, m ← β·m + (x − mean of the clients' models) (Flower's FedAvgM arithmetic; no
-    step when server-lr is 1 and β is 0). The momentum buffer is the server state."""
+    """x ← x − η · m, m ← β·m + (x − mean of the clients' models), η = ``fedavgm-server-lr``, β =
+    ``fedavgm-server-momentum`` (Flower's FedAvgM arithmetic; no step when η is 1 and β is 0). The momentum
+    buffer is the server state."""
 
     state_keys = frozenset({"momentum"})
 
@@ -42,7 +51,7 @@ class FedAvgM(ServerStrategy):
 
     def aggregate(self, server_round: int, replies: list[Reply], reference: ArrayRecord) -> ArrayRecord | None:
         average = weighted_mean(replies)
-        lr, beta = self.settings.server_lr, self.settings.server_momentum
+        lr, beta = self.settings.fedavgm_server_lr, self.settings.fedavgm_server_momentum
         if lr == 1.0 and beta == 0.0:
             return average
         step = {key: reference[key].numpy() - average[key].numpy() for key in average}
@@ -62,6 +71,13 @@ class FedAvgM(ServerStrategy):
 
 STRATEGIES.register(
     Algorithm(
-        "fedavgm", FedAvgM, LocalUpdate, "FedAvg with server momentum (server-lr, server-momentum)", FedAvgMSettings
+        "fedavgm",
+        FedAvgM,
+        LocalUpdate,
+        "FedAvg with server momentum (fedavgm-server-lr, fedavgm-server-momentum)",
+        FedAvgMSettings,
+        paper="Hsu, Qi and Brown, Measuring the Effects of Non-Identical Data Distribution for Federated Visual "
+        "Classification, arXiv:1909.06335, 2019",
+        renamed={"server-lr": "fedavgm-server-lr", "server-momentum": "fedavgm-server-momentum"},
     )
 )

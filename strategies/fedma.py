@@ -1,4 +1,8 @@
-"""FedMA (Wang et al., ICLR 2020): layer-wise matching by BBP-MAP, so the global model can grow, then freeze and retrain.
+"""FedMA: layer-wise matching by BBP-MAP, so the global model can grow, then freeze and retrain.
+
+Wang, Yurochkin, Sun, Papailiopoulos and Khazaeni, "Federated Learning with Matched
+Averaging", ICLR 2020; its BBP-MAP matching is that of Yurochkin et al., "Bayesian
+Nonparametric Federated Learning of Neural Networks" (PFNM), ICML 2019.
 
 One FedMA *cycle* takes ``G + 1`` communication rounds for a model with ``G``
 permutation groups (each server round of the run is one communication, so
@@ -11,10 +15,10 @@ rounds"):
 * stage ``s`` (1 <= s < G): each client gets *its own* model back with every
   entry completed so far replaced by the matched global values and its own
   units of the groups matched so far reordered to the global order; it freezes
-  those entries, retrains the rest for ``retrain-epochs``, and the server
+  those entries, retrains the rest for ``fedma-retrain-epochs``, and the server
   matches group ``s``;
 * stage ``G``: clients freeze everything but the output layer (the model's head,
-  :func:`models.protocol.head_of`) and retrain it for ``retrain-epochs``;
+  :func:`models.protocol.head_of`) and retrain it for ``fedma-retrain-epochs``;
   the server averages it *per class*, row ``c`` weighted by each client's
   number of examples of class ``c`` (clients send their class counts).
 
@@ -35,7 +39,7 @@ Matching group ``s`` (``fedma-matching``):
   takes them (:func:`core.model_io.resize_to`).
 * ``weight`` or ``l1``: one assignment per client with that score
   (:mod:`core.alignment`) onto the global model the cycle started from
-  (``match-reference=global``) or, for ``match-iterations`` passes, onto the
+  (``fedma-reference=global``) or, for ``fedma-iterations`` passes, onto the
   running matched mean (``iterative``); the width never changes.
 
 Matching reads the entries whose other axes are already aligned (incoming
@@ -83,9 +87,9 @@ from core.replies import CONFIG_RECORD, MODEL_RECORD
 from core.strategy import Reply, RunContext, ServerStrategy
 from models import PermutationSpec, permute_state
 from models.protocol import head_of
-from plugins.options import option, option_from, source_settings
+from plugins.options import choice, option, option_from, source_settings
 from strategies.base import LocalUpdate
-from strategies.matched import ReferenceSettings, permutation_spec
+from strategies.matched import Reference, permutation_spec
 from strategies.registry import STRATEGIES, Algorithm
 
 STAGE = "fedma-stage"
@@ -97,15 +101,16 @@ FEDMA_MATCHINGS = ("bbp", *list_costs())
 
 
 @dataclass(frozen=True)
-class FedMASettings(ReferenceSettings):
-    fedma_matching: str = option(
+class FedMASettings:
+    fedma_reference: str = option_from(Reference, "reference")
+    fedma_iterations: int = option_from(Reference, "iterations")
+    fedma_matching: str = choice(
         "bbp",
         "bbp: FedMA's Bayesian non-parametric matching (the global layer may grow); "
-        "weight or l1: one-to-one matching onto the reference (match-reference)",
-        lambda v: v in FEDMA_MATCHINGS,
-        f"choose one of {list(FEDMA_MATCHINGS)}",
+        "weight or l1: one-to-one matching onto the reference (fedma-reference)",
+        FEDMA_MATCHINGS,
     )
-    retrain_epochs: int = option(
+    fedma_retrain_epochs: int = option(
         1, "local epochs after each layer is matched", lambda v: v >= 1, "must be an integer >= 1"
     )
     bbp_sigma: float = option_from(BBPSettings, "sigma")
@@ -119,6 +124,11 @@ class FedMASettings(ReferenceSettings):
     def bbp(self) -> BBPSettings:
         """BBP-MAP's settings: the ``bbp-*`` fields are :class:`~core.bbp.BBPSettings`'s, borrowed."""
         return source_settings(self, BBPSettings)
+
+    @property
+    def passes(self) -> int:
+        """How many times one-to-one matching aligns the clients' units (:attr:`strategies.matched.Reference.passes`)."""
+        return source_settings(self, Reference).passes
 
 
 def completion_plan(spec: PermutationSpec, keys: Iterable[str], head: Collection[str]) -> list[frozenset[str]]:
@@ -388,7 +398,7 @@ class FedMAUpdate(LocalUpdate):
         frozen = frozen_at(model.permutation_spec(), state, head.keys, stage)
         kept = {key: state[key].detach().clone() for key in frozen}
         if stage > 0:
-            self.config = dataclasses.replace(self.config, local_epochs=self.settings.retrain_epochs)
+            self.config = dataclasses.replace(self.config, local_epochs=self.settings.fedma_retrain_epochs)
         trainable = [p for name, p in model.named_parameters() if name not in frozen]
         for p in model.parameters():
             p.requires_grad_(False)
@@ -412,7 +422,14 @@ STRATEGIES.register(
         "fedma",
         FedMA,
         FedMAUpdate,
-        "FedMA's layer-wise schedule: match one group per round, freeze, retrain the rest",
+        "FedMA's layer-wise schedule: match one group per round (fedma-matching), freeze, retrain the rest",
         FedMASettings,
+        paper="Wang et al., Federated Learning with Matched Averaging, ICLR 2020; BBP-MAP: Yurochkin et al., "
+        "Bayesian Nonparametric Federated Learning of Neural Networks, ICML 2019",
+        renamed={
+            "match-reference": "fedma-reference",
+            "match-iterations": "fedma-iterations",
+            "retrain-epochs": "fedma-retrain-epochs",
+        },
     )
 )

@@ -1,4 +1,5 @@
-"""FedPer (Arivazhagan et al., 2019): the body is federated, the classifier head is personal.
+"""FedPer (Arivazhagan, Aggarwal, Singh and Choudhary, "Federated Learning with Personalization Layers",
+arXiv:1912.00818, 2019): the body is federated, the classifier head is personal.
 
 Every client keeps its own ``classifier.*`` parameters in ``context.state``; in a
 round it loads them over the received head, trains the whole network, keeps the
@@ -83,5 +84,6 @@ STRATEGIES.register(
         ServerStrategy,
         FedPerUpdate,
         "FedPer: federated body, personal classifier head kept by each client (server: FedAvg)",
+        paper="Arivazhagan et al., Federated Learning with Personalization Layers, arXiv:1912.00818, 2019",
     )
 )

@@ -1,33 +1,34 @@
-"""Matched averaging: line up every client's hidden units with a reference, then average (FedMA family).
+"""Matched averaging: line up every client's hidden units with a reference, then average.
 
-Clients run FedAvg's local SGD. Before averaging, the server reorders each
-client model's hidden units (every group of the model's permutation spec) to
-best match a reference, solving one assignment problem per group with
-:mod:`core.alignment`, then averages weighted by examples
-(ALGORITHMS.md §2). PAN encodings never travel, so nothing here knows whether
-PANs are on: the matching reads weights only. With PANs on, moving a unit to
-another position also gives it another encoding, so the reordering is no
-longer function-preserving for that client's model. The combination is
-allowed but mostly redundant, as measured in benchmarks/RESULTS.md (issue 4,
-Fashion-MNIST, ``small-mlp``): models trained one epoch from a common model, as
-in every round here, have 0-0.2 % of their units reordered by the matching,
-PANs on or off, so ``matched`` with PANs behaves like FedAvg with PANs; and
-reordering 98 % of a differently initialised model's units changed its own
-accuracy by under 0.5 points at the PAN settings tried (mul A = 0.1, add
-A = 0.15), so such small encodings bias the matching little. Larger
-amplitudes would make a reordered client compute a different function.
+The one-to-one member of the matched-averaging family (Wang et al., "Federated Learning
+with Matched Averaging", ICLR 2020). Clients run FedAvg's local SGD. Before averaging,
+the server reorders each client model's hidden units (every group of the model's
+permutation spec) to best match a reference, solving one assignment problem per group
+with :mod:`core.alignment`, then averages weighted by examples. PAN encodings never
+travel, so nothing here knows whether PANs are on: the matching reads weights only.
+With PANs on, moving a unit to another position also gives it another encoding, so the
+reordering is no longer function-preserving for that client's model. The combination is
+allowed but mostly redundant, as measured in ``benchmarks/RESULTS.md`` ("PANs and
+matching: is matching still meaningful with PANs on?", Fashion-MNIST, ``small-mlp``):
+models trained one epoch from a common model, as in every round here, have 0-0.2 % of
+their units reordered by the matching, PANs on or off, so ``matched`` with PANs behaves
+like FedAvg with PANs; and reordering 98 % of a differently initialised model's units
+changed its own accuracy by under 0.5 points at the PAN settings tried (mul A = 0.1,
+add A = 0.15), so such small encodings bias the matching little. Larger amplitudes would
+make a reordered client compute a different function.
 
 Run-config keys:
 
-``match-cost``
-    ``weight`` (Git Re-Basin weight matching) or ``l1`` (Simple-FedMA), see
-    :mod:`core.alignment`.
-``match-reference``
+``matched-cost``
+    ``weight`` (weight matching of Ainsworth et al., "Git Re-Basin: Merging Models
+    modulo Permutation Symmetries", ICLR 2023) or ``l1`` (Simple-FedMA, from Holm,
+    Sajjad and Matjasec, "L46 FedMA Project", project report), see :mod:`core.alignment`.
+``matched-reference``
     ``global``: align onto the global model the clients started from (one pass).
     ``iterative``: the first pass aligns onto the global model, each further
     pass aligns the clients' models again onto the previous pass's matched
-    mean, ``match-iterations`` passes in all.
-``match-iterations``
+    mean, ``matched-iterations`` passes in all.
+``matched-iterations``
     Number of passes with ``iterative`` (>= 1); unused with ``global``.
 """
 
@@ -45,7 +46,7 @@ from flwr.common.logger import log
 from core.alignment import align_and_average, list_costs, moved_share
 from core.strategy import Reply, RunContext, ServerStrategy
 from models import PermutationSpec
-from plugins.options import ConfigError, option
+from plugins.options import ConfigError, choice, option, option_from, source_settings
 from strategies.base import LocalUpdate
 from strategies.registry import STRATEGIES, Algorithm
 
@@ -53,32 +54,36 @@ MATCH_REFERENCES = ("global", "iterative")
 
 
 @dataclass(frozen=True)
-class ReferenceSettings:
-    """What client units are matched to (shared by ``matched`` and ``fedma``'s one-to-one matching)."""
+class Reference:
+    """What client units are matched to, one to one: declared once, borrowed under their own keys by ``matched``
+    (``matched-reference``, ``matched-iterations``) and ``fedma`` (``fedma-reference``, ``fedma-iterations``)."""
 
-    match_reference: str = option(
+    reference: str = choice(
         "global",
         "what clients' units are matched to (global: the round's global model; iterative: the running matched mean)",
-        lambda v: v in MATCH_REFERENCES,
-        f"choose one of {list(MATCH_REFERENCES)}",
+        MATCH_REFERENCES,
     )
-    match_iterations: int = option(
-        3, "passes when match-reference is iterative", lambda v: v >= 1, "must be an integer >= 1"
-    )
+    iterations: int = option(3, "passes when the reference is iterative", lambda v: v >= 1, "must be an integer >= 1")
 
     @property
     def passes(self) -> int:
-        return self.match_iterations if self.match_reference == "iterative" else 1
+        """How many times the clients' models are aligned: ``iterations`` with ``iterative``, else once."""
+        return self.iterations if self.reference == "iterative" else 1
 
 
 @dataclass(frozen=True)
-class MatchSettings(ReferenceSettings):
-    match_cost: str = option(
+class MatchSettings:
+    matched_cost: str = choice(
         "weight",
         "how the cost of pairing two units is measured (weight: Git Re-Basin weight matching; l1: Simple-FedMA)",
-        lambda v: v in list_costs(),
-        f"choose one of {list_costs()}",
+        list_costs,
     )
+    matched_reference: str = option_from(Reference, "reference")
+    matched_iterations: int = option_from(Reference, "iterations")
+
+    @property
+    def passes(self) -> int:
+        return source_settings(self, Reference).passes
 
 
 def permutation_spec(context: RunContext, strategy: str) -> PermutationSpec:
@@ -118,7 +123,7 @@ class Matched(ServerStrategy):
             [reply.arrays.to_torch_state_dict() for reply in replies],
             [reply.weight for reply in replies],
             self.spec,
-            self.settings.match_cost,
+            self.settings.matched_cost,
             self.settings.passes,
             torch.Generator().manual_seed(self.context.config.seed * 10_007 + server_round),
         )
@@ -128,7 +133,7 @@ class Matched(ServerStrategy):
             "round %d: matched %d client models (%s cost, %d pass(es)) in %.2f s; %.1f %% of units moved",
             server_round,
             len(replies),
-            self.settings.match_cost,
+            self.settings.matched_cost,
             self.settings.passes,
             time.perf_counter() - started,
             100 * sum(self.moved.values()) / max(len(self.moved), 1),
@@ -141,7 +146,14 @@ STRATEGIES.register(
         "matched",
         Matched,
         LocalUpdate,
-        "align client units onto a reference (match-cost, match-reference), then average",
+        "align client units onto a reference (matched-cost, matched-reference), then average",
         MatchSettings,
+        paper="Wang et al., Federated Learning with Matched Averaging, ICLR 2020; costs: Ainsworth et al., "
+        "Git Re-Basin, ICLR 2023 (weight), Holm, Sajjad and Matjasec, L46 FedMA Project, report (l1)",
+        renamed={
+            "match-cost": "matched-cost",
+            "match-reference": "matched-reference",
+            "match-iterations": "matched-iterations",
+        },
     )
 )

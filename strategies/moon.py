@@ -1,4 +1,4 @@
-"""MOON (Li, He & Song, CVPR 2021): model-contrastive local training.
+"""MOON (Li, He and Song, "Model-Contrastive Federated Learning", CVPR 2021): model-contrastive local training.
 
 Each mini-batch adds μ·ℓ_con to the cross-entropy, with
 ℓ_con = −log(e^{sim(z, z_glob)/τ} / (e^{sim(z, z_glob)/τ} + e^{sim(z, z_prev)/τ})),
@@ -119,5 +119,6 @@ STRATEGIES.register(
         MoonUpdate,
         "model-contrastive local loss against the global and previous models (moon-mu, moon-tau); the server is FedAvg",
         MoonSettings,
+        paper="Li, He and Song, Model-Contrastive Federated Learning, CVPR 2021",
     )
 )

@@ -1,4 +1,4 @@
-"""Grouped Ψ-Net averaging (Fed2; Yu et al., "Heterogeneous Federated Learning", seed 001, §4).
+"""Grouped Ψ-Net averaging: Yu et al., "Fed2: Feature-Aligned Federated Learning", KDD 2021, §4.
 
 Needs a Ψ-Net model (``psi-vgg9``, ``psi-vgg11``: :mod:`models.psinet`), whose
 state splits into shared keys and per-group keys.
@@ -156,5 +156,6 @@ STRATEGIES.register(
         PsiNetUpdate,
         "Ψ-Net: shared layers averaged over all, each group over its holders; "
         "clients trim groups they hold no class of",
+        paper="Yu et al., Fed2: Feature-Aligned Federated Learning, KDD 2021",
     )
 )

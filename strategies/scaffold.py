@@ -1,10 +1,13 @@
-"""SCAFFOLD (Karimireddy et al., 2020): control variates correct each client's drift.
+"""SCAFFOLD: control variates correct each client's drift.
+
+Karimireddy, Kale, Mohri, Reddi, Stich and Suresh, "SCAFFOLD: Stochastic Controlled
+Averaging for Federated Learning", ICML 2020.
 
 The server keeps a control variate c, client i keeps its own c_i, both with the
 model's shape. Every local gradient is corrected by (c − c_i); afterwards the
 client sets c_i from its trajectory (the paper's option II) and sends Δc_i with
 its model, and the server moves c by (1/N)·Σ Δc_i over the replies (N = nodes
-connected). With c = c_i = 0 and server-lr 1 a round is exactly FedAvg's.
+connected). With c = c_i = 0 and ``scaffold-server-lr`` 1 a round is exactly FedAvg's.
 
 Messages: a TRAIN message carries ``"arrays"`` (x), ``"config"`` and
 ``"control"`` (c); a reply carries ``"arrays"`` (the local model y_i),
@@ -26,13 +29,14 @@ Where this differs from the paper, and why:
   Weight decay is part of the gradient the optimizer follows, so it is part of
   c_i too.
 * The model is averaged weighted by example counts (as FedAvg here) before the
-  server step x + server-lr·(ȳ − x); the paper takes the plain mean of Δy_i.
+  server step x + η_g·(ȳ − x) (η_g: ``scaffold-server-lr``); the paper takes the plain mean of Δy_i.
   c is updated with the plain mean, which keeps c the mean of all clients' c_i.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -44,9 +48,16 @@ from core.model_io import arrays_mismatch, federated_state
 from core.nodes import NodeDirectory
 from core.replies import arrays_problem
 from core.strategy import Reply, RunContext, ServerStrategy, weighted_mean
+from plugins.options import option_from
 from strategies.base import LocalUpdate
-from strategies.fedavgm import ServerStepSettings
+from strategies.fedavgm import ServerStep
 from strategies.registry import STRATEGIES, Algorithm
+
+
+@dataclass(frozen=True)
+class ScaffoldSettings:
+    scaffold_server_lr: float = option_from(ServerStep, "server_lr")
+
 
 CONTROL = "control"
 """Record name: the server's c in a TRAIN message, the client's Δc_i in its reply."""
@@ -69,7 +80,7 @@ def _norm(tensors: dict[str, torch.Tensor]) -> float:
 
 
 class Scaffold(ServerStrategy):
-    """FedAvg that also sends c, collects Δc_i and applies the averaged model with ``server-lr``."""
+    """FedAvg that also sends c, collects Δc_i and applies the averaged model with ``scaffold-server-lr``."""
 
     extra_reply_arrays = (CONTROL,)
     state_keys = frozenset({"control"})
@@ -116,7 +127,7 @@ class Scaffold(ServerStrategy):
                 for key, c in self.control.items()
             }
         )
-        lr = self.settings.server_lr
+        lr = self.settings.scaffold_server_lr
         return ArrayRecord(
             {
                 key: Array(np.asarray(x.numpy() + lr * (average[key].numpy() - x.numpy())))
@@ -195,7 +206,9 @@ STRATEGIES.register(
         "scaffold",
         Scaffold,
         ScaffoldUpdate,
-        "control variates correct client drift (option II; server-lr)",
-        ServerStepSettings,
+        "control variates correct client drift (option II; scaffold-server-lr)",
+        ScaffoldSettings,
+        paper="Karimireddy et al., SCAFFOLD: Stochastic Controlled Averaging for Federated Learning, ICML 2020",
+        renamed={"server-lr": "scaffold-server-lr"},
     )
 )

@@ -1,4 +1,7 @@
-"""SuPerFed (Hahn et al., KDD 2022; seed 004, ALGORITHMS.md §4): a personal model connected to the federated one.
+"""SuPerFed: a personal model connected to the federated one.
+
+Hahn, Jeong and Lee, "Connecting Low-Loss Subspace for Personalized Federated Learning",
+KDD 2022.
 
 Each client keeps a local model w_l (same architecture, its own Xavier-normal
 initialisation seeded by the partition id) in ``context.state``; it never leaves
@@ -9,7 +12,7 @@ federated model w_f and w_l with
 
     CE(W(λ)) + μ · Σ_layers ‖w_f − w_g‖₂ + ν · cos²(w_f, w_l)
 
-(ALGORITHMS.md §4: unsquared L2 norm per mixed layer; cosine over all mixed
+(the authors' code: unsquared L2 norm per mixed layer; cosine over all mixed
 parameters flattened together). The mixed weights are formed as tensors of w_f's
 and w_l's leaves and fed to the network with :func:`torch.func.functional_call`,
 so one backward pass reaches both endpoints and no module is rewritten. Before
@@ -20,7 +23,7 @@ otherwise. The server is FedAvg: only w_f travels, averaged by example count.
 BatchNorm buffers (running mean/var) belong to the federated model: the mixed
 network's batches update them during training and they travel with w_f as in
 FedAvg. For evaluation at a given λ they are re-estimated on the client's training
-data (as subspace learning, Wortsman et al. 2021, does for every point of a line),
+data (as Wortsman et al., "Learning Neural Network Subspaces", ICML 2021, does for every point of a line),
 because W(λ)'s activations follow neither endpoint's statistics.
 
 A ``superfed-val-fraction`` part of each client's training split is held out from
@@ -46,7 +49,7 @@ from core.calibration import classification_scores
 from core.config import RunConfig
 from core.strategy import ServerStrategy
 from core.training import PlainSGD, iterate_batches
-from plugins.options import non_negative, option
+from plugins.options import choice, non_negative, option
 from strategies.base import LocalUpdate
 from strategies.registry import STRATEGIES, Algorithm
 
@@ -61,11 +64,8 @@ LOCAL_INFO = "superfed-local-info"
 
 @dataclass(frozen=True)
 class SuPerFedSettings:
-    superfed_mode: str = option(
-        "mm",
-        "model mixing (mm: one lambda per batch) or layer mixing (lm: one per layer)",
-        lambda v: v in SUPERFED_MODES,
-        f"choose one of {list(SUPERFED_MODES)}",
+    superfed_mode: str = choice(
+        "mm", "model mixing (mm: one lambda per batch) or layer mixing (lm: one per layer)", SUPERFED_MODES
     )
     superfed_nu: float = option(
         1.0, "weight of the connectivity regulariser cos^2(w_f, w_l)", non_negative, "must be a finite number >= 0"
@@ -83,13 +83,12 @@ class SuPerFedSettings:
         lambda v: 0 <= v < 1,
         "must lie in [0, 1)",
     )
-    superfed_local_init: str = option(
+    superfed_local_init: str = choice(
         "seeded",
         "how the local model starts: seeded (by run seed and client) or "
         "authors (every weight from a stream seeded by the client id, as the "
         "authors' code)",
-        lambda v: v in LOCAL_INITS,
-        f"choose one of {list(LOCAL_INITS)}",
+        LOCAL_INITS,
     )
 
 
@@ -325,5 +324,6 @@ STRATEGIES.register(
         SuPerFedUpdate,
         "SuPerFed: a local model mixed with the federated one (superfed-mode mm/lm); the server averages w_f as FedAvg",
         SuPerFedSettings,
+        paper="Hahn, Jeong and Lee, Connecting Low-Loss Subspace for Personalized Federated Learning, KDD 2022",
     )
 )

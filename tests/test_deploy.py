@@ -115,6 +115,20 @@ def test_compose_wiring_images_networks_and_mounts(tls):
     assert results.endswith(":/app/alignfl-results")  # results-dir's default (~/alignfl-results) in the image
 
 
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+def test_compose_publishes_on_this_host_only_unless_told_and_reads_keys_from_a_folder_named_outside(tls):
+    services = compose_services(tls)
+    published = [(name, port) for name, service in services.items() for port in service.get("ports", [])]
+    assert [name for name, _ in published] == ["superlink"]
+    for name, port in published:  # short syntax HOST_IP:HOST_PORT:CONTAINER_PORT, each ${VAR:-x} at its default
+        at_default = re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", port)
+        assert at_default.startswith("127.0.0.1:") and at_default.count(":") == 2, (name, port)
+    keys = [volume for service in services.values() for volume in service.get("volumes", [])]
+    keys = [volume for volume in keys if mount_target(volume).startswith("/app/certs")]
+    assert bool(keys) == tls
+    assert all(volume.startswith("${ALIGNFL_CERTS:?") for volume in keys)  # no default: it would be in the checkout
+
+
 def test_image_pins_the_projects_flower():
     pinned = next(
         dep

@@ -90,7 +90,7 @@ def test_a_cycle_matches_a_permuted_client_back_layer_by_layer(cost, reference):
     spec, state = model.permutation_spec(), federated_state(model)
     permuted = permute_state(spec, state, random_permutations(spec, state, torch.Generator().manual_seed(1)))
     counts = {1: torch.arange(NUM_CLASSES), 2: torch.arange(NUM_CLASSES).flip(0)}
-    strategy = _strategy(model, **{"fedma-matching": cost, "match-reference": reference})
+    strategy = _strategy(model, **{"fedma-matching": cost, "fedma-reference": reference})
 
     arrays = strategy.aggregate(1, [_reply(state, 1, counts[1]), _reply(permuted, 2, counts[2])], _record(state))
     assert strategy.stage == 1
@@ -196,7 +196,7 @@ def test_the_client_trains_only_what_is_not_matched_yet(name, stage):
             "model": name,
             "dataset": "digits",
             "local-epochs": 1,
-            "retrain-epochs": 2,
+            "fedma-retrain-epochs": 2,
             "batch-size": 8,
         }
     )

@@ -62,7 +62,7 @@ def test_a_permuted_copy_of_a_client_is_averaged_back_to_the_model(cost, referen
     permuted = permute_state(spec, state, random_permutations(spec, state, torch.Generator().manual_seed(1)))
     replies = [_reply(state, 10, node=1), _reply(permuted, 30, node=2)]
 
-    strategy = _server(model, "matched", **{"match-cost": cost, "match-reference": reference, **pan})
+    strategy = _server(model, "matched", **{"matched-cost": cost, "matched-reference": reference, **pan})
     assert _close(strategy.aggregate(1, replies, _record(state)), state)
 
     plain = _server(model, "fedavg", **pan).aggregate(1, replies, _record(state))
@@ -117,9 +117,9 @@ def test_a_model_without_a_permutation_spec_is_refused_before_training(monkeypat
 @pytest.mark.parametrize(
     ("key", "value", "fragment"),
     [
-        ("match-cost", "cosine", "'l1'"),
-        ("match-reference", "client", "'iterative'"),
-        ("match-iterations", 0, ">= 1"),
+        ("matched-cost", "cosine", "'l1'"),
+        ("matched-reference", "client", "'iterative'"),
+        ("matched-iterations", 0, ">= 1"),
     ],
 )
 def test_bad_matching_keys_are_refused_with_what_is_allowed(key, value, fragment):

@@ -50,6 +50,10 @@ def test_the_command_trains_merges_and_writes_json_and_plot(tmp_path, capsys):
         (["--model", "vgg99"], "'--model'"),
         (["--bbp-sigma", "0"], "--bbp-sigma 0.0 is not allowed: must be a finite number > 0"),
         (["--bbp-estimate", "mode"], "--bbp-estimate 'mode' is not allowed: choose one of ['posterior', 'weighted']"),
+        (["--otfusion-reg", "0"], "--otfusion-reg 0.0 is not allowed: must be > 0"),
+        (["--widths", "0.5,x"], "--widths must be comma-separated numbers > 0"),
+        (["--widths", "0.5", "--model", "resnet20"], "takes no width-factor"),
+        (["--reference", "2"], "--reference must be a client index in [0, 2)"),
     ],
 )
 def test_bad_options_stop_before_training_with_a_named_error(argv, fragment, tmp_path, capsys):
@@ -88,3 +92,37 @@ def test_the_bbp_merge_reports_its_accuracy_and_global_widths(tmp_path, capsys):
     assert set(widths) == {"hidden.0", "hidden.1", "hidden.2", "hidden.3"}
     assert all(widths[g] >= w for g, w in zip(widths, (20, 100, 120, 84)))  # clients' small-mlp widths
     assert "global width per layer of matched-bbp" in capsys.readouterr().out
+
+
+def test_ot_fusion_merges_a_permuted_copy_back_and_models_of_different_widths_into_the_references():
+    digits = load_dataset("digits")
+    torch.manual_seed(0)
+    model = build_model("small-mlp", (1, 8, 8), 10)
+    spec, state = model.permutation_spec(), model.state_dict()
+    permuted = permute_state(spec, state, random_permutations(spec, state, torch.Generator().manual_seed(1)))
+    clients, merged, _ = merge_accuracies(
+        model, [state, permuted], [1.0, 2.0], digits.test_x, digits.test_y, ["ot"], 1, torch.device("cpu")
+    )
+    assert merged["matched-ot"] == merged["ensemble"] == clients[0]
+    narrow = build_model("small-mlp", (1, 8, 8), 10, width_factor=0.5).state_dict()
+    _, merged, widths = merge_accuracies(
+        model,
+        [narrow, state],
+        [1.0, 1.0],
+        digits.test_x,
+        digits.test_y,
+        ["ot", "l1"],
+        1,
+        torch.device("cpu"),
+        reference=1,
+    )
+    assert set(merged) == {"matched-ot", "ensemble"}  # plain and one-to-one averages need equal widths
+    assert widths == spec.group_sizes(state)
+
+
+def test_the_command_fuses_clients_of_different_widths_by_ot(tmp_path):
+    argv = ["merge", "--clients", "2", "--epochs", "1", "--costs", "ot", "--widths", "0.5,1", "--reference", "1"]
+    assert main([*argv, "--otfusion-exact", "false", "--out", str(tmp_path)]) == 0
+    payload = json.loads((tmp_path / "merge.json").read_text())
+    assert payload["widths"] == [0.5, 1.0] and payload["otfusion"]["exact"] is False
+    assert set(payload["merged-accuracy"]) == {"matched-ot", "ensemble"}

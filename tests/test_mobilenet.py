@@ -216,7 +216,7 @@ def test_class_loss_gradient_reaches_only_its_group(groups, depth, pan):
     x = _inputs((1, 28, 28), batch=4)
     for label in (0, 9):
         model.zero_grad(set_to_none=True)
-        model(x)[:, label].sum().backward()  # class c's confidence Z_c, as in seed 001's Eq. 2
+        model(x)[:, label].sum().backward()  # class c's confidence Z_c, as in Fed2's Eq. 2
         shared, per_group = _largest_grad_per_group(model)
         mine = model.class_groups[label]
         assert shared > 0 and per_group[mine] > 0

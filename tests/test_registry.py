@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -57,3 +60,50 @@ def test_every_kind_of_part_registers_the_same_way(registry, kind, known):
     assert registry.get(known).name == known and known in registry.names()
     with pytest.raises(ValueError, match=f"unknown {kind} 'nothing'; allowed: .*'{known}'"):
         registry.get("nothing")
+
+
+def test_a_module_dropped_into_a_package_of_parts_registers_itself(tmp_path, monkeypatch):
+    """The package's ``__init__`` imports every module in it (not ``_``-prefixed ones): no import line to add."""
+    package = tmp_path / "toyparts"
+    package.mkdir()
+    (package / "__init__.py").write_text(
+        "from plugins.registry import Registry, import_modules\n"
+        "PARTS = Registry('part')\n"
+        "IMPORTED = import_modules(__name__, __path__)\n"
+    )
+    for name in ("beta", "alpha"):
+        (package / f"{name}.py").write_text(
+            f"from toyparts import PARTS\nfrom tests.test_registry import Part\nPARTS.register(Part('{name}'))\n"
+        )
+    (package / "_draft.py").write_text("raise RuntimeError('a draft is never imported')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import toyparts
+
+    assert toyparts.IMPORTED == ["toyparts.alpha", "toyparts.beta"]
+    assert toyparts.PARTS.names() == ["alpha", "beta"]
+
+
+def test_every_module_of_strategies_and_models_is_imported():
+    import models
+    import strategies
+
+    for package in (models, strategies):
+        modules = [name for name in sys.modules if name.startswith(f"{package.__name__}.")]
+        files = [f"{package.__name__}.{p.stem}" for p in Path(package.__file__).parent.glob("[!_]*.py")]
+        assert set(files) <= set(modules)
+
+
+@pytest.mark.parametrize("first", ["models.cnn", "models.registry", "strategies.fedma", "strategies.registry"])
+def test_whichever_module_is_imported_first_every_part_registers(first):
+    """A package's ``__init__`` runs before any of its modules and imports them all last, after the names they
+    import from it: no import order leaves a part unregistered or meets a half-made package."""
+    code = (
+        f"import {first}\nimport models, strategies\n"
+        "print(len(models.list_models()), len(strategies.list_strategies()))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    import models
+    import strategies
+
+    assert result.stdout.split() == [str(len(models.list_models())), str(len(strategies.list_strategies()))]

@@ -7,6 +7,7 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, MetricRecord, RecordDict
 
+from core.rounds import Participation
 from fl_app.results import RoundRecorder
 
 
@@ -65,3 +66,42 @@ def test_summary_reads_final_best_and_last_five(tmp_path):
     assert summary["final-accuracy"] == 0.8 and summary["best-accuracy"] == 0.9 and summary["best-round"] == 2
     assert summary["last-5-best-accuracy"] == 0.9
     assert summary["last-5-mean-accuracy"] == pytest.approx(np.mean([0.9, 0.6, 0.7, 0.65, 0.8]))
+
+
+def lost_node(node_id: str, address: str, remaining: int) -> str:
+    """The reason the round runner gives for a client whose Ray node was lost (Flower's error text around
+    fl_app.ray_pool's RayNodeLost)."""
+    return (
+        "the client failed (error code 0): <class 'fl_app.ray_pool.RayNodeLost'>:<'the client's actor was lost "
+        f"with Ray node {node_id} ({address}) (ActorDiedError); it left the actor pool, {remaining} actor(s) "
+        "remain and the next rounds train on them'>"
+    )
+
+
+def lacking(path: str) -> str:
+    return (
+        "the client failed (error code 2): <class 'flwr.clientapp.client_app.ClientAppException'>:<'\nException "
+        "ClientAppException occurred. Message: this node on Ray node 0123456789abcdef0123 (10.0.0.2) lacks the "
+        f"data set: {path} is missing'>"
+    )
+
+
+def test_the_summary_counts_dropped_clients_by_cause_and_metrics_keep_each_reason(tmp_path):
+    recorder = RoundRecorder(tmp_path, lambda arrays: (1.0, 0.5))
+    dropped = [
+        {},
+        {"1": lost_node("a" * 56, "10.0.0.2:40123", 3), "2": lost_node("a" * 56, "10.0.0.2:40123", 2)},
+        {"3": lost_node("b" * 56, "10.0.0.3:40999", 1), "0": "no reply within the round's timeout"},
+        {"1": lacking("/data/MNIST/raw/train-images-idx3-ubyte"), "2": lacking("/other/MNIST/raw/t10k-labels")},
+    ]
+    for server_round, reasons in enumerate(dropped):
+        recorder.record_participation(server_round, Participation(4, 4 - len(reasons), reasons))
+        recorder.evaluate(server_round, ArrayRecord())
+    counts = recorder.summary()["dropped-reasons"]
+    assert sorted(counts.values()) == [1, 2, 3] and sum(counts.values()) == 6
+    (lost,) = [cause for cause, count in counts.items() if count == 3]
+    assert "RayNodeLost: the client's actor was lost with Ray node <id> (<address>)" in lost
+    assert "<n> actor(s) remain" in lost and "error code 0" in lost
+    assert counts["no reply within the round's timeout"] == 1
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [line.get("clients-dropped-reasons", {}) for line in lines] == dropped  # the detail, word for word

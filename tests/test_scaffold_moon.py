@@ -190,7 +190,7 @@ def test_scaffold_server_sends_zero_control_with_the_model(monkeypatch):
 
 
 def test_scaffold_server_moves_c_by_the_mean_update_over_all_nodes_and_applies_server_lr():
-    strategy = _scaffold_server(server_lr=0.5)
+    strategy = _scaffold_server(scaffold_server_lr=0.5)
     reference = _arrays(GLOBAL)
     strategy.control = _arrays({"w": np.full((2, 3), 1.0), "b": np.zeros(2)})
     strategy.num_nodes = 4

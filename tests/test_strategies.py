@@ -46,7 +46,7 @@ def test_fedprox_adds_half_mu_squared_distance_to_the_global_model():
     torch.manual_seed(0)
     model = nn.Linear(4, 3)
     x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
-    update = FedProxUpdate(parse_run_config({"strategy": "fedprox", "proximal-mu": 0.5}), context=None)
+    update = FedProxUpdate(parse_run_config({"strategy": "fedprox", "fedprox-mu": 0.5}), context=None)
     update.begin(model)
     plain = nn.functional.cross_entropy(model(x), y)
     assert torch.allclose(update.loss(model, x, y), plain)  # at the global model the term is zero
@@ -200,7 +200,7 @@ def test_an_aggregate_of_other_shapes_is_kept_only_when_the_strategy_declares_it
     ("values", "line"),
     [
         ({}, "Starting fedavg (no settings of its own), rounds 1 to 1"),
-        ({"strategy": "fedprox", "proximal-mu": 0.5}, "Starting fedprox (proximal-mu=0.5), rounds 1 to 1"),
+        ({"strategy": "fedprox", "fedprox-mu": 0.5}, "Starting fedprox (fedprox-mu=0.5), rounds 1 to 1"),
     ],
 )
 def test_the_start_line_names_the_registered_algorithm_and_its_settings(caplog, values, line):
@@ -215,7 +215,7 @@ def test_the_start_line_names_the_registered_algorithm_and_its_settings(caplog, 
 
 
 def _fedavgm(momentum: float) -> FedAvgM:
-    config = parse_run_config({"strategy": "fedavgm", "server-momentum": momentum, "server-lr": 1.0})
+    config = parse_run_config({"strategy": "fedavgm", "fedavgm-server-momentum": momentum, "fedavgm-server-lr": 1.0})
     return get_strategy("fedavgm").server(RunContext(config, _arrays(GLOBAL), None, ModelHead((), 2)))
 
 

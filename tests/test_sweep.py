@@ -71,7 +71,7 @@ def test_hydra_overrides_become_the_validated_run_config(tmp_path):
     cfg = composed(
         [
             "strategy=fedprox",
-            "strategy.proximal_mu=0.1",
+            "strategy.fedprox_mu=0.1",
             "pan.mode=mul",
             "pan.t=4",
             "pan.a=0.05",
@@ -81,7 +81,7 @@ def test_hydra_overrides_become_the_validated_run_config(tmp_path):
         ]
     )
     config, sim = job_settings(cfg, cfg.hydra.runtime.choices, tmp_path)
-    assert (config.strategy, config.settings.proximal_mu, config.pan_mode, config.pan_t, config.pan_a) == (
+    assert (config.strategy, config.settings.fedprox_mu, config.pan_mode, config.pan_t, config.pan_a) == (
         "fedprox",
         0.1,
         "mul",
@@ -175,10 +175,15 @@ def test_every_job_of_a_sweep_is_validated_before_it_runs(sweep_override, key, v
 @pytest.mark.parametrize(
     ("arguments", "fragment"),
     [
-        (["strategy.proximal_mu=0.1"], "'proximal-mu' belongs to strategy ['fedprox'], not to strategy ['fedavg']"),
-        (["strategy=fedavg,fedprox", "strategy.proximal_mu=0.1"], "not to strategy ['fedavg']"),
+        (["strategy.fedprox_mu=0.1"], "'fedprox-mu' belongs to strategy ['fedprox'], not to strategy ['fedavg']"),
+        (["strategy=fedavg,fedprox", "strategy.fedprox_mu=0.1"], "not to strategy ['fedavg']"),
         (["model=vgg9", "model.psi_groups=2"], "not to model ['vgg9']"),
         (["strategy=fedprox", "strategy.nope=1"], "no strategy has a setting 'nope'"),
+        (
+            ["strategy=fedavgm", "strategy.server_lr=0.5"],
+            "'server-lr' was renamed; write strategy.fedavgm_server_lr (strategy=fedavgm), "
+            "strategy.scaffold_server_lr (strategy=scaffold)",
+        ),
     ],
 )
 def test_an_override_of_an_unselected_algorithms_key_names_its_owner(arguments, fragment):
@@ -188,14 +193,14 @@ def test_an_override_of_an_unselected_algorithms_key_names_its_owner(arguments, 
 def test_overrides_of_the_chosen_algorithm_and_model_pass():
     assert (
         unowned_override(
-            ["strategy=fedprox", "strategy.proximal_mu=0.1", "model=psi-vgg9", "model.psi_groups=2", "train.lr=0.1"]
+            ["strategy=fedprox", "strategy.fedprox_mu=0.1", "model=psi-vgg9", "model.psi_groups=2", "train.lr=0.1"]
         )
         is None
     )
 
 
 def test_an_unowned_override_exits_with_the_owner_and_no_traceback(tmp_path):
-    result = sweep(tmp_path, "strategy.proximal_mu=0.1")
+    result = sweep(tmp_path, "strategy.fedprox_mu=0.1")
     assert result.returncode == 2
     assert "set strategy=fedprox" in result.stderr and "Traceback" not in result.stderr
 

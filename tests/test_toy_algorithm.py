@@ -1,29 +1,44 @@
-"""Adding an algorithm touches one file: this one. It declares a toy algorithm with one setting, registers it with
-one line, and runs it through the run config `flwr run` passes, a Hydra override and an in-process simulation. The
-launcher, deploy and the sweep refuse it, naming its key, until `python -m fl_app.config --write` has added that key
-to pyproject.toml (`flwr run` refuses a key the table lacks, naming none)."""
+"""Adding an algorithm is one file: :data:`TOY`, a toy algorithm with one setting, registered by its last line.
 
-from dataclasses import dataclass
+Fast: loaded as the module ``strategies.halfway``, it runs through the run config `flwr run` passes, a Hydra
+override and an in-process simulation, and the launcher, deploy and the sweep refuse it, naming its key, until
+``pyproject.toml`` has that key. Slow: the file is dropped into ``strategies/`` of a copy of the project (the
+checkout stays as it is), ``python -m fl_app.config --write`` regenerates the copy's ``pyproject.toml``, README
+method table and ``docs/configuration.md``, and the copy's launcher, deploy and a sweep run it."""
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
-from flwr.app import Array, ArrayRecord
 from hydra import compose, initialize_config_dir
 
-from core.strategy import Reply, ServerStrategy, weighted_mean
-from fl_app import config as fl_config
-from fl_app.config import REGENERATE, ConfigError, default_run_config, parse_run_config, write_pyproject
+from fl_app.config import REGENERATE, ConfigError, default_run_config, parse_run_config, tables, write_pyproject
 from fl_app.inprocess import run_in_process
 from fl_app.runtime import deploy, launch
 from fl_app.runtime.launch import prepare_config
 from fl_app.sweeps import sweep
 from fl_app.sweeps.sweep import hydra_to_run_config, register_configs
+from strategies.registry import STRATEGIES
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "conf"
+
+TOY = '''"""Halfway: FedAvg that moves the global model only part of the way to the clients' mean."""
+
+from dataclasses import dataclass
+
+import numpy as np
+from flwr.app import Array, ArrayRecord
+
+from core.strategy import Reply, ServerStrategy, weighted_mean
 from plugins.options import option, unit_interval
 from strategies.base import LocalUpdate
 from strategies.registry import STRATEGIES, Algorithm
-
-CONF = Path(__file__).resolve().parents[1] / "conf"
 
 
 @dataclass(frozen=True)
@@ -43,17 +58,29 @@ class Halfway(ServerStrategy):
         )
 
 
+STRATEGIES.register(Algorithm("halfway", Halfway, LocalUpdate, "FedAvg, half a step", HalfwaySettings))
+'''
+"""``strategies/halfway.py``: the one file."""
+
+
 @pytest.fixture()
-def halfway():
-    """Registered for the test only, so the shipped registry (and pyproject.toml's keys) stay as they are."""
-    STRATEGIES.register(Algorithm("halfway", Halfway, LocalUpdate, "FedAvg, half a step", HalfwaySettings))
-    yield
+def halfway(tmp_path):
+    """:data:`TOY` imported as ``strategies.halfway`` for the test only, so the shipped registry (and
+    pyproject.toml's keys) stay as they are; returns the module."""
+    path = tmp_path / "halfway.py"
+    path.write_text(TOY)
+    spec = importlib.util.spec_from_file_location("strategies.halfway", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    yield module
     del STRATEGIES._entries["halfway"]
+    del sys.modules[spec.name]
 
 
 def test_the_flwr_run_config_takes_its_key(halfway):
     values = {**default_run_config(), "strategy": "halfway", "halfway-step": 0.25}
-    assert parse_run_config(values).settings == HalfwaySettings(0.25)
+    assert parse_run_config(values).settings == halfway.HalfwaySettings(0.25)
     with pytest.raises(ConfigError, match="'halfway-step' = 2.0 is not allowed: must lie in \\(0, 1\\]"):
         parse_run_config({"strategy": "halfway", "halfway-step": 2.0})
     with pytest.raises(ConfigError, match="belongs to strategy 'halfway'"):
@@ -65,7 +92,7 @@ def test_a_hydra_override_sets_it(halfway):
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose("config", overrides=["strategy=halfway", "strategy.halfway_step=0.75"], return_hydra_config=True)
     values = hydra_to_run_config(cfg, cfg.hydra.runtime.choices)
-    assert parse_run_config(values).settings == HalfwaySettings(0.75)
+    assert parse_run_config(values).settings == halfway.HalfwaySettings(0.75)
 
 
 def test_an_in_process_simulation_runs_it(tmp_path, halfway):
@@ -122,14 +149,90 @@ def test_every_entry_point_refuses_it_until_pyproject_has_its_key(
 
 def test_the_entry_points_take_it_once_pyproject_has_its_key(halfway, nothing_starts, tmp_path, monkeypatch):
     pyproject = tmp_path / "pyproject.toml"
-    pyproject.write_text(fl_config.PYPROJECT.read_text())
+    pyproject.write_text(tables.PYPROJECT.read_text())
     assert write_pyproject(pyproject)  # what `python -m fl_app.config --write` does to the real one
     assert "halfway-step = 0.5" in pyproject.read_text()
-    monkeypatch.setattr(fl_config, "PYPROJECT", pyproject)
+    monkeypatch.setattr(tables, "PYPROJECT", pyproject)
     config = prepare_config(
         {"strategy": "halfway", "halfway-step": 0.25, "dataset": "digits", "results-dir": str(tmp_path)}, 2
     )
-    assert config.settings == HalfwaySettings(0.25)  # the launcher's and deploy's validation
+    assert config.settings == halfway.HalfwaySettings(0.25)  # the launcher's and deploy's validation
     monkeypatch.setattr("sys.argv", SWEEP_ARGS)
     sweep.main()
     assert nothing_starts == ["sweep"]
+
+
+# --- the file dropped into a copy of the project (slow: a SuperLink, a deployment, a sweep) ---
+
+GENERATED = ("pyproject.toml", "README.md", "docs/configuration.md")
+OWN_RUN = 'strategy="halfway" halfway-step=0.5 dataset="digits" model="small-mlp" num-server-rounds=1'
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory) -> Path:
+    """A copy of the project with :data:`TOY` as ``strategies/halfway.py`` and its tables regenerated."""
+    before = {name: (ROOT / name).read_text() for name in GENERATED}
+    copy = tmp_path_factory.mktemp("project") / "alignfl"
+    caches = shutil.ignore_patterns(".git", ".venv", "__pycache__", "*_cache", "results", "outputs", "multirun")
+    shutil.copytree(ROOT, copy, ignore=caches)
+    (copy / "strategies" / "halfway.py").write_text(TOY)
+    written = _python(copy, "-m", "fl_app.config", "--write")
+    assert written.returncode == 0, written.stderr
+    assert all(f"{name} updated" in written.stdout for name in GENERATED), written.stdout
+    assert {name: (ROOT / name).read_text() for name in GENERATED} == before  # the checkout stays as it was
+    return copy
+
+
+def _python(project: Path, *arguments: str, home: Path | None = None) -> subprocess.CompletedProcess:
+    """``python ARGUMENTS`` in ``project``, importing that copy's packages (and Flower's processes with it)."""
+    env = {**os.environ, "PYTHONPATH": str(project), "FLWR_TELEMETRY_ENABLED": "0", "OMP_NUM_THREADS": "1"}
+    if home is not None:
+        env["HOME"] = str(home)  # the clients' state (~/.cache/alignfl) and Hydra's default folders
+    return subprocess.run(
+        [sys.executable, *arguments], cwd=project, env=env, capture_output=True, text=True, timeout=600
+    )
+
+
+def _summary(folder: Path) -> dict:
+    config = json.loads((folder / "config.json").read_text())
+    assert (config["strategy"], config["halfway-step"]) == ("halfway", 0.5)
+    return json.loads((folder / "summary.json").read_text())
+
+
+@pytest.mark.slow
+def test_regenerating_adds_its_key_and_row_everywhere(project):
+    assert "\nhalfway-step = 0.5\n" in (project / "pyproject.toml").read_text()
+    assert "| `halfway` | FedAvg, half a step | - |" in (project / "README.md").read_text()
+    page = (project / "docs" / "configuration.md").read_text()
+    assert "`strategy=halfway`:" in page and "| `halfway-step` | `0.5` |" in page and "`halfway`" in page
+    assert "halfway-step" not in (ROOT / "pyproject.toml").read_text()
+    assert _python(project, "-m", "fl_app.config", "--check").returncode == 0
+
+
+@pytest.mark.slow
+def test_the_launcher_runs_it(project, tmp_path):
+    results = f'results-dir="{tmp_path}" run-name="launch"'
+    run = _python(
+        project, "-m", "fl_app.launch", "--num-supernodes", "2", "--run-config", f"{OWN_RUN} {results}", home=tmp_path
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert _summary(tmp_path / "launch")["rounds"] == 1
+
+
+@pytest.mark.slow
+def test_a_deployment_runs_it(project, tmp_path):
+    results = f'results-dir="{tmp_path}" run-name="deploy"'
+    run = _python(
+        project, "-m", "fl_app.deploy", "--num-supernodes", "2", "--run-config", f"{OWN_RUN} {results}", home=tmp_path
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert _summary(tmp_path / "deploy")["rounds"] == 1
+
+
+@pytest.mark.slow
+def test_a_sweep_runs_it(project, tmp_path):
+    overrides = ["strategy=halfway", "strategy.halfway_step=0.5", "dataset=digits", "model=small-mlp"]
+    sim = ["train.num_server_rounds=1", "sim.num_supernodes=2", "sim.backend=inprocess", f"hydra.run.dir={tmp_path}"]
+    run = _python(project, "-m", "fl_app.sweep", *overrides, *sim, home=tmp_path)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert _summary(tmp_path / "run")["rounds"] == 1

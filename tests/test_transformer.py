@@ -116,7 +116,7 @@ def test_matched_transformer_on_majority_tokens_learns(tmp_path):
         "strategy": "matched",
         "model": "transformer-1",
         "dataset": "majority-tokens",
-        "match-cost": "l1",
+        "matched-cost": "l1",
         "num-server-rounds": 2,
         "results-dir": str(tmp_path),
         "device": "cpu",

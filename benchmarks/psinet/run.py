@@ -1,10 +1,11 @@
-"""FedAvg (VGG-9) versus grouped Ψ-Net averaging (psi-vgg9) in pathological N x C settings (issue 5).
+"""FedAvg (VGG-9) versus grouped Ψ-Net averaging (psi-vgg9) in pathological N x C settings.
 
-Seed 001 Table 1 / Figs. 5 and 7 at CPU scale. Four parts, each a grid of runs over seeds:
+Yu et al., "Fed2: Feature-Aligned Federated Learning", KDD 2021, Table 1 / Figs. 5 and 7 at CPU
+scale. Four parts, each a grid of runs over seeds:
 
 * ``settings``: FedAvg on plain ``vgg9`` and ``psinet`` on ``psi-vgg9`` in 10x3, 10x5
   and 10x10 (clients x classes per client, pathological split);
-* ``ablation`` (seed 001 Fig. 5, at 10x5): FedAvg on ``vgg9-bn`` and ``vgg9-gn``; the
+* ``ablation`` (Fed2's Fig. 5, at 10x5): FedAvg on ``vgg9-bn`` and ``vgg9-gn``; the
   paper's other two bars, FedAvg without a norm and Ψ-Net with GroupNorm, are the
   ``settings`` part's 10x5 runs;
 * ``scaling``: the same two methods with 20 and 50 clients x 5 classes (10x5 is in

@@ -3,7 +3,8 @@
 It lives in its own module because flwr-datasets takes seconds to import: only a process that
 uses this partitioner imports it (see :mod:`core.partitioning.partitioners`).
 
-:class:`FixedPairPartitioner` is SuPerFed's pathological split (seed 004, its authors'
+:class:`FixedPairPartitioner` is SuPerFed's pathological split (Hahn, Jeong and Lee,
+"Connecting Low-Loss Subspace for Personalized Federated Learning", KDD 2022; its authors'
 code: github.com/vaseline555/SuPerFed, ``src/utils.py``, ``split_data`` with
 ``split_type == 'pathological'``; shard sizes in ``commands/non-IID/pathological.sh``).
 What that code does: sort the whole training set by label, cut it into ``2K``

@@ -56,10 +56,35 @@ def partition_dataset(
     """Read-only index arrays into the train split, one per partition.
 
     A pure function of its arguments, cached per process: all partitions are computed in one go, so any
-    number of clients costs one partitioning. ``options`` are the partitioner's settings (field names of its
-    settings class; unset ones take their defaults). ``train-size`` > 0 partitions only that many training
-    samples, a seeded random subset (the FedMA study's 10,000-image MNIST subset); 0 uses all. Settings the
-    data cannot meet raise a ValueError naming the keys and what is allowed, before anything is split.
+    number of clients costs one partitioning.
+
+    Parameters
+    ----------
+    dataset : str
+        A registered data set.
+    data_root : str or None
+        Where torchvision-style data sets are read from (None: the default root).
+    partitioner : str
+        A registered partitioner.
+    num_partitions : int
+        Number of partitions (clients), >= 1.
+    seed : int
+        Seeds the partitioning, >= 0.
+    train_size : int, optional
+        > 0: partition only that many training samples, a seeded random subset (the FedMA study's
+        10,000-image MNIST subset); 0 (default) uses all.
+    **options
+        The partitioner's settings (field names of its settings class; unset ones take their defaults).
+
+    Returns
+    -------
+    tuple of numpy.ndarray
+        One read-only array of train-split indices per partition.
+
+    Raises
+    ------
+    ValueError
+        For settings the data cannot meet, naming the keys and what is allowed, before anything is split.
     """
     _, num_classes = dataset_info(dataset)
     settings = partitioner_settings(partitioner, options)

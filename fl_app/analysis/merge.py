@@ -18,8 +18,18 @@ accuracy of
   the merged model can be wider than the clients' (its width per layer is
   reported); the output layer is averaged per class with the clients' class
   counts, as FedMA does;
+* ``matched-ot``: every model carried onto the reference model by optimal
+  transport (:mod:`core.ot_fusion`: Singh & Jaggi, "Model Fusion via Optimal
+  Transport", NeurIPS 2020; exact or Sinkhorn, the ``--otfusion-*`` options are
+  the ``otfusion`` strategy's keys), then averaged the same way; it also fuses
+  models of different widths (``--widths``) into the reference's width;
 * ``ensemble``: the mean of the clients' softmax outputs (K forward passes, an
   upper reference rather than a single model).
+
+The reference is client ``--reference`` (0 by default). With ``--widths`` the
+clients train models of those width multipliers (cycled over the clients; the
+model must take ``width-factor``); models of different widths can only be fused
+by ``ot`` (and ensembled), so the plain and matched averages are left out.
 
 Seed paper 002 reports that one-shot matching beats one-shot averaging; the gap
 is largest for differently initialised models, whose units have no reason to
@@ -40,8 +50,9 @@ from torch import Tensor, nn
 
 from core.alignment import list_costs, matched_average, weighted_average
 from core.bbp import BBPSettings, bbp_matched_average
-from core.data import ImageDataset, list_datasets, load_dataset
-from core.model_io import build_run_model, load_arrays
+from core.data import ImageDataset, dataset_info, list_datasets, load_dataset
+from core.model_io import build_model_at, build_run_model, load_arrays
+from core.ot_fusion import OTSettings, ot_fuse
 from core.partitioning.partitions import partition_dataset
 from core.training import evaluate, iterate_batches, round_generator, select_device
 from fl_app.analysis.common import (
@@ -63,14 +74,15 @@ from strategies.base import LocalUpdate
 
 INITS = ("same", "different")
 BBP = "bbp"
-MERGE_COSTS = (*list_costs(), BBP)
+OT = "ot"
+MERGE_COSTS = (*list_costs(), BBP, OT)
 
 
 def train_clients(
-    config: RunConfig, num_clients: int, same_init: bool, device: torch.device
+    config: RunConfig, num_clients: int, same_init: bool, device: torch.device, widths: Sequence[float] = (1.0,)
 ) -> tuple[list[dict[str, Tensor]], list[int], ImageDataset, Tensor]:
-    """Train one model per partition; returns their state dicts (CPU), example counts, the dataset and the
-    clients' class counts (K x C)."""
+    """Train one model per partition (client ``k`` at width multiplier ``widths[k mod len]``); returns their
+    state dicts (CPU), example counts, the dataset and the clients' class counts (K x C)."""
     dataset = load_dataset(config.dataset, config.data_root or None)
     partitions = partition_dataset(
         config.dataset,
@@ -88,7 +100,8 @@ def train_clients(
                 "or a larger --dirichlet-alpha"
             )
         torch.manual_seed(config.seed if same_init else config.seed + 1 + client)
-        model = build_run_model(config, dataset).to(device)
+        width = widths[client % len(widths)]
+        model = build_model_at(config, dataset.input_shape, dataset.num_classes, width).to(device)
         rows = torch.from_numpy(indices.astype("int64"))
         LocalUpdate(config, context=None).train(
             model, dataset.train_x[rows], dataset.train_y[rows], round_generator(config.seed, 1, client), device
@@ -106,7 +119,7 @@ def ensemble_accuracy(
     """Accuracy of the mean of the models' softmax outputs."""
     probabilities = torch.zeros(len(y), model.classifier.out_features)
     for state in states:
-        model.load_state_dict(state)
+        load_arrays(model, ArrayRecord({k: v for k, v in state.items() if v.is_floating_point()}))
         model.eval()
         batches = [torch.softmax(model(xb.to(device)), dim=1).cpu() for xb, _ in iterate_batches(x, y, 1024)]
         probabilities += torch.cat(batches)
@@ -124,9 +137,12 @@ def merge_accuracies(
     device: torch.device,
     class_counts: Tensor | None = None,
     bbp: BBPSettings | None = None,
+    ot: OTSettings | None = None,
+    reference: int = 0,
 ) -> tuple[list[float], dict[str, float], dict[str, int]]:
     """Test accuracy of each state and of every merge (``average``, ``matched-<cost>``, ``ensemble``), and the
-    global width per layer of the BBP-MAP merge (empty without ``bbp`` among ``costs``)."""
+    global width per layer of the BBP-MAP merge (the reference's without ``bbp`` among ``costs``). States of
+    different widths are merged by ``ot`` only (and ensembled)."""
     if not isinstance(model, Permutable):
         raise AnalysisError(f"{type(model).__name__} has no permutation_spec(); matching needs one")
     spec = model.permutation_spec()
@@ -136,20 +152,27 @@ def merge_accuracies(
         return evaluate(model, x, y, device)[1]
 
     clients = [accuracy(state) for state in states]
-    merged = {"average": accuracy(weighted_average(states, weights))}
+    sizes = [spec.group_sizes(state) for state in states]
+    equal = all(size == sizes[reference] for size in sizes)
+    merged = {"average": accuracy(weighted_average(states, weights))} if equal else {}
     widths: dict[str, int] = {}
     for cost in costs:
-        if cost == BBP:
+        if cost == OT:
+            fused, _ = ot_fuse(states[reference], states, weights, spec, ot or OTSettings())
+            merged[f"matched-{cost}"] = accuracy(fused)
+        elif not equal:
+            continue
+        elif cost == BBP:
             result = bbp_matched_average(
                 states, weights, spec, bbp, class_counts=class_counts, head=head_of(model).keys
             )
             merged[f"matched-{cost}"], widths = accuracy(result.state), result.widths
         else:
-            merged[f"matched-{cost}"] = accuracy(matched_average(states[0], states, weights, spec, cost, iterations))
-    width = spec.group_sizes(states[0])
-    load_arrays(model, ArrayRecord({k: v for k, v in states[0].items() if v.is_floating_point()}))
+            merged[f"matched-{cost}"] = accuracy(
+                matched_average(states[reference], states, weights, spec, cost, iterations)
+            )
     merged["ensemble"] = ensemble_accuracy(model, states, x, y, device)
-    return clients, merged, widths or width
+    return clients, merged, widths or sizes[reference]
 
 
 # --- command line -------------------------------------------------------------------
@@ -175,7 +198,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--costs",
         nargs="+",
         default=list(MERGE_COSTS),
-        help=f"matchings to compare (default: {list(MERGE_COSTS)}; bbp is FedMA's BBP-MAP)",
+        help=f"matchings to compare (default: {list(MERGE_COSTS)}; bbp is FedMA's BBP-MAP, ot is OT fusion)",
+    )
+    parser.add_argument("--reference", type=int, default=0, help="the client others are aligned onto (default: 0)")
+    parser.add_argument(
+        "--widths",
+        default="1",
+        help="clients' width multipliers of the model's width-factor, comma-separated, cycled (default: 1)",
     )
     parser.add_argument(
         "--match-iterations",
@@ -184,6 +213,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="alignment passes: onto client 0, then onto the matched mean (default: 1)",
     )
     add_settings_arguments(parser, BBPSettings, "bbp-")
+    add_settings_arguments(parser, OTSettings, "otfusion-")
     parser.add_argument("--pan-mode", default="off", help="PAN mode of every model (default: off)")
     parser.add_argument("--pan-t", type=float, default=1.0, help="PAN period T (default: 1)")
     parser.add_argument("--pan-a", type=float, default=0.0, help="PAN amplitude A (default: 0)")
@@ -216,22 +246,52 @@ def _run_config(args: argparse.Namespace) -> RunConfig:
         raise AnalysisError(str(error).replace("run-config key '", "option '--")) from error
 
 
+def _widths(text: str) -> tuple[float, ...]:
+    try:
+        widths = tuple(float(item) for item in text.split(","))
+    except ValueError:
+        widths = ()
+    if not widths or not all(w > 0 and w != float("inf") for w in widths):
+        raise AnalysisError(f"--widths must be comma-separated numbers > 0, got {text!r}")
+    return widths
+
+
 def run(args: argparse.Namespace, out: Path) -> list[Path]:
     if check_positive_int("--clients", args.clients) < 2:
         raise AnalysisError(f"--clients must be at least 2 (there is nothing to merge), got {args.clients}")
     check_choice("--init", args.init, INITS)
     check_positive_int("--match-iterations", args.match_iterations)
+    if not (isinstance(args.reference, int) and 0 <= args.reference < args.clients):
+        raise AnalysisError(f"--reference must be a client index in [0, {args.clients}), got {args.reference}")
+    widths = _widths(args.widths)
     for cost in args.costs:
         check_choice("--costs", cost, MERGE_COSTS)
     pan_settings(args.pan_mode, args.pan_t, args.pan_a)
     config = _run_config(args)
     bbp = settings_from_arguments(args, BBPSettings, "bbp-")
+    ot = settings_from_arguments(args, OTSettings, "otfusion-")
+    try:
+        for width in set(widths):
+            build_model_at(config, *dataset_info(config.dataset), width)
+    except (ConfigError, ValueError) as error:
+        raise AnalysisError(f"--widths {args.widths!r}: {error}") from None
 
     device = select_device(config.device)
-    states, counts, dataset, classes = train_clients(config, args.clients, args.init == "same", device)
+    states, counts, dataset, classes = train_clients(config, args.clients, args.init == "same", device, widths)
     model = build_run_model(config, dataset).to(device)
-    clients, merged, widths = merge_accuracies(
-        model, states, counts, dataset.test_x, dataset.test_y, args.costs, args.match_iterations, device, classes, bbp
+    clients, merged, widths_out = merge_accuracies(
+        model,
+        states,
+        counts,
+        dataset.test_x,
+        dataset.test_y,
+        args.costs,
+        args.match_iterations,
+        device,
+        classes,
+        bbp,
+        ot,
+        args.reference,
     )
 
     print(f"{'model':<18} {'examples':>8} {'accuracy':>9}")
@@ -241,7 +301,8 @@ def run(args: argparse.Namespace, out: Path) -> list[Path]:
         print(f"{name:<18} {sum(counts):>8} {acc:>9.4f}")
     if BBP in args.costs:
         print(
-            f"global width per layer of matched-bbp: {widths} (clients: {model.permutation_spec().group_sizes(states[0])})"
+            f"global width per layer of matched-bbp: {widths_out} "
+            f"(clients: {model.permutation_spec().group_sizes(states[0])})"
         )
     payload: dict[str, Any] = {
         "tool": "merge",
@@ -255,12 +316,14 @@ def run(args: argparse.Namespace, out: Path) -> list[Path]:
         "match-iterations": args.match_iterations,
         "pan": config.pan_signature(),
         "seed": args.seed,
-        "reference": "client 0",
+        "reference": f"client {args.reference}",
+        "widths": list(widths),
         "examples": counts,
         "client-accuracy": clients,
         "merged-accuracy": merged,
-        "bbp-global-width": widths if BBP in args.costs else None,
+        "bbp-global-width": widths_out if BBP in args.costs else None,
         "bbp": dataclasses.asdict(bbp),
+        "otfusion": dataclasses.asdict(ot),
     }
     json_path = write_json(out / "merge.json", payload)
 
@@ -285,7 +348,7 @@ def run(args: argparse.Namespace, out: Path) -> list[Path]:
 
 COMMAND = Subcommand(
     name="merge",
-    summary="train K models on non-IID splits; compare plain average, matched average and ensemble",
+    summary="train K models on non-IID splits; compare plain average, matched average, OT fusion and ensemble",
     description=__doc__,
     add_arguments=add_arguments,
     run=run,

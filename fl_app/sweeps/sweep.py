@@ -7,7 +7,7 @@ The Hydra configs are generated from the settings classes (:func:`register_confi
 common sections of :mod:`core.config`, every registered algorithm under ``strategy/`` and
 every model under ``model/``), so their defaults are the schema's. Paths map onto run-config
 keys mechanically (:func:`core.config.key_of_path`: ``data.root`` is ``data-root``,
-``strategy.proximal_mu`` is ``proximal-mu``), and the result is validated by
+``strategy.fedprox_mu`` is ``fedprox-mu``), and the result is validated by
 :func:`fl_app.config.parse_run_config`, the schema ``flwr run`` uses. An override of a key
 that only an unselected algorithm or model has is refused before Hydra starts, naming its
 owner. A single run is checked before Hydra makes its folder, and a multirun checks every
@@ -54,6 +54,7 @@ from fl_app.config import (
     owned_settings,
     parse_run_config,
     pyproject_problem,
+    renamed_keys,
     results_root,
     validate_run,
 )
@@ -466,11 +467,14 @@ def unowned_override(arguments: list[str]) -> str | None:
             choices[match["group"]] = match["value"].split(",")
         else:
             leaves.append((match["group"], match["leaf"]))
-    owned = owned_settings()
+    owned, renamed = owned_settings(), renamed_keys()
     for group, leaf in leaves:
         key = leaf.replace("_", "-")
         owners = list(owned[key].owners) if key in owned else []
         strays = [choice for choice in choices[group] if choice not in owners]
+        if not owners and key in renamed:
+            now = ", ".join(f"{group}.{new.replace('-', '_')} ({group}={name})" for name, new in renamed[key].items())
+            return f"override {group}.{leaf}: '{key}' was renamed; write {now}"
         if not owners:
             return f"override {group}.{leaf}: no {group} has a setting '{key}'"
         if strays:
