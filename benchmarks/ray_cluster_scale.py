@@ -24,7 +24,8 @@ from benchutil import append_jsonl, machine, round_seconds, run_metrics, write_r
 
 from fl_app.config import parse_run_config
 from fl_app.runtime.local_ray import local_ray_cluster
-from fl_app.sweeps.sweep import SimSettings, simulate
+from fl_app.sweeps.sim import SimSettings
+from fl_app.sweeps.sweep import simulate
 
 EXPERIMENT = {
     "strategy": "fedavg",

@@ -95,10 +95,12 @@ def resize_to(model: nn.Module, state: Mapping[str, torch.Tensor], spec: Permuta
                 setattr(module, attribute, fresh.shape[axis] * (getattr(module, "groups", 1) if axis == 1 else 1))
 
 
-def load_arrays(model: nn.Module, arrays: ArrayRecord) -> None:
+def load_arrays(model: nn.Module, arrays: ArrayRecord, state: Mapping[str, torch.Tensor] | None = None) -> None:
     """Load received arrays into ``model``, refusing a record that does not fit it; a model with a permutation
-    description first takes the widths of the arrays (a global model that FedMA's matching grew)."""
-    state = arrays.to_torch_state_dict()  # deserialised once: every message and server evaluation pays it
+    description first takes the widths of the arrays (a global model that FedMA's matching grew). ``state``: the
+    arrays already deserialised (they are otherwise, once: every message and server evaluation pays it)."""
+    if state is None:
+        state = arrays.to_torch_state_dict()
     if hasattr(model, "permutation_spec"):
         resize_to(model, state, model.permutation_spec())
     expected = federated_state(model)

@@ -37,12 +37,18 @@ def round_generator(seed: int, server_round: int, partition_id: int) -> torch.Ge
     return torch.Generator().manual_seed(seed * 1_000_003 + server_round * 10_007 + partition_id)
 
 
+def batch_order(count: int, batch_size: int, generator: torch.Generator | None = None) -> tuple[torch.Tensor, ...]:
+    """The example indices of one epoch's mini-batches: a permutation drawn from ``generator`` (in order when
+    None), split into batches of ``batch_size`` (the last one may be smaller)."""
+    order = torch.randperm(count, generator=generator) if generator is not None else torch.arange(count)
+    return order.split(batch_size)
+
+
 def iterate_batches(
     x: torch.Tensor, y: torch.Tensor, batch_size: int, generator: torch.Generator | None = None
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Mini-batches of in-memory tensors, shuffled when a generator is given (no DataLoader overhead)."""
-    order = torch.randperm(len(y), generator=generator) if generator is not None else torch.arange(len(y))
-    for batch in order.split(batch_size):
+    for batch in batch_order(len(y), batch_size, generator):
         # index_select copies whole rows; x[batch] takes torch's general indexing path, several times slower
         yield x.index_select(0, batch.to(x.device)), y.index_select(0, batch.to(y.device))
 

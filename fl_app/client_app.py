@@ -7,13 +7,13 @@ same schema as the server's.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
 import torch
-from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from torch import nn
 
@@ -29,6 +29,7 @@ from fl_app.config import parse_run_config
 from fl_app.node_state import begin_message, end_train
 from fl_app.results import RAY_NODE_RECORD, ray_placement, where_this_runs
 from strategies import get_strategy
+from strategies.base import LocalUpdate
 
 
 @dataclass(frozen=True)
@@ -118,8 +119,21 @@ def _model(config: RunConfig) -> tuple[nn.Module, torch.device]:
     return build_run_model(config, dataset).to(device), device
 
 
+@dataclass(frozen=True)
+class Sources:
+    """Where a message's handling gets the client's data (config, partition id, number of partitions → its
+    :class:`ClientData`) and the received arrays' tensors: Flower's ClientApp slices and deserialises per message,
+    a worker that runs many messages may keep them."""
+
+    data: Callable[[RunConfig, int, int], ClientData] = client_data
+    arrays: Callable[[ArrayRecord], dict[str, torch.Tensor]] = ArrayRecord.to_torch_state_dict
+
+
+PER_MESSAGE = Sources()
+
+
 def _receive(
-    message: Message, context: Context, overrides: Mapping[str, Any]
+    message: Message, context: Context, overrides: Mapping[str, Any], sources: Sources = PER_MESSAGE
 ) -> tuple[RunConfig, int, ClientData, nn.Module, torch.device]:
     """Parse the config, locate the partition, set up the client's state (restored in a resumed run) and load
     the received global model."""
@@ -129,11 +143,93 @@ def _receive(
     begin_message(context, config, partition_id, int(message.content["config"]["server-round"]))
     try:
         model, device = _model(config)
-        data = client_data(config, partition_id, num_partitions)
+        data = sources.data(config, partition_id, num_partitions)
     except DatasetMissingError as error:  # on a cluster, which node lacks it
         raise DatasetMissingError(f"this node{where_this_runs()} lacks the data set: {error}") from None
-    load_arrays(model, message.content["arrays"])
+    arrays = message.content["arrays"]
+    load_arrays(model, arrays, sources.arrays(arrays))
     return config, partition_id, data, model, device
+
+
+@dataclass
+class TrainJob:
+    """A training message received and its client set up, up to its local update's first step: the model holds
+    the received global model, the generator is the client's round stream (its first draw seeded torch)."""
+
+    message: Message
+    context: Context
+    config: RunConfig
+    partition_id: int
+    data: ClientData
+    model: nn.Module
+    device: torch.device
+    generator: torch.Generator
+    update: LocalUpdate
+
+
+def begin_train(
+    message: Message, context: Context, overrides: Mapping[str, Any], sources: Sources = PER_MESSAGE
+) -> TrainJob:
+    """Everything a training message does before its local update trains."""
+    config, partition_id, data, model, device = _receive(message, context, overrides, sources)
+    if is_holdout(partition_id, int(context.node_config["num-partitions"]), config.holdout_clients):
+        raise ValueError(
+            f"partition {partition_id} is held out (holdout-clients={config.holdout_clients}) "
+            "and must not train; run the server with the same holdout-clients"
+        )
+    generator = round_generator(config.seed, int(message.content["config"]["server-round"]), partition_id)
+    torch.manual_seed(int(torch.randint(0, 2**62, (1,), generator=generator)))
+    update = get_strategy(config.strategy).client(config, context, message.content)
+    return TrainJob(message, context, config, partition_id, data, model, device, generator, update)
+
+
+def finish_train(job: TrainJob, metrics: Mapping[str, Any]) -> Message:
+    """The reply to a training message whose local update has trained ``job.model``; saves the client's state."""
+    reply = RecordDict(
+        {
+            MODEL_RECORD: job.update.model_record(job.model),
+            **job.update.reply_records(),
+            "metrics": MetricRecord({**metrics, NUM_EXAMPLES: len(job.data.train_y), "partition-id": job.partition_id}),
+        }
+    )
+    placement = ray_placement()
+    if placement is not None:  # the Ray node this client ran on, for the round's metrics
+        reply[RAY_NODE_RECORD] = ConfigRecord(placement)
+    end_train(job.context, job.config, job.partition_id, int(job.message.content["config"]["server-round"]))
+    return Message(content=reply, reply_to=job.message)
+
+
+def train_message(
+    message: Message, context: Context, overrides: Mapping[str, Any], sources: Sources = PER_MESSAGE
+) -> Message:
+    """A training message's reply: the local update of the received model."""
+    job = begin_train(message, context, overrides, sources)
+    metrics = job.update.train(job.model, job.data.train_x, job.data.train_y, job.generator, job.device)
+    return finish_train(job, metrics)
+
+
+def evaluate_message(
+    message: Message, context: Context, overrides: Mapping[str, Any], sources: Sources = PER_MESSAGE
+) -> Message:
+    """An evaluate message's reply: the client's scores of the received model on its local test split."""
+    config, partition_id, data, model, device = _receive(message, context, overrides, sources)
+    new_client = is_holdout(partition_id, int(context.node_config["num-partitions"]), config.holdout_clients)
+    update = get_strategy(config.strategy).client(config, context, message.content)
+    # Every reply has the same keys (Flower aggregates only those); a new client's ``local-*`` scores
+    # are the global model's, which is all the server reads from it (its personal scores, if any, are of
+    # a model that never trained).
+    scores = update.evaluate(model, data.train_x, data.train_y, data.test_x, data.test_y, device)
+    metrics = MetricRecord(
+        {**scores, NUM_EXAMPLES: len(data.test_y), "partition-id": partition_id, NEW_CLIENT: int(new_client)}
+    )
+    return Message(content=RecordDict({"metrics": metrics}), reply_to=message)
+
+
+def query_message(message: Message, context: Context) -> Message:
+    """Tell the server this node's partition, so seeded runs sample the same clients."""
+    partition_id, num_partitions = node_partition(context)
+    metrics = MetricRecord({"partition-id": partition_id, "num-partitions": num_partitions})
+    return Message(content=RecordDict({"metrics": metrics}), reply_to=message)
 
 
 def build_client_app(overrides: Mapping[str, Any] | None = None) -> ClientApp:
@@ -143,50 +239,15 @@ def build_client_app(overrides: Mapping[str, Any] | None = None) -> ClientApp:
 
     @app.train()
     def train(message: Message, context: Context) -> Message:
-        config, partition_id, data, model, device = _receive(message, context, overrides)
-        if is_holdout(partition_id, int(context.node_config["num-partitions"]), config.holdout_clients):
-            raise ValueError(
-                f"partition {partition_id} is held out (holdout-clients={config.holdout_clients}) "
-                "and must not train; run the server with the same holdout-clients"
-            )
-        server_round = int(message.content["config"]["server-round"])
-        generator = round_generator(config.seed, server_round, partition_id)
-        torch.manual_seed(int(torch.randint(0, 2**62, (1,), generator=generator)))
-        update = get_strategy(config.strategy).client(config, context, message.content)
-        metrics = update.train(model, data.train_x, data.train_y, generator, device)
-        reply = RecordDict(
-            {
-                MODEL_RECORD: update.model_record(model),
-                **update.reply_records(),
-                "metrics": MetricRecord({**metrics, NUM_EXAMPLES: len(data.train_y), "partition-id": partition_id}),
-            }
-        )
-        placement = ray_placement()
-        if placement is not None:  # the Ray node this client ran on, for the round's metrics
-            reply[RAY_NODE_RECORD] = ConfigRecord(placement)
-        end_train(context, config, partition_id, server_round)
-        return Message(content=reply, reply_to=message)
+        return train_message(message, context, overrides)
 
     @app.evaluate()
     def evaluate_local(message: Message, context: Context) -> Message:
-        config, partition_id, data, model, device = _receive(message, context, overrides)
-        new_client = is_holdout(partition_id, int(context.node_config["num-partitions"]), config.holdout_clients)
-        update = get_strategy(config.strategy).client(config, context, message.content)
-        # Every reply has the same keys (Flower aggregates only those); a new client's ``local-*`` scores
-        # are the global model's, which is all the server reads from it (its personal scores, if any, are of
-        # a model that never trained).
-        scores = update.evaluate(model, data.train_x, data.train_y, data.test_x, data.test_y, device)
-        metrics = MetricRecord(
-            {**scores, NUM_EXAMPLES: len(data.test_y), "partition-id": partition_id, NEW_CLIENT: int(new_client)}
-        )
-        return Message(content=RecordDict({"metrics": metrics}), reply_to=message)
+        return evaluate_message(message, context, overrides)
 
     @app.query()
     def identify(message: Message, context: Context) -> Message:
-        """Tell the server this node's partition, so seeded runs sample the same clients."""
-        partition_id, num_partitions = node_partition(context)
-        metrics = MetricRecord({"partition-id": partition_id, "num-partitions": num_partitions})
-        return Message(content=RecordDict({"metrics": metrics}), reply_to=message)
+        return query_message(message, context)
 
     return app
 

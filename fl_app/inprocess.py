@@ -40,6 +40,11 @@ def set_task_identity() -> None:
             setattr(identity, name, 1)
 
 
+def give_message_id(message: Message) -> None:
+    """Give a message the fresh id Flower's grids give it when they push it."""
+    message.metadata.__dict__["_message_id"] = uuid.uuid4().hex
+
+
 class InProcessGrid:
     """A Grid whose ``num_nodes`` nodes call ``app`` in this process (replies come back in sending order)."""
 
@@ -65,7 +70,7 @@ class InProcessGrid:
 
     def deliver(self, message: Message) -> Message | None:
         """One message to its node; a ClientApp that raises gives an error reply, as Flower's runtimes do."""
-        message.metadata.__dict__["_message_id"] = uuid.uuid4().hex  # what Flower's grids do on push
+        give_message_id(message)
         context = self.contexts[message.metadata.dst_node_id]
         try:
             return self.app(copy.deepcopy(message), context)

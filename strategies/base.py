@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from flwr.app import ArrayRecord, Context, RecordDict
@@ -14,6 +14,9 @@ from core.calibration import classification_scores
 from core.config import RunConfig
 from core.model_io import to_arrays
 from core.training import PlainSGD, iterate_batches
+
+SEQUENTIAL_HOOKS = ("train", "loss", "after_backward", "optimizer", "sgd")
+"""Hooks of the sequential update that a stacked update (:mod:`core.vectorised`) does not call."""
 
 
 class LocalUpdate:
@@ -27,6 +30,18 @@ class LocalUpdate:
     (:meth:`reply_records`) or only part of the model (:meth:`model_record`), or to
     keep state across rounds in ``context.state``.
     """
+
+    not_vectorised: ClassVar[str | None] = None
+    """Why this update cannot train many clients at once (:mod:`core.vectorised`), or None when it can: its
+    steps are then cross-entropy plus :meth:`penalty`, the gradient plus :meth:`gradient_correction`, and
+    SGD over every parameter. A subclass that overrides a hook the stacked update does not call
+    (:data:`SEQUENTIAL_HOOKS`) and does not set this itself is marked as not vectorised."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        overridden = [hook for hook in SEQUENTIAL_HOOKS if hook in cls.__dict__]
+        if overridden and "not_vectorised" not in cls.__dict__:
+            cls.not_vectorised = f"{cls.__name__} overrides {', '.join(overridden)}, which a stacked update never calls"
 
     def __init__(self, config: RunConfig, context: Context | None, received: RecordDict | None = None) -> None:
         self.config = config
@@ -42,8 +57,26 @@ class LocalUpdate:
         """The objective of one mini-batch."""
         return nn.functional.cross_entropy(model(x), y)
 
+    def penalty(self, params: list[torch.Tensor], start: list[torch.Tensor]) -> torch.Tensor | None:
+        """A loss term of the parameters alone (``start``: the parameters after :meth:`begin`), or None; the
+        stacked update calls it under ``vmap`` with one client's tensors."""
+        return None
+
+    def gradient_correction(self) -> dict[str, torch.Tensor] | None:
+        """Parameter name → a tensor added to every step's gradient (set by :meth:`begin`), or None."""
+        return None
+
     def after_backward(self, model: nn.Module) -> None:
-        """Called once per step, after the backward pass and before the optimizer step."""
+        """Called once per step, after the backward pass and before the optimizer step: adds
+        :meth:`gradient_correction` (a parameter without a gradient gets the correction as its gradient)."""
+        correction = self.gradient_correction()
+        if correction is None:
+            return
+        for name, p in model.named_parameters():
+            if p.grad is None:
+                p.grad = correction[name].clone()
+            else:
+                p.grad.add_(correction[name])
 
     def learning_rate(self) -> float:
         """This round's client learning rate: lr · lr-decay^(r − 1) (SuPerFed's per-round decay), times
@@ -82,7 +115,7 @@ class LocalUpdate:
         self.begin(model)
         optimizer = self.optimizer(model)
         model.train()
-        total, steps = 0.0, 0
+        total, self.steps = 0.0, 0
         for _ in range(self.config.local_epochs):
             for xb, yb in iterate_batches(x, y, self.config.batch_size, generator):
                 xb, yb = xb.to(device, non_blocking=True), yb.to(device, non_blocking=True)
@@ -91,8 +124,13 @@ class LocalUpdate:
                 loss.backward()
                 self.after_backward(model)
                 optimizer.step()
-                total, steps = total + loss.item(), steps + 1
-        return {"train-loss": total / steps if steps else math.nan}
+                total, self.steps = total + loss.item(), self.steps + 1
+        return self.end(model, total)
+
+    def end(self, model: nn.Module, total_loss: float) -> dict[str, float]:
+        """Called after the last step (``model`` holds the trained state, :attr:`steps` the number of steps
+        taken): the training metrics, from the sum of the steps' losses (in step order)."""
+        return {"train-loss": total_loss / self.steps if self.steps else math.nan}
 
     @torch.no_grad()
     def evaluate(

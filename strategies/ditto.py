@@ -62,6 +62,8 @@ def stored_personal(context: Any, model: nn.Module) -> nn.Module | None:
 class DittoUpdate(LocalUpdate):
     """FedAvg's local update of the global model, then the personal model's proximal update."""
 
+    not_vectorised = "it trains two models one after the other (the global one, then the personal one)"
+
     def train(
         self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, generator: torch.Generator, device: torch.device
     ) -> dict[str, float]:

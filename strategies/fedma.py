@@ -382,6 +382,8 @@ class FedMA(ServerStrategy):
 class FedMAUpdate(LocalUpdate):
     """Train the entries not yet matched in this cycle; report class counts for the output layer's average."""
 
+    not_vectorised = "each stage freezes other entries, and matching gives every client other widths"
+
     def train(
         self,
         model: nn.Module,

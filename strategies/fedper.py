@@ -41,7 +41,12 @@ def load_head(model: nn.Module, head: dict[str, torch.Tensor]) -> None:
 
 
 class FedPerUpdate(LocalUpdate):
-    """Local SGD on the received body under this client's personal head."""
+    """Local SGD on the received body under this client's personal head.
+
+    It vectorises: the personal head is loaded before the first step (:meth:`begin`) and put away after the
+    last (:meth:`end`)."""
+
+    not_vectorised = None
 
     def begin(self, model: nn.Module) -> None:
         self.received_head = head_state(model)
@@ -49,10 +54,8 @@ class FedPerUpdate(LocalUpdate):
         if stored is not None:
             load_head(model, stored.to_torch_state_dict())
 
-    def train(
-        self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, generator: torch.Generator, device: torch.device
-    ) -> dict[str, float]:
-        metrics = super().train(model, x, y, generator, device)
+    def end(self, model: nn.Module, total_loss: float) -> dict[str, float]:
+        metrics = super().end(model, total_loss)
         self.context.state[PERSONAL_HEAD] = ArrayRecord(head_state(model))
         load_head(model, self.received_head)  # the reply carries the body and the unchanged global head
         return metrics

@@ -89,6 +89,8 @@ def hidden_layers(model: nn.Module) -> list[nn.Module]:
 class HeteroFLUpdate(LocalUpdate):
     """FedAvg's local SGD with the scaler on the hidden layers (rate from the training message's config)."""
 
+    not_vectorised = "clients train sub-models of different widths, each with its own scaler"
+
     def train(self, model: nn.Module, *args: Any, **kwargs: Any) -> dict[str, float]:
         config = self.received.get("config", {})
         rate = float(config.get(WIDTH_RATE, 1.0))

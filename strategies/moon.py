@@ -71,6 +71,8 @@ def _frozen(model: nn.Module) -> nn.Module:
 class MoonUpdate(LocalUpdate):
     """Local SGD on cross-entropy + μ·ℓ_con; keeps the trained model for the next round's negative."""
 
+    not_vectorised = "its contrastive term runs the global and the client's previous model (three forward passes)"
+
     def begin(self, model: nn.Module) -> None:
         self.global_model = _frozen(model)
         self.previous_model: nn.Module | None = None

@@ -53,6 +53,8 @@ HELD_KEY = "held"
 class PsiNetUpdate(LocalUpdate):
     """Local SGD on the shared layers and the held groups only (see the module notes)."""
 
+    not_vectorised = "each client trains its own subset of groups and sends only those"
+
     held: tuple[int, ...] = ()
 
     def train(

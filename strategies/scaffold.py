@@ -137,7 +137,12 @@ class Scaffold(ServerStrategy):
 
 
 class ScaffoldUpdate(LocalUpdate):
-    """Local SGD with every gradient corrected by (c − c_i); then c_i⁺ from the trajectory (option II)."""
+    """Local SGD with every gradient corrected by (c − c_i); then c_i⁺ from the trajectory (option II).
+
+    It vectorises: the correction is constant over a client's round (:meth:`gradient_correction`) and c_i⁺
+    is computed from the trained model and the number of steps (:meth:`end`)."""
+
+    not_vectorised = None
 
     def begin(self, model: nn.Module) -> None:
         if CONTROL not in self.received.array_records:
@@ -158,28 +163,15 @@ class ScaffoldUpdate(LocalUpdate):
             name: local[name].to(p.device) if name in local else torch.zeros_like(p) for name, p in params.items()
         }
         self.correction = {name: self.server_control[name] - self.local_control[name] for name in params}
-        self.steps = 0
         self.control_update = ArrayRecord()
 
-    def after_backward(self, model: nn.Module) -> None:
+    def gradient_correction(self) -> dict[str, torch.Tensor]:
         """g ← g + c − c_i, before momentum and weight decay."""
-        for name, p in model.named_parameters():
-            if p.grad is None:
-                p.grad = self.correction[name].clone()
-            else:
-                p.grad.add_(self.correction[name])
-        self.steps += 1
+        return self.correction
 
-    def train(
-        self,
-        model: nn.Module,
-        x: torch.Tensor,
-        y: torch.Tensor,
-        generator: torch.Generator,
-        device: torch.device,
-    ) -> dict[str, float]:
-        """Train, then c_i⁺ = c_i − c + (x − y_i)/(η·momentum_step_sum(K, β)), kept in ``context.state``."""
-        metrics = super().train(model, x, y, generator, device)
+    def end(self, model: nn.Module, total_loss: float) -> dict[str, float]:
+        """After training: c_i⁺ = c_i − c + (x − y_i)/(η·momentum_step_sum(K, β)), kept in ``context.state``."""
+        metrics = super().end(model, total_loss)
         scale = 1.0 / (self.learning_rate() * momentum_step_sum(self.steps, self.config.momentum))
         with torch.no_grad():
             updated = {

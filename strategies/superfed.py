@@ -181,6 +181,8 @@ def validation_split(n: int, fraction: float, seed: int, partition_id: int) -> t
 class SuPerFedUpdate(LocalUpdate):
     """One round of SuPerFed local training; personalised evaluation over the λ grid."""
 
+    not_vectorised = "every step mixes two models with a λ drawn at random, per client"
+
     def _partition_id(self) -> int:
         return int(self.context.node_config["partition-id"])
 

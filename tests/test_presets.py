@@ -17,6 +17,7 @@ from omegaconf import OmegaConf
 from core.data import DatasetMissingError
 from fl_app.config import parse_run_config
 from fl_app.sweeps import sweep
+from fl_app.sweeps.sim import SimSettings
 from fl_app.sweeps.sweep import hydra_to_run_config, job_settings, register_configs, sweep_job_overrides, validate_sweep
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -108,7 +109,7 @@ def test_a_preset_whose_data_are_missing_refuses_before_any_job(name, tmp_path, 
         "job_settings",
         lambda cfg, choices, folder: (
             parse_run_config({**hydra_to_run_config(cfg, choices), "results-dir": str(folder)}),
-            sweep.SimSettings.from_config(OmegaConf.to_container(cfg.sim, resolve=True)),
+            SimSettings.from_config(OmegaConf.to_container(cfg.sim, resolve=True)),
         ),
     )
     with composed([f"+experiment={name}", f"hydra.sweep.dir={tmp_path / 'sweep'}", f"data.root={tmp_path}"]) as cfg:

@@ -24,7 +24,8 @@ from fl_app.runtime import launch
 from fl_app.runtime.common import free_port
 from fl_app.runtime.local_ray import local_ray_cluster
 from fl_app.runtime.ray_cluster import RayNode, check_client_fits, check_ray_address
-from fl_app.sweeps.sweep import SimSettings, register_configs, run_job
+from fl_app.sweeps.sim import SimSettings
+from fl_app.sweeps.sweep import register_configs, run_job
 from tests.test_data import write_mnist_raw
 from tests.test_sweep import composed, sweep
 

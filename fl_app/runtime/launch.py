@@ -117,7 +117,23 @@ def main(argv: list[str] | None = None) -> int:
         help="run the clients on this running Ray cluster (HOST:PORT of its head, or auto; default "
         "$RAY_ADDRESS): its nodes' resources, not this machine's, decide where clients run",
     )
+    parser.add_argument(
+        "--backend",
+        choices=("flwr", "batched"),
+        default="flwr",
+        help="flwr: `flwr run` on a private SuperLink (default); batched: the batched engine in this process, a "
+        "round's messages at once to long-lived workers (Ray actors with --workers, --ray-address or --num-gpus)",
+    )
+    parser.add_argument(
+        "--vectorise",
+        choices=("auto", "off"),
+        default="auto",
+        help="batched: train a round's clients as one stacked update where the algorithm allows it (auto)",
+    )
+    parser.add_argument("--workers", type=int, default=None, help="batched: this many Ray actors as workers")
     args = parser.parse_args(argv)
+    if args.backend != "batched" and args.workers is not None:
+        parser.error("--workers needs --backend batched")
     config = None
     try:
         with stop_signals():
@@ -132,7 +148,10 @@ def main(argv: list[str] | None = None) -> int:
             except (ValueError, DatasetMissingError) as error:  # ConfigError is a ValueError
                 print(f"[alignfl] refused before starting: {error}", file=sys.stderr)
                 return 2
-            status, details = run_on_local_superlink(config, args)
+            if args.backend == "batched":
+                status, details = run_batched_here(config, args)
+            else:
+                status, details = run_on_local_superlink(config, args)
     except Stopped as stop:
         print(
             f"[alignfl] stopped by {stop}: every process the launcher started has been stopped.{resume_hint(config)}",
@@ -186,6 +205,22 @@ def simulate_on_local_superlink(
             return submit_and_follow(run_config, env, ["--federation-config", overrides], watch)
     finally:
         shutil.rmtree(flwr_home, ignore_errors=True)
+
+
+def run_batched_here(config: RunConfig, args: argparse.Namespace) -> tuple[str, str]:
+    """Run the experiment on the batched engine in this process (Ray actors as workers when asked for, or where
+    GPUs are shared); the run's final status as ``flwr ls`` would give it."""
+    from fl_app.engines.batched import ray_options, run_batched  # torch loads only here
+    from fl_app.engines.grid import RayOptions
+
+    options = ray_options(args.workers, args.ray_address, args.num_cpus, args.num_gpus)
+    if options is None and args.num_gpus > 0:  # fractional GPUs are Ray's to hand out: as many workers as fit
+        options = RayOptions(worker_cpus=args.num_cpus, worker_gpus=args.num_gpus)
+    try:
+        run_batched(config.to_run_config(), args.num_supernodes, args.vectorise, options)
+    except Exception as error:
+        return "finished:failed", f"{type(error).__name__}: {error}"
+    return "finished:completed", ""
 
 
 def resume_hint(config: RunConfig | None) -> str:

@@ -19,7 +19,6 @@ the sweep goes on.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import re
@@ -27,7 +26,6 @@ import sys
 import time
 import traceback
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -56,17 +54,18 @@ from fl_app.config import (
     results_root,
     validate_run,
 )
+from fl_app.engines.batched import ray_options, run_batched
 from fl_app.inprocess import run_in_process
 from fl_app.progress import start_sweep, sweep_progress
 from fl_app.results import write_json
 from fl_app.runtime.common import PROJECT_ROOT
 from fl_app.runtime.launch import simulate_on_local_superlink
-from fl_app.runtime.ray_cluster import attach_to_cluster
+from fl_app.sweeps.sim import SimSettings
 from fl_app.sweeps.slurm import register_launcher, slurm_problem
 from fl_app.sweeps.tracking import sweep_child, sweep_store
 from models import list_models
 from models.registry import model_options
-from plugins.options import non_negative, option, positive, settings_fields
+from plugins.options import settings_fields
 from strategies import get_strategy, list_strategies
 
 log = logging.getLogger(__name__)
@@ -81,130 +80,6 @@ NOT_RUN_CONFIG = ("sim", "hydra")
 RUN_NAME = "run"
 JOB_RECORD = "job.json"
 COMPLETED, FAILED = "completed", "failed"
-
-
-STRING_SETTINGS = ("backend", "ray_address")
-
-
-def _none_or(check: Any) -> Any:
-    return lambda value: value is None or check(value)
-
-
-def _whole(check: Any) -> Any:
-    return lambda value: check(value) and float(value).is_integer()
-
-
-@dataclass(frozen=True)
-class SimSettings:
-    """How one job's simulation uses the machine (``sim.*``; not run-config keys)."""
-
-    backend: str = option(
-        "ray",
-        "ray: Flower's simulation runtime, clients in parallel on Ray (flwr run on a private local SuperLink); "
-        "inprocess: the same apps in the job's process, one client at a time (no start-up cost)",
-        lambda v: v in ("ray", "inprocess"),
-        "choose one of ['inprocess', 'ray']",
-    )
-    num_supernodes: int = option(
-        10,
-        "clients; the job also sets run-config min-available-nodes to this",
-        lambda v: isinstance(v, int) and v > 0,
-        "must be a positive integer",
-    )
-    client_cpus: float = option(
-        1,
-        "Ray CPUs per client: at most ray_cpus / client_cpus clients train at once",
-        _whole(positive),
-        "must be a positive whole number (Flower's simulation config takes whole CPUs per client)",
-    )
-    client_gpus: float = option(
-        0.0,
-        "Ray GPUs per client (e.g. 0.25: four clients share one GPU)",
-        non_negative,
-        "must be a non-negative number",
-    )
-    ray_cpus: int | None = option(
-        None,
-        "CPUs this job's Ray may use (null: every core); cap it when jobs run in parallel",
-        _none_or(lambda v: isinstance(v, int) and v > 0),
-        "must be a positive integer or null",
-    )
-    ray_gpus: float | None = option(
-        None,
-        "GPUs this job's Ray may use (null: every visible GPU)",
-        _none_or(_whole(non_negative)),
-        "must be a non-negative whole number or null (Flower's simulation config takes whole GPUs)",
-    )
-    ray_address: str | None = option(
-        None,
-        "a running Ray cluster the job's clients run on (HOST:PORT of its head, "
-        "or auto); its nodes' resources decide where; null: a Ray of the job's own",
-        _none_or(lambda v: isinstance(v, str) and v != ""),
-        "must be a non-empty string (HOST:PORT or auto) or null",
-    )
-    torch_threads: int | None = option(
-        None,
-        "torch threads of the job's own process (server-side evaluation); null: torch's default",
-        _none_or(lambda v: isinstance(v, int) and v > 0),
-        "must be a positive integer or null",
-    )
-
-    @classmethod
-    def from_config(cls, sim: Mapping[str, Any]) -> SimSettings:
-        """Check ``sim.*`` the way the schema checks run-config keys: name the key, the value, what is allowed."""
-        known = set(cls.__dataclass_fields__)
-        unknown = sorted(set(sim) - known)
-        if unknown:
-            raise ConfigError(
-                f"sim has key(s) {['sim.' + k for k in unknown]} it does not know; "
-                f"the keys are {sorted('sim.' + k for k in known)}"
-            )
-        settings = cls(**sim)
-        for name, spec in cls.__dataclass_fields__.items():
-            value = getattr(settings, name)
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, (int, float, str, type(None)))
-                or (isinstance(value, str) and name not in STRING_SETTINGS)
-                or not spec.metadata["check"](value)
-            ):
-                raise ConfigError(f"'sim.{name}' = {value!r} is not allowed: {spec.metadata['allowed']}")
-        if settings.ray_cpus is not None and settings.client_cpus > settings.ray_cpus:
-            raise ConfigError(
-                f"sim.client_cpus = {settings.client_cpus} is not allowed: must be at most "
-                f"sim.ray_cpus = {settings.ray_cpus}, or no client could ever be scheduled"
-            )
-        if settings.ray_address is not None:
-            if settings.backend != "ray":
-                raise ConfigError(
-                    f"sim.ray_address = {settings.ray_address!r} needs sim.backend=ray, got {settings.backend!r}"
-                )
-            given = [f"sim.{name}" for name in ("ray_cpus", "ray_gpus") if getattr(settings, name) is not None]
-            if given:
-                raise ConfigError(
-                    f"{given} must be null with sim.ray_address: Ray refuses resource counts when it "
-                    "joins a running cluster, whose nodes declared theirs when they were started"
-                )
-        return settings
-
-    def attach(self) -> SimSettings:
-        """With ``ray_address``: the cluster checked (it answers, a client fits on a node) and its address
-        resolved; else itself."""
-        if self.ray_address is None:
-            return self
-        resolved = attach_to_cluster(self.ray_address, "sim.ray_address", self.client_cpus, self.client_gpus)
-        return dataclasses.replace(self, ray_address=resolved)
-
-    def federation_config(self) -> dict[str, Any]:
-        """Flower's simulation config (``flwr run --federation-config``): the nodes, resources per client, and a
-        cap on this job's own Ray (a running cluster, ``ray_address``, is joined through ``RAY_ADDRESS``)."""
-        caps = {"init-args-num-cpus": self.ray_cpus, "init-args-num-gpus": self.ray_gpus}
-        return {
-            "num-supernodes": self.num_supernodes,
-            "client-resources-num-cpus": int(self.client_cpus),
-            "client-resources-num-gpus": float(self.client_gpus),
-            **{key: int(value) for key, value in caps.items() if value is not None},
-        }
 
 
 def _section_node(section: str, settings: type, skip: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -368,12 +243,19 @@ def simulate(config: RunConfig, sim: SimSettings) -> None:
     """Run one simulation. ``sim.backend=ray``: Flower's simulation runtime through ``flwr run`` on a private
     local SuperLink, as the launcher runs it (what Flower 1.42 recommends in place of its deprecated
     ``run_simulation``). ``sim.backend=inprocess`` calls the same ServerApp and ClientApp in this process, one
-    client after the other: no Ray to start and data loaded once for every job of the sweep, the same metrics."""
+    client after the other: no Ray to start and data loaded once for every job of the sweep, the same metrics;
+    ``batched`` hands a round's messages to long-lived workers at once (:mod:`fl_app.engines`)."""
     if sim.torch_threads is not None:
         torch.set_num_threads(sim.torch_threads)
     values = config.to_run_config()
     if sim.backend == "inprocess":
         run_in_process(values, sim.num_supernodes)
+        return
+    if sim.backend == "batched":
+        workers = ray_options(
+            sim.workers, sim.ray_address, sim.client_cpus, sim.client_gpus, sim.ray_cpus, sim.ray_gpus
+        )
+        run_batched(values, sim.num_supernodes, sim.vectorise, workers)
         return
     status, details = simulate_on_local_superlink(values, sim.federation_config(), sim.ray_address)
     if status != "finished:completed":

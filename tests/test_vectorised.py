@@ -1,0 +1,228 @@
+"""Stacked (vectorised) local updates equal the sequential ones: float64 to 1e-9 for one round of every
+algorithm that vectorises (clients of unequal sizes, momentum, weight decay, BatchNorm, PANs), float32 within
+0.2 accuracy points per round over whole runs."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from flwr.app import Array, ArrayRecord, Context, Message, MessageType, RecordDict
+
+from core.data import load_dataset
+from core.model_io import build_run_model, load_arrays
+from core.training import round_generator
+from core.vectorised import StackedTrainer, unsupported
+from fl_app.client_app import ClientData, TrainJob, finish_train
+from fl_app.config import build_context, parse_run_config
+from fl_app.engines.batched import run_batched
+from fl_app.engines.grid import vectorise_choice
+from fl_app.engines.worker import stack_start, train_stacked
+from fl_app.inprocess import set_task_identity
+from strategies import get_strategy, list_strategies
+from strategies.base import LocalUpdate
+
+VECTORISED = [name for name in list_strategies() if get_strategy(name).client.not_vectorised is None]
+SIZES = (37, 16, 5, 50)
+"""Training examples per client: with batch 16, last batches of 5, 16, 5 and 2 examples, and a one-batch client."""
+MODELS = {
+    "pan-mlp": {"model": "mlp", "pan-mode": "mul", "pan-a": 0.2, "pan-t": 1.0},
+    "batchnorm": {"model": "vgg9-bn", "width-factor": 0.125},
+}
+
+
+class _Nodes:
+    def __init__(self, nodes: list[int]) -> None:
+        self.nodes = nodes
+
+    def trainable(self) -> list[int]:
+        return self.nodes
+
+
+def _values(strategy: str, model: str) -> dict:
+    return {
+        "strategy": strategy,
+        **MODELS[model],
+        "dataset": "digits",
+        "device": "cpu",
+        "batch-size": 16,
+        "local-epochs": 2,
+        "momentum": 0.9,
+        "weight-decay": 1e-3,
+        "lr": 0.05,
+        "seed": 3,
+    }
+
+
+def _round(config, model, contexts, content, server_round, data, stacked: bool) -> list[Message]:
+    """One training round of every client, each as the ClientApp runs it, sequentially or stacked."""
+    jobs, starts = [], []
+    for partition, (context, (x, y)) in enumerate(zip(contexts, data, strict=True)):
+        message = Message(copy.deepcopy(content), dst_node_id=partition + 1, message_type=MessageType.TRAIN)
+        message.metadata.__dict__["_message_id"] = f"m{partition}"
+        load_arrays(model, message.content["arrays"])
+        generator = round_generator(config.seed, server_round, partition)
+        torch.manual_seed(int(torch.randint(0, 2**62, (1,), generator=generator)))
+        update = get_strategy(config.strategy).client(config, context, message.content)
+        job = TrainJob(
+            message,
+            context,
+            config,
+            partition,
+            ClientData(x, y, x[:0], y[:0]),
+            model,
+            torch.device("cpu"),
+            generator,
+            update,
+        )
+        if stacked:
+            jobs.append(job)
+            starts.append(stack_start(job))
+        else:
+            jobs.append(finish_train(job, update.train(model, x, y, generator, job.device)))
+    return train_stacked(jobs, starts, data) if stacked else jobs
+
+
+def _content(config, model, strategy_name: str, server_round: int, nodes: list[int], noise: int) -> RecordDict:
+    """The training message the algorithm's server sends, with any extra record made non-zero."""
+    context = build_context(config, model)
+    strategy = get_strategy(strategy_name).server(context)
+    arrays = context.initial_arrays
+    record = {**config.pan_signature(), "server-round": server_round}
+    from flwr.app import ConfigRecord
+
+    planned = strategy.plan_train(server_round, arrays, ConfigRecord(record), lambda: nodes, _Nodes(nodes))
+    content = planned[nodes[0]]
+    generator = torch.Generator().manual_seed(noise)
+    for name in list(content.array_records):
+        if name != "arrays":  # e.g. SCAFFOLD's control variate: zero in a first round, made non-trivial here
+            content[name] = ArrayRecord(
+                {
+                    k: Array((torch.randn(a.shape, generator=generator, dtype=torch.float64) * 0.01).numpy())
+                    for k, a in content[name].items()
+                }
+            )
+    return content
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
+
+
+@pytest.mark.parametrize("model_kind", list(MODELS))
+@pytest.mark.parametrize("strategy", VECTORISED)
+def test_a_stacked_round_equals_the_sequential_one_in_float64(strategy, model_kind):
+    set_task_identity()
+    config = parse_run_config(_values(strategy, model_kind))
+    dataset = load_dataset("digits")
+    torch.manual_seed(0)
+    model = build_run_model(config, dataset).double()
+    assert unsupported(model) is None
+    offsets = torch.tensor((0, *SIZES)).cumsum(0).tolist()
+    data = [(dataset.train_x[a:b].double(), dataset.train_y[a:b]) for a, b in zip(offsets, offsets[1:], strict=False)]
+    nodes = list(range(1, len(SIZES) + 1))
+    contexts = [
+        Context(1, node, {"partition-id": p, "num-partitions": len(SIZES)}, RecordDict(), {})
+        for p, node in enumerate(nodes)
+    ]
+    # Round 1 (sequential) leaves each client its state (SCAFFOLD's c_i, FedPer's head); round 2 is compared.
+    first = _content(config, model.float().double(), strategy, 1, nodes, noise=1)
+    _round(config, model, contexts, first, 1, data, stacked=False)
+    second = _content(config, model, strategy, 2, nodes, noise=2)
+    twin = copy.deepcopy(contexts)
+    sequential = _round(config, model, contexts, second, 2, data, stacked=False)
+    stacked = _round(config, model, twin, second, 2, data, stacked=True)
+
+    for one, other, context, context_twin in zip(sequential, stacked, contexts, twin, strict=True):
+        assert not one.has_error() and not other.has_error(), (one, other)
+        assert set(one.content.array_records) == set(other.content.array_records)
+        for name, record in one.content.array_records.items():
+            for key, array in record.items():
+                expected = torch.from_numpy(array.numpy())
+                got = torch.from_numpy(other.content[name][key].numpy())
+                assert expected.dtype == torch.float64 and _relative(got, expected) <= 1e-9, (name, key)
+        metrics, metrics_stacked = one.content["metrics"], other.content["metrics"]
+        assert set(metrics) == set(metrics_stacked)
+        for key, value in metrics.items():
+            assert metrics_stacked[key] == pytest.approx(value, rel=1e-9), key
+        for key, record in context.state.array_records.items():
+            for name, array in record.items():
+                got = torch.from_numpy(context_twin.state[key][name].numpy())
+                assert _relative(got, torch.from_numpy(array.numpy())) <= 1e-9, (key, name)
+
+
+def test_the_stacked_update_steps_each_client_through_exactly_its_own_batches():
+    """A client's stacked result does not depend on the other clients in the stack (sizes, batches)."""
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    model.double()
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    x, y = torch.randn(20, 3, dtype=torch.float64), torch.randint(0, 2, (20,))
+    from core.vectorised import ClientSteps
+
+    alone = StackedTrainer(model, [start], 0.1, 0.9, 0.01).run(
+        [ClientSteps(x[:7], y[:7], [torch.arange(4), torch.arange(4, 7)])]
+    )
+    batches = [torch.arange(4), torch.arange(4, 7)]
+    other = ClientSteps(x[7:], y[7:], [torch.arange(5), torch.arange(5, 10), torch.arange(10, 13)])
+    together = StackedTrainer(model, [start, start], 0.1, 0.9, 0.01).run([ClientSteps(x[:7], y[:7], batches), other])
+    assert together.steps(0) == 2 and together.steps(1) == 3
+    for key, value in alone.states[0].items():
+        assert torch.allclose(together.states[0][key].double(), value.double(), rtol=1e-12, atol=1e-12), key
+    assert together.losses[0] == pytest.approx(alone.losses[0], rel=1e-12)
+
+
+def test_every_strategy_says_whether_it_vectorises_and_why_not():
+    for name in list_strategies():
+        client = get_strategy(name).client
+        assert client.not_vectorised is None or client.not_vectorised.strip(), name
+    assert {"fedavg", "fedprox", "fedavgm", "scaffold"} <= set(VECTORISED)
+    assert "superfed" not in VECTORISED and "moon" not in VECTORISED
+
+    class Custom(LocalUpdate):
+        def loss(self, model, x, y):
+            return super().loss(model, x, y)
+
+    assert "overrides loss" in Custom.not_vectorised
+
+
+def test_vectorise_auto_is_refused_by_what_cannot_vectorise_and_off_turns_it_off():
+    config = parse_run_config({"dataset": "digits", "model": "small-mlp", "strategy": "moon"})
+    assert vectorise_choice(config, "auto")[0] is False and "moon" in vectorise_choice(config, "auto")[1]
+    fedavg = config.replace(strategy="fedavg")
+    assert vectorise_choice(fedavg, "auto")[0] is True and vectorise_choice(fedavg, "off") == (
+        False,
+        "sim.vectorise=off",
+    )
+    with pytest.raises(ValueError, match=r"sim.vectorise = 'on' is not allowed: choose one of \['auto', 'off'\]"):
+        vectorise_choice(fedavg, "on")
+
+
+@pytest.mark.parametrize("strategy", ["fedavg", "scaffold"])
+def test_float32_stacked_runs_stay_within_0_2_accuracy_points_of_sequential_ones(strategy, tmp_path):
+    values = {
+        "strategy": strategy,
+        "dataset": "digits",
+        "model": "mlp",
+        "pan-mode": "add",
+        "pan-a": 0.1,
+        "num-server-rounds": 4,
+        "batch-size": 10,
+        "momentum": 0.5,
+        "partitioner": "dirichlet",
+        "results-dir": str(tmp_path),
+        "device": "cpu",
+    }
+    rows = {}
+    for vectorise in ("off", "auto"):
+        run_batched({**values, "run-name": vectorise}, 8, vectorise)
+        lines = (tmp_path / vectorise / "metrics.jsonl").read_text().splitlines()
+        rows[vectorise] = [json.loads(line) for line in lines]
+    assert len(rows["off"]) == len(rows["auto"]) == 5
+    for one, other in zip(rows["off"], rows["auto"], strict=True):
+        assert abs(one["accuracy"] - other["accuracy"]) <= 0.002, (one["round"], one["accuracy"], other["accuracy"])
+        assert one.get("clients-trained") == other.get("clients-trained")
+    assert Path(tmp_path / "auto" / "summary.json").exists()
