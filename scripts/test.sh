@@ -8,6 +8,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
 export FLWR_TELEMETRY_ENABLED=0
+# One OpenMP thread, as Ray gives its workers: the tests compare in-process rows with Ray-run rows bit for bit.
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 .venv/bin/ruff check --quiet . && .venv/bin/ruff format --check --quiet . \
   || { echo "[test] ruff found problems: run .venv/bin/ruff check --fix . && .venv/bin/ruff format ." >&2; exit 1; }
 exec .venv/bin/python -m pytest -n "${ALIGNFL_TEST_WORKERS:-2}" --dist loadfile "$@"
