@@ -45,22 +45,28 @@ def give_message_id(message: Message) -> None:
     message.metadata.__dict__["_message_id"] = uuid.uuid4().hex
 
 
+def node_contexts(num_nodes: int, first_node_id: int = FIRST_NODE_ID) -> dict[int, Context]:
+    """The simulated nodes' contexts by node id: partition ``p`` on node ``first_node_id + NODE_ID_STRIDE * p``,
+    each with its own ``state`` that lasts the run."""
+    return {
+        first_node_id + NODE_ID_STRIDE * p: Context(
+            run_id=1,
+            node_id=first_node_id + NODE_ID_STRIDE * p,
+            node_config={"partition-id": p, "num-partitions": num_nodes},
+            state=RecordDict(),
+            run_config={},
+        )
+        for p in range(num_nodes)
+    }
+
+
 class InProcessGrid:
     """A Grid whose ``num_nodes`` nodes call ``app`` in this process (replies come back in sending order)."""
 
     def __init__(self, app: ClientApp, num_nodes: int, first_node_id: int = FIRST_NODE_ID) -> None:
         set_task_identity()
         self.app = app
-        self.contexts = {
-            first_node_id + NODE_ID_STRIDE * p: Context(
-                run_id=1,
-                node_id=first_node_id + NODE_ID_STRIDE * p,
-                node_config={"partition-id": p, "num-partitions": num_nodes},
-                state=RecordDict(),
-                run_config={},
-            )
-            for p in range(num_nodes)
-        }
+        self.contexts = node_contexts(num_nodes, first_node_id)
 
     def get_node_ids(self) -> list[int]:
         return list(self.contexts)

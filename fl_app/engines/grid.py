@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from logging import INFO
 from typing import Any, Protocol
 
-from flwr.app import Context, Message, RecordDict
+from flwr.app import Message
 from flwr.common.logger import log
 
 from core.config import RunConfig
@@ -24,7 +24,7 @@ from core.model_io import build_model_for
 from core.vectorised import unsupported
 from fl_app.config import ConfigError
 from fl_app.engines.worker import Job, Worker
-from fl_app.inprocess import FIRST_NODE_ID, NODE_ID_STRIDE, give_message_id, set_task_identity
+from fl_app.inprocess import FIRST_NODE_ID, give_message_id, node_contexts, set_task_identity
 from strategies import get_strategy
 
 VECTORISE_CHOICES = ("auto", "off")
@@ -90,16 +90,7 @@ class BatchedGrid:
     def __init__(self, pool: WorkerPool, num_nodes: int, first_node_id: int = FIRST_NODE_ID) -> None:
         set_task_identity()
         self.pool = pool
-        self.contexts = {
-            first_node_id + NODE_ID_STRIDE * p: Context(
-                run_id=1,
-                node_id=first_node_id + NODE_ID_STRIDE * p,
-                node_config={"partition-id": p, "num-partitions": num_nodes},
-                state=RecordDict(),
-                run_config={},
-            )
-            for p in range(num_nodes)
-        }
+        self.contexts = node_contexts(num_nodes, first_node_id)
 
     def get_node_ids(self) -> list[int]:
         return list(self.contexts)
