@@ -184,6 +184,13 @@ class TrainSection:
         positive,
         "must be a positive integer",
     )
+    server_evaluate_every: int = option(
+        1,
+        "rounds between the server's evaluations of the global model on the test split (round 0 and the last "
+        "round always have one)",
+        positive,
+        "must be a positive integer",
+    )
     min_available_nodes: int = option(
         2,
         "nodes the first round waits for (later rounds use whoever is online)",

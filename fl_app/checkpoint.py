@@ -43,6 +43,7 @@ RESUMABLE_CHANGES = frozenset(
         "run-name",
         "data-root",
         "log-divergence",
+        "server-evaluate-every",
         "node-wait-timeout",
         "tracking",
         "mlflow-uri",

@@ -1,7 +1,8 @@
 """One run, one folder: resolved config, per-round metrics, summary, plot and final model.
 
 ``metrics.jsonl`` is appended and flushed every round, so a run that stops early
-keeps every round it finished.
+keeps every round it finished. A round the server does not score the global model in
+(``server-evaluate-every``) has no ``accuracy`` and ``loss`` in its row.
 """
 
 from __future__ import annotations
@@ -170,12 +171,15 @@ class RoundRecorder:
     """Collects each round's client and server metrics and writes them as one JSON line.
 
     The round runner calls, per round: the train aggregation, the evaluate aggregation, then
-    ``evaluate`` (server-side evaluation), which is where the line is written.
+    ``evaluate``, which scores the global model on the test split when the round is due one (round 0, every
+    ``server_evaluate_every`` rounds and the last, ``num_server_rounds``) and writes the line.
     """
 
     folder: Path
     evaluate_global: GlobalEvaluation
     log_divergence: bool = False
+    server_evaluate_every: int = 1
+    num_server_rounds: int = 0
     progress: Callable[[int, float], str] | None = None
     """Round, elapsed seconds → the progress part of the round's log line (:class:`fl_app.progress.RoundProgress`)."""
     started: float = field(default_factory=time.time)
@@ -221,16 +225,17 @@ class RoundRecorder:
         )
         return aggregated
 
+    def server_evaluates(self, server_round: int) -> bool:
+        """Whether the server scores the global model after ``server_round`` (0: the initial model)."""
+        return server_round % self.server_evaluate_every == 0 or server_round == self.num_server_rounds
+
     def evaluate(self, server_round: int, arrays: ArrayRecord) -> MetricRecord:
-        """Flower's ``evaluate_fn``: score the global model, then write the round's line."""
-        loss, accuracy = self.evaluate_global(arrays)
-        row = {
-            "round": server_round,
-            "accuracy": accuracy,
-            "loss": loss,
-            "elapsed-s": time.time() - self.started,
-            **self._pending,
-        }
+        """Flower's ``evaluate_fn``: score the global model when the round is due one, then write the round's
+        line; returns the server's scores (none in a round without)."""
+        scores: dict[str, float] = {}
+        if self.server_evaluates(server_round):
+            scores = dict(zip(("loss", "accuracy"), self.evaluate_global(arrays), strict=True))
+        row = {"round": server_round, **scores, "elapsed-s": time.time() - self.started, **self._pending}
         self._pending = {}
         self.rows.append(row)
         with (self.folder / "metrics.jsonl").open("a") as stream:
@@ -239,15 +244,16 @@ class RoundRecorder:
         new = row.get("new-client-accuracy")
         log(
             INFO,
-            "[alignfl] round %d: global accuracy %.4f, loss %.4f%s%s%s",
+            "[alignfl] round %d: %s%s%s%s",
             server_round,
-            accuracy,
-            loss,
+            f"global accuracy {scores['accuracy']:.4f}, loss {scores['loss']:.4f}"
+            if scores
+            else f"the server did not evaluate the global model (server-evaluate-every {self.server_evaluate_every})",
             f", clients' local accuracy {local:.4f}" if local is not None else "",
             f", new clients' accuracy {new:.4f}" if new is not None else "",
             f" | {self.progress(server_round, row['elapsed-s'])}" if self.progress is not None else "",
         )
-        return MetricRecord({"accuracy": accuracy, "loss": loss})
+        return MetricRecord(scores)
 
     def record_participation(self, server_round: int, participation: Participation) -> None:
         """Who was sampled, aggregated and dropped, for this round's line."""
@@ -272,18 +278,20 @@ class RoundRecorder:
         staged.replace(self.folder / "metrics.jsonl")
 
     def summary(self) -> dict[str, Any]:
-        """Final and best global accuracy, mean and best of the last 5 rounds (accuracy zig-zags), wall time,
-        how many clients' updates each round aggregated (rounds 1, 2, ...), and each cause a client's update
-        was dropped for with how often (a node lost, or lacking the data, shows here; :func:`drop_cause`: the
-        reasons' particulars masked, which ``metrics.jsonl`` keeps)."""
+        """Final and best global accuracy, mean and best of the last 5 rounds the server evaluated (accuracy
+        zig-zags), wall time, how many clients' updates each round aggregated (rounds 1, 2, ...), and each cause a
+        client's update was dropped for with how often (a node lost, or lacking the data, shows here;
+        :func:`drop_cause`: the reasons' particulars masked, which ``metrics.jsonl`` keeps). The final scores are
+        the last evaluated round's: the last round, which the server always evaluates."""
         trained = [r for r in self.rows if r["round"] > 0] or self.rows
         last = trained[-1]
-        best = max(trained, key=lambda r: r["accuracy"])
-        tail = [r["accuracy"] for r in trained[-5:]]
+        scored = [r for r in trained if "accuracy" in r] or [r for r in self.rows if "accuracy" in r]
+        best = max(scored, key=lambda r: r["accuracy"])
+        tail = [r["accuracy"] for r in scored[-5:]]
         return {
             "rounds": last["round"],
-            "final-accuracy": last["accuracy"],
-            "final-loss": last["loss"],
+            "final-accuracy": scored[-1]["accuracy"],
+            "final-loss": scored[-1]["loss"],
             "final-local-accuracy-mean": last.get("local-accuracy-mean"),
             "best-accuracy": best["accuracy"],
             "best-round": best["round"],
@@ -301,15 +309,16 @@ class RoundRecorder:
 
 
 def plot_accuracy(rows: list[dict[str, Any]], path: Path, title: str) -> None:
-    """Accuracy versus round: the global model on the test split and the clients' local mean."""
+    """Accuracy versus round: the global model on the test split (the rounds the server evaluated) and the
+    clients' local mean."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    rounds = [r["round"] for r in rows]
-    ax.plot(rounds, [r["accuracy"] for r in rows], marker="o", label="global model, test split")
+    scored = [(r["round"], r["accuracy"]) for r in rows if "accuracy" in r]
+    ax.plot(*zip(*scored), marker="o", label="global model, test split")
     local = [(r["round"], r["local-accuracy-mean"]) for r in rows if "local-accuracy-mean" in r]
     if local:
         ax.plot(*zip(*local), marker="s", label="clients' local test splits (mean)")

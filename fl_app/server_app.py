@@ -1,6 +1,6 @@
 """The ServerApp: validates the run config, builds the model and the algorithm's server side from it, then runs
-the rounds with server-side evaluation, checkpointing every round (and resuming from a checkpoint with
-``resume-from``)."""
+the rounds with server-side evaluation (every ``server-evaluate-every`` rounds and in the last), checkpointing every
+round (and resuming from a checkpoint with ``resume-from``)."""
 
 from __future__ import annotations
 
@@ -89,6 +89,8 @@ def run_experiment(grid: Grid, config: RunConfig, partition_table: PartitionTabl
             folder,
             evaluate_global,
             log_divergence=config.log_divergence,
+            server_evaluate_every=config.server_evaluate_every,
+            num_server_rounds=config.num_server_rounds,
             progress=RoundProgress(config.num_server_rounds, first_round).describe,
         )
         runner = RoundRunner(

@@ -4,8 +4,9 @@ The ServerApp opens a :class:`Tracking` for its run folder and hands it the metr
 ``metrics.jsonl``) after each round's checkpoint is written, so a round is tracked once it is durable:
 
 - ``tracking=tensorboard`` (default): event files in the run folder; every number of a row becomes a scalar
-  with the round as the step (``units-moved/<group>``, ``local-accuracy-per-client/<id>``, a list as
-  ``<key>/<index>``), the run config as text, the summary's figures as ``summary/<key>``.
+  with the round as the step (``accuracy`` and ``loss`` in the rounds the server evaluated,
+  ``units-moved/<group>``, ``local-accuracy-per-client/<id>``, a list as ``<key>/<index>``), the run config
+  as text, the summary's figures as ``summary/<key>``.
 - ``tracking=mlflow``: one MLflow run per alignfl run in the store at ``mlflow-uri`` (default a SQLite file in
   the results folder): the run config as parameters, tags for the algorithm, model, data, partitioner,
   seed, git commit and Flower version, the same metrics with the round as the step, the summary's figures,
@@ -245,7 +246,7 @@ class MlflowSink:
         except MlflowException:
             return None
         self.client.update_run(kept["run-id"], status="RUNNING")
-        history = self.client.get_metric_history(kept["run-id"], "accuracy")
+        history = self.client.get_metric_history(kept["run-id"], "elapsed-s")  # every row has it
         self.last_round = max((metric.step for metric in history), default=-1)
         return str(kept["run-id"])
 

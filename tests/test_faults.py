@@ -376,6 +376,32 @@ def test_a_resumed_run_continues_exactly_where_the_straight_run_goes(tmp_path):
     assert json.loads((stopped / "config.json").read_text())["resume-from"] == str(stopped)
 
 
+def test_a_run_resumed_after_a_round_the_server_did_not_evaluate_goes_as_the_straight_run(tmp_path, monkeypatch):
+    """With ``server-evaluate-every`` 2 the server scores rounds 0, 2, 4 and the last; a run stopped after round
+    3's checkpoint and resumed writes the straight run's rows, with no scores in rounds 1 and 3."""
+    settings = {**RESUMABLE, "num-server-rounds": 5, "server-evaluate-every": 2}
+    straight, _ = run(tmp_path, "straight", num_nodes=4, **settings)
+
+    def stop_after_round_3(folder, checkpoint):
+        save_checkpoint(folder, checkpoint)
+        if checkpoint.round == 3:
+            raise KeyboardInterrupt("the server stops after round 3")
+
+    monkeypatch.setattr(server_app, "save_checkpoint", stop_after_round_3)
+    with pytest.raises(KeyboardInterrupt):
+        run(tmp_path, "stopped", num_nodes=4, **settings)
+    stopped = tmp_path / "stopped"
+    assert load_checkpoint(stopped).round == 3 and "accuracy" not in rows(stopped)[-1]
+    monkeypatch.setattr(server_app, "save_checkpoint", save_checkpoint)
+    run(tmp_path, "ignored", num_nodes=4, first_node_id=555, **{**settings, "resume-from": str(stopped)})
+    assert without_clock(rows(stopped)) == without_clock(rows(straight))
+    assert [r["round"] for r in rows(straight) if "accuracy" in r and "loss" in r] == [0, 2, 4, 5]
+    assert all("accuracy" not in r and "loss" not in r and r["clients-trained"] == 2 for r in rows(straight)[1:4:2])
+    summary = json.loads((stopped / "summary.json").read_text())
+    assert summary["final-accuracy"] == rows(straight)[5]["accuracy"]
+    assert summary["best-accuracy"] == max(rows(straight)[r]["accuracy"] for r in (2, 4, 5))
+
+
 def test_a_crash_between_a_rounds_metrics_and_its_checkpoint_loses_and_repeats_nothing(tmp_path, monkeypatch):
     straight, _ = run(tmp_path, "straight", **{"num-server-rounds": 3, "strategy": "fedma"})
 

@@ -8,7 +8,7 @@ import torch
 from flwr.app import ArrayRecord, MetricRecord, RecordDict
 
 from core.rounds import Participation
-from fl_app.results import RoundRecorder
+from fl_app.results import RoundRecorder, plot_accuracy
 
 
 def _train_record(value: float, examples: int) -> RecordDict:
@@ -105,3 +105,38 @@ def test_the_summary_counts_dropped_clients_by_cause_and_metrics_keep_each_reaso
     assert counts["no reply within the round's timeout"] == 1
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [line.get("clients-dropped-reasons", {}) for line in lines] == dropped  # the detail, word for word
+
+
+def test_the_server_scores_round_0_every_nth_round_and_the_last_and_the_summary_reads_those(tmp_path, caplog):
+    accuracies = iter([0.1, 0.6, 0.4, 0.5])
+    scored = []
+
+    def evaluate_global(arrays):
+        scored.append(True)
+        return 1.0, next(accuracies)
+
+    recorder = RoundRecorder(tmp_path, evaluate_global, server_evaluate_every=2, num_server_rounds=5)
+    with caplog.at_level("INFO", logger="flwr"):
+        for server_round in range(6):
+            recorder.record_participation(server_round, Participation(2, 2))
+            recorder.aggregate_evaluate([_eval_record(0, 0.3 + server_round / 10, 10)], "num-examples")
+            recorder.evaluate(server_round, ArrayRecord())
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(scored) == 4 and [line["round"] for line in lines] == [0, 1, 2, 3, 4, 5]
+    assert [line["round"] for line in lines if "accuracy" in line and "loss" in line] == [0, 2, 4, 5]
+    assert not any("accuracy" in line or "loss" in line for line in lines if line["round"] in (1, 3))
+    assert all(line["clients-trained"] == 2 and "local-accuracy-mean" in line for line in lines)
+    said = [record.getMessage() for record in caplog.records if "[alignfl] round" in record.getMessage()]
+    assert said[3] == (
+        "[alignfl] round 3: the server did not evaluate the global model (server-evaluate-every 2), "
+        "clients' local accuracy 0.6000"
+    )
+    assert said[4] == "[alignfl] round 4: global accuracy 0.4000, loss 1.0000, clients' local accuracy 0.7000"
+    summary = recorder.summary()
+    assert summary["rounds"] == 5 and summary["final-accuracy"] == 0.5 and summary["final-loss"] == 1.0
+    assert summary["best-accuracy"] == 0.6 and summary["best-round"] == 2
+    assert summary["last-5-mean-accuracy"] == pytest.approx(0.5) and summary["last-5-best-accuracy"] == 0.6
+    assert summary["final-local-accuracy-mean"] == pytest.approx(0.8)
+    assert summary["clients-per-round"] == [2, 2, 2, 2, 2]
+    plot_accuracy(recorder.rows, tmp_path / "accuracy.png", "title")
+    assert (tmp_path / "accuracy.png").stat().st_size > 0

@@ -170,6 +170,27 @@ def test_an_mlflow_run_holds_the_run_and_a_resumed_run_continues_it_once(tmp_pat
         assert same_series([(e.step, e.value) for e in board.Scalars(name)], points), name  # and in TensorBoard
 
 
+def test_a_resumed_mlflow_run_goes_on_after_its_last_row_when_the_server_did_not_score_that_round(tmp_path):
+    """Rows of rounds the server did not evaluate lack ``accuracy``; MLflow still tracks each row once."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    config = parse_run_config({**TINY, "results-dir": str(tmp_path), "tracking": "mlflow", "mlflow-uri": uri})
+    rows = [
+        {"round": 0, "accuracy": 0.1, "loss": 2.0, "elapsed-s": 0.5},
+        {"round": 1, "elapsed-s": 1.5, "clients-trained": 2},
+        {"round": 2, "elapsed-s": 2.5, "clients-trained": 2},
+    ]
+    first = Tracking.open(config, tmp_path, resumed=False)
+    first.log_rows(rows[:2])
+    first.close(failed=True)
+    resumed = Tracking.open(config, tmp_path, resumed=True)
+    resumed.log_rows(rows)
+    resumed.close(failed=False)
+    client, run_id = MlflowClient(uri), json.loads((tmp_path / TRACKING_FILE).read_text())["mlflow"]["run-id"]
+    for name, points in expected_series(rows).items():
+        history = sorted((metric.step, metric.value) for metric in client.get_metric_history(run_id, name))
+        assert same_series(history, points), name
+
+
 def test_tracking_that_cannot_start_warns_once_and_the_run_goes_on(tmp_path):
     blocker = tmp_path / "not-a-folder"
     blocker.write_text("a file where the database's folder should be")
