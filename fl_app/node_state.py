@@ -186,11 +186,15 @@ def begin_message(context: Context, config: RunConfig, partition_id: int, server
 
 
 def end_train(context: Context, config: RunConfig, partition_id: int, server_round: int) -> None:
-    """After a training message: write the client's state (the marker left out) for a later resume."""
+    """After a training message: write the client's state (the marker left out) for a later resume. A client
+    that keeps no state and never kept any writes nothing (a resumed run restores nothing either way): many
+    small clients of a stateless algorithm would otherwise pay a synced file each per round."""
     store = state_store(context, config, partition_id)
     if store is None:
         return
     state = RecordDict({key: record for key, record in context.state.items() if key != MARKER})
+    if not len(state) and not store.folder.is_dir():
+        return
     try:
         store.save(server_round, state)
     except OSError as error:

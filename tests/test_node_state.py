@@ -131,6 +131,22 @@ def test_a_new_run_forgets_what_an_earlier_run_of_the_same_name_left_and_never_s
     assert earlier.folder == (tmp_path / "run" / "partition-1").resolve()
 
 
+def test_a_stateless_client_writes_nothing_but_one_that_kept_state_records_that_it_has_none_now(tmp_path):
+    config = parse_run_config({**TINY, "run-name": "run"})
+    stateless, emptied = node(tmp_path, partition=0), node(tmp_path, partition=1)
+    for partition, context in enumerate((stateless, emptied)):
+        begin_message(context, config, partition, 1)
+    emptied.state["c"] = ArrayRecord({"w": torch.ones(2)})
+    for partition, context in enumerate((stateless, emptied)):
+        end_train(context, config, partition, 1)
+    del emptied.state["c"]
+    for partition, context in enumerate((stateless, emptied)):
+        end_train(context, config, partition, 2)
+    assert not state_store(stateless, config, 0).folder.exists()
+    store = state_store(emptied, config, 1)
+    assert sorted(store.snapshots()) == [1, 2] and len(store.load(store.snapshots()[2])) == 0
+
+
 def test_state_dir_must_be_absolute_and_clients_write_only_inside_it(tmp_path):
     config = parse_run_config({**TINY, "run-name": "run"})
     with pytest.raises(ValueError, match="'state-dir' = 'relative/dir' must be an absolute path"):
