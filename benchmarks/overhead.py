@@ -1,4 +1,5 @@
-"""Framework overhead: one FedAvg experiment through alignfl's Flower simulation and as a plain PyTorch loop.
+"""Framework overhead: one FedAvg experiment through alignfl's Flower simulation (or ``--engine batched``) and as
+a plain PyTorch loop.
 
 Both sides do the same work per round on the same data: the same partitions (``partition_dataset``),
 the same local train/test splits (``client_split``), the same mini-batches in the same order
@@ -19,6 +20,7 @@ Ray gets ``--ray-cpus`` CPUs (default 1: clients train one at a time, as in the 
 sides use the same compute).
 
     flock /tmp/alignfl-exp.lock env OMP_NUM_THREADS=1 .venv/bin/python benchmarks/overhead.py --pairs 3
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/overhead.py --clients 200 --engine batched --tracking none
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ from core.model_io import build_run_model, federated_state
 from core.partitioning.partitions import client_split, partition_dataset
 from core.training import evaluate, iterate_batches, round_generator, seed_everything
 from fl_app.config import RunConfig, parse_run_config
+from fl_app.engines.batched import run_batched
 
 EXPERIMENT = {
     "strategy": "fedavg",
@@ -132,18 +135,25 @@ def plain_fedavg(config: RunConfig, num_clients: int) -> list[dict[str, Any]]:
 
 
 def simulated_fedavg(
-    config: RunConfig, num_clients: int, ray_cpus: int, results_dir: Path, run_name: str
+    config: RunConfig, num_clients: int, ray_cpus: int, results_dir: Path, run_name: str, engine: str = "ray"
 ) -> list[dict[str, Any]]:
-    """The experiment through the product's Flower simulation; one row per round from its metrics.jsonl."""
+    """The experiment through the product's apps on ``engine`` (``ray``: Flower's Ray simulation; ``batched``:
+    the batched engine, one worker in this process, clients one after another); one row per round from its
+    metrics.jsonl."""
     settings = {
         **config.to_run_config(),
         "results-dir": str(results_dir),
         "run-name": run_name,
         "min-available-nodes": num_clients,
     }
+    import ray  # noqa: F401  (puts the psutil Ray ships on sys.path, for the sampler)
+
     sampler = TreeSampler(interval=0.25, tag=RoundCounter(results_dir / run_name / "metrics.jsonl"), memory=False)
     with sampler:
-        simulate(settings, num_clients, ray_cpus)
+        if engine == "batched":
+            run_batched(settings, num_clients, "off")
+        else:
+            simulate(settings, num_clients, ray_cpus)
     cpu_at = sampler.first_per_tag("cpu-s")  # CPU seconds of the process tree when each round began
     metrics = sorted(run_metrics(results_dir, run_name), key=lambda row: row["round"])
     return [
@@ -179,7 +189,7 @@ def report(rows: list[dict[str, Any]]) -> str:
         final = row["rounds"][-1]["accuracy"] if row["rounds"] else math.nan
         cpu = [r["cpu-seconds"] for r in row["rounds"] if r["round"] > 1]
         lines.append(
-            f"| {index} | {row['side']} | {median(later):.2f} | {median(cpu):.2f} | {first:.2f} | "
+            f"| {index} | {row['side']}{f' ({engine})' if (engine := row.get('engine')) else ''} | {median(later):.2f} | {median(cpu):.2f} | {first:.2f} | "
             f"{final:.4f} | {row['load-after'][0]:.2f} |"
         )
     for key, label in (("seconds", "wall"), ("cpu-seconds", "CPU (whole process tree)")):
@@ -201,6 +211,12 @@ def main(argv: list[str] | None = None) -> int:
         "--dataset", default="fashion-mnist", help="fashion-mnist (the benchmark) or digits (a smoke test)"
     )
     parser.add_argument("--ray-cpus", type=int, default=1, help="CPUs Ray may use (default 1: one client at a time)")
+    parser.add_argument(
+        "--engine",
+        default="ray",
+        choices=("ray", "batched"),
+        help="the simulation side: Flower's Ray simulation (default) or the batched engine (sim.backend=batched)",
+    )
     parser.add_argument(
         "--tracking",
         default="tensorboard",
@@ -234,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         load_before = list(os.getloadavg())
         if side == "simulation":
             with tempfile.TemporaryDirectory(prefix="alignfl-overhead-") as tmp:
-                rounds = simulated_fedavg(config, args.clients, args.ray_cpus, Path(tmp), "run")
+                rounds = simulated_fedavg(config, args.clients, args.ray_cpus, Path(tmp), "run", args.engine)
         else:
             rounds = plain_fedavg(config, args.clients)
         row = {
@@ -244,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
             "load-after": list(os.getloadavg()),
             "machine": machine(),
             "ray-cpus": args.ray_cpus,
+            "engine": args.engine if side == "simulation" else None,
         }
         append_jsonl(rows_path, row)
         print(
