@@ -132,7 +132,7 @@ def engine_run(engine: str, values: dict[str, Any], num_clients: int, ray_cpus: 
         "ray": lambda v: simulate({**v, "min-available-nodes": num_clients}, num_clients, ray_cpus),
         "inprocess": lambda v: run_in_process(v, num_clients),
         "batched": lambda v: run_batched(v, num_clients, "off"),
-        "vectorised": lambda v: run_batched(v, num_clients, "auto"),
+        "vectorised": lambda v: run_batched(v, num_clients, "on"),
     }
     values = {**values, "results-dir": str(folder), "run-name": engine}
     import ray  # noqa: F401  (puts the psutil Ray ships on sys.path, for the sampler)

@@ -97,7 +97,7 @@ def run_layout(layout: str, cpus: int, rounds: int, results: Path) -> dict[str, 
                 "min-available-nodes": CLIENTS,
             }
         )
-        sim = SimSettings(num_supernodes=CLIENTS, ray_address=cluster.address)
+        sim = SimSettings(backend="ray", num_supernodes=CLIENTS, ray_address=cluster.address)
         started = time.time()
         with NodeMemory(cluster) as memory:
             simulate(config, sim)

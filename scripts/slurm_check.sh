@@ -166,7 +166,7 @@ nice -n "$NICE" "$PY" -m fl_app.sweep -m hydra/launcher=slurm "${SWEEP[@]}" "hyd
 code=$?
 slurm_s=$(( $(date +%s) - step_start ))
 step_start=$(date +%s)
-nice -n "$NICE" "$PY" -m fl_app.sweep -m sim.backend=inprocess "${SWEEP[@]}" "hydra.sweep.dir=$WORK/sweep-local" \
+nice -n "$NICE" "$PY" -m fl_app.sweep -m sim.backend=batched "${SWEEP[@]}" "hydra.sweep.dir=$WORK/sweep-local" \
   > "$WORK/log/sweep-local.log" 2>&1
 local_code=$?
 local_s=$(( $(date +%s) - step_start ))
@@ -190,7 +190,7 @@ problems += [f"job {i}: SLURM's completion log says {ended.get(i)}" for i in ids
 def table(folder):
     with (work / folder / "summary.csv").open() as stream:
         return [{k: v for k, v in row.items() if not k.startswith("job-time") and k != "sim.backend"}
-                for row in csv.DictReader(stream)]  # the local sweep names sim.backend=inprocess, SLURM's default
+                for row in csv.DictReader(stream)]  # the local sweep names sim.backend=batched, SLURM's default
 slurm, local = table("sweep-slurm"), table("sweep-local")
 if slurm != local:
     problems.append(f"reports differ:\n{slurm}\n{local}")

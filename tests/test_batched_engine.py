@@ -62,7 +62,7 @@ def test_every_algorithm_gives_the_in_process_engines_rows_on_the_batched_engine
     assert len(expected) == 3 and got == expected
 
 
-@pytest.mark.parametrize("vectorise", ["off", "auto"])
+@pytest.mark.parametrize("vectorise", ["off", "on"])
 def test_a_client_that_raises_is_dropped_with_its_reason_and_the_others_train(vectorise, tmp_path, monkeypatch):
     original = worker_module.Worker.data
 
@@ -112,10 +112,12 @@ def test_the_batched_engines_sim_settings_are_checked():
     from fl_app.sweeps.sim import SimSettings
 
     assert SimSettings.from_config({"backend": "batched", "workers": 2, "vectorise": "off"}).workers == 2
+    assert SimSettings.from_config({"workers": 2}).backend == "batched"  # the sweeps' default engine
     with pytest.raises(ConfigError, match="sim.workers = 2 needs sim.backend=batched, got 'ray'"):
-        SimSettings.from_config({"workers": 2})
-    with pytest.raises(ConfigError, match=r"'sim.vectorise' = 'on' is not allowed: choose one of \['auto', 'off'\]"):
-        SimSettings.from_config({"backend": "batched", "vectorise": "on"})
+        SimSettings.from_config({"backend": "ray", "workers": 2})
+    match = r"'sim.vectorise' = 'yes' is not allowed: choose one of \['auto', 'on', 'off'\]"
+    with pytest.raises(ConfigError, match=match):
+        SimSettings.from_config({"vectorise": "yes"})
     assert SimSettings.from_config({"backend": "batched", "ray_address": "10.0.0.1:6379"}).ray_address
 
 

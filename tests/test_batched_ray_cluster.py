@@ -62,7 +62,7 @@ def test_a_node_lost_mid_run_drops_its_clients_naming_it_and_the_other_node_trai
         "run-name": "lost",
         "device": "cpu",
     }
-    run_batched(values, 4, vectorise="auto", ray=RayOptions(address=cluster.address))
+    run_batched(values, 4, vectorise="on", ray=RayOptions(address=cluster.address))
     killer.join(timeout=1)
     assert killed, "round 1 never finished"
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]

@@ -42,9 +42,9 @@ def test_stacked_updates_on_cuda_stay_within_0_2_accuracy_points(tmp_path, monke
         kept.append(self)
 
     monkeypatch.setattr(Worker, "__init__", remember)
-    for vectorise in ("off", "auto"):
+    for vectorise in ("off", "on"):
         run_batched({**VALUES, "results-dir": str(tmp_path), "run-name": vectorise}, 20, vectorise)
-    for one, other in zip(_rows(tmp_path / "off"), _rows(tmp_path / "auto"), strict=True):
+    for one, other in zip(_rows(tmp_path / "off"), _rows(tmp_path / "on"), strict=True):
         assert abs(one["accuracy"] - other["accuracy"]) <= 0.002
     on_device = [x for worker in kept for x, _ in worker._device_data.values()]
     assert on_device and all(x.is_cuda for x in on_device)

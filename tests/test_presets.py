@@ -70,8 +70,9 @@ def test_every_job_of_a_preset_composes_and_validates(name, tmp_path, monkeypatc
         monkeypatch.setattr(sweep, "sweep_job_overrides", lambda config: _one_seed(jobs))
         assert validate_sweep(cfg) == len(jobs) // 3
     assert checked, "the sweep checks its data sets"
-    first, _ = job_settings(cfg, cfg.hydra.runtime.choices, tmp_path)  # the preset's own defaults: one job too
+    first, sim = job_settings(cfg, cfg.hydra.runtime.choices, tmp_path)  # the preset's own defaults: one job too
     assert first.device == "auto"
+    assert (sim.backend, sim.vectorise) == ("batched", "auto"), "every preset runs on the batched engine"
     if name.endswith("-cpu"):
         assert first.dataset == "fashion-mnist", "a -cpu preset runs on the data this machine has"
 
@@ -160,8 +161,9 @@ def test_the_cifar10_preset_exits_with_the_data_message_before_any_job(tmp_path)
 @pytest.mark.slow
 @pytest.mark.parametrize("name", CPU_PRESETS)
 def test_a_cpu_preset_runs_one_round_of_its_last_configuration(name, tmp_path):
-    """The table's last configuration (the paper's method, in the largest setting), seed 0, one round, an in-process
-    job, torch at 1 thread; that every other configuration composes and validates is the fast test's above."""
+    """The table's last configuration (the paper's method, in the largest setting), seed 0, one round, on the
+    preset's own engine (batched), torch at 1 thread; that every other configuration composes and validates is the
+    fast test's above."""
     with composed([f"+experiment={name}", "seed=0"]) as cfg:
         last = sweep_job_overrides(cfg)[-1]
     result = _sweep(
@@ -169,7 +171,6 @@ def test_a_cpu_preset_runs_one_round_of_its_last_configuration(name, tmp_path):
         *last,
         "hydra.sweeper.params=null",
         "train.num_server_rounds=1",
-        "sim.backend=inprocess",
         "sim.torch_threads=1",
     )
     assert result.returncode == 0, result.stderr[-3000:]

@@ -76,7 +76,7 @@ def test_a_client_that_fits_on_no_node_is_refused():
 
 
 def test_attached_jobs_pass_the_address_and_no_resource_counts_to_ray():
-    sim = SimSettings.from_config({"ray_address": "10.0.0.1:6379", "client_cpus": 2.0})
+    sim = SimSettings.from_config({"backend": "ray", "ray_address": "10.0.0.1:6379", "client_cpus": 2.0})
     assert sim.federation_config() == {
         "num-supernodes": 10,
         "client-resources-num-cpus": 2,
@@ -84,8 +84,8 @@ def test_attached_jobs_pass_the_address_and_no_resource_counts_to_ray():
     }
     assert sim.ray_address == "10.0.0.1:6379"  # joined through RAY_ADDRESS
     with pytest.raises(ConfigError, match=r"\['sim.ray_cpus'\] must be null with sim.ray_address"):
-        SimSettings.from_config({"ray_address": "auto", "ray_cpus": 4})
-    with pytest.raises(ConfigError, match="sim.ray_address = 'auto' needs sim.backend=ray"):
+        SimSettings.from_config({"backend": "ray", "ray_address": "auto", "ray_cpus": 4})
+    with pytest.raises(ConfigError, match="sim.ray_address = 'auto' needs sim.backend=ray or batched"):
         SimSettings.from_config({"ray_address": "auto", "backend": "inprocess"})
     with pytest.raises(ConfigError, match="'sim.ray_address' = 6379 is not allowed"):
         SimSettings.from_config({"ray_address": 6379})
@@ -152,8 +152,11 @@ def _cmdline_has(pid: str, text: str) -> bool:
 
 
 def _job(cluster, tmp_path: Path, name: str, *overrides: str) -> tuple[dict, list[dict]]:
+    """A sweep job, on Flower's Ray engine unless ``overrides`` choose another (the batched engine's workers on a
+    cluster: test_batched_ray_cluster.py)."""
     register_configs()
-    cfg = composed(["dataset=digits", "sim.num_supernodes=4", "train.evaluate_every=100", *overrides])
+    engine = [] if any(o.startswith("sim.backend=") for o in overrides) else ["sim.backend=ray"]
+    cfg = composed(["dataset=digits", "sim.num_supernodes=4", "train.evaluate_every=100", *engine, *overrides])
     record = run_job(cfg, cfg.hydra.runtime.choices, tmp_path / name)
     lines = (Path(record["run-folder"]) / "metrics.jsonl").read_text().splitlines() if record["run-folder"] else []
     return record, [json.loads(line) for line in lines]

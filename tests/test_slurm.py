@@ -30,7 +30,7 @@ def test_the_slurm_launcher_asks_for_what_the_sim_keys_need():
         "gpu",
         "lab",
     )
-    assert launcher.sim_backend == "inprocess" and launcher.timeout_min == 240
+    assert launcher.sim_backend == "batched" and launcher.timeout_min == 240
     assert composed(["hydra/launcher=slurm"]).hydra.launcher.gpus_per_node is None  # no GPU: no --gpus-per-node
 
 

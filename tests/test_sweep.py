@@ -91,7 +91,7 @@ def test_hydra_overrides_become_the_validated_run_config(tmp_path):
     )
     assert (config.partitioner_settings.dirichlet_alpha, config.seed, config.min_available_nodes) == (0.1, 1, 7)
     assert (config.results_dir, config.run_name) == (str(tmp_path.resolve()), "run")
-    assert sim.num_supernodes == 7
+    assert (sim.num_supernodes, sim.backend, sim.vectorise) == (7, "batched", "auto")
     assert sim.federation_config() == {
         "num-supernodes": 7,
         "client-resources-num-cpus": 1,

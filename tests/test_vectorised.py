@@ -189,20 +189,63 @@ def test_every_strategy_says_whether_it_vectorises_and_why_not():
     assert "overrides loss" in Custom.not_vectorised
 
 
-def test_vectorise_auto_is_refused_by_what_cannot_vectorise_and_off_turns_it_off():
+def test_vectorise_on_is_refused_by_what_cannot_vectorise_and_off_turns_it_off():
     config = parse_run_config({"dataset": "digits", "model": "small-mlp", "strategy": "moon"})
-    assert vectorise_choice(config, "auto")[0] is False and "moon" in vectorise_choice(config, "auto")[1]
+    for setting in ("on", "auto"):
+        stacked, reason = vectorise_choice(config, setting, gpu_workers=True)
+        assert stacked is False and reason.startswith("strategy moon: ")
     fedavg = config.replace(strategy="fedavg")
-    assert vectorise_choice(fedavg, "auto")[0] is True and vectorise_choice(fedavg, "off") == (
+    assert vectorise_choice(fedavg, "on")[0] is True and vectorise_choice(fedavg, "off") == (
         False,
         "sim.vectorise=off",
     )
-    with pytest.raises(ValueError, match=r"sim.vectorise = 'on' is not allowed: choose one of \['auto', 'off'\]"):
-        vectorise_choice(fedavg, "on")
+    with pytest.raises(
+        ValueError, match=r"sim.vectorise = 'yes' is not allowed: choose one of \['auto', 'on', 'off'\]"
+    ):
+        vectorise_choice(fedavg, "yes")
+
+
+def test_vectorise_auto_stacks_only_where_clients_train_on_cuda(monkeypatch):
+    fedavg = parse_run_config({"dataset": "digits", "model": "small-mlp", "device": "auto"})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    stacked, reason = vectorise_choice(fedavg, "auto")
+    assert stacked is False and reason.startswith("device cpu: stacked updates are not faster")
+    assert "sim.vectorise=on forces them" in reason
+    assert vectorise_choice(fedavg, "on") == (True, "fedavg on small-mlp vectorises (torch.func); sim.vectorise=on")
+    assert vectorise_choice(fedavg, "auto", gpu_workers=True)[0] is True  # Ray workers given a GPU share
+    assert vectorise_choice(fedavg.replace(device="cuda"), "auto")[0] is False  # no CUDA here: select_device's CPU
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert vectorise_choice(fedavg, "auto") == (True, "fedavg on small-mlp vectorises (torch.func) and trains on CUDA")
+    assert vectorise_choice(fedavg.replace(device="cpu"), "auto", gpu_workers=True)[0] is False
+
+
+def test_a_run_with_vectorise_auto_on_a_cpu_trains_one_after_another(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    calls = _count_stacked(monkeypatch)
+    values = {"dataset": "digits", "model": "small-mlp", "num-server-rounds": 1, "results-dir": str(tmp_path)}
+    run_batched({**values, "run-name": "auto"}, 3, "auto")
+    assert calls == []
+    run_batched({**values, "run-name": "on"}, 3, "on")
+    assert len(calls) == 1
+
+
+def _count_stacked(monkeypatch) -> list[int]:
+    """Each stacked update the batched engine's workers train, by its number of clients."""
+    from fl_app.engines import worker
+
+    calls: list[int] = []
+    original = worker.train_stacked
+
+    def counted(jobs, *args, **kwargs):
+        calls.append(len(jobs))
+        return original(jobs, *args, **kwargs)
+
+    monkeypatch.setattr(worker, "train_stacked", counted)
+    return calls
 
 
 @pytest.mark.parametrize("strategy", ["fedavg", "scaffold"])
-def test_float32_stacked_runs_stay_within_0_2_accuracy_points_of_sequential_ones(strategy, tmp_path):
+def test_float32_stacked_runs_stay_within_0_2_accuracy_points_of_sequential_ones(strategy, tmp_path, monkeypatch):
     values = {
         "strategy": strategy,
         "dataset": "digits",
@@ -217,12 +260,14 @@ def test_float32_stacked_runs_stay_within_0_2_accuracy_points_of_sequential_ones
         "device": "cpu",
     }
     rows = {}
-    for vectorise in ("off", "auto"):
+    calls = _count_stacked(monkeypatch)
+    for vectorise in ("off", "on"):
         run_batched({**values, "run-name": vectorise}, 8, vectorise)
         lines = (tmp_path / vectorise / "metrics.jsonl").read_text().splitlines()
         rows[vectorise] = [json.loads(line) for line in lines]
-    assert len(rows["off"]) == len(rows["auto"]) == 5
-    for one, other in zip(rows["off"], rows["auto"], strict=True):
+    assert len(calls) == 4 and all(count > 1 for count in calls)  # "on": one stacked update a round
+    assert len(rows["off"]) == len(rows["on"]) == 5
+    for one, other in zip(rows["off"], rows["on"], strict=True):
         assert abs(one["accuracy"] - other["accuracy"]) <= 0.002, (one["round"], one["accuracy"], other["accuracy"])
         assert one.get("clients-trained") == other.get("clients-trained")
-    assert Path(tmp_path / "auto" / "summary.json").exists()
+    assert Path(tmp_path / "on" / "summary.json").exists()

@@ -2,8 +2,9 @@
 
     run_batched({"dataset": "digits", "num-server-rounds": 3}, num_nodes=100)
 
-``vectorise``: ``auto`` trains a round's clients stacked where the algorithm and the model allow it (said once
-in the log), ``off`` one after another. ``ray``: None keeps one worker in this process; :class:`RayOptions` runs
+``vectorise``: ``on`` trains a round's clients stacked where the algorithm and the model allow it, ``auto`` there
+only where they also train on CUDA (stacking was not faster on a CPU), ``off`` one after another (the choice and
+its reason said once in the log). ``ray``: None keeps one worker in this process; :class:`RayOptions` runs
 long-lived Ray actors (on a cluster with ``address``).
 """
 
@@ -23,7 +24,7 @@ def run_batched(
     """Run one experiment on ``num_nodes`` simulated nodes; returns its summary."""
     values = {**values, "min-available-nodes": num_nodes}
     config = parse_run_config(values)
-    stacked, reason = vectorise_choice(config, vectorise)
+    stacked, reason = vectorise_choice(config, vectorise, ray is not None and ray.worker_gpus > 0)
     describe_choice(stacked, reason)
     pool: WorkerPool
     if ray is None:

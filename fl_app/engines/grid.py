@@ -21,13 +21,14 @@ from flwr.common.logger import log
 from core.config import RunConfig
 from core.data import dataset_info
 from core.model_io import build_model_for
+from core.training import select_device
 from core.vectorised import unsupported
 from fl_app.config import ConfigError
 from fl_app.engines.worker import Job, Worker
 from fl_app.inprocess import FIRST_NODE_ID, give_message_id, node_contexts, set_task_identity
 from strategies import get_strategy
 
-VECTORISE_CHOICES = ("auto", "off")
+VECTORISE_CHOICES = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -66,9 +67,15 @@ class InProcessPool:
         """Nothing to release: the worker goes with this object."""
 
 
-def vectorise_choice(config: RunConfig, setting: str) -> tuple[bool, str]:
-    """Whether training messages train stacked (``sim.vectorise``: ``auto`` = wherever the algorithm's local
-    update and the model allow it), and why (one line for the log)."""
+def vectorise_choice(config: RunConfig, setting: str, gpu_workers: bool = False) -> tuple[bool, str]:
+    """Whether training messages train stacked, and why (one line for the log).
+
+    ``sim.vectorise``: ``on`` = wherever the algorithm's local update and the model allow it, on any device;
+    ``auto`` = there and only where the clients also train on CUDA (``device`` as
+    :func:`core.training.select_device` resolves it here, or Ray workers given a GPU share, ``gpu_workers``): on
+    a CPU a stacked update was not faster than one client after another (``benchmarks/stacked_step.py``);
+    ``off`` = never.
+    """
     if setting not in VECTORISE_CHOICES:
         raise ConfigError(f"sim.vectorise = {setting!r} is not allowed: choose one of {list(VECTORISE_CHOICES)}")
     if setting == "off":
@@ -80,7 +87,16 @@ def vectorise_choice(config: RunConfig, setting: str) -> tuple[bool, str]:
     reason = unsupported(build_model_for(config, shape, classes))
     if reason is not None:
         return False, f"model {config.model}: {reason}"
-    return True, f"{config.strategy} on {config.model} vectorises (torch.func)"
+    allowed = f"{config.strategy} on {config.model} vectorises (torch.func)"
+    if setting == "on":
+        return True, f"{allowed}; sim.vectorise=on"
+    cuda = config.device != "cpu" and (gpu_workers or select_device(config.device).type == "cuda")
+    if not cuda:
+        return False, (
+            "device cpu: stacked updates are not faster than one after another on a CPU "
+            "(benchmarks/stacked_step.py); sim.vectorise=on forces them"
+        )
+    return True, f"{allowed} and trains on CUDA"
 
 
 class BatchedGrid:

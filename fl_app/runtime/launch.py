@@ -32,6 +32,8 @@ from core.data import DatasetMissingError, check_dataset_available
 from core.partitioning.partitions import partition_dataset
 from fl_app.checkpoint import checkpointed_round, resume_checkpoint, run_folder
 from fl_app.config import ConfigError, RunConfig, parse_run_config, validate_run
+from fl_app.engines.batched import ray_options, run_batched
+from fl_app.engines.grid import VECTORISE_CHOICES, RayOptions
 from fl_app.runtime.common import PROJECT_ROOT
 from fl_app.runtime.flwr_cli import parse_overrides, submit_and_follow
 from fl_app.runtime.keys import refuse_exposed_keys
@@ -126,9 +128,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--vectorise",
-        choices=("auto", "off"),
+        choices=VECTORISE_CHOICES,
         default="auto",
-        help="batched: train a round's clients as one stacked update where the algorithm allows it (auto)",
+        help="batched: on trains a round's clients as one stacked update where the algorithm and the model allow "
+        "it; auto (default) only where they also train on CUDA (stacking was not faster on a CPU); off: never",
     )
     parser.add_argument("--workers", type=int, default=None, help="batched: this many Ray actors as workers")
     args = parser.parse_args(argv)
@@ -210,9 +213,6 @@ def simulate_on_local_superlink(
 def run_batched_here(config: RunConfig, args: argparse.Namespace) -> tuple[str, str]:
     """Run the experiment on the batched engine in this process (Ray actors as workers when asked for, or where
     GPUs are shared); the run's final status as ``flwr ls`` would give it."""
-    from fl_app.engines.batched import ray_options, run_batched  # torch loads only here
-    from fl_app.engines.grid import RayOptions
-
     options = ray_options(args.workers, args.ray_address, args.num_cpus, args.num_gpus)
     if options is None and args.num_gpus > 0:  # fractional GPUs are Ray's to hand out: as many workers as fit
         options = RayOptions(worker_cpus=args.num_cpus, worker_gpus=args.num_gpus)

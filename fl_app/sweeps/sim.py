@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fl_app.config import ConfigError
+from fl_app.engines.grid import VECTORISE_CHOICES
 from fl_app.runtime.ray_cluster import attach_to_cluster
 from plugins.options import non_negative, option, positive
 
@@ -30,20 +31,21 @@ class SimSettings:
     """How one job's simulation uses the machine (``sim.*``; not run-config keys)."""
 
     backend: str = option(
-        "ray",
-        "ray: Flower's simulation runtime, clients in parallel on Ray (flwr run on a private local SuperLink); "
-        "inprocess: the same "
-        "apps in the job's process, one client at a time (no start-up cost); batched: a round's messages at once "
-        "to long-lived workers (the job's process, or Ray actors: sim.workers, sim.ray_address)",
+        "batched",
+        "batched (the default: no Ray to start per job, and the same metrics rows as ray for every algorithm): "
+        "a round's messages at once to long-lived workers (the job's process, or Ray actors: sim.workers, "
+        "sim.ray_address); ray: Flower's simulation runtime, clients in parallel on Ray (flwr run on a private "
+        "local SuperLink); inprocess: the same apps in the job's process, one client at a time",
         lambda v: v in ("ray", "inprocess", "batched"),
         "choose one of ['batched', 'inprocess', 'ray']",
     )
     vectorise: str = option(
         "auto",
-        "batched engine: auto trains a round's clients as one stacked update where the algorithm and "
-        "the model allow it (the log says); off: one after another",
-        lambda v: v in ("auto", "off"),
-        "choose one of ['auto', 'off']",
+        "batched engine: on trains a round's clients as one stacked update where the algorithm and the model "
+        "allow it; auto does so only where the clients also train on CUDA (on a CPU stacking was not faster); "
+        "off: one after another (the log says which and why)",
+        lambda v: v in VECTORISE_CHOICES,
+        f"choose one of {list(VECTORISE_CHOICES)}",
     )
     workers: int | None = option(
         None,
@@ -60,13 +62,15 @@ class SimSettings:
     )
     client_cpus: float = option(
         1,
-        "Ray CPUs per client: at most ray_cpus / client_cpus clients train at once",
+        "Ray CPUs per client (ray) or per Ray actor worker (batched with sim.workers or sim.ray_address): at most "
+        "ray_cpus / client_cpus of them train at once",
         _whole(positive),
         "must be a positive whole number (Flower's simulation config takes whole CPUs per client)",
     )
     client_gpus: float = option(
         0.0,
-        "Ray GPUs per client (e.g. 0.25: four clients share one GPU)",
+        "Ray GPUs per client (ray) or per Ray actor worker (batched with sim.workers or sim.ray_address), e.g. 0.25: "
+        "four share one GPU; batched without Ray actors trains on the job's own device (device=auto)",
         non_negative,
         "must be a non-negative number",
     )

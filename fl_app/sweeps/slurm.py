@@ -9,8 +9,9 @@ every job has ended, each one's state read from SLURM (``scontrol``, else ``sacc
 sweep report (:mod:`fl_app.sweeps.report`) reads it to list each failed job with its SLURM id, state and log
 while the others' results count, also for a job that SLURM ended before it started.
 
-On the compute node the jobs run with the in-process backend (``sim_backend``: one client after the other in the
-job's process, no Ray to start on a node SLURM gave a few cores) unless the sweep sets ``sim.backend`` itself.
+On the compute node the jobs run on the batched engine (``sim_backend``: a worker in the job's process, no Ray to
+start on a node SLURM gave a few cores, unless ``sim.workers`` asks for Ray actors) unless the sweep sets
+``sim.backend`` itself.
 The resources each job asks for come from the ``sim.*`` keys (:func:`job_cpus`, :func:`job_gpus`).
 """
 
@@ -107,7 +108,7 @@ class AlignflSlurmConf(SlurmQueueConf):
     """Hydra's ``submitit_slurm`` launcher config, run by :class:`SlurmLauncher`, plus the backend jobs use."""
 
     _target_: str = "hydra_plugins.alignfl_slurm.SlurmLauncher"
-    sim_backend: str | None = "inprocess"
+    sim_backend: str | None = "batched"
     """``sim.backend`` of every job that does not set it (null: the config's)."""
 
 
@@ -151,7 +152,7 @@ def slurm_state(job_id: str, stdout: Path) -> str:
 class SlurmLauncher(submitit_launcher.SlurmLauncher):
     """Hydra's submitit SLURM launcher, waiting for every job and recording each one's end (see the module)."""
 
-    def __init__(self, sim_backend: str | None = "inprocess", **params: Any) -> None:
+    def __init__(self, sim_backend: str | None = "batched", **params: Any) -> None:
         super().__init__(**params)
         self.sim_backend = sim_backend
 

@@ -244,7 +244,8 @@ def simulate(config: RunConfig, sim: SimSettings) -> None:
     local SuperLink, as the launcher runs it (what Flower 1.42 recommends in place of its deprecated
     ``run_simulation``). ``sim.backend=inprocess`` calls the same ServerApp and ClientApp in this process, one
     client after the other: no Ray to start and data loaded once for every job of the sweep, the same metrics;
-    ``batched`` hands a round's messages to long-lived workers at once (:mod:`fl_app.engines`)."""
+    ``batched`` (the default: the same metrics, no Ray to start) hands a round's messages to long-lived workers
+    at once (:mod:`fl_app.engines`)."""
     if sim.torch_threads is not None:
         torch.set_num_threads(sim.torch_threads)
     values = config.to_run_config()
