@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from core.config import RunConfig
 from core.model_io import to_arrays
 from core.nodes import NodeDirectory
-from core.replies import CONFIG_RECORD, MODEL_RECORD, reply_problem
+from core.replies import CONFIG_RECORD, MODEL_RECORD, array_values, reply_problem
 from core.sub_models import ClientWidths, first_units
 from core.widths import refuse_mixed_widths
 from models import PermutationSpec
@@ -73,9 +73,9 @@ def weighted_mean(replies: Sequence[Reply]) -> ArrayRecord:
         factor = reply.weight / total
         for key, array in reply.arrays.items():
             if key in sums:
-                sums[key] += array.numpy() * factor
+                sums[key] += array_values(array) * factor
             else:
-                sums[key] = array.numpy() * factor
+                sums[key] = array_values(array) * factor
     return ArrayRecord({key: Array(value) for key, value in sums.items()})
 
 

@@ -24,7 +24,7 @@ from core.model_io import build_run_model, load_arrays
 from core.nodes import is_holdout
 from core.partitioning.partitions import client_split, partition_dataset
 from core.replies import MODEL_RECORD, NEW_CLIENT, NUM_EXAMPLES
-from core.training import round_generator, select_device
+from core.training import round_generator, seed_torch, select_device
 from fl_app.config import parse_run_config
 from fl_app.node_state import begin_message, end_train
 from fl_app.results import RAY_NODE_RECORD, ray_placement, where_this_runs
@@ -178,7 +178,7 @@ def begin_train(
             "and must not train; run the server with the same holdout-clients"
         )
     generator = round_generator(config.seed, int(message.content["config"]["server-round"]), partition_id)
-    torch.manual_seed(int(torch.randint(0, 2**62, (1,), generator=generator)))
+    seed_torch(int(torch.randint(0, 2**62, (1,), generator=generator)), device)
     update = get_strategy(config.strategy).client(config, context, message.content)
     return TrainJob(message, context, config, partition_id, data, model, device, generator, update)
 

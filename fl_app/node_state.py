@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
+from functools import lru_cache
 from logging import INFO, WARNING
 from pathlib import Path
 
@@ -138,11 +139,18 @@ def state_store(context: Context, config: RunConfig, partition_id: int) -> State
         return None
     if name in (".", "..") or "/" in name or "\0" in name:
         raise ValueError(f"run folder name {name!r} (from run-name or resume-from) is not a plain folder name")
-    root = state_root(context).resolve()
+    return StateStore(_client_folder(state_root(context), name, partition_id))
+
+
+@lru_cache(maxsize=65536)
+def _client_folder(root: Path, name: str, partition_id: int) -> Path:
+    """A client's snapshot folder, resolved and checked to lie inside ``root`` once per process (resolving
+    costs a system call per path component, and a client's training message asks twice)."""
+    root = root.resolve()
     folder = (root / name / f"partition-{partition_id}").resolve()
     if not folder.is_relative_to(root):
         raise ValueError(f"client state folder {folder} lies outside the state root {root}")
-    return StateStore(folder)
+    return folder
 
 
 def begin_message(context: Context, config: RunConfig, partition_id: int, server_round: int) -> None:

@@ -7,11 +7,11 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 import torch
-from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from torch import nn
 
-from core.replies import reply_problem
+from core.replies import array_values, reply_problem
 from core.rounds import MetricAggregation, Participation, RoundRunner
 from core.strategy import Reply, RunContext, ServerStrategy
 from fl_app.config import parse_run_config
@@ -89,6 +89,31 @@ def test_malformed_replies_are_described(arrays, examples, fragment):
 
 def test_well_formed_reply_has_no_problem():
     assert reply_problem(_content(GLOBAL, 3), _arrays(GLOBAL)) is None
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        np.arange(6, dtype=np.float32).reshape(2, 3),
+        np.asfortranarray(np.random.default_rng(0).random((3, 5))),
+        np.array(3.0, dtype=np.float64),
+        np.zeros((0, 4), np.float16),
+        np.arange(5, dtype=np.int64),
+    ],
+)
+def test_array_values_are_what_flowers_reading_gives(values):
+    array = Array(values)
+    read = array_values(array)
+    assert read.dtype == array.numpy().dtype and read.shape == array.numpy().shape
+    assert np.array_equal(read, array.numpy())
+
+
+def test_a_reply_whose_array_bytes_do_not_match_their_header_is_described():
+    good = _arrays(GLOBAL)["w"]
+    content = _content(GLOBAL, 3)
+    content["arrays"]["w"] = Array(good.dtype, tuple(good.shape), good.stype, good.data[:-4])
+    problem = reply_problem(content, _arrays(GLOBAL))
+    assert problem is not None and "array 'w' of 'arrays' cannot be read" in problem and "needs 24" in problem
 
 
 # --- one training round of the round runner over scripted nodes -------------------------------------------
