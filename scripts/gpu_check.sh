@@ -14,5 +14,7 @@ print(f"gpu_check.sh: {torch.cuda.get_device_name(0)}, torch {torch.__version__}
 PYCHECK
 OUT="${OUT:-$(mktemp -d /tmp/alignfl-gpu-check-XXXXXX)}"
 timeout 90 "$PY" -m pytest -q -n 0 -m cuda tests/test_cuda.py
+# the CNN and the 2NN by default (the 1024-wide MLP too: --models twonn,mlp,twocnn, beyond 8 minutes with Ray)
+[ $# -eq 0 ] && set -- --models twonn,twocnn
 timeout 390 "$PY" benchmarks/cross_device.py --out "$OUT" "$@"
 echo "gpu_check.sh: table in $OUT/report.md"
