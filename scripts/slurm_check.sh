@@ -11,8 +11,8 @@
 #   4. a second sweep of which one job is cancelled with scancel while it RUNS (its log written) and one while it is
 #      PENDING (where one is): SLURM's state of the running one is CANCELLED, the report names both as cancelled,
 #      with their SLURM job ids and logs, and the others complete and count
-#   5. one job with sim.backend=ray: Ray starts inside the SLURM job on the compute node (the job's log shows
-#      Flower's Ray backend starting and stopping, and a Ray session appears in the temp folder the job was given),
+#   5. one job with sim.backend=ray: Ray starts inside the SLURM job on the compute node (the job's output shows
+#      flwr run using its private local SuperLink, and a Ray session appears in the temp folder the job was given),
 #      the job COMPLETES, and Ray's processes end with it (that temp folder is checked in step 6)
 #   6. nothing left behind: no SLURM job, no daemon, no process of the jobs (Ray's included), no spool or state
 #      file
@@ -280,12 +280,12 @@ jobs = json.loads((work / "sweep-ray" / "slurm-jobs.json").read_text())
 states = [job["state"] for job in jobs]
 if states != ["COMPLETED"]:
     problems.append(f"SLURM states {states}")
-# Ray's own "Started a local Ray instance" goes to a logger the job's Hydra logging leaves silent; Flower's backend
-# logs its start and end into the job's log, and Ray makes its session in the job's RAY_TMPDIR (sbatch exports it).
-job_logs = "".join(log.read_text() for log in (work / "sweep-ray").glob("**/sweep.log"))
-for line in ("Initialising: RayBackend", "Terminated RayBackend"):
-    if line not in job_logs:
-        problems.append(f"the job's log lacks Flower's {line!r}")
+# The sweep's ray backend runs `flwr run` on a private SuperLink inside the job (its output, submitit's log, names
+# it); Flower's simulation runtime logs its Ray backend in the SuperLink's processes, not the job's; Ray makes its
+# session in the job's RAY_TMPDIR (sbatch exports it).
+job_output = "".join(log.read_text() for log in (work / "sweep-ray" / ".submitit").glob("**/*_log.out"))
+if "Using SuperLink: local" not in job_output:
+    problems.append("the job's output lacks flwr run's 'Using SuperLink: local' (the private SuperLink)")
 sessions = sorted((ray_tmp / "ray").glob("session_2*"))
 if not any((session / "logs" / "gcs_server.out").exists() for session in sessions):
     problems.append(f"no Ray session (its gcs_server log) in the job's RAY_TMPDIR {ray_tmp}/ray")
@@ -293,8 +293,8 @@ summaries = list((work / "sweep-ray").glob("**/summary.json"))
 if len(summaries) != 1:
     problems.append(f"{len(summaries)} run summaries")
 print("; ".join(problems) if problems else
-      f"SLURM job {jobs[0]['slurm_job_id']} COMPLETED with Ray started in it (Flower's RayBackend started and "
-      f"stopped in its log; Ray session {sessions[-1].name} in {ray_tmp}/ray); final accuracy "
+      f"SLURM job {jobs[0]['slurm_job_id']} COMPLETED with Ray started in it (flwr run on its private local "
+      f"SuperLink; Ray session {sessions[-1].name} in {ray_tmp}/ray); final accuracy "
       f"{json.loads(summaries[0].read_text())['final-accuracy']:.4f}")
 sys.exit(1 if problems else 0)
 PY
