@@ -131,7 +131,13 @@ def engine_run(engine: str, values: dict[str, Any], num_clients: int, ray_cpus: 
     """One run on ``engine``; rows of seconds, CPU seconds (process tree) and, in the rounds the server evaluated,
     accuracy per round."""
     runners: dict[str, Callable[[dict[str, Any]], Any]] = {
-        "ray": lambda v: simulate({**v, "min-available-nodes": num_clients}, num_clients, ray_cpus),
+        # on a GPU machine each Ray client gets the GPU (Ray hides it from actors without a GPU share)
+        "ray": lambda v: simulate(
+            {**v, "min-available-nodes": num_clients},
+            num_clients,
+            ray_cpus,
+            client_gpus=float(torch.cuda.is_available()),
+        ),
         "inprocess": lambda v: run_in_process(v, num_clients),
         "batched": lambda v: run_batched(v, num_clients, "off"),
         "vectorised": lambda v: run_batched(v, num_clients, "on"),
