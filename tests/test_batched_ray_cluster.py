@@ -8,52 +8,27 @@ when the module is done, also when a test fails.
 from __future__ import annotations
 
 import json
-import os
-import threading
-import time
-from pathlib import Path
 
 import pytest
 
 from fl_app.engines.batched import run_batched
 from fl_app.engines.grid import RayOptions
-from fl_app.runtime.local_ray import local_ray_cluster
+from tests.ray_clusters import cluster_left_clean, kill_node_after_round_1
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    with local_ray_cluster([1, 1]) as started:
-        temp_dir = str(started.temp_dir)
+    with cluster_left_clean([1, 1]) as started:
         yield started
-    left = [pid for pid in os.listdir("/proc") if pid.isdigit() and _cmdline_has(pid, temp_dir)]
-    assert not left, f"processes of the test's Ray cluster are left: {left}"
-
-
-def _cmdline_has(pid: str, text: str) -> bool:
-    try:
-        return text.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return False
 
 
 def test_a_node_lost_mid_run_drops_its_clients_naming_it_and_the_other_node_trains_the_rest(cluster, tmp_path):
     nodes = cluster.nodes()
     lost = nodes["node1"]
     metrics = tmp_path / "lost" / "metrics.jsonl"
-    killed: list[int] = []
-
-    def kill_after_round_1() -> None:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if metrics.exists() and any(json.loads(line)["round"] == 1 for line in metrics.read_text().splitlines()):
-                killed.append(cluster.kill_raylet(1))
-                return
-            time.sleep(0.05)
-
-    killer = threading.Thread(target=kill_after_round_1, daemon=True)
-    killer.start()
+    killer, killed = kill_node_after_round_1(cluster, metrics)
     values = {
         "dataset": "digits",
         "num-server-rounds": 4,

@@ -8,7 +8,6 @@ processes, by pid, when the module is done, also when a test fails.
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 from pathlib import Path
@@ -22,10 +21,10 @@ from fl_app.inprocess import InProcessGrid
 from fl_app.results import RAY_NODE_RECORD, _ray_nodes
 from fl_app.runtime import launch
 from fl_app.runtime.common import free_port
-from fl_app.runtime.local_ray import local_ray_cluster
 from fl_app.runtime.ray_cluster import RayNode, check_client_fits, check_ray_address
 from fl_app.sweeps.sim import SimSettings
 from fl_app.sweeps.sweep import register_configs, run_job
+from tests.ray_clusters import cluster_left_clean, kill_node_after_round_1
 from tests.test_data import write_mnist_raw
 from tests.test_sweep import composed, sweep
 
@@ -137,18 +136,8 @@ def mnist_root(tmp_path_factory):
 def cluster(mnist_root):
     """A head (2 CPUs, resource ``node0``) and a second node (2 CPUs, ``node1``) that lacks ``mnist_root``;
     afterwards no process of theirs is left."""
-    with local_ray_cluster([2, 2], hidden={1: [mnist_root]}) as started:
-        temp_dir = str(started.temp_dir)
+    with cluster_left_clean([2, 2], hidden={1: [mnist_root]}) as started:
         yield started
-    left = [pid for pid in os.listdir("/proc") if pid.isdigit() and _cmdline_has(pid, temp_dir)]
-    assert not left, f"processes of the test's Ray cluster are left: {left}"
-
-
-def _cmdline_has(pid: str, text: str) -> bool:
-    try:
-        return text.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return False
 
 
 def _job(cluster, tmp_path: Path, name: str, *overrides: str) -> tuple[dict, list[dict]]:
@@ -212,18 +201,7 @@ def test_a_node_lost_mid_run_drops_its_messages_naming_it_and_the_next_rounds_tr
     that names it, its actors leave Flower's pool, and every later round trains all four clients on the head."""
     lost = cluster.nodes()["node1"]
     metrics = tmp_path / "lost" / "run" / "metrics.jsonl"
-    killed: list[int] = []
-
-    def kill_after_round_1() -> None:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if metrics.exists() and any(json.loads(line)["round"] == 1 for line in metrics.read_text().splitlines()):
-                killed.append(cluster.kill_raylet(1))
-                return
-            time.sleep(0.05)
-
-    killer = threading.Thread(target=kill_after_round_1, daemon=True)
-    killer.start()
+    killer, killed = kill_node_after_round_1(cluster, metrics)
     started = time.monotonic()
     record, rows = _job(cluster, tmp_path, "lost", "train.num_server_rounds=4", f"sim.ray_address={cluster.address}")
     killer.join(timeout=1)
