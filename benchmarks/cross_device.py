@@ -42,7 +42,7 @@ from torch import nn
 
 from core.calibration import classification_scores
 from core.model_io import build_run_model, federated_state
-from core.training import evaluate, iterate_batches, round_generator, seed_everything, select_device
+from core.training import evaluate, iterate_batches, round_generator, seed_everything, seed_torch, select_device
 from fl_app.checkpoint import load_checkpoint
 from fl_app.client_app import client_data
 from fl_app.config import RunConfig, parse_run_config
@@ -100,7 +100,7 @@ def plain_run(config: RunConfig, num_clients: int) -> list[dict[str, Any]]:
             train_x, train_y, _, _ = client(pid)
             model.load_state_dict(global_state, strict=False)
             generator = round_generator(config.seed, server_round, pid)
-            torch.manual_seed(int(torch.randint(0, 2**62, (1,), generator=generator)))
+            seed_torch(int(torch.randint(0, 2**62, (1,), generator=generator)), device)  # as a client seeds
             optimizer = torch.optim.SGD(
                 model.parameters(), lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay
             )

@@ -53,7 +53,7 @@ from core.calibration import classification_scores
 from core.data import load_dataset
 from core.model_io import build_run_model, federated_state
 from core.partitioning.partitions import client_split, partition_dataset
-from core.training import evaluate, iterate_batches, round_generator, seed_everything
+from core.training import evaluate, iterate_batches, round_generator, seed_everything, seed_torch
 from fl_app.config import RunConfig, parse_run_config
 from fl_app.engines.batched import run_batched
 
@@ -111,7 +111,7 @@ def plain_fedavg(config: RunConfig, num_clients: int) -> list[dict[str, Any]]:
         for pid, (train_x, train_y, _, _) in enumerate(clients):
             model.load_state_dict(global_state, strict=False)
             generator = round_generator(config.seed, server_round, pid)
-            torch.manual_seed(int(torch.randint(0, 2**62, (1,), generator=generator)))
+            seed_torch(int(torch.randint(0, 2**62, (1,), generator=generator)), device)  # as a client seeds
             local_sgd(model, config, train_x, train_y, generator)
             for key, value in federated_state(model).items():
                 summed[key] += value * (len(train_y) / total)
