@@ -47,6 +47,7 @@ from plugins.options import (
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 SERVER_WEIGHTINGS = ("examples", "uniform")
 TRACKING_CHOICES = ("tensorboard", "mlflow", "both", "none")
+CLIENT_INITS = ("global", "independent")
 
 
 MLFLOW_SCHEMES = ("databricks", "file", "http", "https", "mssql", "mysql", "postgresql", "sqlite")
@@ -115,6 +116,11 @@ class RunSection:
     )
     init: str = choice("default", "weight init after the model is built (default: as built; he: He-normal)", INITS)
     log_divergence: bool = option(False, "log per-layer weight divergence of the clients' models every round")
+    log_units_moved: bool = option(
+        False,
+        "log per group the share of units each client's training moved (client-units-moved: weight matching of "
+        "its model onto the model the round started from; needs a model with a permutation description)",
+    )
     results_dir: str = option(
         "",
         "where run folders go (absolute; empty: $ALIGNFL_RESULTS, else ~/alignfl-results)",
@@ -153,6 +159,18 @@ class TrainSection:
 
     num_server_rounds: int = option(10, "communication rounds", positive, "must be a positive integer")
     local_epochs: int = option(1, "local epochs per round", positive, "must be a positive integer")
+    client_init: str = choice(
+        "global",
+        "what clients start round 1 from: global (the server's initial model, as in every later round) or "
+        "independent (each client its own initialisation, seeded by seed and partition: the setting of one-shot "
+        "merging and model fusion); later rounds start from the global model",
+        CLIENT_INITS,
+    )
+    server_ensemble: bool = option(
+        False,
+        "the server also scores the clients' trained models of every round on the test split: their ensemble "
+        "(mean softmax, server-ensemble), the best one (server-best-client) and their mean (server-client-mean)",
+    )
     batch_size: int = option(64, "local mini-batch size", positive, "must be a positive integer")
     lr: float = option(0.05, "client learning rate", positive, "must be a finite number > 0")
     lr_decay: float = option(

@@ -13,7 +13,7 @@ import torch
 from flwr.app import ArrayRecord
 from torch import nn
 
-from core.widths import global_width, width_options
+from core.widths import global_width, width_of, width_options
 from models import PermutationSpec, build_model
 from models.init import INITS
 
@@ -34,6 +34,24 @@ def build_model_at(config: RunConfig, input_shape: tuple[int, int, int], num_cla
     model = build_model(config.model, input_shape, num_classes, config.pan, **width_options(config, width))
     INITS[config.init](model)
     return model
+
+
+def independent_seed(seed: int, partition_id: int) -> int:
+    """The torch seed of client ``partition_id``'s own initialisation (``client-init=independent``): a function of
+    the run's seed and the partition only, so every engine and the offline ``merge`` tool draw the same one, and
+    none draws the server's initial model (seeded by ``seed`` alone)."""
+    return seed * 1_000_003 + 500_009 + partition_id
+
+
+def independent_start(
+    config: RunConfig, input_shape: tuple[int, int, int], num_classes: int, partition_id: int
+) -> dict[str, torch.Tensor]:
+    """Client ``partition_id``'s own initial federated state at its width (:func:`core.widths.width_of`), built
+    on the CPU from :func:`independent_seed` without touching the process's torch stream."""
+    with torch.random.fork_rng(devices=[]):
+        torch.random.default_generator.manual_seed(independent_seed(config.seed, partition_id))
+        model = build_model_at(config, input_shape, num_classes, width_of(config, partition_id))
+    return federated_state(model)
 
 
 def build_run_model(config: RunConfig, dataset: ImageDataset) -> nn.Module:

@@ -211,7 +211,9 @@ class RoundRunner:
             self.strategy.on_empty_round(server_round)
             return arrays
         self.metrics.train([r.content for r in usable], NUM_EXAMPLES)
-        aggregated = self.strategy.aggregate(server_round, usable, arrays)
+        aggregated = self.strategy.aggregate(
+            server_round, usable, self._alignment_reference(server_round, usable, arrays)
+        )
         if self.metrics.round_metrics is not None:
             self.metrics.round_metrics(server_round, self.strategy.round_metrics())
         if aggregated is None:
@@ -226,6 +228,18 @@ class RoundRunner:
             )
             return arrays
         return aggregated
+
+    def _alignment_reference(self, server_round: int, usable: list[Reply], arrays: ArrayRecord) -> ArrayRecord:
+        """What an aligning strategy aligns onto: the global model, except in the first round of independently
+        initialised clients, where no client started from it: then the first client's model (partition order)
+        whose shapes are the global model's."""
+        if not (self.strategy.aligns_to_reference and server_round == 1 and self.config.client_init == "independent"):
+            return arrays
+        for reply in usable:
+            if arrays_problem(reply.arrays, arrays, "reference") is None:
+                log(INFO, "round 1: independent starts, aligning onto client %s's model", self.nodes.name(reply.node))
+                return reply.arrays
+        return arrays
 
     def _aggregate_problem(self, aggregated: ArrayRecord, arrays: ArrayRecord) -> str | None:
         if self.strategy.changes_shapes:

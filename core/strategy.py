@@ -25,7 +25,7 @@ from core.sub_models import ClientWidths, first_units
 from core.widths import refuse_mixed_widths
 from models import PermutationSpec
 from models.protocol import ModelHead, head_of
-from plugins.options import settings_fields
+from plugins.options import refuse, settings_fields
 
 
 @dataclass(frozen=True)
@@ -107,6 +107,13 @@ class ServerStrategy:
     """The models of every client width, which such an algorithm builds in ``__init__`` when it takes them:
     training messages then go at each client's width (the global model made that width by :meth:`narrow`) and
     a reply is checked against the model of its width."""
+    aligns_to_reference: bool = False
+    """Whether :meth:`aggregate` aligns the clients' models onto ``reference`` (matching, OT fusion). In a round
+    whose clients share no starting model (``client-init=independent``, round 1) the round runner then hands it
+    the first client's model (partition order) instead of a global model no client started from."""
+    ensemble_problem: str | None = None
+    """Why the clients' training replies are not whole models the server can score (``server-ensemble``), or
+    None."""
     changes_shapes: bool = False
     """Whether :meth:`aggregate` may return arrays of other shapes than the global model's (FedMA's BBP-MAP
     opens new units): the round runner then checks only that the aggregate is finite, not that it fits."""
@@ -116,6 +123,18 @@ class ServerStrategy:
         self.settings = context.config.settings
         if not self.mixed_widths:
             refuse_mixed_widths(context.config)
+        if context.config.log_units_moved and context.spec is None:
+            raise refuse(
+                "log-units-moved",
+                True,
+                f"model {context.config.model!r} has no permutation description to match units with",
+            )
+        if context.config.server_ensemble and self.ensemble_problem is not None:
+            raise refuse(
+                "server-ensemble",
+                True,
+                f"strategy '{context.config.strategy}' cannot have its clients' models scored: {self.ensemble_problem}",
+            )
 
     def describe(self) -> str:
         """One line for the log: the algorithm's registered name and its settings as run-config keys."""

@@ -20,7 +20,7 @@ from torch import nn
 from core.config import RunConfig
 from core.data import DatasetMissingError, load_dataset
 from core.label_noise import noisy_labels
-from core.model_io import build_run_model, load_arrays
+from core.model_io import build_run_model, independent_start, load_arrays
 from core.nodes import is_holdout
 from core.partitioning.partitions import client_split, partition_dataset
 from core.replies import MODEL_RECORD, NEW_CLIENT, NUM_EXAMPLES
@@ -151,6 +151,13 @@ def _receive(
     return config, partition_id, data, model, device
 
 
+def start_independently(model: nn.Module, config: RunConfig, partition_id: int) -> None:
+    """Replace the received model by this client's own initialisation (``client-init=independent``, round 1)."""
+    dataset = load_dataset(config.dataset, config.data_root or None)
+    state = independent_start(config, dataset.input_shape, dataset.num_classes, partition_id)
+    load_arrays(model, ArrayRecord(state), state)
+
+
 @dataclass
 class TrainJob:
     """A training message received and its client set up, up to its local update's first step: the model holds
@@ -177,7 +184,10 @@ def begin_train(
             f"partition {partition_id} is held out (holdout-clients={config.holdout_clients}) "
             "and must not train; run the server with the same holdout-clients"
         )
-    generator = round_generator(config.seed, int(message.content["config"]["server-round"]), partition_id)
+    server_round = int(message.content["config"]["server-round"])
+    if config.client_init == "independent" and server_round == 1:
+        start_independently(model, config, partition_id)
+    generator = round_generator(config.seed, server_round, partition_id)
     seed_torch(int(torch.randint(0, 2**62, (1,), generator=generator)), device)
     update = get_strategy(config.strategy).client(config, context, message.content)
     return TrainJob(message, context, config, partition_id, data, model, device, generator, update)

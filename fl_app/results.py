@@ -181,6 +181,17 @@ class RoundRecorder:
     server_evaluate_every: int = 1
     num_server_rounds: int = 0
     progress: Callable[[int, float], str] | None = None
+    score_clients: Callable[[list[ArrayRecord]], dict[str, float]] | None = None
+    """The clients' trained models of a round → the server's scores of them (``server-ensemble``)."""
+    units_moved: Callable[[ArrayRecord, list[ArrayRecord]], dict[str, float]] | None = None
+    """The model a round started from and the clients' trained models → per group the share of units their
+    training moved (``log-units-moved``)."""
+    independent_starts: bool = False
+    """Whether round 1's clients start from their own models (``client-init=independent``): no units moved from
+    the initial global model then."""
+    round_start: ArrayRecord | None = None
+    """The global model the current round started from (the last one :meth:`evaluate` saw), when the clients
+    started from it."""
     """Round, elapsed seconds → the progress part of the round's log line (:class:`fl_app.progress.RoundProgress`)."""
     started: float = field(default_factory=time.time)
     rows: list[dict[str, Any]] = field(default_factory=list)
@@ -197,6 +208,14 @@ class RoundRecorder:
             self._pending["client-ray-nodes"] = placements
         if self.log_divergence:
             self._pending["weight-divergence"] = _layer_divergence(records, weight_key)
+        if self.units_moved is not None and self.round_start is not None:
+            self._pending["client-units-moved"] = self.units_moved(
+                self.round_start, [record[MODEL_RECORD] for record in records]
+            )
+        if self.score_clients is not None:
+            scores = self.score_clients([record[MODEL_RECORD] for record in records])
+            self.extra_keys.update(dict.fromkeys(scores))
+            self._pending.update(scores)
         return aggregated
 
     def aggregate_evaluate(self, records: list[RecordDict], weight_key: str) -> MetricRecord:
@@ -237,6 +256,7 @@ class RoundRecorder:
             scores = dict(zip(("loss", "accuracy"), self.evaluate_global(arrays), strict=True))
         row = {"round": server_round, **scores, "elapsed-s": time.time() - self.started, **self._pending}
         self._pending = {}
+        self.round_start = None if server_round == 0 and self.independent_starts else arrays
         self.rows.append(row)
         with (self.folder / "metrics.jsonl").open("a") as stream:
             stream.write(json.dumps(row, sort_keys=True) + "\n")
@@ -305,7 +325,14 @@ class RoundRecorder:
                 )
             ),
             **{f"final-{key}": last.get(key) for key in self.extra_keys},
+            **self._units_moved_summary(),
         }
+
+    def _units_moved_summary(self) -> dict[str, float]:
+        """With ``log-units-moved``: the share of units the clients' training moved, averaged over groups and
+        rounds."""
+        shares = [sum(moved.values()) / len(moved) for r in self.rows if (moved := r.get("client-units-moved"))]
+        return {"client-units-moved-mean": sum(shares) / len(shares)} if shares else {}
 
 
 def plot_accuracy(rows: list[dict[str, Any]], path: Path, title: str) -> None:

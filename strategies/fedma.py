@@ -79,7 +79,7 @@ from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 from flwr.common.logger import log
 from torch import Tensor, nn
 
-from core.alignment import get_cost, list_costs, moved_share, solve_group, weighted_average
+from core.alignment import get_cost, list_costs, matching_generator, moved_share, solve_group, weighted_average
 from core.bbp import BBPSettings
 from core.bbp_model import match_group, scatter_group, units_to_entries
 from core.model_io import federated_state
@@ -183,6 +183,7 @@ class FedMA(ServerStrategy):
     """The layer-wise FedMA schedule (see the module notes); one stage per server round."""
 
     extra_reply_arrays = (CLASS_COUNTS,)
+    aligns_to_reference = True
     state_keys = frozenset({"stage", "cycle-start", "client-models"})
 
     def __init__(self, context: RunContext) -> None:
@@ -294,6 +295,8 @@ class FedMA(ServerStrategy):
         plan = completion_plan(self.spec, states[0], self.head)
         started = time.perf_counter()
         self.moved = {}
+        if self.stage == 0:
+            self.cycle_start = reference.to_torch_state_dict()  # a client's model when clients started apart
         if self.stage < len(self.groups):
             match = self._bbp_stage if self.bbp else self._match_stage
             merged = match(server_round, replies, states, weights, plan[self.stage])
@@ -326,7 +329,7 @@ class FedMA(ServerStrategy):
         entries and its own other entries of the group moved onto the global units (zeros for units it lacks),
         so the next stage's inputs are in global indexing; returns the global model."""
         group = self.groups[self.stage]
-        generator = torch.Generator().manual_seed(self.context.config.seed * 10_007 + server_round)
+        generator = matching_generator(self.context.config.seed, server_round)
         match = match_group(
             states, weights, self.spec, group, self.groups[: self.stage], self.settings.bbp(), generator, head=self.head
         )

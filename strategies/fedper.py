@@ -78,10 +78,16 @@ class FedPerUpdate(LocalUpdate):
         return personal_scores(model, personal, test_x, test_y, device)
 
 
+class FedPerServer(ServerStrategy):
+    """FedAvg of the bodies; the replies carry the received head, not the clients' own."""
+
+    ensemble_problem = "its clients' personal heads never reach the server (a reply carries the head it received)"
+
+
 STRATEGIES.register(
     Algorithm(
         "fedper",
-        ServerStrategy,
+        FedPerServer,
         FedPerUpdate,
         "FedPer: federated body, personal classifier head kept by each client (server: FedAvg)",
         paper="Arivazhagan et al., Federated Learning with Personalization Layers, arXiv:1912.00818, 2019",

@@ -39,11 +39,10 @@ from dataclasses import dataclass
 from logging import INFO
 from typing import Any
 
-import torch
 from flwr.app import ArrayRecord
 from flwr.common.logger import log
 
-from core.alignment import align_and_average, list_costs, moved_share
+from core.alignment import align_and_average, list_costs, matching_generator, moved_share
 from core.strategy import Reply, RunContext, ServerStrategy, states_and_weights
 from models import PermutationSpec
 from plugins.options import ConfigError, choice, option, option_from, source_settings
@@ -106,6 +105,8 @@ def permutation_spec(context: RunContext, strategy: str) -> PermutationSpec:
 class Matched(ServerStrategy):
     """FedAvg whose average is taken after aligning every client model onto a reference (module notes)."""
 
+    aligns_to_reference = True
+
     def __init__(self, context: RunContext) -> None:
         super().__init__(context)
         self.spec = permutation_spec(context, "matched")
@@ -124,7 +125,7 @@ class Matched(ServerStrategy):
             self.spec,
             self.settings.matched_cost,
             self.settings.passes,
-            torch.Generator().manual_seed(self.context.config.seed * 10_007 + server_round),
+            matching_generator(self.context.config.seed, server_round),
         )
         self.moved = moved_share(permutations)
         log(

@@ -69,6 +69,8 @@ class OTFusionSettings:
 class OTFusion(ServerStrategy):
     """FedAvg whose average is taken after carrying every client model onto the global model by OT (module notes)."""
 
+    aligns_to_reference = True
+
     mixed_widths = True
 
     def __init__(self, context: RunContext) -> None:

@@ -126,6 +126,7 @@ class PsiNetStrategy(ServerStrategy):
     """Shared keys averaged over all participants, each group's keys over its holders."""
 
     extra_reply_arrays = (HELD_RECORD,)
+    ensemble_problem = "its clients send only the shared layers and the groups of the classes they hold"
 
     def __init__(self, context: RunContext) -> None:
         if not isinstance(context.layout, GroupLayout):

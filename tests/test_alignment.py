@@ -12,6 +12,7 @@ from core.alignment import (
     list_costs,
     matched_average,
     unit_rows,
+    units_moved,
     weighted_average,
 )
 from models import PanSettings, build_model, invert_permutations, list_models, permute_state, random_permutations
@@ -182,3 +183,14 @@ def test_weighted_average_weights_by_examples():
     assert averaged["n"].item() == 3
     with pytest.raises(ValueError, match="positive"):
         weighted_average([a, b], [1, 0])
+
+
+def test_units_moved_is_the_share_of_each_groups_units_a_permutation_moved():
+    spec, state = _state("small-mlp")
+    permutations = random_permutations(spec, state, torch.Generator().manual_seed(3))
+    permuted = permute_state(spec, state, permutations)
+    moved = units_moved(state, [state, permuted], spec)
+    expected = {g: (p != torch.arange(len(p))).double().mean().item() / 2 for g, p in permutations.items()}
+    assert moved == pytest.approx(expected)
+    assert any(share > 0 for share in moved.values())
+    assert units_moved(state, [state], spec) == dict.fromkeys(spec.groups, 0.0)

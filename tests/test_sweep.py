@@ -317,11 +317,32 @@ def test_a_single_run_with_a_good_config_passes_the_check(tmp_path):
 
 
 def test_a_job_that_cannot_run_is_recorded_as_failed_not_raised(tmp_path):
-    (tmp_path / "run").mkdir()  # an earlier run's folder: reusing it would mix two runs' metrics
+    (tmp_path / "run").write_text("a file where the run's folder must go")
     cfg = composed(TINY)
     record = run_job(cfg, cfg.hydra.runtime.choices, tmp_path)
     assert record["status"] == "failed" and "FileExistsError" in record["error"]
     assert json.loads((tmp_path / JOB_RECORD).read_text()) == record
+
+
+def test_a_sweep_run_again_keeps_finished_jobs_and_resumes_interrupted_ones(tmp_path):
+    cfg = composed([*TINY, "train.num_server_rounds=2"])
+    first = run_job(cfg, cfg.hydra.runtime.choices, tmp_path)
+    assert first["status"] == "completed"
+    metrics = (tmp_path / "run" / "metrics.jsonl").read_text()
+    assert run_job(cfg, cfg.hydra.runtime.choices, tmp_path) == first  # kept, not run again
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == metrics
+    # stopped after its last checkpoint, before its summary: it goes on from the checkpoint, no round twice
+    (tmp_path / "run" / "summary.json").unlink()
+    (tmp_path / JOB_RECORD).unlink()
+    again = run_job(cfg, cfg.hydra.runtime.choices, tmp_path)
+    assert again["status"] == "completed" and (tmp_path / "run" / "summary.json").is_file()
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == metrics
+    # a folder without a checkpoint (stopped in its first round) starts afresh
+    for name in ("summary.json", "checkpoint.pt", "metrics.jsonl"):
+        (tmp_path / "run" / name).unlink()
+    (tmp_path / JOB_RECORD).unlink()
+    assert run_job(cfg, cfg.hydra.runtime.choices, tmp_path)["status"] == "completed"
+    assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 3
 
 
 def _fake_job(folder: Path, overrides: list[str], status: str | None, final: float = 0.0, best: float = 0.0) -> None:

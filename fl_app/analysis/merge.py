@@ -2,10 +2,14 @@
 
 Each of ``--clients`` models trains ``--epochs`` of the project's local SGD
 (:class:`strategies.base.LocalUpdate`) on its own partition of the dataset's
-training split (``--partitioner``, Dirichlet by default), starting from one
-shared initialisation (``--init same``) or from a different one per client
-(``--init different``). Then, on the dataset's test split, it reports the
-accuracy of
+training split (``--partitioner``, Dirichlet by default) less its local test
+split, exactly as round 1 of a federated run trains it, starting from the
+server's initial model (``--init same``) or from the client's own
+initialisation (``--init different``: ``client-init=independent``). A one-shot
+run (``num-server-rounds=1``, ``client-init=independent``) of ``fedavg``,
+``matched`` or ``otfusion`` with the same settings gives the same merged model
+as ``average``, ``matched-<cost>`` and ``matched-ot`` here. Then, on the
+dataset's test split, it reports the accuracy of
 
 * every client model on its own;
 * ``average``: the coordinate-wise average, weighted by example counts (one-shot FedAvg);
@@ -48,14 +52,15 @@ import torch
 from flwr.app import ArrayRecord
 from torch import Tensor, nn
 
-from core.alignment import list_costs, matched_average, weighted_average
+from core.alignment import list_costs, matched_average, matching_generator, weighted_average
 from core.bbp import BBPSettings
 from core.bbp_model import bbp_matched_average
 from core.data import ImageDataset, dataset_info, list_datasets, load_dataset
-from core.model_io import build_model_at, build_run_model, load_arrays
+from core.ensemble import score_models
+from core.model_io import build_model_at, build_run_model, federated_state, independent_start, load_arrays
 from core.ot_fusion import OTSettings, ot_fuse
-from core.partitioning.partitions import partition_dataset
-from core.training import evaluate, iterate_batches, round_generator, select_device
+from core.training import evaluate, round_generator, seed_everything, seed_torch, select_device
+from core.widths import width_of
 from fl_app.analysis.common import (
     AnalysisError,
     Subcommand,
@@ -68,6 +73,7 @@ from fl_app.analysis.common import (
     settings_from_arguments,
     write_json,
 )
+from fl_app.client_app import client_data
 from fl_app.config import ConfigError, RunConfig, parse_run_config
 from models import Permutable, list_models
 from models.protocol import head_of
@@ -80,51 +86,32 @@ MERGE_COSTS = (*list_costs(), BBP, OT)
 
 
 def train_clients(
-    config: RunConfig, num_clients: int, same_init: bool, device: torch.device, widths: Sequence[float] = (1.0,)
+    config: RunConfig, num_clients: int, same_init: bool, device: torch.device
 ) -> tuple[list[dict[str, Tensor]], list[int], ImageDataset, Tensor]:
-    """Train one model per partition (client ``k`` at width multiplier ``widths[k mod len]``); returns their
-    state dicts (CPU), example counts, the dataset and the clients' class counts (K x C)."""
+    """Train one model per partition as round 1 of a federated run trains it (its partition less its local test
+    split, :func:`fl_app.client_app.client_data`; round 1's seeds), from the server's initial model
+    (``same_init``) or the client's own initialisation (``client-init=independent``), client ``k`` at width
+    ``width_of(config, k)``; returns their state dicts (CPU), example counts, the dataset and the clients' class
+    counts (K x C). A one-shot run of the same settings trains the same models."""
     dataset = load_dataset(config.dataset, config.data_root or None)
-    partitions = partition_dataset(
-        config.dataset,
-        config.data_root or None,
-        config.partitioner,
-        num_clients,
-        config.seed,
-        **config.partition_options(),
-    )
+    seed_everything(config.seed)  # as the ServerApp before it builds the initial model
+    shared = federated_state(build_run_model(config, dataset))
     states, counts, classes = [], [], []
-    for client, indices in enumerate(partitions):
-        if len(indices) == 0:
-            raise AnalysisError(
-                f"client {client} of {num_clients} got no training examples; use fewer clients "
-                "or a larger --dirichlet-alpha"
-            )
-        torch.manual_seed(config.seed if same_init else config.seed + 1 + client)
-        width = widths[client % len(widths)]
-        model = build_model_at(config, dataset.input_shape, dataset.num_classes, width).to(device)
-        rows = torch.from_numpy(indices.astype("int64"))
-        LocalUpdate(config, context=None).train(
-            model, dataset.train_x[rows], dataset.train_y[rows], round_generator(config.seed, 1, client), device
-        )
-        states.append({key: value.detach().cpu().clone() for key, value in model.state_dict().items()})
-        counts.append(len(rows))
-        classes.append(torch.bincount(dataset.train_y[rows], minlength=dataset.num_classes))
+    for client in range(num_clients):
+        try:
+            data = client_data(config, client, num_clients)
+        except ValueError as error:
+            raise AnalysisError(f"client {client} of {num_clients}: {error}") from None
+        start = shared if same_init else independent_start(config, dataset.input_shape, dataset.num_classes, client)
+        model = build_model_at(config, dataset.input_shape, dataset.num_classes, width_of(config, client)).to(device)
+        load_arrays(model, ArrayRecord(start), start)
+        generator = round_generator(config.seed, 1, client)
+        seed_torch(int(torch.randint(0, 2**62, (1,), generator=generator)), device)
+        LocalUpdate(config, context=None).train(model, data.train_x, data.train_y, generator, device)
+        states.append({key: value.detach().cpu().clone() for key, value in federated_state(model).items()})
+        counts.append(len(data.train_y))
+        classes.append(torch.bincount(data.train_y, minlength=dataset.num_classes))
     return states, counts, dataset, torch.stack(classes)
-
-
-@torch.no_grad()
-def ensemble_accuracy(
-    model: nn.Module, states: Sequence[Mapping[str, Tensor]], x: Tensor, y: Tensor, device: torch.device
-) -> float:
-    """Accuracy of the mean of the models' softmax outputs."""
-    probabilities = torch.zeros(len(y), model.classifier.out_features)
-    for state in states:
-        load_arrays(model, ArrayRecord({k: v for k, v in state.items() if v.is_floating_point()}))
-        model.eval()
-        batches = [torch.softmax(model(xb.to(device)), dim=1).cpu() for xb, _ in iterate_batches(x, y, 1024)]
-        probabilities += torch.cat(batches)
-    return (probabilities.argmax(dim=1) == y).sum().item() / len(y)
 
 
 def merge_accuracies(
@@ -140,10 +127,12 @@ def merge_accuracies(
     bbp: BBPSettings | None = None,
     ot: OTSettings | None = None,
     reference: int = 0,
+    seed: int = 0,
 ) -> tuple[list[float], dict[str, float], dict[str, int]]:
     """Test accuracy of each state and of every merge (``average``, ``matched-<cost>``, ``ensemble``), and the
     global width per layer of the BBP-MAP merge (the reference's without ``bbp`` among ``costs``). States of
-    different widths are merged by ``ot`` only (and ensembled)."""
+    different widths are merged by ``ot`` only (and ensembled). ``seed``: the run's, for the matching's order
+    (:func:`core.alignment.matching_generator`, round 1 as a one-shot run)."""
     if not isinstance(model, Permutable):
         raise AnalysisError(f"{type(model).__name__} has no permutation_spec(); matching needs one")
     spec = model.permutation_spec()
@@ -170,9 +159,9 @@ def merge_accuracies(
             merged[f"matched-{cost}"], widths = accuracy(result.state), result.widths
         else:
             merged[f"matched-{cost}"] = accuracy(
-                matched_average(states[reference], states, weights, spec, cost, iterations)
+                matched_average(states[reference], states, weights, spec, cost, iterations, matching_generator(seed, 1))
             )
-    merged["ensemble"] = ensemble_accuracy(model, states, x, y, device)
+    merged["ensemble"] = score_models(model, [ArrayRecord(state) for state in states], x, y, device).ensemble
     return clients, merged, widths or sizes[reference]
 
 
@@ -241,6 +230,7 @@ def _run_config(args: argparse.Namespace) -> RunConfig:
                 "pan-a": args.pan_a,
                 "seed": args.seed,
                 "device": args.device,
+                "client-widths": "" if args.widths.strip() == "1" else args.widths,
             }
         )
     except ConfigError as error:
@@ -278,7 +268,7 @@ def run(args: argparse.Namespace, out: Path) -> list[Path]:
         raise AnalysisError(f"--widths {args.widths!r}: {error}") from None
 
     device = select_device(config.device)
-    states, counts, dataset, classes = train_clients(config, args.clients, args.init == "same", device, widths)
+    states, counts, dataset, classes = train_clients(config, args.clients, args.init == "same", device)
     model = build_run_model(config, dataset).to(device)
     clients, merged, widths_out = merge_accuracies(
         model,
@@ -293,6 +283,7 @@ def run(args: argparse.Namespace, out: Path) -> list[Path]:
         bbp,
         ot,
         args.reference,
+        args.seed,
     )
 
     print(f"{'model':<18} {'examples':>8} {'accuracy':>9}")

@@ -19,7 +19,9 @@ the sweep goes on.
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import os
 import re
 import sys
@@ -43,7 +45,7 @@ from omegaconf import DictConfig, OmegaConf
 from core.config import PARTITIONER_SECTION, SECTIONS, hydra_leaf, key_of_path
 from core.data import DatasetMissingError, check_dataset_available
 from core.partitioning.partitioners import PARTITIONERS, list_partitioners
-from fl_app.checkpoint import resume_checkpoint
+from fl_app.checkpoint import CHECKPOINT, resume_checkpoint
 from fl_app.config import (
     ConfigError,
     RunConfig,
@@ -75,8 +77,13 @@ GROUPS = ("strategy", "model")
 model's own settings."""
 #: Run-config keys each job sets itself: every node must join, and the run folder goes in the job's folder.
 SET_PER_JOB = ("min-available-nodes", "results-dir", "run-name")
-#: Top-level sections of the Hydra config that are not run-config keys.
-NOT_RUN_CONFIG = ("sim", "hydra")
+if not OmegaConf.has_resolver("mul"):  # presets derive counts: the drift study's rounds = budget / E x stages
+    OmegaConf.register_new_resolver("mul", lambda *factors: math.prod(int(f) for f in factors))
+if not OmegaConf.has_resolver("div"):
+    OmegaConf.register_new_resolver("div", lambda total, part: int(total) // int(part))
+NOT_RUN_CONFIG = ("sim", "hydra", "study")
+"""Top-level sections that set no run-config key: the simulation's settings, Hydra's, and ``study``, values a
+preset derives run-config keys from (the drift study's epoch budget)."""
 RUN_NAME = "run"
 JOB_RECORD = "job.json"
 COMPLETED, FAILED = "completed", "failed"
@@ -280,8 +287,12 @@ def run_job(
         config = sweep_store(config, sweep_dir)
         sim = sim.attach()  # the jobs of a sweep join the cluster one after another
         run_folder = Path(config.resume_from) if config.resume_from else results_root(config) / config.run_name
-        if run_folder.exists() and not config.resume_from:  # its metrics.jsonl would get a second run's rounds
-            raise FileExistsError(f"{run_folder} holds an earlier run; give the sweep a new hydra.sweep.dir")
+        finished = _finished_record(job_dir, run_folder)
+        if finished is not None:  # a sweep run again in its folder keeps what it finished
+            log.info("job in %s completed earlier: kept", job_dir)
+            return finished
+        if not config.resume_from and (run_folder / CHECKPOINT).is_file():  # interrupted: go on from its last round
+            config = config.replace(resume_from=str(run_folder))
         with sweep_child(config, sweep_dir, job_dir):
             simulate(config, sim)
         if not (run_folder / "summary.json").is_file():
@@ -295,6 +306,17 @@ def run_job(
         job_dir.mkdir(parents=True, exist_ok=True)
         write_json(job_dir / JOB_RECORD, record)
     return record
+
+
+def _finished_record(job_dir: Path, run_folder: Path) -> dict[str, Any] | None:
+    """The record of a job that completed in an earlier launch of the same sweep (its run's summary written),
+    else None."""
+    try:
+        record = json.loads((job_dir / JOB_RECORD).read_text())
+    except (OSError, ValueError):
+        return None
+    completed = isinstance(record, dict) and record.get("status") == COMPLETED
+    return record if completed and (run_folder / "summary.json").is_file() else None
 
 
 class JobFailed(RuntimeError):

@@ -1,0 +1,132 @@
+"""The drift study's tables and heatmap from its sweep folder (``python -m fl_app.sweep +experiment=drift``).
+
+For each network and method: final test accuracy (mean ± sd over seeds) per local-epoch count E and Dirichlet
+alpha, its gain over FedAvg on the same network in the same cell, and the share of units the clients' training
+moved (``client-units-moved-mean``). Ψ-Net's gain is measured against FedAvg on plain VGG-9, as Fed2 compares.
+
+    python benchmarks/drift_report.py <sweep folder>        # writes drift.md and drift_heatmap.png there
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+
+from fl_app.sweeps.report import ConfigRow, collect
+
+RUN, EPOCHS, ALPHA = "experiment/drift_run", "experiment/drift_epochs", "data.dirichlet_alpha"
+METRIC, MOVED = "final-accuracy", "client-units-moved-mean"
+
+
+def _cells(rows: list[ConfigRow]) -> dict[tuple[str, str, int, str], ConfigRow]:
+    """(network, method, E, alpha) → the configuration's row."""
+    cells = {}
+    for row in rows:
+        network, _, method = row.settings[RUN].partition("-")
+        cells[(network, method, int(row.settings[EPOCHS].removeprefix("e")), row.settings[ALPHA])] = row
+    return cells
+
+
+def _mean(row: ConfigRow | None, metric: str) -> float:
+    values = row.values(metric) if row is not None else []
+    return statistics.fmean(values) if values else math.nan
+
+
+def _cell_text(row: ConfigRow | None, baseline: ConfigRow | None) -> str:
+    if row is None or not row.completed:
+        return "–"
+    mean, std = row.stats(METRIC)
+    gain = 100 * (mean - _mean(baseline, METRIC))
+    spread = f" ± {100 * std:.1f}" if not math.isnan(std) else ""
+    moved = _mean(row, MOVED)
+    moved_text = f", {100 * moved:.0f} % moved" if not math.isnan(moved) else ""
+    return f"{100 * mean:.1f}{spread} ({gain:+.1f}{moved_text})"
+
+
+def tables(cells: dict[tuple[str, str, int, str], ConfigRow]) -> str:
+    """One markdown table per network: methods × (E, alpha)."""
+    epochs = sorted({key[2] for key in cells})
+    alphas = sorted({key[3] for key in cells}, key=float)
+    columns = [(e, a) for a in alphas for e in epochs]
+    out = []
+    for network in sorted({key[0] for key in cells}):
+        methods = sorted({key[1] for key in cells if key[0] == network}, key=lambda m: (m != "fedavg", m))
+        out.append(f"**{network}** — final accuracy % ± sd over seeds (gain over FedAvg in points, units moved)\n")
+        out.append("| method | " + " | ".join(f"E={e}, α={a}" for e, a in columns) + " |")
+        out.append("|---" * (len(columns) + 1) + "|")
+        for method in methods:
+            texts = [
+                _cell_text(cells.get((network, method, e, a)), cells.get((network, "fedavg", e, a))) for e, a in columns
+            ]
+            out.append(f"| {method} | " + " | ".join(texts) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
+def heatmap(cells: dict[tuple[str, str, int, str], ConfigRow], path: Path) -> None:
+    """Gain over FedAvg (points) against E and alpha: one panel per network and method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    epochs = sorted({key[2] for key in cells})
+    alphas = sorted({key[3] for key in cells}, key=float)
+    panels = sorted({(key[0], key[1]) for key in cells if key[1] != "fedavg"})
+    networks = sorted({n for n, _ in panels})
+    width = max(sum(1 for n, _ in panels if n == network) for network in networks)
+    fig, axes = plt.subplots(len(networks), width, figsize=(2.4 * width, 2.3 * len(networks)), squeeze=False)
+    for axis in axes.flat:
+        axis.set_visible(False)
+    for r, network in enumerate(networks):
+        for c, (_, method) in enumerate(p for p in panels if p[0] == network):
+            gains = [
+                [
+                    100
+                    * (
+                        _mean(cells.get((network, method, e, a)), METRIC)
+                        - _mean(cells.get((network, "fedavg", e, a)), METRIC)
+                    )
+                    for e in epochs
+                ]
+                for a in alphas
+            ]
+            axis = axes[r][c]
+            axis.set_visible(True)
+            image = axis.imshow(gains, cmap="RdBu", vmin=-10, vmax=10, aspect="auto")
+            for i, line in enumerate(gains):
+                for j, gain in enumerate(line):
+                    axis.text(j, i, "–" if math.isnan(gain) else f"{gain:+.1f}", ha="center", va="center", fontsize=7)
+            axis.set_xticks(range(len(epochs)), [str(e) for e in epochs], fontsize=7)
+            axis.set_yticks(range(len(alphas)), alphas, fontsize=7)
+            axis.set_title(f"{network}: {method}", fontsize=8)
+            axis.set_xlabel("local epochs E", fontsize=7)
+            axis.set_ylabel("Dirichlet α", fontsize=7)
+    fig.colorbar(image, ax=axes, shrink=0.6, label="gain over FedAvg (points)")
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("sweep", type=Path, help="the drift study's sweep folder")
+    args = parser.parse_args(argv)
+    rows, _ = collect(args.sweep)
+    cells = _cells(rows)
+    if not cells:
+        parser.error(f"{args.sweep} holds no drift-study job")
+    text = tables(cells)
+    failed = sum(row.failed for row in rows)
+    text += f"\n{sum(len(row.jobs) for row in rows)} jobs, {failed} failed.\n"
+    (args.sweep / "drift.md").write_text(text)
+    heatmap(cells, args.sweep / "drift_heatmap.png")
+    print(text)
+    print(f"wrote {args.sweep / 'drift.md'} and {args.sweep / 'drift_heatmap.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
