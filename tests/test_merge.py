@@ -12,6 +12,8 @@ from core.bbp import BBPSettings
 from core.data import ImageDataset, load_dataset
 from fl_app.analysis.__main__ import main
 from fl_app.analysis.merge import merge_accuracies
+from fl_app.client_app import client_data
+from fl_app.config import parse_run_config
 from models import build_model, permute_state, random_permutations
 
 
@@ -40,7 +42,9 @@ def test_the_command_trains_merges_and_writes_json_and_plot(tmp_path, capsys):
     assert code == 0
     payload = json.loads((tmp_path / "merge.json").read_text())
     assert (tmp_path / "merge.png").stat().st_size > 0
-    assert len(payload["client-accuracy"]) == 2 and sum(payload["examples"]) == len(load_dataset("digits").train_y)
+    config = parse_run_config({"dataset": "digits", "model": "small-mlp"})  # the command's defaults
+    trained = [len(client_data(config, client, 2).train_y) for client in range(2)]  # each partition less its test split
+    assert len(payload["client-accuracy"]) == 2 and payload["examples"] == trained
     assert set(payload["merged-accuracy"]) == {"average", "matched-l1", "ensemble"}
     assert all(0.0 <= acc <= 1.0 for acc in payload["client-accuracy"] + list(payload["merged-accuracy"].values()))
     assert "matched-l1" in capsys.readouterr().out

@@ -81,7 +81,8 @@ if not OmegaConf.has_resolver("mul"):  # presets derive counts: the drift study'
     OmegaConf.register_new_resolver("mul", lambda *factors: math.prod(int(f) for f in factors))
 if not OmegaConf.has_resolver("div"):
     OmegaConf.register_new_resolver("div", lambda total, part: int(total) // int(part))
-NOT_RUN_CONFIG = ("sim", "hydra", "study")
+STUDY = "study"
+NOT_RUN_CONFIG = ("sim", "hydra", STUDY)
 """Top-level sections that set no run-config key: the simulation's settings, Hydra's, and ``study``, values a
 preset derives run-config keys from (the drift study's epoch budget)."""
 RUN_NAME = "run"
@@ -132,8 +133,10 @@ def _leaves(node: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 def hydra_to_run_config(cfg: DictConfig, choices: Mapping[str, Any]) -> dict[str, Any]:
     """The run-config keys a composed Hydra config sets; a path that maps to no key is refused."""
     sections = [key for key in cfg if key not in NOT_RUN_CONFIG]
-    container = OmegaConf.to_container(OmegaConf.masked_copy(cfg, sections), resolve=True)
+    resolvable = [*sections, *(key for key in (STUDY,) if key in cfg)]  # run-config keys may be derived from it
+    container = OmegaConf.to_container(OmegaConf.masked_copy(cfg, resolvable), resolve=True)
     assert isinstance(container, dict)
+    container.pop(STUDY, None)
     keys = set(owned_settings()) | {s.key for settings in SECTIONS.values() for s in settings_fields(settings)}
     values: dict[str, Any] = {group: choices[group] for group in GROUPS}
     unmapped = []
