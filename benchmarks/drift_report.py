@@ -101,10 +101,11 @@ def heatmap(cells: dict[tuple[str, str, int, str], ConfigRow], path: Path) -> No
                 for j, gain in enumerate(line):
                     axis.text(j, i, "–" if math.isnan(gain) else f"{gain:+.1f}", ha="center", va="center", fontsize=7)
             axis.set_xticks(range(len(epochs)), [str(e) for e in epochs], fontsize=7)
-            axis.set_yticks(range(len(alphas)), alphas, fontsize=7)
+            axis.set_yticks(range(len(alphas)), alphas if c == 0 else [], fontsize=7)
             axis.set_title(f"{network}: {method}", fontsize=8)
             axis.set_xlabel("local epochs E", fontsize=7)
-            axis.set_ylabel("Dirichlet α", fontsize=7)
+            if c == 0:
+                axis.set_ylabel("Dirichlet α", fontsize=7)
     fig.colorbar(image, ax=axes, shrink=0.6, label="gain over FedAvg (points)")
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
