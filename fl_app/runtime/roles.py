@@ -41,7 +41,7 @@ from fl_app.patches.polling_supernode import FLOWER_NODE_POLL_S
 from fl_app.runtime.common import PROJECT_ROOT, check_folder, free_port
 from fl_app.runtime.deployment import Deployment
 from fl_app.runtime.flwr_cli import parse_overrides
-from fl_app.runtime.keys import default_certs, refuse_exposed_keys
+from fl_app.runtime.keys import default_certs, refuse_committable_folder, refuse_exposed_keys
 from fl_app.runtime.launch import prepare_config, report_outcome
 from fl_app.runtime.processes import Stopped, stop_signals
 from fl_app.runtime.reach import ALL_INTERFACES, listen_host, split_address, wait_for_superlink
@@ -245,6 +245,8 @@ def check(role: str, args: argparse.Namespace) -> RunConfig | None:
     if not 0 < args.port < 65536:
         raise ConfigError(f"--port {args.port} is not allowed: 1-65535")
     args.host = listen_host(args.host, args.address)
+    if args.tls:
+        refuse_committable_folder("--certs", args.certs or default_certs())  # the SuperLink side makes keys there
     if args.tls and not args.address:
         raise ConfigError(
             "--tls needs --address: the names or addresses the SuperNodes dial, which the "
