@@ -61,7 +61,7 @@ def prepare_config(overrides: dict[str, Any], num_supernodes: int) -> RunConfig:
             f"run-config key 'min-available-nodes' = {config.min_available_nodes} exceeds "
             f"--num-supernodes={num_supernodes}: the run would wait forever"
         )
-    validate_run(config)  # folders first: an unusable results-dir or data-root is named as such
+    validate_run(config, num_supernodes)  # folders first: an unusable results-dir or data-root is named as such
     check_dataset_available(config.dataset, config.data_root or None)
     if config.resume_from:
         resume_checkpoint(config)  # a missing checkpoint or a changed key is refused here, not after submission
