@@ -11,7 +11,8 @@ the received widths when it loads it (:func:`core.model_io.load_arrays`) and rep
 whose server side sets :attr:`core.strategy.ServerStrategy.mixed_widths` handles that: it builds a
 :class:`core.sub_models.ClientWidths` as its ``client_widths``, and the round's messages and reply checks then go at each client's
 width; every other strategy refuses a run whose widths differ (:func:`refuse_mixed_widths`),
-before anything starts.
+before anything starts. Widths past the last partition reach no client (:func:`unused_widths`): where they would
+set the global width they are refused, else named in a warning (:func:`check_widths_used`).
 """
 
 from __future__ import annotations
@@ -54,6 +55,31 @@ def width_of(config: RunConfig, partition: int | None) -> float:
 def mixed_widths(config: RunConfig) -> bool:
     """Whether some client's width differs from the global model's."""
     return any(width != global_width(config) for width in client_widths(config))
+
+
+def unused_widths(config: RunConfig, num_partitions: int) -> tuple[float, ...]:
+    """The ``client-widths`` no partition of ``num_partitions`` gets (with fewer partitions than widths), sorted."""
+    widths = client_widths(config)
+    return tuple(sorted(set(widths[num_partitions:]) - set(widths[:num_partitions])))
+
+
+def check_widths_used(config: RunConfig, num_partitions: int) -> str | None:
+    """Refuse widths no client gets that would still set the global width (the widest, when ``global-width`` is
+    unset): the run would train clients for a global model none of them has. Unused widths that change nothing
+    come back as a warning to log; None when every width is used."""
+    unused = unused_widths(config, num_partitions)
+    if not unused:
+        return None
+    given = f"run-config key 'client-widths' = {config.client_widths!r} with {num_partitions} client(s)"
+    missed = f"no client gets width {', '.join(f'{width:g}' for width in unused)}"
+    used_global = config.global_width or max(client_widths(config)[:num_partitions])
+    if used_global != global_width(config):
+        raise ConfigError(
+            f"{given} is not allowed: {missed}, yet it sets the global model's width ({global_width(config):g}, "
+            f"where the widest client's is {used_global:g}). Give at most {num_partitions} widths (partition p gets "
+            "the (p mod count)-th), or set 'global-width'"
+        )
+    return f"{given}: {missed}; those widths are not used"
 
 
 def width_options(config: RunConfig, width: float) -> dict[str, Any]:

@@ -16,7 +16,6 @@ from typing import Any
 
 from flwr.app import Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
-from flwr.common.constant import ErrorCode
 
 from fl_app.client_app import build_client_app
 from fl_app.config import parse_run_config
@@ -28,6 +27,9 @@ NODE_ID_STRIDE = 7919  # node ids far apart and not in partition order, as a rea
 
 
 TASK_IDENTITY = "flwr.supercore.task_identity.TaskIdentity"
+ERROR_CODE = "flwr.common.constant.ErrorCode"
+UNKNOWN_ERROR = 0
+"""Flower's ``ErrorCode.UNKNOWN``: the code of an error reply where ``ErrorCode`` is not there as read."""
 
 
 def set_task_identity() -> None:
@@ -38,6 +40,15 @@ def set_task_identity() -> None:
     for name in ("_task_id", "_run_id", "_node_id"):
         if getattr(identity, name, None) is None:
             setattr(identity, name, 1)
+
+
+def flower_error(message: Message, reason: str, code: str = "CLIENT_APP_RAISED_EXCEPTION") -> Message:
+    """The error reply Flower's runtimes give ``message``, with Flower's error code ``code`` (its ``ErrorCode`` is
+    not public: read through the seam, and ``UNKNOWN`` where it has moved)."""
+    number = UNKNOWN_ERROR
+    if seam.usable(f"error replies carry Flower's code UNKNOWN ({UNKNOWN_ERROR}) instead of {code}", ERROR_CODE):
+        number = int(getattr(seam.get(ERROR_CODE), code))
+    return Message(Error(number, reason), reply_to=message)
 
 
 def give_message_id(message: Message) -> None:
@@ -81,9 +92,7 @@ class InProcessGrid:
         try:
             return self.app(copy.deepcopy(message), context)
         except Exception as error:
-            return Message(
-                Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, f"{type(error).__name__}: {error}"), reply_to=message
-            )
+            return flower_error(message, f"{type(error).__name__}: {error}")
 
 
 def run_in_process(values: Mapping[str, Any], num_nodes: int) -> dict[str, Any]:

@@ -190,7 +190,7 @@ problems += [f"job {i}: SLURM's completion log says {ended.get(i)}" for i in ids
 def table(folder):
     with (work / folder / "summary.csv").open() as stream:
         return [{k: v for k, v in row.items() if not k.startswith("job-time") and k != "sim.backend"}
-                for row in csv.DictReader(stream)]  # the local sweep names sim.backend=batched, SLURM's default
+                for row in csv.DictReader(stream)]  # the local sweep names sim.backend=batched, the config's default
 slurm, local = table("sweep-slurm"), table("sweep-local")
 if slurm != local:
     problems.append(f"reports differ:\n{slurm}\n{local}")

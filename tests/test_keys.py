@@ -133,3 +133,29 @@ def test_deploys_keys_go_outside_the_checkout_by_default(tmp_path, monkeypatch, 
     for key in ("ca.key", "superlink.key", "supernode-1/auth", "supernode-1/runtime.key"):
         assert stat.S_IMODE((folder / key).stat().st_mode) == 0o600, key
     assert not list((tmp_path / "w").glob("**/*.key")) and exposed_private_keys(PROJECT_ROOT) == before
+
+
+def test_deploy_refuses_a_certs_folder_git_would_commit_with_that_refusal_alone(tmp_path, capsys, monkeypatch):
+    """``--tls --certs <checkout>/mycerts``: refused before anything starts, no folder made, no traceback."""
+    repo = git_repo(tmp_path / "checkout", ignore="certs/\n")
+    monkeypatch.setattr(deploy, "deployment", None)  # starting one would fail loudly
+    monkeypatch.setattr(deploy, "make_certificates", None)
+    certs, work = repo / "mycerts", tmp_path / "work"
+    argv = ["--tls", "--certs", str(certs), "--num-supernodes", "1", "--work-dir", str(work)]
+    assert deploy.main([*argv, "--run-config", 'dataset="digits"']) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert f"refused before starting: --certs '{certs}' is not allowed: it is inside the git work tree {repo}" in err
+    assert "Give a folder outside it (the default is" in err and "or one its .gitignore covers" in err
+    assert not certs.exists() and not work.exists()
+    assert deploy.main(["superlink", *argv, "--address", "127.0.0.1", "--serve"]) == 2  # the role that makes keys
+    assert f"--certs '{certs}' is not allowed" in capsys.readouterr().err and not certs.exists()
+
+
+def test_make_certificates_turns_the_scripts_refusal_into_a_config_error(tmp_path):
+    from fl_app.runtime.topology import make_certificates
+
+    repo = git_repo(tmp_path / "checkout")
+    with pytest.raises(ConfigError, match=r"make_certs.sh: '.*/keys' is inside the git work tree"):
+        make_certificates(repo / "keys", 1)
+    assert not (repo / "keys").exists()

@@ -177,6 +177,58 @@ def test_launcher_refuses_gpus_without_cuda_before_starting(monkeypatch, capsys)
 # --- early refusals ---
 
 
+def nothing_may_start(monkeypatch) -> None:
+    """Any engine, SuperLink or Ray the launcher reached would fail the test loudly."""
+
+    def started(*args, **kwargs):
+        raise AssertionError("the launcher started a run")
+
+    monkeypatch.setattr(launch, "local_superlink", None)
+    monkeypatch.setattr(launch, "run_batched", started)
+    monkeypatch.setattr(launch, "attach_to_cluster", started)
+
+
+def ray_started() -> bool:
+    return "ray" in sys.modules and sys.modules["ray"].is_initialized()
+
+
+@pytest.mark.parametrize("workers", ["0", "-1"])
+def test_the_batched_engines_workers_must_be_positive_before_anything_starts(workers, tmp_path, monkeypatch, capsys):
+    nothing_may_start(monkeypatch)
+    argv = ["--backend", "batched", "--workers", workers, "--num-supernodes", "2"]
+    assert launch.main([*argv, "--run-config", f'dataset="digits" results-dir="{tmp_path}"']) == 2
+    err = capsys.readouterr().err
+    assert f"refused before starting: --workers={workers} is not allowed: must be a positive integer" in err
+    assert "Traceback" not in err and list(tmp_path.iterdir()) == [] and not ray_started()
+
+
+@pytest.mark.parametrize("workers", [None, 1, 4, 0, -1, True, 2.0])
+def test_the_launcher_and_the_sweep_accept_the_same_worker_counts(workers):
+    """One check (the batched engine's) decides for ``--workers`` and for ``sim.workers``."""
+    from fl_app.sweeps.sim import SimSettings
+
+    def refused(check) -> bool:
+        try:
+            check()
+        except ConfigError:
+            return True
+        return False
+
+    assert refused(lambda: launch.check_workers(workers)) == refused(
+        lambda: SimSettings.from_config({"workers": workers})
+    )
+
+
+@pytest.mark.parametrize("option", [["--vectorise", "on"], ["--vectorise", "off"], ["--workers", "2"]])
+def test_batched_only_options_are_refused_without_the_batched_backend(option, tmp_path, monkeypatch, capsys):
+    nothing_may_start(monkeypatch)
+    with pytest.raises(SystemExit) as exit_:
+        launch.main([*option, "--run-config", f'dataset="digits" results-dir="{tmp_path}"'])
+    assert exit_.value.code == 2
+    assert f"{option[0]} needs --backend batched" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == [] and not ray_started()
+
+
 @pytest.mark.parametrize("key, value", [("results-dir", "/proc/alignfl"), ("data-root", "/proc/alignfl")])
 def test_an_unusable_folder_is_refused_before_starting_naming_its_key(key, value, monkeypatch, capsys):
     monkeypatch.setattr(launch, "local_superlink", None)  # starting one would fail loudly

@@ -64,6 +64,11 @@ def test_the_command_trains_merges_and_writes_json_and_plot(tmp_path, capsys):
         (["--widths", "0.5,x"], "--widths must be comma-separated numbers > 0"),
         (["--widths", "0.5", "--model", "resnet20"], "takes no width-factor"),
         (["--reference", "2"], "--reference must be a client index in [0, 2)"),
+        (
+            ["--costs", "weight", "--widths", "0.5,1"],
+            "--costs weight cannot merge models of different widths (--widths 0.5,1 over 2 clients): only ot can",
+        ),
+        (["--costs", "ot", "bbp", "l1", "--widths", "1,0.5", "--clients", "3"], "--costs bbp l1 cannot merge"),
     ],
 )
 def test_bad_options_stop_before_training_with_a_named_error(argv, fragment, tmp_path, capsys):
@@ -124,6 +129,15 @@ def test_ot_fusion_merges_a_permuted_copy_back_and_models_of_different_widths_in
     )
     assert set(merged) == {"matched-ot", "ensemble"}  # plain and one-to-one averages need equal widths
     assert widths == model.permutation_spec().group_sizes(state)
+
+
+def test_the_costs_default_to_those_that_can_merge_the_clients_models():
+    from fl_app.analysis.merge import MERGE_COSTS, _costs
+
+    assert _costs(None, (1.0,), 2) == list(MERGE_COSTS)
+    assert _costs(None, (0.5, 1.0), 2) == ["ot"]
+    assert _costs(["weight", "ot"], (0.5, 0.5), 3) == ["weight", "ot"]
+    assert _costs(["weight"], (0.5, 1.0), 1) == ["weight"]  # widths past the clients make no difference
 
 
 def test_the_command_fuses_clients_of_different_widths_by_ot(tmp_path):

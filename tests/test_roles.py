@@ -2,10 +2,14 @@
 a node's check of the SuperLink before it starts, and options refused before anything starts. The roles run
 across three network namespaces in scripts/hosts_check.sh."""
 
+import os
 import shutil
+import signal
 import socket
 import ssl
+import tempfile
 import threading
+import time
 
 import pytest
 
@@ -237,3 +241,74 @@ def test_the_roles_refuse_private_keys_that_git_would_commit_naming_them(exposed
         assert deploy.main([*argv, "--work-dir", str(tmp_path / "work")]) == 2
         assert f"private keys inside a git work tree that does not ignore them: {keys}/auth" in capsys.readouterr().err
         assert not (tmp_path / "work").exists()
+
+
+class NodesStandIn:
+    """A node machine's deployment that starts nothing but writes a log where the real one would."""
+
+    def __init__(self, topology, work):
+        self.work = work
+
+    def start_supernodes(self, nodes):
+        (self.work / "logs").mkdir()
+        (self.work / "logs" / "supernode-0.log").write_text("started\n")
+
+    def stop(self):
+        pass
+
+
+def ends(how: str):
+    """``serve`` for one way a node machine's role ends."""
+
+    def serve(running, after_exits=None):
+        assert (running.work / "logs" / "supernode-0.log").exists()  # the folder was in use until now
+        if how == "every service exited":
+            return 1
+        if how == "failure":
+            raise RuntimeError("a node could not be started")
+        os.kill(os.getpid(), getattr(signal, how))
+        time.sleep(30)
+        raise AssertionError("the stop signal did not stop the role")
+
+    return serve
+
+
+@pytest.mark.parametrize(
+    "how, code",
+    [
+        ("unreachable", 1),
+        ("every service exited", 1),
+        ("failure", None),
+        ("SIGTERM", 128 + signal.SIGTERM),
+        ("SIGINT", 128 + signal.SIGINT),
+    ],
+)
+def test_a_node_machine_leaves_no_temporary_folder_however_it_ends(how, code, tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(roles, "Deployment", NodesStandIn)
+    monkeypatch.setattr(roles, "serve", ends(how))
+    if how == "unreachable":  # no node ever started
+        monkeypatch.setattr(roles, "wait_for_superlink", lambda *args: "the SuperLink cannot be reached")
+    else:
+        monkeypatch.setattr(roles, "wait_for_superlink", lambda *args: None)
+    argv = ["supernodes", "--superlink", "127.0.0.1:9092", "--nodes", "0", "--num-supernodes", "1"]
+    if code is None:
+        with pytest.raises(RuntimeError, match="could not be started"):
+            deploy.main(argv)
+    else:
+        assert deploy.main(argv) == code
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_given_work_dir_is_kept_and_an_empty_temporary_superlink_folder_is_not(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(roles, "Deployment", NodesStandIn)
+    monkeypatch.setattr(roles, "serve", ends("every service exited"))
+    monkeypatch.setattr(roles, "wait_for_superlink", lambda *args: None)
+    argv = ["supernodes", "--superlink", "127.0.0.1:9092", "--nodes", "0", "--num-supernodes", "1"]
+    assert deploy.main([*argv, "--work-dir", str(tmp_path / "work")]) == 1
+    assert (tmp_path / "work" / "logs" / "supernode-0.log").exists()
+    monkeypatch.setattr(roles, "run_superlink_side", lambda args, config, work: 1)  # failed before writing there
+    assert deploy.main(["superlink", "--num-supernodes", "1", "--serve"]) == 1
+    assert list((tmp_path / "tmp").iterdir()) == []

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import importlib
 import logging
 import os
 import subprocess
@@ -19,8 +20,34 @@ from fl_app.patches import seam
 from fl_app.runtime.common import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
-PUBLIC_FLOWER = ("flwr.app", "flwr.serverapp", "flwr.clientapp", "flwr.common", "flwr.simulation")
-"""Flower's public API (``flwr.common`` for its logger and constants); anything else goes through the seam."""
+PUBLIC_FLOWER = ("flwr.common", "flwr.app", "flwr.serverapp", "flwr.clientapp")
+"""Flower's public API: what these modules export (their ``__all__``, a sub-module they export included, as
+``flwr.serverapp.strategy``), and the logger ``flwr.common.logger.log``; anything else goes through the seam."""
+PUBLIC_EXTRAS = {"flwr.common.logger": {"log"}}
+
+
+def public_exports(module: str) -> set[str] | None:
+    """What a public Flower module exports (None: the module is not public)."""
+    if module in PUBLIC_EXTRAS:
+        return PUBLIC_EXTRAS[module]
+    parent, _, name = module.rpartition(".")
+    if module not in PUBLIC_FLOWER and (parent not in PUBLIC_FLOWER or name not in (public_exports(parent) or ())):
+        return None
+    return set(importlib.import_module(module).__all__)
+
+
+def flower_problem(module: str, names: list[str] | None) -> str | None:
+    """Why importing ``names`` from a Flower ``module`` (``import module`` where None) leaves the public API."""
+    if module == "flwr":
+        private = [name for name in names or () if f"flwr.{name}" not in PUBLIC_FLOWER]
+        return f"flwr.{','.join(private)}" if private else None
+    exports = public_exports(module)
+    if exports is None:
+        return module
+    if names is None:
+        return module if module in PUBLIC_EXTRAS else None
+    private = [name for name in names if name not in exports]
+    return f"{module}.{','.join(private)}" if private else None
 
 
 def documented_internals() -> list[str]:
@@ -53,17 +80,19 @@ def internal_imports(path: Path) -> list[str]:
     found = []
     label = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
     for node in ast.walk(ast.parse(path.read_text())):
-        modules = []
+        imports: list[tuple[str, list[str] | None]] = []
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            modules = [node.module]
+            imports = [(node.module, [alias.name for alias in node.names])]
         elif isinstance(node, ast.Import):
-            modules = [alias.name for alias in node.names]
-        for module in modules:
+            imports = [(alias.name, None) for alias in node.names]
+        for module, names in imports:
             top = module.partition(".")[0]
-            if (top == "flwr" and module != "flwr" and not module.startswith(PUBLIC_FLOWER)) or (
-                top == "ray" and module != "ray"
-            ):
-                found.append(f"{label}:{node.lineno}: {module}")
+            if top == "flwr":
+                problem = flower_problem(module, names)
+            else:
+                problem = module if top == "ray" and module != "ray" else None
+            if problem is not None:
+                found.append(f"{label}:{node.lineno}: {problem}")
         if (
             isinstance(node, ast.Attribute)
             and isinstance(node.value, ast.Name)
@@ -86,6 +115,34 @@ def test_the_import_scan_sees_an_internal(tmp_path):
     source.write_text("import ray\nfrom flwr.supercore.date import now\nfrom flwr.app import Message\nray._private\n")
     found = [line.split(": ")[1] for line in internal_imports(source)]
     assert found == ["flwr.supercore.date", "ray._private"]
+
+
+@pytest.mark.parametrize(
+    ("line", "found"),
+    [
+        ("from flwr.common.constant import ErrorCode", "flwr.common.constant"),
+        ("from flwr.common.serde import recorddict_to_proto", "flwr.common.serde"),
+        ("import flwr.common.serde", "flwr.common.serde"),
+        ("from flwr.common import serde", "flwr.common.serde"),  # a module flwr.common does not export
+        ("from flwr.common.logger import log, update_console_handler", "flwr.common.logger.update_console_handler"),
+        ("import flwr.common.logger", "flwr.common.logger"),
+        ("from flwr.simulation import run_simulation", "flwr.simulation"),
+        ("from flwr.serverapp.strategy.fedavg import FedAvg", "flwr.serverapp.strategy.fedavg"),
+        ("from flwr import supercore", "flwr.supercore"),
+        ("from flwr.common.logger import log", None),
+        ("from flwr.common import Error, log", None),
+        ("from flwr.app import ArrayRecord, Message", None),
+        ("from flwr.serverapp import Grid, ServerApp", None),
+        ("from flwr.serverapp.strategy import FedAvg", None),  # a sub-module flwr.serverapp exports
+        ("from flwr.clientapp import ClientApp", None),
+        ("import flwr", None),
+        ("from flwr_datasets.partitioner import IidPartitioner", None),  # another distribution
+    ],
+)
+def test_public_flower_is_what_its_four_public_modules_export_and_the_logger(line, found, tmp_path):
+    source = tmp_path / "x.py"
+    source.write_text(line + "\n")
+    assert [entry.split(": ")[1] for entry in internal_imports(source)] == ([found] if found else [])
 
 
 def test_an_unchecked_release_leaves_flowers_behaviour_and_warns_once(monkeypatch, caplog):

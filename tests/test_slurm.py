@@ -8,7 +8,7 @@ from __future__ import annotations
 import csv
 
 from fl_app.sweeps import report as sweep_report
-from fl_app.sweeps.slurm import SlurmJob, job_cpus, job_gpus, read_jobs_record, write_jobs_record
+from fl_app.sweeps.slurm import SlurmJob, job_cpus, job_gpus, read_jobs_record, set_backend, write_jobs_record
 from tests.test_sweep import _fake_job, composed
 
 
@@ -30,8 +30,21 @@ def test_the_slurm_launcher_asks_for_what_the_sim_keys_need():
         "gpu",
         "lab",
     )
-    assert launcher.sim_backend == "batched" and launcher.timeout_min == 240
+    assert launcher.sim_backend is None and launcher.timeout_min == 240  # each job on its config's engine
     assert composed(["hydra/launcher=slurm"]).hydra.launcher.gpus_per_node is None  # no GPU: no --gpus-per-node
+
+
+def test_a_config_files_engine_stands_on_slurm_unless_the_launcher_is_told_otherwise():
+    """``sim.backend: ray`` in a config file is the job's engine; ``hydra.launcher.sim_backend=batched`` overrides
+    it, but not a job's own ``sim.backend=`` on the command line."""
+    cfg = composed(["hydra/launcher=slurm", "sim.backend=ray"])  # as a config file would set it
+    set_backend(cfg, [], cfg.hydra.launcher.sim_backend)
+    assert cfg.sim.backend == "ray"
+    set_backend(cfg, [], "batched")
+    assert cfg.sim.backend == "batched"
+    cfg.sim.backend = "ray"
+    set_backend(cfg, ["seed=1", "sim.backend=ray"], "batched")
+    assert cfg.sim.backend == "ray"
 
 
 def test_job_resources():

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import logging
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -12,10 +14,10 @@ from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
 from core.strategy import Reply
 from core.sub_models import first_units
-from core.widths import WIDTH_RATE, client_widths, global_width, width_of
+from core.widths import WIDTH_RATE, client_widths, global_width, unused_widths, width_of
 from fl_app.checkpoint import load_checkpoint
 from fl_app.client_app import build_client_app
-from fl_app.config import ConfigError, build_context, check_run, parse_run_config
+from fl_app.config import ConfigError, build_context, check_run, parse_run_config, validate_run
 from fl_app.inprocess import InProcessGrid
 from fl_app.server_app import run_experiment
 from models import build_model, permute_state, random_permutations
@@ -179,3 +181,43 @@ def test_width_strategies_learn_with_pans_and_a_resumed_run_equals_the_straight_
     final, expected = torch.load(stopped / "model.pt"), torch.load(straight / "model.pt")
     assert all(torch.equal(final[k], expected[k]) for k in expected)
     assert final["hidden.0.weight"].shape == (20, 64)  # the global model keeps the global width
+
+
+@pytest.mark.parametrize(
+    ("widths", "clients", "unused"),
+    [("0.25,0.5,1", 2, (1.0,)), ("0.25,0.5,1", 3, ()), ("0.5,1,0.5", 2, ()), ("1,0.5,0.25", 1, (0.25, 0.5))],
+)
+def test_the_widths_no_client_gets_are_those_past_the_last_partition(widths, clients, unused):
+    assert unused_widths(parse_run_config({**MIXED, "client-widths": widths}), clients) == unused
+
+
+def test_widths_no_client_gets_are_refused_before_anything_starts_where_they_set_the_global_width(
+    tmp_path, capsys, monkeypatch
+):
+    """``client-widths="0.25,0.5,1"`` on 2 clients: width 1 would be the global width, yet no client trains it."""
+    from fl_app.runtime import launch
+
+    values = {**MIXED, "strategy": "otfusion", "client-widths": "0.25,0.5,1", "results-dir": str(tmp_path)}
+    message = (
+        "run-config key 'client-widths' = '0.25,0.5,1' with 2 client(s) is not allowed: no client gets width 1, "
+        "yet it sets the global model's width (1, where the widest client's is 0.5). Give at most 2 widths"
+    )
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        validate_run(parse_run_config(values), num_partitions=2)
+    run_config = " ".join(f'{key}="{value}"' for key, value in values.items())
+    argv = ["--backend", "batched", "--num-supernodes", "2", "--run-config", run_config]
+    monkeypatch.setattr(launch, "run_batched", None)  # starting the engine would fail loudly
+    assert launch.main(argv) == 2  # the launcher's own check, before any engine starts
+    assert message in capsys.readouterr().err and list(tmp_path.iterdir()) == []
+    validate_run(parse_run_config(values), num_partitions=3)  # every width used
+    validate_run(parse_run_config(values))  # no partition count known: nothing to check
+
+
+@pytest.mark.parametrize(("extra", "unused"), [({"client-widths": "1,0.5,0.25"}, "0.25"), ({"global-width": 1.0}, "1")])
+def test_widths_no_client_gets_that_change_nothing_are_named_in_a_warning(extra, unused, tmp_path, caplog):
+    values = {**MIXED, "strategy": "otfusion", "client-widths": "0.25,0.5,1", "results-dir": str(tmp_path), **extra}
+    with caplog.at_level(logging.WARNING, logger="flwr"):
+        validate_run(parse_run_config(values), num_partitions=2)
+    assert (
+        f"'client-widths' = '{values['client-widths']}' with 2 client(s): no client gets width {unused}" in caplog.text
+    )

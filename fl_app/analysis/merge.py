@@ -33,7 +33,8 @@ dataset's test split, it reports the accuracy of
 The reference is client ``--reference`` (0 by default). With ``--widths`` the
 clients train models of those width multipliers (cycled over the clients; the
 model must take ``width-factor``); models of different widths can only be fused
-by ``ot`` (and ensembled), so the plain and matched averages are left out.
+by ``ot`` (and ensembled): the plain average is left out, ``ot`` is the default
+``--costs``, and any other cost asked for is refused before training.
 
 Seed paper 002 reports that one-shot matching beats one-shot averaging; the gap
 is largest for differently initialised models, whose units have no reason to
@@ -187,8 +188,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--costs",
         nargs="+",
-        default=list(MERGE_COSTS),
-        help=f"matchings to compare (default: {list(MERGE_COSTS)}; bbp is FedMA's BBP-MAP, ot is OT fusion)",
+        default=None,
+        help=f"matchings to compare (default: every one that applies, {list(MERGE_COSTS)}, or only ot for clients of "
+        "different --widths; bbp is FedMA's BBP-MAP, ot is OT fusion)",
     )
     parser.add_argument("--reference", type=int, default=0, help="the client others are aligned onto (default: 0)")
     parser.add_argument(
@@ -247,6 +249,24 @@ def _widths(text: str) -> tuple[float, ...]:
     return widths
 
 
+def _costs(costs: list[str] | None, widths: Sequence[float], clients: int) -> list[str]:
+    """The matchings to compare (None: every one that applies); refuses one that cannot merge the clients' models,
+    which would otherwise be left out of the results without a word."""
+    mixed = len({widths[client % len(widths)] for client in range(clients)}) > 1
+    if costs is None:
+        return [OT] if mixed else list(MERGE_COSTS)
+    for cost in costs:
+        check_choice("--costs", cost, MERGE_COSTS)
+    unmergeable = [cost for cost in costs if cost != OT]
+    if mixed and unmergeable:
+        given = ",".join(f"{width:g}" for width in widths)
+        raise AnalysisError(
+            f"--costs {' '.join(unmergeable)} cannot merge models of different widths (--widths {given} over "
+            f"{clients} clients): only ot can (the ensemble is always reported); give --costs ot, or one width"
+        )
+    return list(costs)
+
+
 def run(args: argparse.Namespace, out: Path) -> list[Path]:
     if check_positive_int("--clients", args.clients) < 2:
         raise AnalysisError(f"--clients must be at least 2 (there is nothing to merge), got {args.clients}")
@@ -255,8 +275,7 @@ def run(args: argparse.Namespace, out: Path) -> list[Path]:
     if not (isinstance(args.reference, int) and 0 <= args.reference < args.clients):
         raise AnalysisError(f"--reference must be a client index in [0, {args.clients}), got {args.reference}")
     widths = _widths(args.widths)
-    for cost in args.costs:
-        check_choice("--costs", cost, MERGE_COSTS)
+    args.costs = _costs(args.costs, widths, args.clients)
     pan_settings(args.pan_mode, args.pan_t, args.pan_a)
     config = _run_config(args)
     bbp = settings_from_arguments(args, BBPSettings, "bbp-")

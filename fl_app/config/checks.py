@@ -11,12 +11,16 @@ from __future__ import annotations
 import os
 import tempfile
 import tomllib
+from logging import WARNING
 from pathlib import Path
+
+from flwr.common.logger import log
 
 from core.config import RunConfig, results_root
 from core.data import dataset_info
 from core.model_io import build_model_for
 from core.strategy import ServerStrategy, build_context
+from core.widths import check_widths_used
 from fl_app.config import tables
 from fl_app.config.schema import default_run_config, owned_settings
 from fl_app.tracking import check_tracking
@@ -66,15 +70,26 @@ def check_paths(config: RunConfig) -> None:
         raise refuse("data-root", config.data_root, "must be readable by this user")
 
 
-def validate_run(config: RunConfig) -> ServerStrategy:
+def validate_run(config: RunConfig, num_partitions: int | None = None) -> ServerStrategy:
     """Everything that can be checked before a run starts: ``pyproject.toml``'s run-config table
-    (:func:`pyproject_problem`), folders, tracking, model and algorithm (:func:`check_run`)."""
+    (:func:`pyproject_problem`), folders, tracking, model and algorithm (:func:`check_run`), and, where the
+    caller knows the number of partitions (the launcher, deploy, a sweep job), the widths the clients get."""
     problem = pyproject_problem()
     if problem is not None:
         raise ConfigError(problem)
     check_paths(config)
     check_tracking(config)
+    if num_partitions is not None:
+        check_clients(config, num_partitions)
     return check_run(config)
+
+
+def check_clients(config: RunConfig, num_partitions: int) -> None:
+    """What depends on the number of partitions: ``client-widths`` no client gets are refused where they set the
+    global width, else logged as a warning."""
+    warning = check_widths_used(config, num_partitions)
+    if warning is not None:
+        log(WARNING, "[alignfl] %s", warning)
 
 
 def pyproject_problem() -> str | None:

@@ -39,6 +39,14 @@ def run_batched(
         pool.close()
 
 
+def workers_allowed(workers: object) -> bool:
+    """Whether the batched engine can start ``workers`` Ray actors (None: none, one worker in this process).
+
+    The launcher and the sweep both ask before anything starts: Ray would only fail once a run folder exists.
+    """
+    return workers is None or (type(workers) is int and workers > 0)
+
+
 def ray_options(
     workers: int | None,
     address: str | None,

@@ -18,12 +18,12 @@ from logging import INFO, WARNING
 from typing import Any
 
 import ray
-from flwr.app import Error, Message, RecordDict
-from flwr.common.constant import ErrorCode
+from flwr.app import Message, RecordDict
 from flwr.common.logger import log
 
 from fl_app.engines.grid import RayOptions
 from fl_app.engines.worker import Job, Worker
+from fl_app.inprocess import flower_error
 
 
 @ray.remote
@@ -88,8 +88,7 @@ class RayWorkerPool:
     def run(self, jobs: Sequence[Job], timeout: float | None) -> list[Message | None]:
         replies: list[Message | None] = [None] * len(jobs)
         if not self.actors:
-            error = Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, "every Ray worker of the batched engine was lost")
-            return [Message(error, reply_to=message) for message, _ in jobs]
+            return [flower_error(message, "every Ray worker of the batched engine was lost") for message, _ in jobs]
         shares = _shares(len(jobs), len(self.actors))
         calls = {}
         for actor, (start, stop) in zip(self.actors, shares, strict=False):
@@ -106,7 +105,7 @@ class RayWorkerPool:
                 reason = f"the worker on Ray node {node} was lost ({type(error).__name__})"
                 for index in range(start, stop):
                     message = jobs[index][0]
-                    replies[index] = Message(Error(ErrorCode.NODE_UNAVAILABLE, reason), reply_to=message)
+                    replies[index] = flower_error(message, reason, "NODE_UNAVAILABLE")
                 continue
             for index, (reply, state) in zip(range(start, stop), results, strict=True):
                 jobs[index][1].state = state

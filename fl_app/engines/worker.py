@@ -17,8 +17,7 @@ from logging import WARNING
 from typing import Any
 
 import torch
-from flwr.app import ArrayRecord, Context, Error, Message, MessageType
-from flwr.common.constant import ErrorCode
+from flwr.app import ArrayRecord, Context, Message, MessageType
 from flwr.common.logger import log
 
 from core.config import RunConfig
@@ -35,6 +34,7 @@ from fl_app.client_app import (
     query_message,
     train_message,
 )
+from fl_app.inprocess import flower_error
 from strategies.base import LocalUpdate
 
 Job = tuple[Message, Context]
@@ -42,7 +42,7 @@ Job = tuple[Message, Context]
 
 def error_reply(message: Message, error: BaseException) -> Message:
     """The reply Flower's runtimes give a message whose ClientApp raised."""
-    return Message(Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, f"{type(error).__name__}: {error}"), reply_to=message)
+    return flower_error(message, f"{type(error).__name__}: {error}")
 
 
 class Worker:

@@ -24,7 +24,6 @@ from logging import WARNING
 from typing import Any
 
 from flwr.app import Context, Message
-from flwr.common.constant import PARTITION_ID_KEY
 from flwr.common.logger import log
 
 from fl_app.patches import seam
@@ -32,12 +31,14 @@ from fl_app.patches import seam
 PROCESS_MESSAGE = "flwr.server.superlink.fleet.vce.backend.raybackend.RayBackend.process_message"
 POOL_SIZE = "flwr.simulation.ray_transport.ray_actor.pool_size_from_resources"
 ACTOR_TABLE = "ray._private.state.state"
+PARTITION_ID = "flwr.common.constant.PARTITION_ID_KEY"
 PATCH = seam.Patch(
     lost="Flower's Ray actor pool keeps the actors of a lost Ray node, and hands them messages that fail",
-    needs=(PROCESS_MESSAGE, POOL_SIZE, ACTOR_TABLE),
+    needs=(PROCESS_MESSAGE, POOL_SIZE, ACTOR_TABLE, PARTITION_ID),
 )
 """Flower's ``RayBackend.process_message`` and its ``BasicActorPool`` (``pool``, ``num_actors``,
-``client_resources``, ``add_actors_to_pool``), and Ray's actor table."""
+``client_resources``, ``add_actors_to_pool``), the node-config key it reads the partition under, and Ray's actor
+table."""
 BasicActorPool = Any
 RayBackend = Any
 _LOCK = "_alignfl_actors_changed"
@@ -142,7 +143,7 @@ def process_message(backend: RayBackend, message: Message, context: Context) -> 
     if pool is None or backend.app_fn is None:
         return seam.get(PROCESS_MESSAGE)(backend, message, context)
     actor = _take_actor(pool)
-    partition_id = context.node_config[PARTITION_ID_KEY]
+    partition_id = context.node_config[seam.get(PARTITION_ID)]
     try:
         _, reply, updated = ray.get(actor.run.remote(backend.app_fn, message, str(partition_id), context))
     except ray.exceptions.RayActorError as error:

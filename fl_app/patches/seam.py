@@ -46,6 +46,10 @@ flwr.simulation.ray_transport.ray_actor.pool_size_from_resources               r
 flwr.common.serde.recorddict_to_proto                                          node_state: client state snapshots
 flwr.common.serde.recorddict_from_proto                                        node_state: client state snapshots
 flwr.proto.recorddict_pb2.RecordDict                                           node_state: the snapshots' format
+flwr.common.constant.ErrorCode                                                 inprocess (and the batched engine): the
+                                                                               code of an error reply
+flwr.common.constant.PARTITION_ID_KEY                                          ray_pool: the node config's partition
+                                                                               id, read as Flower's own reads it
 flwr.supercore.task_identity.TaskIdentity                                      inprocess: the identity Flower stamps
                                                                                messages with
 flwr.supercore.error.ApiErrorCode                                              runtime.flwr_cli: a key registered
@@ -150,6 +154,8 @@ INTERNALS = _table(
     Internal("flwr.common.serde", "recorddict_to_proto"),
     Internal("flwr.common.serde", "recorddict_from_proto"),
     Internal("flwr.proto.recorddict_pb2", "RecordDict"),
+    Internal("flwr.common.constant", "ErrorCode"),
+    Internal("flwr.common.constant", "PARTITION_ID_KEY"),
     Internal("flwr.supercore.task_identity", "TaskIdentity"),
     Internal("flwr.supercore.error", "ApiErrorCode"),
     Internal("ray._private.state", "state"),

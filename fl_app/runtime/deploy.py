@@ -37,7 +37,7 @@ from fl_app.runtime import register
 from fl_app.runtime.common import PROJECT_ROOT, check_folder
 from fl_app.runtime.deployment import deployment, resume_advice
 from fl_app.runtime.flwr_cli import parse_overrides
-from fl_app.runtime.keys import default_certs, refuse_exposed_keys
+from fl_app.runtime.keys import default_certs, refuse_committable_folder, refuse_exposed_keys
 from fl_app.runtime.launch import prepare_config, report_outcome
 from fl_app.runtime.processes import Stopped, stop_signals
 from fl_app.runtime.roles import role_main
@@ -111,6 +111,8 @@ def prepare(args: argparse.Namespace) -> RunConfig:
             check_folder(option, folder.resolve())
     check_superlink_db(args.superlink_db)
     refuse_exposed_keys(PROJECT_ROOT, (args.certs or default_certs()) if args.tls else None)
+    if args.tls:
+        refuse_committable_folder("--certs", args.certs or default_certs())
     if args.rounds is not None and args.rounds < 1:  # named as the user wrote it, not as num-server-rounds
         raise ConfigError(f"--rounds must be at least 1, got {args.rounds}")
     overrides = parse_overrides(args.run_config)
@@ -121,11 +123,18 @@ def prepare(args: argparse.Namespace) -> RunConfig:
 
 def deploy_and_run(config: RunConfig, args: argparse.Namespace) -> int:
     """Start the deployment, run the experiment on it, stop everything; the exit code."""
-    work = (args.work_dir or Path(tempfile.mkdtemp(prefix="alignfl-deploy-"))).resolve()
-    work.mkdir(parents=True, exist_ok=True)
     certs = None
     if args.tls:
-        certs = make_certificates((args.certs or default_certs()).resolve(), args.num_supernodes)
+        try:
+            certs = make_certificates((args.certs or default_certs()).resolve(), args.num_supernodes)
+        except ConfigError as error:  # make_certs.sh's refusal, of a folder that changed since it was checked
+            print(f"[alignfl] refused before starting: {error}", file=sys.stderr)
+            return 2
+        except RuntimeError as error:
+            print(f"[alignfl] deployment FAILED: {error}", file=sys.stderr)
+            return 1
+    work = (args.work_dir or Path(tempfile.mkdtemp(prefix="alignfl-deploy-"))).resolve()
+    work.mkdir(parents=True, exist_ok=True)
     print(
         f"[alignfl] deployment on 127.0.0.1: {args.num_supernodes} SuperNodes, "
         f"{'TLS + SuperNode authentication' if args.tls else 'plaintext'}, {args.executor} ClientApp executor, "

@@ -4,7 +4,8 @@
 certificate and every SuperNode's keys in :func:`default_certs` (``$XDG_STATE_HOME/alignfl/certs``, by
 default ``~/.local/state/alignfl/certs``) unless ``--certs`` names another folder: outside the checkout,
 so that one ``git add -A`` does not publish them. The launcher, deploy and the roles refuse to start while
-a private key sits in a git work tree that would commit it (:func:`refuse_exposed_keys`).
+a private key sits in a git work tree that would commit it (:func:`refuse_exposed_keys`), or while the folder
+keys are to be made in is one (:func:`refuse_committable_folder`, what ``make_certs.sh`` refuses).
 """
 
 from __future__ import annotations
@@ -79,4 +80,25 @@ def refuse_exposed_keys(*folders: Path | None) -> None:
         raise ConfigError(
             f"private keys inside a git work tree that does not ignore them: {shown}; `git add` would publish "
             f"them. Move them out (the default key folder is {default_certs()}) or have .gitignore cover them"
+        )
+
+
+def refuse_committable_folder(option: str, folder: Path) -> None:
+    """Refuse a folder to make private keys in that git would commit, before anything starts: ``make_certs.sh``
+    refuses it too, but only once a deployment is on its way; a ConfigError naming the option."""
+    tree = work_tree(folder)
+    if tree is None:
+        return
+    key = folder.resolve() / "ca.key"
+    try:
+        ignored = subprocess.run(
+            ["git", "-C", str(tree), "check-ignore", "-q", str(key)], capture_output=True, timeout=30
+        ).returncode
+    except (OSError, subprocess.TimeoutExpired):  # git went away meanwhile: nothing can be committed with it
+        return
+    if ignored != 0:
+        raise ConfigError(
+            f"{option} {str(folder)!r} is not allowed: it is inside the git work tree {tree}, which does not ignore "
+            f"it, so `git add` would publish the private keys made there. Give a folder outside it (the default is "
+            f"{default_certs()}) or one its .gitignore covers"
         )

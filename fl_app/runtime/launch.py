@@ -32,7 +32,7 @@ from core.data import DatasetMissingError, check_dataset_available
 from core.partitioning.partitions import partition_dataset
 from fl_app.checkpoint import checkpointed_round, resume_checkpoint, run_folder
 from fl_app.config import ConfigError, RunConfig, parse_run_config, validate_run
-from fl_app.engines.batched import ray_options, run_batched
+from fl_app.engines.batched import ray_options, run_batched, workers_allowed
 from fl_app.engines.grid import VECTORISE_CHOICES, RayOptions
 from fl_app.runtime.common import PROJECT_ROOT
 from fl_app.runtime.flwr_cli import parse_overrides, submit_and_follow
@@ -61,7 +61,7 @@ def prepare_config(overrides: dict[str, Any], num_supernodes: int) -> RunConfig:
             f"run-config key 'min-available-nodes' = {config.min_available_nodes} exceeds "
             f"--num-supernodes={num_supernodes}: the run would wait forever"
         )
-    validate_run(config)  # folders first: an unusable results-dir or data-root is named as such
+    validate_run(config, num_supernodes)  # folders first: an unusable results-dir or data-root is named as such
     check_dataset_available(config.dataset, config.data_root or None)
     if config.resume_from:
         resume_checkpoint(config)  # a missing checkpoint or a changed key is refused here, not after submission
@@ -102,6 +102,15 @@ def check_client_resources(num_cpus: int, num_gpus: float, cuda_available: bool)
         )
 
 
+def check_workers(workers: int | None) -> None:
+    """Refuse a count of Ray actor workers the batched engine cannot start (the sweep's ``sim.workers`` check)."""
+    if not workers_allowed(workers):
+        raise ConfigError(
+            f"--workers={workers} is not allowed: must be a positive integer (that many Ray actors as the batched "
+            "engine's workers); leave it out for one worker in this process"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fl_app.launch", description=__doc__.split("\n\n")[0])
     parser.add_argument("--run-config", default="", help="'key=value ...' overrides of [tool.flwr.app.config]")
@@ -129,18 +138,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--vectorise",
         choices=VECTORISE_CHOICES,
-        default="auto",
+        default=None,
         help="batched: on trains a round's clients as one stacked update where the algorithm and the model allow "
         "it; auto (default) only where they also train on CUDA (stacking was not faster on a CPU); off: never",
     )
     parser.add_argument("--workers", type=int, default=None, help="batched: this many Ray actors as workers")
     args = parser.parse_args(argv)
-    if args.backend != "batched" and args.workers is not None:
-        parser.error("--workers needs --backend batched")
+    for option in ("workers", "vectorise"):  # the flwr backend has no use for them: say so, not ignore them
+        if args.backend != "batched" and getattr(args, option) is not None:
+            parser.error(f"--{option} needs --backend batched")
+    args.vectorise = args.vectorise or "auto"
     config = None
     try:
         with stop_signals():
             try:
+                check_workers(args.workers)
                 refuse_exposed_keys(PROJECT_ROOT)  # keys a `git add` of the project would publish
                 if args.ray_address:
                     args.ray_address = attach_to_cluster(

@@ -27,10 +27,12 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from cryptography import x509
@@ -41,7 +43,7 @@ from fl_app.patches.polling_supernode import FLOWER_NODE_POLL_S
 from fl_app.runtime.common import PROJECT_ROOT, check_folder, free_port
 from fl_app.runtime.deployment import Deployment
 from fl_app.runtime.flwr_cli import parse_overrides
-from fl_app.runtime.keys import default_certs, refuse_exposed_keys
+from fl_app.runtime.keys import default_certs, refuse_committable_folder, refuse_exposed_keys
 from fl_app.runtime.launch import prepare_config, report_outcome
 from fl_app.runtime.processes import Stopped, stop_signals
 from fl_app.runtime.reach import ALL_INTERFACES, listen_host, split_address, wait_for_superlink
@@ -245,6 +247,8 @@ def check(role: str, args: argparse.Namespace) -> RunConfig | None:
     if not 0 < args.port < 65536:
         raise ConfigError(f"--port {args.port} is not allowed: 1-65535")
     args.host = listen_host(args.host, args.address)
+    if args.tls:
+        refuse_committable_folder("--certs", args.certs or default_certs())  # the SuperLink side makes keys there
     if args.tls and not args.address:
         raise ConfigError(
             "--tls needs --address: the names or addresses the SuperNodes dial, which the "
@@ -280,17 +284,34 @@ def role_main(role: str, argv: list[str]) -> int:
                     file=sys.stderr,
                     flush=True,
                 )
-            work = (args.work_dir or Path(tempfile.mkdtemp(prefix=f"alignfl-{role}-"))).resolve()
-            work.mkdir(parents=True, exist_ok=True)
-            if role == "superlink":
-                return run_superlink_side(args, config, work)
-            return run_supernodes(args, work)
+            with work_folder(role, args.work_dir) as work:
+                if role == "superlink":
+                    return run_superlink_side(args, config, work)
+                return run_supernodes(args, work)
     except Stopped as stop:
         print(f"[alignfl] stopped by {stop}: every process this {role} role started has been stopped", file=sys.stderr)
         return stop.exit_code
     except ConfigError as error:
         print(f"[alignfl] refused: {error}", file=sys.stderr)
         return 2
+
+
+@contextmanager
+def work_folder(role: str, given: Path | None) -> Iterator[Path]:
+    """``--work-dir``, else a temporary folder, removed however the role ends (a stop signal included) where it
+    would only pile up: a node machine's always (it serves until stopped, and keeps nothing worth reading), the
+    SuperLink side's when it holds nothing (its logs tell how the run went)."""
+    if given is not None:
+        given = given.resolve()
+        given.mkdir(parents=True, exist_ok=True)
+        yield given
+        return
+    work = Path(tempfile.mkdtemp(prefix=f"alignfl-{role}-")).resolve()
+    try:
+        yield work
+    finally:
+        if role == "supernodes" or not any(work.iterdir()):
+            shutil.rmtree(work, ignore_errors=True)
 
 
 def run_superlink_side(args: argparse.Namespace, config: RunConfig | None, work: Path) -> int:
@@ -376,7 +397,8 @@ def run_supernodes(args: argparse.Namespace, work: Path) -> int:
         print(
             f"[alignfl] SuperNodes {', '.join(map(str, sorted(args.nodes)))} of {args.num_supernodes} dialling "
             f"{args.superlink} ({args.executor} executor, polling every "
-            f"{args.node_poll or FLOWER_NODE_POLL_S:g} s); logs in {work / 'logs'}; Ctrl-C stops them",
+            f"{args.node_poll or FLOWER_NODE_POLL_S:g} s); logs in {work / 'logs'}"
+            f"{'' if args.work_dir else ' (removed on exit: --work-dir keeps them)'}; Ctrl-C stops them",
             flush=True,
         )
         return serve(running, RefusedKeys(running, sorted(args.nodes), time.monotonic() + args.superlink_wait))

@@ -145,12 +145,17 @@ def make_certificates(folder: Path, num_supernodes: int, superlink_sans: str = "
     """``scripts/make_certs.sh`` into ``folder`` (existing files are kept): a CA, the SuperLink's certificate and,
     per SuperNode, its Runtime API certificate and authentication key pair, as :class:`Certificates` names them.
     ``superlink_sans``: more names for the SuperLink's certificate (``IP:10.0.0.1,DNS:fl.example.org``)."""
-    subprocess.run(
+    made = subprocess.run(
         ["bash", str(MAKE_CERTS), str(folder), str(num_supernodes)],
-        check=True,
         stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
         env={**os.environ, "SUPERLINK_SANS": superlink_sans},
     )
+    if made.returncode == 2:  # the script refused the folder or the count: its message, never a traceback
+        raise ConfigError(made.stderr.strip())
+    if made.returncode != 0:
+        raise RuntimeError(f"make_certs.sh failed with exit code {made.returncode}: {made.stderr.strip()}")
     return folder
 
 

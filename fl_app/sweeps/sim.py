@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fl_app.config import ConfigError
+from fl_app.engines.batched import workers_allowed
 from fl_app.engines.grid import VECTORISE_CHOICES
 from fl_app.runtime.ray_cluster import attach_to_cluster
 from plugins.options import non_negative, option, positive
@@ -51,7 +52,7 @@ class SimSettings:
         None,
         "batched engine: this many Ray actors as workers (client_cpus, client_gpus each); null: one "
         "worker in the job's process, or with sim.ray_address as many as the cluster holds",
-        _none_or(lambda v: isinstance(v, int) and v > 0),
+        workers_allowed,
         "must be a positive integer or null",
     )
     num_supernodes: int = option(

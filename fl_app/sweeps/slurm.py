@@ -9,9 +9,9 @@ every job has ended, each one's state read from SLURM (``scontrol``, else ``sacc
 sweep report (:mod:`fl_app.sweeps.report`) reads it to list each failed job with its SLURM id, state and log
 while the others' results count, also for a job that SLURM ended before it started.
 
-On the compute node the jobs run on the batched engine (``sim_backend``: a worker in the job's process, no Ray to
-start on a node SLURM gave a few cores, unless ``sim.workers`` asks for Ray actors) unless the sweep sets
-``sim.backend`` itself.
+On the compute node each job runs on the engine its config chooses (``sim.backend``; the sweeps' default, the
+batched engine, needs no Ray on a node SLURM gave a few cores unless ``sim.workers`` asks for Ray actors);
+``sim_backend`` overrides it for every job whose command line does not set ``sim.backend`` (:func:`set_backend`).
 The resources each job asks for come from the ``sim.*`` keys (:func:`job_cpus`, :func:`job_gpus`).
 """
 
@@ -30,7 +30,7 @@ from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from hydra.core.utils import JobReturn, JobStatus, filter_overrides, run_job, setup_globals
-from omegaconf import OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from hydra_plugins.hydra_submitit_launcher import submitit_launcher
 from hydra_plugins.hydra_submitit_launcher.config import SlurmQueueConf
@@ -108,8 +108,8 @@ class AlignflSlurmConf(SlurmQueueConf):
     """Hydra's ``submitit_slurm`` launcher config, run by :class:`SlurmLauncher`, plus the backend jobs use."""
 
     _target_: str = "hydra_plugins.alignfl_slurm.SlurmLauncher"
-    sim_backend: str | None = "batched"
-    """``sim.backend`` of every job that does not set it (null: the config's)."""
+    sim_backend: str | None = None
+    """``sim.backend`` of every job whose command line does not set it; None (the default): the config's."""
 
 
 @dataclass(frozen=True)
@@ -149,10 +149,17 @@ def slurm_state(job_id: str, stdout: Path) -> str:
     return "UNKNOWN" if stdout.exists() else "CANCELLED"
 
 
+def set_backend(config: DictConfig, sweep_overrides: Sequence[str], sim_backend: str | None) -> None:
+    """``sim.backend`` = ``sim_backend`` where one is given and the job's overrides do not set it: a config file's
+    choice (``sim.backend: ray``) stands unless the launcher is told otherwise."""
+    if sim_backend is not None and not any(o.lstrip("+~").startswith("sim.backend=") for o in sweep_overrides):
+        config.sim.backend = sim_backend
+
+
 class SlurmLauncher(submitit_launcher.SlurmLauncher):
     """Hydra's submitit SLURM launcher, waiting for every job and recording each one's end (see the module)."""
 
-    def __init__(self, sim_backend: str | None = "batched", **params: Any) -> None:
+    def __init__(self, sim_backend: str | None = None, **params: Any) -> None:
         super().__init__(**params)
         self.sim_backend = sim_backend
 
@@ -170,8 +177,7 @@ class SlurmLauncher(submitit_launcher.SlurmLauncher):
         with open_dict(config.hydra.job) as job:
             job.id = submitit.JobEnvironment().job_id
             job.num = job_num
-        if self.sim_backend is not None and not any(o.lstrip("+~").startswith("sim.backend=") for o in sweep_overrides):
-            config.sim.backend = self.sim_backend
+        set_backend(config, sweep_overrides, self.sim_backend)
         return run_job(
             hydra_context=self.hydra_context,
             task_function=self.task_function,

@@ -165,7 +165,7 @@ def job_settings(cfg: DictConfig, choices: Mapping[str, Any], results_dir: Path)
         "run-name": RUN_NAME,
     }
     config = parse_run_config(values)
-    validate_run(config)
+    validate_run(config, sim.num_supernodes)
     return config, sim
 
 
