@@ -28,7 +28,7 @@ from core.divergence import divergence_by_layer, weight_divergence
 from core.replies import MODEL_RECORD, NEW_CLIENT, drop_cause
 from core.rounds import Participation
 from fl_app.patches import seam
-from fl_app.provenance import git_commit
+from fl_app.provenance import git_commit, machine
 
 GlobalEvaluation = Callable[[ArrayRecord], tuple[float, float]]
 
@@ -383,8 +383,9 @@ def plot_alignment(rows: list[dict[str, Any]], path: Path, title: str) -> None:
 
 
 def finish_run(folder: Path, recorder: RoundRecorder, final_arrays: ArrayRecord, title: str) -> dict[str, Any]:
-    """Write summary.json (with the project's commit), the plots and the final global model; return the summary."""
-    summary = {**recorder.summary(), "run-folder": str(folder), "git-commit": git_commit()}
+    """Write summary.json (with the project's commit and the machine), the plots and the final global model; return
+    the summary."""
+    summary = {**recorder.summary(), "run-folder": str(folder), "git-commit": git_commit(), "machine": machine()}
     write_json(folder / "summary.json", summary)
     plot_accuracy(recorder.rows, folder / "accuracy.png", title)
     if any(row.get("units-moved") for row in recorder.rows):

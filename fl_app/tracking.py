@@ -6,11 +6,11 @@ The ServerApp opens a :class:`Tracking` for its run folder and hands it the metr
 - ``tracking=tensorboard`` (default): event files in the run folder; every number of a row becomes a scalar
   with the round as the step (``accuracy`` and ``loss`` in the rounds the server evaluated,
   ``units-moved/<group>``, ``local-accuracy-per-client/<id>``, a list as ``<key>/<index>``), the run config
-  as text, the summary's figures as ``summary/<key>``.
+  and the machine (:func:`run_parameters`) as text, the summary's figures as ``summary/<key>``.
 - ``tracking=mlflow``: one MLflow run per alignfl run in the store at ``mlflow-uri`` (default a SQLite file in
-  the results folder): the run config as parameters, tags for the algorithm, model, data, partitioner,
-  seed, git commit and Flower version, the same metrics with the round as the step, the summary's figures,
-  and the run folder's plots, config, metrics, summary and final model as artifacts. Its id is kept in
+  the results folder): the run config and the machine as parameters, tags for the algorithm, model, data,
+  partitioner, seed, git commit and Flower version, the same metrics with the round as the step, the summary's
+  figures, and the run folder's plots, config, metrics, summary and final model as artifacts. Its id is kept in
   ``tracking.json`` in the run folder, so ``resume-from`` continues the same MLflow run.
 - ``both`` or ``none``.
 
@@ -40,7 +40,7 @@ from typing import Any, Protocol
 from flwr.common.logger import log
 
 from core.config import RunConfig, results_root
-from fl_app.provenance import git_commit
+from fl_app.provenance import git_commit, machine
 from fl_app.results import write_json
 from plugins.options import refuse
 
@@ -64,6 +64,9 @@ the user has not set them)."""
 TENSORBOARD_ON = ("tensorboard", "both")
 MLFLOW_ON = ("mlflow", "both")
 _UNSAFE = re.compile(r"[^A-Za-z0-9_\-. /]")
+NOT_FIGURES = ("clients-per-round", "machine")
+"""Summary entries that are no figure of the run (the machine's thread counts are no metric)."""
+MACHINE_PREFIX = "machine."
 
 
 def wants_tensorboard(config: RunConfig) -> bool:
@@ -87,6 +90,12 @@ def check_tracking(config: RunConfig) -> None:
             config.tracking,
             f"needs MLflow, which is not installed here: {INSTALL_MLFLOW} (or choose tensorboard or none)",
         )
+
+
+def run_parameters(config: RunConfig) -> dict[str, Any]:
+    """The run config and, as ``machine.<key>``, the machine the run's figures came from (floats and times differ
+    across CPUs and thread counts)."""
+    return {**config.to_run_config(), **{MACHINE_PREFIX + key: value for key, value in machine().items()}}
 
 
 def scalars(row: Mapping[str, Any]) -> dict[str, float]:
@@ -145,7 +154,7 @@ class TensorBoardSink:
         # earlier session wrote (flushed or not, past its last checkpoint or not), so every round shows once.
         self.writer = SummaryWriter(str(folder), purge_step=0 if resumed else None, flush_secs=30)
         self.config_text = "\n".join(
-            ["| key | value |", "|---|---|"] + [f"| {key} | {value} |" for key, value in config.to_run_config().items()]
+            ["| key | value |", "|---|---|"] + [f"| {key} | {value} |" for key, value in run_parameters(config).items()]
         )
         self.last_round = -1
 
@@ -161,7 +170,7 @@ class TensorBoardSink:
 
     def finish(self, summary: Mapping[str, Any], folder: Path) -> None:
         step = int(summary.get("rounds", 0))
-        for tag, value in scalars({k: v for k, v in summary.items() if k != "clients-per-round"}).items():
+        for tag, value in scalars({k: v for k, v in summary.items() if k not in NOT_FIGURES}).items():
             self.writer.add_scalar(f"summary/{tag}", value, step)
         self.writer.flush()
 
@@ -233,7 +242,7 @@ class MlflowSink:
             log_in_batches(
                 self.client,
                 self.run_id,
-                params=[Param(key, str(value)) for key, value in config.to_run_config().items()],
+                params=[Param(key, str(value)) for key, value in run_parameters(config).items()],
             )
         write_json(folder / TRACKING_FILE, {"mlflow": {"tracking-uri": self.uri, "run-id": self.run_id}})
 
@@ -288,7 +297,7 @@ class MlflowSink:
         from mlflow.entities import Metric
 
         now, step = int(time.time() * 1000), int(summary.get("rounds", 0))
-        figures = {k: v for k, v in summary.items() if k != "clients-per-round"}
+        figures = {k: v for k, v in summary.items() if k not in NOT_FIGURES}
         log_in_batches(
             self.client,
             self.run_id,

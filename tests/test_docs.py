@@ -21,6 +21,8 @@ ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 RESULTS = ROOT / "benchmarks" / "RESULTS.md"
 PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
+LINK_PAGES = [*PAGES, RESULTS, ROOT / "benchmarks" / "psinet" / "RESULTS.md"]
+"""Pages whose relative links are checked (RESULTS.md links its own sections too)."""
 FIGURE_PAGES = [README, ROOT / "docs" / "results.md"]
 """Pages whose figures must all be linked to their RESULTS.md section."""
 README_MAX_LINES = 300
@@ -99,9 +101,10 @@ def untagged_figures(markdown: str) -> list[str]:
     return [m.group(0) for m in FIGURE.finditer(bare)]
 
 
-def link_problems(page: Path) -> list[str]:
-    """Relative links and images of ``page`` whose file or heading does not exist."""
-    markdown = page.read_text()
+def link_problems(page: Path, markdown: str | None = None) -> list[str]:
+    """Relative links and images of ``page`` (or of ``markdown`` read as if it stood there) whose file or heading
+    does not exist."""
+    markdown = page.read_text() if markdown is None else markdown
     problems = []
     for text, target in links(markdown):
         if re.match(r"^[a-z][a-z+.-]*:", target):  # http:, https:, mailto: are not checked here
@@ -125,9 +128,25 @@ def test_every_figure_on_the_figure_pages_names_its_source(page):
     assert untagged_figures(page.read_text()) == [], f"{page.name}: link these figures to their RESULTS.md section"
 
 
-@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+@pytest.mark.parametrize("page", LINK_PAGES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_relative_link_leads_to_a_file_and_heading(page):
     assert link_problems(page) == []
+
+
+@pytest.mark.parametrize("page", [README, ROOT / "docs" / "results.md"], ids=lambda p: p.name)
+def test_a_link_to_a_renamed_heading_is_caught_on_the_real_pages(page):
+    """A link into RESULTS.md whose heading was renamed (its anchor no longer exists) is caught."""
+    markdown = page.read_text()
+    target = next(target for _, target in links(markdown) if "RESULTS.md#" in target)
+    stale = markdown.replace(f"]({target})", f"]({target}-old-tail)", 1)
+    assert [problem for problem in link_problems(page, stale) if "no heading" in problem], target
+
+
+def test_results_headings_are_unique():
+    """Two headings with one anchor would send a link to whichever comes first (GitHub numbers the rest)."""
+    text = FENCE.sub("", RESULTS.read_text())
+    anchors = [slug(m.group(2)) for m in HEADING.finditer(text)]
+    assert sorted({a for a in anchors if anchors.count(a) > 1}) == []
 
 
 RUN_CONFIG = re.compile(r"--run-config '([^']*)'")

@@ -1,5 +1,5 @@
 """The plug-in architecture, end to end: every strategy × model pair the schema accepts aggregates a round of real
-client replies; behaviour equals the recorded runs of the code before the restructuring."""
+client replies; behaviour equals the recorded runs, on any x86-64 CPU."""
 
 import json
 from pathlib import Path
@@ -18,7 +18,14 @@ from models.registry import option_names
 from strategies import get_strategy, list_strategies
 
 BASELINE = Path(__file__).parent / "data" / "strategy_baseline.json"
-OTHER_CPUS = Path(__file__).parent / "data" / "strategy_baseline_other_cpus.json"
+RELATIVE = 1e-5
+SUM_TOLERANCE = 1e-4
+"""How far a recorded run's floats may move on another CPU (relative; a model sum absolute), measured: the same code
+on AVX-512, AVX2 and SSE float kernels (torch, MKL and oneDNN held to each by ``ATEN_CPU_CAPABILITY``,
+``MKL_ENABLE_INSTRUCTIONS`` and ``ONEDNN_MAX_CPU_ISA`` on one machine) gave every recorded metric within 2e-6
+relative and every model sum within 3e-5 of the recording (a sum of thousands of weights moves more than its
+terms). A run that amplifies rounding has no place here: psinet's with 3 local epochs at lr 0.1 ended at
+accuracy 0.28 on AVX-512 kernels and 0.52 on AVX2, a recording of one CPU's last bits, not of behaviour."""
 TINY = {"dataset": "digits", "model": "small-mlp", "num-server-rounds": 2, "batch-size": 32, "device": "cpu"}
 
 
@@ -89,10 +96,11 @@ def _rows(folder: Path) -> list[dict]:
 
 
 @pytest.mark.parametrize("strategy", list_strategies())
-def test_behaviour_equals_the_runs_recorded_before_the_restructuring(tmp_path, strategy):
+def test_behaviour_equals_the_recorded_runs(tmp_path, strategy):
     """2 rounds on digits, half the clients sampled, with every strategy: the metrics and the final model equal
-    those the code gave before the plug-in restructuring (recorded in tests/data/strategy_baseline.json), up to
-    float noise; or, for a run that amplifies that noise, a recording of the unchanged code on another CPU."""
+    the recorded ones (tests/data/strategy_baseline.json; its ``_about`` says which code recorded them), keys,
+    counts and structure exactly and floats within what another CPU's float kernels change (:func:`_float_noise`),
+    so a change of any algorithm's behaviour fails here on any x86-64 machine."""
     recorded = json.loads(BASELINE.read_text())
     if strategy not in recorded:
         pytest.skip(f"{strategy} was added after the recording")
@@ -104,8 +112,7 @@ def test_behaviour_equals_the_runs_recorded_before_the_restructuring(tmp_path, s
     run_in_process({**TINY, **settings, "results-dir": str(tmp_path), "run-name": "run"}, 4)
     model = torch.load(tmp_path / "run" / "model.pt")
     run = {"rows": _rows(tmp_path / "run"), "model-sums": {k: float(v.double().sum()) for k, v in model.items()}}
-    recordings = [recorded[strategy], *json.loads(OTHER_CPUS.read_text()).get(strategy, [])]
-    assert any(_same_run(run, recording) for recording in recordings), (run, recordings[0])
+    assert _same_run(run, recorded[strategy]), (run, recorded[strategy])
 
 
 def _same_run(run: dict, recording: dict) -> bool:
@@ -114,16 +121,15 @@ def _same_run(run: dict, recording: dict) -> bool:
     return (
         len(rows) == len(expected)
         and [{key: row.get(key) for key in before} for row, before in zip(rows, expected)] == _float_noise(expected)
-        and run["model-sums"] == _float_noise(recording["model-sums"], abs_tolerance=1e-4)
+        and run["model-sums"] == _float_noise(recording["model-sums"], abs_tolerance=SUM_TOLERANCE)
     )
 
 
 def _float_noise(recorded, abs_tolerance: float = 1e-9):
-    """The recording with every float compared to 1e-5 relative (or ``abs_tolerance``): the same code gives results
-    that differ in the 7th digit on CPUs whose float kernels differ (AVX-512 or not; a sum of thousands of weights
-    by more); counts, keys and structure stay exact."""
+    """The recording with every float compared to :data:`RELATIVE` (or ``abs_tolerance``); counts, keys and
+    structure stay exact."""
     if isinstance(recorded, float):
-        return pytest.approx(recorded, rel=1e-5, abs=abs_tolerance)
+        return pytest.approx(recorded, rel=RELATIVE, abs=abs_tolerance)
     if isinstance(recorded, dict):
         return {key: _float_noise(value, abs_tolerance) for key, value in recorded.items()}
     if isinstance(recorded, list):

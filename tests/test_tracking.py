@@ -21,6 +21,7 @@ from tensorboard.plugins.hparams import plugin_data_pb2
 from fl_app.config import ConfigError, parse_run_config, validate_run
 from fl_app.inprocess import run_in_process
 from fl_app.progress import RoundProgress, duration, start_sweep, sweep_progress
+from fl_app.provenance import machine
 from fl_app.sweeps.tracking import write_hparams
 from fl_app.tracking import TRACKING_FILE, Tracking, scalars
 
@@ -123,6 +124,9 @@ def test_tensorboard_is_on_by_default_with_every_round_of_every_metric(tmp_path)
     assert board.Scalars("summary/final-accuracy")[0].value == pytest.approx(summary["final-accuracy"])
     (text,) = board.Tensors("run-config/text_summary")
     assert "| num-server-rounds | 2 |" in text.tensor_proto.string_val[0].decode()
+    assert json.loads((folder / "summary.json").read_text())["machine"] == summary["machine"] == machine()
+    assert f"| machine.cpu | {summary['machine']['cpu']} |" in text.tensor_proto.string_val[0].decode()
+    assert not [tag for tag in board.Tags()["scalars"] if tag.startswith("summary/machine")]  # no figure
 
 
 def test_an_mlflow_run_holds_the_run_and_a_resumed_run_continues_it_once(tmp_path):
@@ -135,7 +139,8 @@ def test_an_mlflow_run_holds_the_run_and_a_resumed_run_continues_it_once(tmp_pat
     stored = client.get_run(run_id)
     assert stored.info.status == "FINISHED"
     config = json.loads((folder / "config.json").read_text())
-    assert stored.data.params == {key: str(value) for key, value in config.items()}
+    machine = {f"machine.{key}": value for key, value in first["machine"].items()}  # summary.json's, as parameters
+    assert stored.data.params == {key: str(value) for key, value in {**config, **machine}.items()}
     assert {key: stored.data.tags[key] for key in ("strategy", "model", "dataset", "partitioner", "seed")} == {
         "strategy": "fedavg",
         "model": "small-mlp",
