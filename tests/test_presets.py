@@ -1,8 +1,10 @@
-"""Experiment presets (conf/experiment/*.yaml): each composes, every job of its table validates, a preset whose
-data are not on disk refuses before any job starts, and (slow) every -cpu preset runs one round."""
+"""Experiment presets (conf/experiment/*.yaml): each composes, every job of its table validates, a -cpu preset keeps
+its paper preset's regime, a preset whose data are not on disk refuses before any job starts, and (slow) every -cpu
+preset runs one round."""
 
 import csv
 import os
+import re
 import subprocess
 import sys
 import urllib.request
@@ -12,6 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
 from core.data import DatasetMissingError
@@ -58,6 +61,120 @@ def test_presets_come_in_pairs_with_a_cpu_variant():
 def _one_seed(jobs):
     """The jobs of seed 0: the other seeds' jobs differ from them only in the seed (checked by the caller)."""
     return [job for job in jobs if "seed=0" in job]
+
+
+#: What a -cpu preset keeps from its full twin: the papers' effects live in long local training, partial
+#: participation and the heterogeneity of the split, so a -cpu preset shrinks width, data, clients and rounds instead.
+REGIME = (
+    "train.local_epochs",
+    "train.fraction_train",
+    "data.partitioner",
+    "data.dirichlet_alpha",
+    "data.classes_per_client",
+    "strategy.fedma_retrain_epochs",
+)
+
+
+def _settings(overrides: list[str]) -> dict[str, str]:
+    return dict(override.split("=", 1) for override in overrides)
+
+
+def _as_full(key: str, value: str) -> str:
+    """A -cpu preset's choice of a preset or of one of its rows (``fedma16-cpu``) as its full twin names it."""
+    return value.removesuffix("-cpu") if "experiment" in key else value
+
+
+def _seed0_jobs(name: str, folder: Path) -> list[tuple[dict[str, str], dict]]:
+    """Every seed-0 job of a preset: its overrides, and its regime values and config-group choices, composed."""
+    with composed([f"+experiment={name}", f"hydra.sweep.dir={folder}"]) as cfg:
+        loader = GlobalHydra.instance().config_loader()
+        jobs = []
+        for overrides in _one_seed(sweep_job_overrides(cfg)):
+            job = loader.load_sweep_config(cfg, overrides)
+            values = {key: OmegaConf.select(job, key, default=None) for key in REGIME}
+            jobs.append((_settings(overrides), {**values, "choices": dict(job.hydra.runtime.choices)}))
+    return jobs
+
+
+def _lines_setting(path: Path, dotted: str) -> list[tuple[str, str]]:
+    """(value, comment) of each line of a preset file that sets ``section.key``; a comment goes on over the
+    comment-only lines below it that are indented past the key."""
+    section, key = dotted.split(".")
+    found, current, inside = [], None, False
+    for line in path.read_text().splitlines():
+        code, _, comment = line.partition("#")
+        indent = len(line) - len(line.lstrip())
+        if not code.strip():
+            if inside and comment and indent > 2:
+                found[-1] = (found[-1][0], f"{found[-1][1]} {comment.strip()}")
+                continue
+            inside = False
+            continue
+        inside = False
+        name, _, value = code.strip().partition(":")
+        if indent == 0:
+            current = name
+        elif indent == 2 and current == section and name == key:
+            found.append((value.strip(), comment.strip()))
+            inside = True
+    return found
+
+
+def _says_what_was_cut(files: list[Path], dotted: str, value, full_value) -> bool:
+    """Whether a line setting ``dotted`` to ``value`` says it was cut: "cut" and the full preset's value."""
+    full = re.compile(rf"(?<![\w.]){re.escape(str(full_value))}(?![\w]|\.\d)")
+    return any(
+        yaml.safe_load(text) == value and re.search(r"\bcut\b", comment) and full.search(comment)
+        for path in files
+        for text, comment in _lines_setting(path, dotted)
+    )
+
+
+def test_a_cut_is_allowed_only_where_its_line_says_so(tmp_path):
+    """The exception the previous test allows: "cut" and the full value in the comment of the line that sets it."""
+    preset = tmp_path / "x-cpu.yaml"
+    preset.write_text(
+        "train:\n"
+        "  num_server_rounds: 5     # x: 150\n"
+        "  local_epochs: 2          # x: 20\n"
+        "  fraction_train: 0.4      # cut from 1.0: every client every round\n"
+        "                           # would take 2 hours here\n"
+        "data:\n"
+        "  dirichlet_alpha: 0.5\n"
+    )
+    assert _lines_setting(preset, "train.fraction_train") == [
+        ("0.4", "cut from 1.0: every client every round would take 2 hours here")
+    ]
+    assert _says_what_was_cut([preset], "train.fraction_train", 0.4, 1.0)
+    assert not _says_what_was_cut([preset], "train.fraction_train", 0.4, 0.5), "the full value, not another"
+    assert not _says_what_was_cut([preset], "train.local_epochs", 2, 20), "a full value without 'cut' is not enough"
+    assert not _says_what_was_cut([preset], "data.dirichlet_alpha", 0.5, 0.1)
+
+
+@pytest.mark.parametrize("name", CPU_PRESETS)
+def test_a_cpu_preset_keeps_its_full_twins_regime(name, tmp_path):
+    """Every job of a -cpu preset has the local epochs, participation, split (partitioner, Dirichlet alpha,
+    classes per client) and FedMA retraining epochs of the matching job of its full twin (the same sweep values,
+    ``-cpu`` rows as the rows they scale), unless the -cpu line that sets the value says what was cut: the word
+    "cut" and the full preset's value in its comment."""
+    full_jobs = _seed0_jobs(name.removesuffix("-cpu"), tmp_path / "full")
+    problems = {}  # a dict: the same message once where a -cpu job has two twins
+    for overrides, cpu in _seed0_jobs(name, tmp_path / "cpu"):
+        as_full = {key: _as_full(key, value) for key, value in overrides.items()}
+        twins = [job for settings, job in full_jobs if all(as_full.get(k, v) == v for k, v in settings.items())]
+        assert twins, f"{name} job {overrides}: no job of {name.removesuffix('-cpu')} has these sweep values"
+        rows = [f"{group}/{choice}" for group, choice in cpu["choices"].items() if group.startswith("experiment/")]
+        files = [EXPERIMENTS / f"{name}.yaml", *(CONF / f"{row}.yaml" for row in rows)]
+        for full in twins:
+            for key in REGIME:
+                if cpu[key] != full[key] and not _says_what_was_cut(files, key, cpu[key], full[key]):
+                    job = " ".join(f"{k}={v}" for k, v in overrides.items() if k not in ("seed", "+experiment"))
+                    problems[f"{job or '(its one job)'}: {key} is {cpu[key]}, {full[key]} in the full preset"] = None
+    assert not problems, (
+        f"{name} changes the regime of its full twin without saying what was cut (keep the full value, shrink "
+        "width, data, clients or rounds instead; or write 'cut' and the full value on that line):\n"
+        + "\n".join(problems)
+    )
 
 
 @pytest.mark.parametrize("name", PRESETS)
