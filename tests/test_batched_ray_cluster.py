@@ -48,7 +48,8 @@ def test_a_node_lost_mid_run_drops_its_clients_naming_it_and_the_other_node_trai
     assert len(losing) == 1, [row["clients-dropped-reasons"] for row in rows]
     (loss,) = losing
     assert loss["clients-trained"] == 4 - loss["clients-dropped"] >= 1
-    assert all(f"Ray node {lost.node_id}" in reason for reason in loss["clients-dropped-reasons"].values())
+    named = f"Ray node {lost.node_id} ({lost.address.rpartition(':')[0]})"  # its id and address
+    assert all(named in reason for reason in loss["clients-dropped-reasons"].values())
     after = [row for row in rows if row["round"] > loss["round"]]
     assert after and all(row["clients-trained"] == 4 for row in after)
     assert all({c["node-id"] for c in row["client-ray-nodes"].values()} == {nodes["node0"].node_id} for row in after)

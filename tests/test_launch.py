@@ -288,6 +288,22 @@ def test_a_stop_signal_raises_once_and_waits_while_processes_are_being_stopped()
     assert signal.getsignal(signal.SIGTERM) is before
 
 
+def test_stop_signal_blocks_nest_and_the_outer_one_is_back_after_the_inner_one():
+    """A sweep job's block around the launcher's own: the inner one raises, the outer one's handler and state
+    come back, and the Stopped already raised is not raised again by a later signal."""
+    before = signal.getsignal(signal.SIGTERM)
+    with processes.stop_signals():
+        outer = processes._SIGNALS
+        with pytest.raises(processes.Stopped, match="SIGTERM"), processes.stop_signals():
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+        assert processes._SIGNALS is outer and outer.raised
+        assert signal.getsignal(signal.SIGTERM) == outer.handle
+        os.kill(os.getpid(), signal.SIGTERM)  # ignored: the block is already being left
+        time.sleep(0.2)
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
 def processes_with_environment(name: str, value: str) -> set[int]:
     """Processes whose environment holds ``name=value`` (every process the launcher starts carries its
     private FLWR_HOME)."""

@@ -3,9 +3,11 @@
 import csv
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -330,6 +332,7 @@ def test_a_sweep_run_again_keeps_finished_jobs_and_resumes_interrupted_ones(tmp_
     assert first["status"] == "completed"
     metrics = (tmp_path / "run" / "metrics.jsonl").read_text()
     assert run_job(cfg, cfg.hydra.runtime.choices, tmp_path) == first  # kept, not run again
+    assert json.loads((tmp_path / JOB_RECORD).read_text()) == first
     assert (tmp_path / "run" / "metrics.jsonl").read_text() == metrics
     # stopped after its last checkpoint, before its summary: it goes on from the checkpoint, no round twice
     (tmp_path / "run" / "summary.json").unlink()
@@ -487,3 +490,82 @@ def test_sim_settings_are_checked():
     cfg = composed(["sim.backend=threads"])
     with pytest.raises(ConfigError, match="'sim.backend' = 'threads'"):
         job_settings(cfg, cfg.hydra.runtime.choices, Path("/tmp"))
+
+
+def _flower_home(temp: Path) -> str | None:
+    """The job's private Flower home in ``temp``, once it is made."""
+    from fl_app.runtime.launch import FLWR_HOME_PREFIX
+
+    return next((str(home) for home in temp.glob(f"{FLWR_HOME_PREFIX}*")), None)
+
+
+def _carrying(home: str | None) -> set[int]:
+    """The processes with ``home`` as FLWR_HOME: every process the job's SuperLink starts, and theirs."""
+    from tests.test_launch import processes_with_environment
+
+    return processes_with_environment("FLWR_HOME", home) if home else set()
+
+
+def _simulating(home: str | None) -> bool:
+    """Whether the job's run has started: a ``flwr-simulation`` process carries its Flower home."""
+    for pid in _carrying(home):
+        try:
+            if b"flwr-simulation" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def _kill_carrying(home: str | None) -> None:
+    """SIGKILL whatever still carries the job's Flower home (after a failure: orphans may start others)."""
+    for _ in range(50):
+        left = _carrying(home)
+        if not left:
+            return
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+def test_sigterm_to_a_ray_sweep_job_stops_every_process_it_started_and_removes_its_flower_home(tmp_path):
+    """``timeout`` sends SIGTERM: once the job's private SuperLink has started the run (``flwr-simulation`` runs),
+    the job exits with 128 + 15 and leaves no process of its own (SuperLink, SuperExec, flwr-simulation, Ray)
+    nor its temporary Flower home behind."""
+    from fl_app.runtime import processes
+
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0", "TMPDIR": str(temp)}
+    command = [sys.executable, "-m", "fl_app.sweep", *TINY, "model=small-mlp", "sim.backend=ray", "sim.ray_cpus=1"]
+    with (tmp_path / "job.log").open("wb") as log:
+        job = processes.start_process(
+            [*command, f"hydra.run.dir={tmp_path / 'job'}"], env, ROOT, stdout=log, stderr=log
+        )
+    home = None
+    try:
+        deadline = time.monotonic() + 120
+        while not _simulating(home) and job.process.poll() is None and time.monotonic() < deadline:
+            job.refresh()
+            home = _flower_home(temp)
+            time.sleep(0.2)
+        started = _carrying(home)
+        assert _simulating(home), (tmp_path / "job.log").read_text()
+        assert len(started) >= 3  # the SuperLink, its SuperExec, flwr-simulation (and the flwr CLI)
+        job.process.send_signal(signal.SIGTERM)
+        code = job.process.wait(timeout=120)
+        left = _carrying(home) | set(job.refresh())
+    finally:  # whatever the job left, when it failed
+        processes.stop_processes([job], grace_s=5.0)
+        _kill_carrying(home)
+    output = (tmp_path / "job.log").read_text()
+    assert not left, f"processes the job started are left: {left}"
+    assert not Path(home).exists()
+    assert code == 128 + signal.SIGTERM, output
+    assert "stopped by SIGTERM" in output and "Traceback" not in output
+    (record,) = (tmp_path / "job").glob(JOB_RECORD)
+    assert json.loads(record.read_text())["error"] == "stopped by SIGTERM"

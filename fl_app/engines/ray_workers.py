@@ -4,9 +4,11 @@ Each actor is one :class:`fl_app.engines.worker.Worker` with ``client-cpus`` CPU
 fraction shares a GPU between actors; each actor then keeps one CUDA context and its clients' training data on
 the device). A round's messages are cut into one contiguous share per actor, sent with their nodes' contexts,
 and come back as replies and the nodes' new ``context.state``; the contexts stay with the grid, so any actor can
-run any node. An actor that does not answer within the round's timeout is stopped (its messages get no reply:
-the round runner drops them as late); an actor lost with its node fails its messages with a reason naming the
-node, leaves the pool, and later rounds run on the others.
+run any node. An actor that dies before it is placed (Ray still lists a node that was just lost, and places one
+there) or is not placed within :data:`PLACEMENT_TIMEOUT_S` is left out of the pool before round 0, and the run
+goes on on the others. An actor that does not answer within the round's timeout is stopped (its messages get no
+reply: the round runner drops them as late); an actor lost with its node fails its messages with a reason naming
+the node (its id and address), leaves the pool, and later rounds run on the others.
 """
 
 from __future__ import annotations
@@ -25,6 +27,10 @@ from fl_app.engines.grid import RayOptions
 from fl_app.engines.worker import Job, Worker
 from fl_app.inprocess import flower_error
 
+PLACEMENT_TIMEOUT_S = 120.0
+"""Seconds the pool waits for its actors to be placed and started (their imports take seconds): one still
+pending then (no live node has room for it) is stopped and left out, instead of being waited for for ever."""
+
 
 @ray.remote
 class WorkerActor:
@@ -36,8 +42,9 @@ class WorkerActor:
         torch.set_num_threads(threads)
         self.worker = Worker(overrides, vectorise)
 
-    def node_id(self) -> str:
-        return ray.get_runtime_context().get_node_id()
+    def placement(self) -> dict[str, str]:
+        """The Ray node this actor runs on (``node-id``, ``address``)."""
+        return {"node-id": ray.get_runtime_context().get_node_id(), "address": ray.util.get_node_ip_address()}
 
     def run(self, jobs: Sequence[Job]) -> list[tuple[Message, RecordDict]]:
         replies = self.worker.run(jobs)
@@ -81,9 +88,11 @@ class RayWorkerPool:
         spec = WorkerActor.options(
             num_cpus=options.worker_cpus, num_gpus=options.worker_gpus, scheduling_strategy="SPREAD"
         )
-        self.actors = [spec.remote(dict(overrides), vectorise, threads) for _ in range(count)]
-        self.nodes = dict(zip(self.actors, ray.get([actor.node_id.remote() for actor in self.actors]), strict=True))
-        log(INFO, "[alignfl] batched engine: %d Ray worker(s) on %d node(s)", count, len(set(self.nodes.values())))
+        actors = [spec.remote(dict(overrides), vectorise, threads) for _ in range(count)]
+        self.nodes = place(actors, PLACEMENT_TIMEOUT_S)  # each actor of the pool → "<node id> (<address>)"
+        self.actors = list(self.nodes)
+        workers, nodes = len(self.actors), len(set(self.nodes.values()))
+        log(INFO, "[alignfl] batched engine: %d Ray worker(s) on %d node(s)", workers, nodes)
 
     def run(self, jobs: Sequence[Job], timeout: float | None) -> list[Message | None]:
         replies: list[Message | None] = [None] * len(jobs)
@@ -127,6 +136,33 @@ class RayWorkerPool:
         self.actors = []
         if self.started_ray:
             ray.shutdown()
+
+
+def place(actors: Sequence[Any], timeout_s: float) -> dict[Any, str]:
+    """Each actor that Ray placed and started within ``timeout_s`` → its node, ``<id> (<address>)``. One that
+    died first (e.g. placed on a node Ray had not yet noticed was lost) or is still pending is stopped and left
+    out, with a warning, and the pool goes on with the others; when none is left, a RuntimeError with the reason."""
+    calls = {actor.placement.remote(): actor for actor in actors}
+    done, pending = ray.wait(list(calls), num_returns=len(calls), timeout=timeout_s)
+    placed: dict[Any, str] = {}
+    reasons = []
+    for ref in done:
+        try:
+            node = ray.get(ref)
+        except ray.exceptions.RayActorError as error:
+            said = "; ".join(line.strip() for line in str(error).splitlines() if line.strip())  # names node and ip
+            reasons.append(f"died before it was placed ({type(error).__name__}: {said})")
+            continue
+        placed[calls[ref]] = f"{node['node-id']} ({node['address']})"
+    reasons += [f"was not placed within {timeout_s:.0f} s (no live node has room for it)"] * len(pending)
+    for actor in actors:
+        if actor not in placed:
+            ray.kill(actor)
+    for reason in reasons:
+        log(WARNING, "[alignfl] a Ray worker of the batched engine %s; the others go on without it", reason)
+    if not placed:
+        raise RuntimeError(f"no Ray worker of the batched engine could be started: one {reasons[0]}")
+    return placed
 
 
 def _shares(count: int, workers: int) -> list[tuple[int, int]]:

@@ -41,6 +41,9 @@ from fl_app.runtime.processes import Stopped, stop_signals
 from fl_app.runtime.ray_cluster import attach_to_cluster
 from fl_app.runtime.superlink import flower_environment, local_superlink
 
+FLWR_HOME_PREFIX = "alignfl-flwr-home-"
+"""The temporary Flower home of a private local SuperLink (in ``$TMPDIR``), removed when its run ends."""
+
 
 def prepare_config(overrides: dict[str, Any], num_supernodes: int) -> RunConfig:
     """Validate before anything starts; give the run an absolute results folder and a known name.
@@ -210,16 +213,17 @@ def simulate_on_local_superlink(
     tuple[str, str]
         The run's final status (``finished:completed`` when it completed) and its details.
     """
-    flwr_home = Path(tempfile.mkdtemp(prefix="alignfl-flwr-home-"))
-    env = flower_environment(flwr_home)
-    if ray_address:
-        env["RAY_ADDRESS"] = ray_address  # Flower's ray.init() joins the cluster
     overrides = " ".join(f"{key}={value}" for key, value in federation.items())
-    try:
-        with local_superlink(env) as watch:
-            return submit_and_follow(run_config, env, ["--federation-config", overrides], watch)
-    finally:
-        shutil.rmtree(flwr_home, ignore_errors=True)
+    with stop_signals():  # a caller without its own (a sweep job) still stops everything on SIGTERM or SIGHUP
+        flwr_home = Path(tempfile.mkdtemp(prefix=FLWR_HOME_PREFIX))
+        try:
+            env = flower_environment(flwr_home)
+            if ray_address:
+                env["RAY_ADDRESS"] = ray_address  # Flower's ray.init() joins the cluster
+            with local_superlink(env) as watch:
+                return submit_and_follow(run_config, env, ["--federation-config", overrides], watch)
+        finally:
+            shutil.rmtree(flwr_home, ignore_errors=True)
 
 
 def run_batched_here(config: RunConfig, args: argparse.Namespace) -> tuple[str, str]:

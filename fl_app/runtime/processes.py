@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -77,8 +78,14 @@ _SIGNALS = _StopSignals()
 @contextmanager
 def stop_signals() -> Iterator[None]:
     """Within the block, SIGTERM, SIGINT and SIGHUP raise :class:`Stopped` in the main thread; the handlers
-    before are restored after it."""
+    before are restored after it. Blocks may nest (a sweep job around the launcher's SuperLink): the inner one
+    leaves the outer one's handlers as they were. Outside the main thread, where no handler can be set, it does
+    nothing."""
     global _SIGNALS
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    outer = _SIGNALS
     _SIGNALS = _StopSignals()
     previous = {signum: signal.signal(signum, _SIGNALS.handle) for signum in STOP_SIGNALS}
     try:
@@ -86,6 +93,8 @@ def stop_signals() -> Iterator[None]:
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+        outer.raised = outer.raised or _SIGNALS.raised  # a Stopped that unwinds the outer block is raised once
+        _SIGNALS = outer
 
 
 @dataclass(frozen=True)

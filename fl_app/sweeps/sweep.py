@@ -62,6 +62,7 @@ from fl_app.progress import start_sweep, sweep_progress
 from fl_app.results import write_json
 from fl_app.runtime.common import PROJECT_ROOT
 from fl_app.runtime.launch import simulate_on_local_superlink
+from fl_app.runtime.processes import Stopped, stop_signals
 from fl_app.sweeps.sim import SimSettings
 from fl_app.sweeps.slurm import register_launcher, slurm_problem
 from fl_app.sweeps.tracking import sweep_child, sweep_store
@@ -286,26 +287,31 @@ def run_job(
         "slurm-job-id": os.environ.get("SLURM_JOB_ID"),
     }  # where SLURM ran it
     try:
-        config, sim = job_settings(cfg, choices, job_dir)
-        config = sweep_store(config, sweep_dir)
-        sim = sim.attach()  # the jobs of a sweep join the cluster one after another
-        run_folder = Path(config.resume_from) if config.resume_from else results_root(config) / config.run_name
-        finished = _finished_record(job_dir, run_folder)
-        if finished is not None:  # a sweep run again in its folder keeps what it finished
-            log.info("job in %s completed earlier: kept", job_dir)
-            return finished
-        if not config.resume_from and (run_folder / CHECKPOINT).is_file():  # interrupted: go on from its last round
-            config = config.replace(resume_from=str(run_folder))
-        with sweep_child(config, sweep_dir, job_dir):
-            simulate(config, sim)
+        with stop_signals():  # SIGTERM, SIGHUP and Ctrl-C unwind the job: every process it started is stopped
+            config, sim = job_settings(cfg, choices, job_dir)
+            config = sweep_store(config, sweep_dir)
+            run_folder = Path(config.resume_from) if config.resume_from else results_root(config) / config.run_name
+            finished = _finished_record(job_dir, run_folder)
+            if finished is not None:  # a sweep run again in its folder keeps what it finished
+                log.info("job in %s completed earlier: kept", job_dir)
+                record = dict(finished)
+            else:
+                sim = sim.attach()  # the jobs of a sweep join the cluster one after another
+                if not config.resume_from and (run_folder / CHECKPOINT).is_file():  # interrupted: go on from there
+                    config = config.replace(resume_from=str(run_folder))
+                with sweep_child(config, sweep_dir, job_dir):
+                    simulate(config, sim)
         if not (run_folder / "summary.json").is_file():
             raise RuntimeError(f"the simulation ended without writing {run_folder / 'summary.json'}")
         record.update(status=COMPLETED, **{"run-folder": str(run_folder)})
     except Exception as error:  # a failed job is reported and the sweep goes on
         log.error("job in %s failed:\n%s", job_dir, traceback.format_exc())
         record["error"] = f"{type(error).__name__}: {error}"
+    except Stopped as stop:  # recorded, then the sweep stops (main)
+        record["error"] = f"stopped by {stop}"
+        raise
     finally:
-        record["job-wall-time-s"] = time.time() - started
+        record.setdefault("job-wall-time-s", time.time() - started)  # a kept job keeps its own
         job_dir.mkdir(parents=True, exist_ok=True)
         write_json(job_dir / JOB_RECORD, record)
     return record
@@ -376,12 +382,17 @@ def unowned_override(arguments: list[str]) -> str | None:
 
 def main() -> None:
     """``python -m fl_app.sweep``: refuse an override no chosen algorithm or model has, or a stale
-    ``pyproject.toml`` run-config table (as the launcher does), then run Hydra."""
+    ``pyproject.toml`` run-config table (as the launcher does), then run Hydra; a stop signal ends it with
+    128 + its number once the job has stopped what it started."""
     register_configs()
     problem = unowned_override(sys.argv[1:]) or pyproject_problem()
     if problem is not None:
         refuse(problem)
-    hydra_main()
+    try:
+        hydra_main()
+    except Stopped as stop:
+        print(f"[alignfl] stopped by {stop}: every process the job started has been stopped", file=sys.stderr)
+        raise SystemExit(stop.exit_code) from None
 
 
 if __name__ == "__main__":
