@@ -92,7 +92,7 @@ of squared norm well below a few units (PyTorch's initialisation gives about
 1/3 per unit) are told apart mostly by the popularity and new-atom terms, so
 even identical units may open new atoms; trained or larger weights match on
 their values, and small weights are scored on their values too once sigma
-and sigma0 are set to their scale (``tests/test_bbp.py`` works out both
+and sigma0 are set to their scale (``tests/test_bbp_hand_worked.py`` works out both
 cases by hand).
 """
 

@@ -1,91 +1,38 @@
-"""SuPerFed: reduction to FedAvg, the loss terms, joint updates, local-model persistence, personalised
-evaluation with calibration, and label noise."""
+"""SuPerFed's client side: reduction to FedAvg, the loss terms, joint updates of both endpoints, the local model
+kept in ``context.state`` and never sent, BatchNorm statistics re-estimated for mixed points; and two rounds of the
+real apps in one process."""
 
 from __future__ import annotations
 
 import json
 import math
-from types import SimpleNamespace
-from typing import Any
 
 import pytest
 import torch
-from flwr.app import ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from torch import nn
 
-from core.calibration import calibration_errors
-from core.config import RunConfig
-from core.label_noise import noisy_labels
-from core.rounds import MetricAggregation, RoundRunner
-from fl_app.client_app import build_client_app, client_data
-from fl_app.config import ConfigError, build_context, parse_run_config
-from fl_app.inprocess import InProcessGrid, run_in_process
-from fl_app.results import RoundRecorder
-from models import build_model
+from fl_app.client_app import client_data
+from fl_app.config import parse_run_config
+from fl_app.inprocess import run_in_process
 from strategies import get_strategy
 from strategies.base import LocalUpdate
 from strategies.superfed import (
-    LAMBDA_GRID,
     LOCAL_MODEL,
     SuPerFedUpdate,
     initial_local_model,
     layer_groups,
     start_round,
 )
-
-SETTINGS = dict(
-    strategy="superfed",
-    dataset="digits",
-    model="small-mlp",
-    num_server_rounds=4,
-    local_epochs=2,
-    batch_size=16,
-    lr=0.05,
-    momentum=0.9,
-    weight_decay=1e-4,
+from tests.local_updates import (
+    assert_same_state,
+    config_of,
+    data,
+    fresh_model,
+    make_context,
+    received,
+    run,
+    superfed_config,
 )
-
-
-def config_of(**fields: Any) -> RunConfig:
-    """A checked run config from field names (``superfed_mu`` is the run-config key ``superfed-mu``)."""
-    return parse_run_config({name.replace("_", "-"): value for name, value in fields.items()})
-
-
-def superfed_config(**fields: Any) -> RunConfig:
-    """:data:`SETTINGS` with ``fields`` changed."""
-    return config_of(**{**SETTINGS, **fields})
-
-
-def make_context(partition_id: int = 0) -> SimpleNamespace:
-    """What an update reads from Flower's Context: the node's partition and the persistent state."""
-    return SimpleNamespace(state=RecordDict(), node_config={"partition-id": partition_id, "num-partitions": 3})
-
-
-def received(server_round: int) -> RecordDict:
-    return RecordDict({"config": ConfigRecord({"server-round": server_round})})
-
-
-def data(n: int = 96, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(n, 1, 8, 8, generator=g), torch.randint(0, 10, (n,), generator=g)
-
-
-def fresh_model(seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    return build_model("small-mlp", (1, 8, 8), 10)
-
-
-def run(update: LocalUpdate, model: nn.Module, x: torch.Tensor, y: torch.Tensor, seed: int = 7) -> dict:
-    torch.manual_seed(seed)
-    return update.train(model, x, y, torch.Generator().manual_seed(seed), torch.device("cpu"))
-
-
-def assert_same_state(a: nn.Module, b: nn.Module) -> None:
-    for (name, ta), tb in zip(a.state_dict().items(), b.state_dict().values()):
-        assert torch.equal(ta, tb), name
-
-
-# --- 1. client side ------------------------------------------------------------------------------------------
 
 
 def test_registered_and_start_round_is_floor_of_fraction_times_rounds():
@@ -223,238 +170,29 @@ def test_local_model_persists_across_rounds_in_context_state_and_is_never_sent()
     assert other["superfed-local-norm-in"] == first["superfed-local-norm-in"]
 
 
-# --- 2. personalised evaluation -----------------------------------------------------------------------------
+def test_batchnorm_statistics_are_re_estimated_for_mixed_points_but_not_for_the_global_model():
+    from strategies.superfed import recalibrate_batchnorm
 
-
-def test_calibration_errors_match_a_hand_computed_case():
-    probabilities = torch.tensor([[0.95, 0.05], [0.95, 0.05], [0.40, 0.60], [0.30, 0.70]])
-    labels = torch.tensor([0, 1, 1, 0])
-    # Bin (0.933, 1]: conf .95, .95, acc 1/2 → gap .45; bin (0.533, 0.6]: conf .6, acc 1 → gap .4;
-    # bin (0.667, 0.733]: conf .7, acc 0 → gap .7.
-    ece, mce = calibration_errors(probabilities, labels)
-    assert ece == pytest.approx(0.5 * 0.45 + 0.25 * 0.4 + 0.25 * 0.7)
-    assert mce == pytest.approx(0.7)
-    assert all(math.isnan(v) for v in calibration_errors(torch.empty(0, 2), torch.empty(0, dtype=torch.long)))
-
-
-def test_personalised_evaluation_scores_the_lambda_grid_with_oracle_and_honest_choices():
-    config = superfed_config(superfed_start=0.0, superfed_val_fraction=0.25)
-    context, (x, y), (tx, ty) = make_context(), data(), data(40, seed=2)
-    model = fresh_model()
-    update = SuPerFedUpdate(config, context, received(1))
-    untrained = update.evaluate(model, x, y, tx, ty, torch.device("cpu"))
-    assert untrained["superfed-local-trained"] == 0
-    run(update, model, x, y)
-    scores = SuPerFedUpdate(config, context, received(2)).evaluate(model, x, y, tx, ty, torch.device("cpu"))
-    assert scores["superfed-local-trained"] == 1
-    assert len(scores["lambda-accuracy"]) == len(scores["lambda-ece"]) == len(LAMBDA_GRID) == 11
-    plain = LocalUpdate(config, context).evaluate(model, x, y, tx, ty, torch.device("cpu"))
-    assert scores["local-accuracy"] == scores["lambda-accuracy"][0] == pytest.approx(plain["local-accuracy"])
-    assert scores["local-ece"] == pytest.approx(plain["local-ece"]) and 0.0 <= plain["local-mce"] <= 1.0
-    assert scores["oracle-accuracy"] == max(scores["lambda-accuracy"]) >= scores["honest-accuracy"]
-    assert scores["oracle-lambda"] in LAMBDA_GRID and scores["honest-lambda"] in LAMBDA_GRID
-    honest = LAMBDA_GRID.index(scores["honest-lambda"])
-    assert scores["honest-ece"] == scores["lambda-ece"][honest]
-    MetricRecord(scores)  # every value is a type a reply can carry
-
-
-def test_recorder_keeps_extra_client_metrics_as_unweighted_means_and_in_the_summary(tmp_path):
-    recorder = RoundRecorder(tmp_path, lambda arrays: (0.0, 0.5))
-    replies = [
-        RecordDict(
-            {
-                "metrics": MetricRecord(
-                    {
-                        "num-examples": n,
-                        "partition-id": i,
-                        "local-accuracy": acc,
-                        "lambda-accuracy": grid,
-                        "oracle-accuracy": acc + 0.1,
-                    }
-                )
-            }
-        )
-        for i, (n, acc, grid) in enumerate([(10, 0.5, [0.5, 1.0]), (30, 0.7, [0.1, 0.2])])
-    ]
-    recorder.aggregate_evaluate(replies, "num-examples")
-    recorder.evaluate(1, None)
-    row = json.loads((tmp_path / "metrics.jsonl").read_text())
-    assert row["lambda-accuracy-mean"] == pytest.approx([0.3, 0.6])
-    assert row["oracle-accuracy-mean"] == pytest.approx(0.7)
-    summary = recorder.summary()
-    assert summary["final-lambda-accuracy-mean"] == pytest.approx([0.3, 0.6])
-    assert "final-local-accuracy-mean" in summary and "final-local-loss-mean" not in summary
-
-
-# --- 3. label noise -----------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("kind", ["pair", "symmetric"])
-def test_label_noise_flips_exactly_the_rate_by_its_rule_deterministically(kind):
-    labels = torch.arange(200) % 10
-    noisy = noisy_labels(labels, 10, kind, 0.4, seed=3, partition_id=1)
-    flipped = noisy != labels
-    assert int(flipped.sum()) == 80
-    if kind == "pair":
-        assert torch.equal(noisy[flipped], (labels[flipped] + 1) % 10)
-    else:
-        assert len(set(((noisy[flipped] - labels[flipped]) % 10).tolist())) > 3  # spread over other classes
-    assert torch.equal(noisy, noisy_labels(labels, 10, kind, 0.4, seed=3, partition_id=1))
-    assert not torch.equal(noisy, noisy_labels(labels, 10, kind, 0.4, seed=3, partition_id=2))
-    assert torch.equal(noisy_labels(labels, 10, "none", 0.4, 3, 1), labels)
-
-
-def test_label_noise_reaches_training_labels_only():
-    clean = client_data(RunConfig(dataset="digits", partitioner="iid"), 0, 3)
-    noisy = client_data(
-        RunConfig(dataset="digits", partitioner="iid", label_noise="symmetric", label_noise_rate=0.2), 0, 3
-    )
-    assert torch.equal(clean.test_y, noisy.test_y) and torch.equal(clean.train_x, noisy.train_x)
-    assert int((clean.train_y != noisy.train_y).sum()) == round(0.2 * len(clean.train_y))
-
-
-def test_config_refuses_bad_superfed_and_noise_values():
-    for key, value in [
-        ("superfed-mode", "xx"),
-        ("superfed-nu", -1.0),
-        ("superfed-start", 1.5),
-        ("superfed-val-fraction", 1.0),
-        ("label-noise", "flip"),
-        ("label-noise-rate", 1.0),
-    ]:
-        with pytest.raises(ConfigError, match=f"'{key}'"):
-            parse_run_config({key: value})
-
-
-# --- new (held-out) clients and learning-rate decay ---------------------------------------------------------
-
-
-def test_config_refuses_bad_holdout_and_lr_decay_values():
-    for values in [
-        {"holdout-clients": -1},
-        {"holdout-clients": 2, "min-available-nodes": 2},
-        {"lr-decay": 0.0},
-        {"lr-decay": 1.5},
-        {"lr-decay": math.nan},
-    ]:
-        key = next(k for k in values if k != "min-available-nodes")
-        with pytest.raises(ConfigError, match=f"'{key}'"):
-            parse_run_config(values)
-    assert parse_run_config({"holdout-clients": 1, "min-available-nodes": 2}).holdout_clients == 1
-
-
-class _RecordingGrid(InProcessGrid):
-    """Six in-process nodes holding partitions 0..5 of 6: they answer the server's partition query and note
-    every other message they get, by its type and their partition, without answering it."""
-
-    def __init__(self) -> None:
-        super().__init__(build_client_app(), num_nodes=6)
-        self.received: list[tuple[str, int]] = []
-
-    def deliver(self, message: Message) -> Message | None:
-        if message.metadata.message_type == MessageType.QUERY:
-            return super().deliver(message)
-        partition = int(self.contexts[message.metadata.dst_node_id].node_config["partition-id"])
-        self.received.append((message.metadata.message_type, partition))
-        return None
-
-
-@pytest.mark.parametrize("strategy", ["fedavg", "superfed", "scaffold"])
-def test_held_out_partitions_are_never_sampled_for_training_but_are_evaluated(strategy):
-    fold = lambda records, key: MetricRecord()  # noqa: E731
-    config = config_of(strategy=strategy, dataset="digits", model="small-mlp", holdout_clients=2, min_available_nodes=6)
-    server = get_strategy(strategy).server(build_context(config, fresh_model()))
-    grid = _RecordingGrid()
-    runner = RoundRunner(server, grid, MetricAggregation(fold, fold))
-    arrays = server.context.initial_arrays
-    assert runner.train_round(1, arrays) is arrays  # nobody answers: the global model stays
-    runner.evaluate_round(1, arrays)
-    trained = sorted(partition for kind, partition in grid.received if kind == MessageType.TRAIN)
-    evaluated = sorted(partition for kind, partition in grid.received if kind == MessageType.EVALUATE)
-    assert trained == [0, 1, 2, 3]  # partitions 4 and 5 of 6 are the new clients
-    assert evaluated == [0, 1, 2, 3, 4, 5]
-
-
-def test_recorder_scores_new_clients_apart_from_the_trained_ones(tmp_path):
-    recorder = RoundRecorder(tmp_path, lambda arrays: (0.0, 0.5))
-    trained = [
-        RecordDict(
-            {
-                "metrics": MetricRecord(
-                    {
-                        "num-examples": 10,
-                        "partition-id": i,
-                        "local-accuracy": acc,
-                        "local-ece": 0.1,
-                        "lambda-accuracy": [acc, acc],
-                        "new-client": 0,
-                    }
-                )
-            }
-        )
-        for i, acc in enumerate([0.9, 0.7])
-    ]
-    new = [
-        RecordDict(
-            {
-                "metrics": MetricRecord(
-                    {
-                        "num-examples": n,
-                        "partition-id": 2 + i,
-                        "local-accuracy": acc,
-                        "local-ece": ece,
-                        "local-mce": 0.3,
-                        "new-client": 1,
-                    }
-                )
-            }
-        )
-        for i, (n, acc, ece) in enumerate([(10, 0.2, 0.4), (30, 0.4, 0.2)])
-    ]
-    recorder.aggregate_evaluate(trained + new, "num-examples")
-    recorder.evaluate(1, None)
-    row = json.loads((tmp_path / "metrics.jsonl").read_text())
-    assert row["clients-evaluated"] == 2 and row["new-clients-evaluated"] == 2
-    assert row["local-accuracy-mean"] == pytest.approx(0.8) and row["lambda-accuracy-mean"] == pytest.approx([0.8, 0.8])
-    assert row["new-client-accuracy"] == pytest.approx(0.3)  # mean over new clients, not weighted by examples
-    assert (row["new-client-ece"], row["new-client-mce"]) == (pytest.approx(0.3), pytest.approx(0.3))
-    assert recorder.summary()["final-new-client-accuracy"] == pytest.approx(0.3)
-    assert "new-client-mean" not in row  # a flag, not a score
-
-
-def test_learning_rate_decays_per_round_and_needs_the_round():
-    config = superfed_config(lr_decay=0.5)
-    assert LocalUpdate(config, make_context(), received(3)).learning_rate() == pytest.approx(0.05 * 0.25)
-    assert LocalUpdate(config.replace(lr_decay=1.0), make_context()).learning_rate() == 0.05
-    with pytest.raises(ValueError, match="server-round"):
-        LocalUpdate(config, make_context()).learning_rate()
-
-
-def test_a_decayed_round_trains_exactly_like_the_decayed_learning_rate():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(64, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 10))
     x, y = data()
-    decayed, plain = fresh_model(), fresh_model()
-    run(LocalUpdate(superfed_config(lr_decay=0.9), make_context(), received(4)), decayed, x, y)
-    run(LocalUpdate(superfed_config(lr=0.05 * 0.9**3), make_context(), received(4)), plain, x, y)
-    assert_same_state(decayed, plain)
+    recalibrate_batchnorm(model, x, torch.device("cpu"), batch_size=16)
+    with torch.no_grad():
+        features = model[1](model[0](x))
+    assert torch.allclose(model[2].running_mean, features.mean(dim=0), atol=1e-5)
+    # A plain average of the six batches' (unbiased) statistics, as BatchNorm's cumulative mode keeps them.
+    batch_vars = torch.stack([chunk.var(dim=0) for chunk in features.split(16)])
+    assert torch.allclose(model[2].running_var, batch_vars.mean(dim=0), atol=1e-5)
+    assert model[2].momentum == 0.1  # restored
 
-
-def test_every_optimizer_override_uses_the_decayed_learning_rate():
-    from strategies.ditto import _PersonalStep
-    from strategies.psinet import PsiNetUpdate
-
-    config = superfed_config(lr_decay=0.5, superfed_start=0.0)
-    expected = 0.05 * 0.5**2
-    superfed = SuPerFedUpdate(config, make_context(), received(3))
-    model = fresh_model()
-    superfed.begin(model)
-    psinet = PsiNetUpdate(config, make_context(), received(3))
-    psinet._keys = [name for name, _ in model.named_parameters()]
-    for optimizer in (
-        superfed.optimizer(model),
-        psinet.optimizer(model),
-        _PersonalStep(config, [], received(3)).optimizer(model),
-    ):
-        assert optimizer.lr == pytest.approx(expected)
+    config = config_of(strategy="superfed", superfed_start=0.0, superfed_val_fraction=0.25)
+    model[2].reset_running_stats()  # the received global buffers: mean 0, var 1
+    scores = SuPerFedUpdate(config, make_context(), received(1)).evaluate(
+        model, x, y, *data(40, 2), torch.device("cpu")
+    )
+    plain = LocalUpdate(config, make_context()).evaluate(model, x, y, *data(40, 2), torch.device("cpu"))
+    assert scores["lambda-accuracy"][0] == pytest.approx(plain["local-accuracy"])
+    assert torch.count_nonzero(model[2].running_mean) == 0  # the received model itself is untouched
 
 
 # --- the real apps in one process ---------------------------------------------------------------------------
@@ -498,74 +236,3 @@ def test_two_rounds_keep_each_local_model_across_rounds_and_report_personalised_
     new_client = client_data(run_config, 1, 2)
     _, accuracy = evaluate(final, new_client.test_x, new_client.test_y, torch.device("cpu"))
     assert rows[-1]["new-client-accuracy"] == pytest.approx(accuracy)
-
-
-# --- 4. personalised baselines ------------------------------------------------------------------------------
-
-
-def test_fedper_keeps_its_head_and_sends_only_the_body_trained():
-    from strategies.fedper import PERSONAL_HEAD, FedPerUpdate
-
-    config = superfed_config(strategy="fedper")
-    context, (x, y), (tx, ty) = make_context(), data(), data(40, seed=2)
-    model = fresh_model()
-    received_state = {k: v.clone() for k, v in model.state_dict().items()}
-    update = FedPerUpdate(config, context, received(1))
-    assert update.evaluate(model, x, y, tx, ty, torch.device("cpu"))["personal-trained"] == 0
-    run(update, model, x, y)
-    sent = model.state_dict()
-    assert torch.equal(sent["classifier.weight"], received_state["classifier.weight"])  # head not sent
-    assert not torch.equal(sent["hidden.0.weight"], received_state["hidden.0.weight"])  # body trained
-    head = context.state[PERSONAL_HEAD].to_torch_state_dict()
-    assert not torch.equal(head["classifier.weight"], received_state["classifier.weight"])
-    second = FedPerUpdate(config, context, received(2))
-    second.begin(model)  # the next round trains under the kept head
-    assert torch.equal(model.state_dict()["classifier.weight"], head["classifier.weight"])
-    scores = FedPerUpdate(config, context, received(2)).evaluate(fresh_model(), x, y, tx, ty, torch.device("cpu"))
-    assert scores["personal-trained"] == 1 and 0.0 <= scores["personal-accuracy"] <= 1.0
-
-
-def test_ditto_sends_fedavgs_update_and_keeps_a_personal_model_pulled_to_the_global_one():
-    from strategies.ditto import PERSONAL_MODEL, DittoUpdate, _PersonalStep
-
-    config = superfed_config(strategy="ditto", ditto_lambda=0.5)
-    context, (x, y) = make_context(), data()
-    reference, model = fresh_model(), fresh_model()
-    anchor = [p.detach().clone() for p in model.parameters()]
-    run(LocalUpdate(config, make_context()), reference, x, y)
-    run(DittoUpdate(config, context, received(1)), model, x, y)
-    assert_same_state(reference, model)  # the global update is FedAvg's
-    personal = context.state[PERSONAL_MODEL].to_torch_state_dict()
-    assert not torch.equal(personal["hidden.0.weight"], model.state_dict()["hidden.0.weight"])
-
-    probe = fresh_model(5)
-    step = _PersonalStep(config, anchor)
-    xb, yb = x[:8], y[:8]
-    distance = sum((p - a).pow(2).sum() for p, a in zip(probe.parameters(), anchor))
-    expected = nn.functional.cross_entropy(probe(xb), yb) + 0.25 * distance
-    assert step.loss(probe, xb, yb).item() == pytest.approx(expected.item(), rel=1e-6)
-
-
-def test_batchnorm_statistics_are_re_estimated_for_mixed_points_but_not_for_the_global_model():
-    from strategies.superfed import recalibrate_batchnorm
-
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Flatten(), nn.Linear(64, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 10))
-    x, y = data()
-    recalibrate_batchnorm(model, x, torch.device("cpu"), batch_size=16)
-    with torch.no_grad():
-        features = model[1](model[0](x))
-    assert torch.allclose(model[2].running_mean, features.mean(dim=0), atol=1e-5)
-    # A plain average of the six batches' (unbiased) statistics, as BatchNorm's cumulative mode keeps them.
-    batch_vars = torch.stack([chunk.var(dim=0) for chunk in features.split(16)])
-    assert torch.allclose(model[2].running_var, batch_vars.mean(dim=0), atol=1e-5)
-    assert model[2].momentum == 0.1  # restored
-
-    config = config_of(strategy="superfed", superfed_start=0.0, superfed_val_fraction=0.25)
-    model[2].reset_running_stats()  # the received global buffers: mean 0, var 1
-    scores = SuPerFedUpdate(config, make_context(), received(1)).evaluate(
-        model, x, y, *data(40, 2), torch.device("cpu")
-    )
-    plain = LocalUpdate(config, make_context()).evaluate(model, x, y, *data(40, 2), torch.device("cpu"))
-    assert scores["lambda-accuracy"][0] == pytest.approx(plain["local-accuracy"])
-    assert torch.count_nonzero(model[2].running_mean) == 0  # the received model itself is untouched

@@ -2,7 +2,7 @@
 (tests/warm_targets.py) that report what they see, raise, exit at once or hang; the parent keeps serving,
 a killed parent takes its children with it and is replaced, a parent that cannot start hands its tasks to
 Flower's executor, and the entry point falls back to Flower's SuperExec where it is not checked. The same
-deployment run with this executor and with Flower's is compared in tests/test_deploy.py."""
+deployment run with this executor and with Flower's is compared in tests/test_deploy_loopback.py."""
 
 import functools
 import importlib

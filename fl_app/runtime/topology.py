@@ -10,7 +10,7 @@ Flower's own every 3 s). :func:`superlink_command` and its siblings build each s
 from a :class:`Topology`: the compose files' (service names, container paths:
 :func:`compose_topology`) or loopback's (free ports on 127.0.0.1, a work folder:
 :func:`loopback_topology`, which :mod:`fl_app.runtime.deployment` starts as local
-processes). ``tests/test_deploy.py`` checks that the compose files spell out
+processes). ``tests/test_deploy_compose.py`` checks that the compose files spell out
 exactly these commands.
 """
 
