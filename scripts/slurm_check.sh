@@ -16,10 +16,14 @@
 #      the job COMPLETES, and Ray's processes end with it (that temp folder is checked in step 6)
 #   6. nothing left behind: no SLURM job, no daemon, no process of the jobs (Ray's included), no spool or state
 #      file
-# Prints a report (steps, wall times, PASS/FAIL) and exits non-zero on any failure.
+# Prints a report (steps, wall times, PASS/FAIL) and exits non-zero on any failure. However it ends (failure,
+# Ctrl-C, SIGTERM e.g. from `timeout`, SIGHUP) it first cancels the cluster's jobs and waits for them to end,
+# then stops the daemons by pid: they run in a session of their own (setsid), so a signal to this script's
+# process group does not stop them before they could end the jobs. Every process it starts (daemons, sweeps,
+# jobs) carries ALIGNFL_SLURM_CHECK=<work folder> in its environment, which is how leftovers are found.
 #
 #   scripts/slurm_check.sh [--work-dir DIR]
-# Environment: ROUNDS (2: rounds per job), CLIENTS (4: clients per job), NICE (10).
+# Environment: ROUNDS (2: rounds per job), CLIENTS (4: clients per job), NICE (10), PYTHON (the project's .venv).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -34,11 +38,15 @@ NICE=${NICE:-10}
 WORK=${WORK:-$(mktemp -d /tmp/alignfl-slurm-XXXXXX)}
 mkdir -p "$WORK"
 WORK=$(cd "$WORK" && pwd)
-PY=$ROOT/.venv/bin/python
+PY=${PYTHON:-$ROOT/.venv/bin/python}
 STARTED=$(date +%s)
 RESULTS=()
 FAILED=0
 PIDS=()          # daemons this script started, in start order
+CHILDREN=()      # the sweep (or other command) this script is waiting for
+CLEANED=0
+SELF_PGRP=$(sed 's/.*) //' /proc/$$/stat | cut -d' ' -f3)   # this script's process group (timeout's, under timeout)
+export ALIGNFL_SLURM_CHECK=$WORK   # inherited by the daemons, the sweeps, sbatch's jobs and SLURM's step daemons
 RAY_TMP=/tmp/afl-ray-$$   # step 5's Ray (its socket paths must stay short); step 6 looks for its processes
 
 say() { echo "[slurm_check] $*"; }
@@ -48,13 +56,51 @@ record() {       # record STEP STATUS DETAIL
   say "$1: $2 $3"
 }
 
+# ours: the live processes carrying this run's ALIGNFL_SLURM_CHECK (the daemons, the jobs, their slurmstepd),
+# other than this script and its subshells
+ours() {
+  local p state pgrp
+  for p in /proc/[0-9]*; do
+    read -r state _ pgrp _ < <(sed 's/.*) //' "$p/stat" 2>/dev/null) || continue  # after "(name) ": state ppid pgrp
+    [ "$state" = Z ] || [ "$pgrp" = "$SELF_PGRP" ] && continue   # a zombie, or this script and its subshells
+    tr '\0' '\n' 2>/dev/null < "$p/environ" | grep -qxF "ALIGNFL_SLURM_CHECK=$WORK" && echo "${p#/proc/}"
+  done | tr '\n' ' '
+}
+cancel_jobs() {
+  # Cancel what is still queued or running, and wait until SLURM lists no job and no step daemon of ours is left
+  # (SLURM sends SIGTERM, then SIGKILL after KillWait, 30 s).
+  [ -n "${SLURM_CONF:-}" ] && [ -f "$SLURM_CONF" ] && command -v squeue >/dev/null || return 0
+  local jobs   # each job's id, an array's for its tasks (squeue's %i, e.g. 1_[1-3%4], is no id scancel takes)
+  jobs=$(squeue -h -o %F 2>/dev/null | sort -u | tr '\n' ' ')
+  [ -n "${jobs// }" ] || return 0
+  say "cancelling jobs left: $jobs"
+  scancel $jobs 2>/dev/null
+  for _ in $(seq 120); do
+    [ -z "$(squeue -h -o %i 2>/dev/null)" ] && [ "$(slurmstepd_pids)" = none ] && break
+    sleep 0.5
+  done
+}
+slurmstepd_pids() {   # this run's live slurmstepd processes, or "none"
+  local pid found=""
+  for pid in $(ours); do
+    case "$(tr '\0' ' ' 2>/dev/null < "/proc/$pid/cmdline")" in slurmstepd*) found+="$pid ";; esac
+  done
+  echo "${found:-none}"
+}
+stop_children() {
+  # The sweep this script waits for (its submitter, or a local sweep) and what it started.
+  local pid
+  for pid in "${CHILDREN[@]}"; do kill -TERM "$pid" 2>/dev/null; done
+  for pid in "${CHILDREN[@]}"; do
+    for _ in $(seq 150); do kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
+    kill -KILL "$pid" 2>/dev/null
+    wait "$pid" 2>/dev/null
+  done
+  CHILDREN=()
+}
 stop_daemons() {
-  # Cancel what is still queued or running, then stop the daemons by pid, last started first.
-  if [ -n "${SLURM_CONF:-}" ] && [ -f "$SLURM_CONF" ] && command -v squeue >/dev/null; then
-    local jobs
-    jobs=$(squeue -h -o %i 2>/dev/null | tr '\n' ' ')
-    [ -n "${jobs// }" ] && { say "cancelling jobs left: $jobs"; scancel $jobs 2>/dev/null; sleep 2; }
-  fi
+  # Cancel the jobs and wait for them, then stop the daemons by pid, last started first.
+  cancel_jobs
   local i pid
   for ((i=${#PIDS[@]}-1; i>=0; i--)); do
     pid=${PIDS[$i]}
@@ -67,12 +113,39 @@ stop_daemons() {
 }
 on_exit() {
   local code=$?
+  # `timeout` signals this script and then its process group: a second signal must not cut this short.
+  trap '' INT TERM HUP
+  [ "$CLEANED" = 0 ] || exit $code
+  CLEANED=1
+  stop_children
   stop_daemons
+  local left
+  left=$(ours)
+  if [ -n "${left// }" ]; then
+    say "FAILED: processes of this check left after its daemons stopped: $left; stopping them"
+    kill -KILL $left 2>/dev/null
+    code=1
+  fi
   exit $code
 }
+# in_background LOG COMMAND...: run it in the background, its output in LOG, and wait for it (a signal interrupts
+# `wait` at once, where a command in the foreground would delay the trap until it ends); its exit code in CODE.
+# (A redirection of this function's own output would also take what the trap says.)
+in_background() {
+  local log=$1
+  shift
+  "$@" > "$log" 2>&1 &
+  CHILDREN+=($!)
+  CODE=0
+  wait $! || CODE=$?
+  CHILDREN=()
+}
+# stop_on WHAT CODE: the first stop signal; any later one is ignored, so it cannot cut on_exit short
+stop_on() { trap '' INT TERM HUP; say "$1"; exit "$2"; }
 trap on_exit EXIT
-trap 'say "interrupted"; exit 130' INT
-trap 'say "terminated"; exit 143' TERM
+trap 'stop_on interrupted 130' INT
+trap 'stop_on terminated 143' TERM
+trap 'stop_on "hung up" 129' HUP
 
 # --- 1. tools -------------------------------------------------------------------------------------------------
 step_start=$(date +%s)
@@ -101,7 +174,7 @@ chmod 755 "$WORK/munge"
 dd if=/dev/urandom of="$WORK/munge/munge.key" bs=1024 count=1 status=none
 chmod 400 "$WORK/munge/munge.key"
 MUNGE_SOCKET=$WORK/munge/munge.socket
-munged --foreground --force --key-file "$WORK/munge/munge.key" --socket "$MUNGE_SOCKET" \
+setsid munged --foreground --force --key-file "$WORK/munge/munge.key" --socket "$MUNGE_SOCKET" \
   --pid-file "$WORK/munge/munged.pid" --log-file "$WORK/log/munged.log" --seed-file "$WORK/munge/munged.seed" \
   > "$WORK/log/munged.out" 2>&1 &
 PIDS+=($!)
@@ -140,9 +213,9 @@ NodeName=$HOST CPUs=$CPUS RealMemory=$MEM_MB State=UNKNOWN
 PartitionName=alignfl Nodes=$HOST Default=YES MaxTime=INFINITE State=UP
 EOF
 for _ in $(seq 50); do [ -S "$MUNGE_SOCKET" ] && break; sleep 0.1; done
-slurmctld -D -f "$SLURM_CONF" > "$WORK/log/slurmctld.out" 2>&1 &
+setsid slurmctld -D -f "$SLURM_CONF" > "$WORK/log/slurmctld.out" 2>&1 &
 PIDS+=($!)
-slurmd -D -f "$SLURM_CONF" > "$WORK/log/slurmd.out" 2>&1 &
+setsid slurmd -D -f "$SLURM_CONF" > "$WORK/log/slurmd.out" 2>&1 &
 PIDS+=($!)
 up=""
 for _ in $(seq 60); do
@@ -161,14 +234,14 @@ export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}   # the compute node runs thi
 export FLWR_TELEMETRY_ENABLED=0
 SWEEP=(dataset=digits "sim.num_supernodes=$CLIENTS" "train.num_server_rounds=$ROUNDS" pan.mode=off,mul pan.a=0.1 seed=0,1)
 step_start=$(date +%s)
-nice -n "$NICE" "$PY" -m fl_app.sweep -m hydra/launcher=slurm "${SWEEP[@]}" "hydra.sweep.dir=$WORK/sweep-slurm" \
-  > "$WORK/log/sweep-slurm.log" 2>&1
-code=$?
+in_background "$WORK/log/sweep-slurm.log" nice -n "$NICE" "$PY" -m fl_app.sweep -m hydra/launcher=slurm \
+  "${SWEEP[@]}" "hydra.sweep.dir=$WORK/sweep-slurm"
+code=$CODE
 slurm_s=$(( $(date +%s) - step_start ))
 step_start=$(date +%s)
-nice -n "$NICE" "$PY" -m fl_app.sweep -m sim.backend=batched "${SWEEP[@]}" "hydra.sweep.dir=$WORK/sweep-local" \
-  > "$WORK/log/sweep-local.log" 2>&1
-local_code=$?
+in_background "$WORK/log/sweep-local.log" nice -n "$NICE" "$PY" -m fl_app.sweep -m sim.backend=batched \
+  "${SWEEP[@]}" "hydra.sweep.dir=$WORK/sweep-local"
+local_code=$CODE
 local_s=$(( $(date +%s) - step_start ))
 if [ $code -ne 0 ] || [ $local_code -ne 0 ]; then
   record "2 x 2 sweep (SLURM, local)" FAIL "exit codes $code, $local_code; logs in $WORK/log"
@@ -211,6 +284,7 @@ step_start=$(date +%s)
 nice -n "$NICE" "$PY" -m fl_app.sweep -m hydra/launcher=slurm dataset=digits "sim.num_supernodes=$CLIENTS" \
   "train.num_server_rounds=$ROUNDS" seed=0,1,2,3 "hydra.sweep.dir=$WORK/sweep-cancel" > "$WORK/log/sweep-cancel.log" 2>&1 &
 sweep_pid=$!
+CHILDREN+=($sweep_pid)
 running="" pending="" started=""
 for _ in $(seq 600); do   # a task RUNNING whose job has begun (submitit's log written): the sweep's job runs
   running=$(squeue -h -r -t RUNNING -o %i 2>/dev/null | head -1)
@@ -225,8 +299,9 @@ pending=$(squeue -h -r -t PENDING -o %i 2>/dev/null | tail -1)  # none where eve
 cancelled="$running${pending:+ $pending}"
 [ -n "$started" ] && scancel $cancelled
 cancel_s=$(( $(date +%s) - step_start ))
-wait $sweep_pid
-code=$?
+code=0
+wait $sweep_pid || code=$?
+CHILDREN=()
 check=$("$PY" - "$WORK" "$running" "$pending" "$started" <<'PY'
 import csv, json, subprocess, sys
 from pathlib import Path
@@ -267,10 +342,10 @@ fi
 
 # --- 5. one job with sim.backend=ray: its own Ray on the compute node -------------------------------------------
 step_start=$(date +%s)
-nice -n "$NICE" env RAY_TMPDIR="$RAY_TMP" "$PY" -m fl_app.sweep -m hydra/launcher=slurm dataset=digits \
-  "sim.num_supernodes=$CLIENTS" "train.num_server_rounds=$ROUNDS" sim.backend=ray sim.ray_cpus=$(( CPUS < 2 ? CPUS : 2 )) \
-  seed=0 "hydra.sweep.dir=$WORK/sweep-ray" > "$WORK/log/sweep-ray.log" 2>&1
-code=$?
+in_background "$WORK/log/sweep-ray.log" nice -n "$NICE" env RAY_TMPDIR="$RAY_TMP" "$PY" -m fl_app.sweep -m \
+  hydra/launcher=slurm dataset=digits "sim.num_supernodes=$CLIENTS" "train.num_server_rounds=$ROUNDS" sim.backend=ray \
+  sim.ray_cpus=$(( CPUS < 2 ? CPUS : 2 )) seed=0 "hydra.sweep.dir=$WORK/sweep-ray"
+code=$CODE
 check=$("$PY" - "$WORK" "$RAY_TMP" <<'PY'
 import json, sys
 from pathlib import Path
@@ -320,6 +395,7 @@ strays=$(for p in /proc/[0-9]*; do
   case "$cmd" in *slurm_check.sh*) continue;; esac
   case "$cmd" in *slurmstepd*|*"$WORK"*|*"$RAY_TMP"*) echo "${p#/proc/}";; esac
 done | tr '\n' ' ')
+strays+=$(ours)
 if [ "$left_jobs" = 0 ] && [ ${#alive[@]} = 0 ] && [ -z "${strays// }" ] && [ ! -e "$WORK/state" ] && [ ! -e "$WORK/spool" ]; then
   record "nothing left (jobs, daemons, processes, spool)" PASS "stopped pids ${daemons[*]}"
 else
