@@ -30,6 +30,9 @@ from fl_app.runtime.ray_cluster import RayNode, cluster_nodes
 START_TIMEOUT_S = 90.0
 OBJECT_STORE_BYTES = 200 * 1024**2
 """Each node's object store: Ray's default is 30 % of the machine's memory per node."""
+STOP_GRACE_S = 2.0
+"""Seconds between SIGTERM and SIGKILL when the cluster stops: Ray's GCS server and runtime-env agents do not
+exit on SIGTERM (Ray 2.55), so a longer grace only waits; the cluster is thrown away with its temp dir."""
 
 
 def _ray_cli() -> str:
@@ -147,7 +150,7 @@ class LocalRayCluster:
 
     def stop(self) -> None:
         """Stop every process of every node by pid (nodes that joined first), and remove the temp dir."""
-        stop_processes(list(reversed(self.trees)), grace_s=10.0)
+        stop_processes(list(reversed(self.trees)), grace_s=STOP_GRACE_S)
         shutil.rmtree(self.temp_dir, ignore_errors=True)
 
 
