@@ -134,9 +134,9 @@ def mnist_root(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cluster(mnist_root):
-    """A head (2 CPUs, resource ``node0``) and a second node (2 CPUs, ``node1``) that lacks ``mnist_root``;
-    afterwards no process of theirs is left."""
-    with cluster_left_clean([2, 2], hidden={1: [mnist_root]}) as started:
+    """A head (1 CPU, resource ``node0``) and a second node (1 CPU, ``node1``) that lacks ``mnist_root``: one
+    ClientApp actor on each; afterwards no process of theirs is left."""
+    with cluster_left_clean([1, 1], hidden={1: [mnist_root]}) as started:
         yield started
 
 
