@@ -9,7 +9,8 @@ reference need not be the map a direct matching of i and j finds. Here every
 model i gets one permutation ``P_i`` per permutation group of the model's
 :class:`~models.permutation.PermutationSpec`, carrying its units to universe
 positions; the map from model i to model j is ``P_j^T P_i``, so every cycle
-of maps composes to the identity by construction.
+of maps composes to the identity by construction (the paper writes
+``P_BA = P_B P_A^T``, its ``P_A^T`` being this ``P_A``).
 
 Objective
 ---------

@@ -301,6 +301,9 @@ def test_a_fedma_cycle_matches_permuted_clients_into_one_universe_layer_by_layer
         1, [_reply(c, node, counts=counts) for node, c in enumerate(copies)], ArrayRecord(state)
     )
     assert strategy.round_metrics()["cycle-consistency-error"] == {"hidden.0": 0.0}
+    resumed = get_strategy("fedma").server(build_context(run, model))  # the carried reference is checkpointed
+    resumed.load_state_dict(strategy.state_dict())
+    assert _equal(resumed.universe_reference, strategy.universe_reference)
     for stage in range(1, 5):  # clients that do not train send back the models they are sent
         assert strategy.stage == stage
         assert strategy.round_metrics()["universe-objective"]
