@@ -153,8 +153,11 @@ def check_compatible(reference: StateDict, other: StateDict, spec: PermutationSp
     spec.group_sizes(reference)
 
 
-def unit_rows(tensor: Tensor, ref: AxisRef, moves: Sequence[tuple[AxisRef, Tensor]]) -> Tensor:
-    """``unit_view(tensor, ref)`` as float32 after reordering the other axes by ``moves`` ((axis, permutation) pairs).
+def unit_rows(
+    tensor: Tensor, ref: AxisRef, moves: Sequence[tuple[AxisRef, Tensor]], dtype: torch.dtype = torch.float32
+) -> Tensor:
+    """``unit_view(tensor, ref)`` as ``dtype`` after reordering the other axes by ``moves`` ((axis, permutation)
+    pairs).
 
     Same rows as permuting with :func:`~models.permutation.permute_axis` and
     then taking the unit view, but with at most one copy per move (or one for
@@ -162,6 +165,10 @@ def unit_rows(tensor: Tensor, ref: AxisRef, moves: Sequence[tuple[AxisRef, Tenso
     ``(units, block)``, the units of ``ref`` are moved to the front as a view,
     and the other units are gathered from that view. Cost matrices are
     dominated by these copies and the matrix products.
+
+    A move may also be a ``J x J`` matrix ``M`` (a relaxed permutation, as
+    :mod:`core.universe` uses): new unit ``i`` is then ``sum_j M[i, j]`` times
+    old unit ``j``; a permutation ``perm`` is the matrix with ``M[i, perm[i]] = 1``.
     """
     blocks = {axis.axis: axis.block for axis, _ in moves} | {ref.axis: ref.block}
     shape: list[int] = []
@@ -172,8 +179,12 @@ def unit_rows(tensor: Tensor, ref: AxisRef, moves: Sequence[tuple[AxisRef, Tenso
     view = tensor.reshape(shape).movedim(units_at[ref.axis], 0)
     for axis, perm in moves:
         dim = units_at[axis.axis] + (units_at[axis.axis] < units_at[ref.axis])
-        view = view.index_select(dim, perm.to(device=tensor.device, dtype=torch.long))
-    return view.reshape(view.shape[0], -1).float()
+        if perm.dim() == 1:
+            view = view.index_select(dim, perm.to(device=tensor.device, dtype=torch.long))
+        else:
+            matrix = perm.to(device=tensor.device, dtype=dtype)
+            view = torch.tensordot(matrix, view.to(dtype), dims=([1], [dim])).movedim(0, dim)
+    return view.reshape(view.shape[0], -1).to(dtype)
 
 
 def best_assignment(score: Tensor, current: Tensor) -> Tensor:
@@ -286,12 +297,37 @@ def solve_group(
     return scores.solve(group, solved_refs(spec, group, solved), solved)
 
 
-def sequential_matching(scores: PairScores) -> Permutations:
-    """Solve each group once, in spec order (input side first), from the entries already aligned."""
+def sequential_matching(
+    scores: PairScores, groups: Iterable[str] | None = None, solved: Mapping[str, Tensor] | None = None
+) -> Permutations:
+    """Solve each of ``groups`` (default: all) once, in the order given (spec order: input side first), from the
+    entries already aligned; ``solved`` holds groups whose permutations are known beforehand (and stay)."""
     spec = scores.target.spec
-    perms: Permutations = {}
-    for name in spec.groups:
+    perms: Permutations = dict(solved or {})
+    for name in spec.groups if groups is None else groups:
         perms[name] = scores.solve(name, solved_refs(spec, name, perms), perms)
+    return perms
+
+
+def coordinate_descent(
+    scores: PairScores,
+    perms: Permutations,
+    refs: Mapping[str, Sequence[AxisRef]],
+    generator: torch.Generator,
+) -> Permutations:
+    """Improve ``perms`` in place: visit the groups named in ``refs`` in a random order, each solved from its
+    entries ``refs[group]`` given the others' current permutations, until a sweep changes nothing or
+    :data:`MAX_SWEEPS` sweeps; returns ``perms``."""
+    names = list(refs)
+    for _ in range(MAX_SWEEPS):
+        changed = False
+        for index in torch.randperm(len(names), generator=generator).tolist():
+            name = names[index]
+            perm = scores.solve(name, refs[name], perms)
+            if perm is not perms[name]:
+                perms[name], changed = perm, True
+        if not changed:
+            break
     return perms
 
 
@@ -320,20 +356,8 @@ def weight_matching(target: Target, other: StateDict, generator: torch.Generator
     be recovered. The descent only accepts strict improvements, so it never
     leaves an exact match.
     """
-    groups = target.spec.groups
     scores = PairScores(target, other, inner_products)
-    perms = sequential_matching(scores)
-    names = list(groups)
-    for _ in range(MAX_SWEEPS):
-        changed = False
-        for index in torch.randperm(len(names), generator=generator).tolist():
-            name = names[index]
-            perm = scores.solve(name, groups[name], perms)
-            if perm is not perms[name]:
-                perms[name], changed = perm, True
-        if not changed:
-            break
-    return perms
+    return coordinate_descent(scores, sequential_matching(scores), target.spec.groups, generator)
 
 
 @register_cost("l1", negative_l1, "Simple-FedMA: sum of absolute differences, groups solved in order from the input")

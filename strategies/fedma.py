@@ -41,6 +41,21 @@ Matching group ``s`` (``fedma-matching``):
   (:mod:`core.alignment`) onto the global model the cycle started from
   (``fedma-reference=global``) or, for ``fedma-iterations`` passes, onto the
   running matched mean (``iterative``); the width never changes.
+* ``weight`` with ``fedma-reference=universe``: the stage's group is matched
+  jointly over the clients into one shared unit order (Crisostomi et al.,
+  "C2M3: Cycle-Consistent Multi-Model Merging", NeurIPS 2024;
+  :mod:`core.universe`, ``fedma-universe-iterations`` and
+  ``fedma-universe-tolerance``), the groups matched at earlier stages held
+  fixed (every client holds them in one order already) and the same entries as
+  the one-to-one matching taking part; the group's order is the first client's
+  (partition order). This fits the stages cleanly: a stage matches one group
+  given the earlier ones, whatever it is matched to. Each round also records
+  the Frank-Wolfe objective per iteration (``universe-objective``) and the
+  cycle-consistency error that matching onto the cycle's starting model would
+  have had for the group (``cycle-consistency-error``; that model is carried
+  into the clients' order of the earlier groups, one weight matching per
+  stage, and is part of the checkpoint). ``bbp`` and ``l1`` are refused with
+  ``universe``.
 
 Matching reads the entries whose other axes are already aligned (incoming
 weights, bias, normalisation entries; the output layer's weights only with
@@ -86,11 +101,12 @@ from core.model_io import federated_state
 from core.nodes import NodeDirectory
 from core.replies import CONFIG_RECORD, MODEL_RECORD
 from core.strategy import Reply, RunContext, ServerStrategy, states_and_weights
+from core.universe import cycle_consistency_error, pairwise_matching, universe_matching
 from models import PermutationSpec, permute_state
 from models.protocol import head_of
 from plugins.options import choice, option, option_from, source_settings
 from strategies.base import LocalUpdate
-from strategies.matched import Reference, permutation_spec
+from strategies.matched import UNIVERSE, Reference, permutation_spec, refuse_universe_cost
 from strategies.registry import STRATEGIES, Algorithm
 
 STAGE = "fedma-stage"
@@ -105,6 +121,8 @@ FEDMA_MATCHINGS = ("bbp", *list_costs())
 class FedMASettings:
     fedma_reference: str = option_from(Reference, "reference")
     fedma_iterations: int = option_from(Reference, "iterations")
+    fedma_universe_iterations: int = option_from(Reference, "universe_iterations")
+    fedma_universe_tolerance: float = option_from(Reference, "universe_tolerance")
     fedma_matching: str = choice(
         "bbp",
         "bbp: FedMA's Bayesian non-parametric matching (the global layer may grow); "
@@ -127,9 +145,17 @@ class FedMASettings:
         return source_settings(self, BBPSettings)
 
     @property
+    def reference(self) -> Reference:
+        return source_settings(self, Reference)
+
+    @property
     def passes(self) -> int:
         """How many times one-to-one matching aligns the clients' units (:attr:`strategies.matched.Reference.passes`)."""
-        return source_settings(self, Reference).passes
+        return self.reference.passes
+
+    def check(self) -> None:
+        if self.reference.universe:
+            refuse_universe_cost("fedma-reference", "fedma-matching", self.fedma_matching)
 
 
 def completion_plan(spec: PermutationSpec, keys: Iterable[str], head: Collection[str]) -> list[frozenset[str]]:
@@ -184,11 +210,12 @@ class FedMA(ServerStrategy):
 
     extra_reply_arrays = (CLASS_COUNTS,)
     aligns_to_reference = True
-    state_keys = frozenset({"stage", "cycle-start", "client-models"})
+    state_keys = frozenset({"stage", "cycle-start", "client-models", "universe-reference"})
 
     def __init__(self, context: RunContext) -> None:
         super().__init__(context)
-        self.spec = permutation_spec(context, "fedma")
+        self.universe = self.settings.reference.universe
+        self.spec = permutation_spec(context, "fedma", ("fedma-reference", UNIVERSE) if self.universe else None)
         self.head = frozenset(context.head.keys)
         self.num_classes = context.head.num_classes
         self.bbp = self.settings.fedma_matching == "bbp"
@@ -202,16 +229,22 @@ class FedMA(ServerStrategy):
         self.client_partitions: dict[int, int | None] = {}  # node id → its partition, this cycle
         self.widths = self.spec.group_sizes(context.initial_arrays.to_torch_state_dict())
         self._restored_models: dict[int, dict[str, Tensor]] = {}  # partition id → model, from a checkpoint
+        self.universe_reference: dict[str, Tensor] | None = None  # the cycle's start in the clients' unit order
+        self.universe_metrics: dict[str, Any] = {}
 
     def describe(self) -> str:
-        matching = (
-            "BBP-MAP" if self.bbp else f"one-to-one '{self.settings.fedma_matching}', {self.settings.passes} pass(es)"
-        )
+        if self.bbp:
+            matching = "BBP-MAP"
+        elif self.universe:
+            matching = f"'{self.settings.fedma_matching}' into one universe"
+        else:
+            matching = f"one-to-one '{self.settings.fedma_matching}', {self.settings.passes} pass(es)"
         return f"{super().describe()}: {len(self.groups)} groups + output layer per cycle, {matching}"
 
     def round_metrics(self) -> dict[str, Any]:
-        """The share of units the stage's matching moved (mean over clients) and the global width per group."""
-        return {"units-moved": self.moved, "global-width": self.widths}
+        """The share of units the stage's matching moved (mean over clients) and the global width per group; with
+        ``fedma-reference=universe`` also the objective and cycle-consistency error (module notes)."""
+        return {"units-moved": self.moved, "global-width": self.widths, **self.universe_metrics}
 
     def plan_train(
         self,
@@ -255,7 +288,9 @@ class FedMA(ServerStrategy):
         unnamed = [node for node in self.client_models if self.client_partitions.get(node) is None]
         if unnamed:
             log(WARNING, "FedMA checkpoint leaves out nodes %s: their partition is unknown", unnamed)
+        universe = {} if self.universe_reference is None else {"universe-reference": dict(self.universe_reference)}
         return {
+            **universe,
             "stage": self.stage,
             "cycle-start": dict(self.cycle_start),
             "client-models": {
@@ -274,6 +309,8 @@ class FedMA(ServerStrategy):
             raise ValueError(f"FedMA state must hold a stage in 0..{len(self.groups)}, got {state.get('stage')!r}")
         self.stage = int(state["stage"])
         self.cycle_start = dict(state["cycle-start"])
+        reference = state.get("universe-reference")
+        self.universe_reference = None if reference is None else dict(reference)
         self.client_models = {}
         self._restored_models = {int(p): dict(models) for p, models in state["client-models"].items()}
 
@@ -294,11 +331,12 @@ class FedMA(ServerStrategy):
         states, weights = states_and_weights(replies)
         plan = completion_plan(self.spec, states[0], self.head)
         started = time.perf_counter()
-        self.moved = {}
+        self.moved, self.universe_metrics = {}, {}
         if self.stage == 0:
             self.cycle_start = reference.to_torch_state_dict()  # a client's model when clients started apart
+            self.universe_reference = dict(self.cycle_start) if self.universe else None
         if self.stage < len(self.groups):
-            match = self._bbp_stage if self.bbp else self._match_stage
+            match = self._bbp_stage if self.bbp else self._universe_stage if self.universe else self._match_stage
             merged = match(server_round, replies, states, weights, plan[self.stage])
             self.stage += 1
         else:
@@ -375,6 +413,40 @@ class FedMA(ServerStrategy):
             aligned = [permute_state(self.spec, state, perms) for state, perms in zip(states, permutations)]
             target = weighted_average(aligned, weights)
         self.moved = moved_share(permutations)
+        self.client_models = {
+            reply.node: {**state, **{key: target[key] for key in completed}} for reply, state in zip(replies, aligned)
+        }
+        self.client_partitions = {reply.node: reply.partition for reply in replies}
+        return dict(target)
+
+    def _universe_stage(
+        self,
+        server_round: int,
+        replies: list[Reply],
+        states: list[dict[str, Tensor]],
+        weights: list[float],
+        completed: frozenset[str],
+    ) -> dict[str, Tensor]:
+        """Match the current group jointly over the clients (earlier groups fixed), keep each client's aligned
+        model for the next stage, record the diagnostics, return the global model."""
+        group, fixed = self.groups[self.stage], self.groups[: self.stage]
+        seed = self.context.config.seed
+        settings = self.settings.reference.universe_settings()
+        match = universe_matching(
+            states, self.spec, settings, [group], fixed, generator=matching_generator(seed, server_round)
+        )
+        aligned = [permute_state(self.spec, state, perms) for state, perms in zip(states, match.permutations)]
+        target = weighted_average(aligned, weights)
+        cycle: dict[str, float] = {}
+        if self.universe_reference is not None:  # None only after resuming a checkpoint that lacks it
+            reference = self.universe_reference
+            generator = matching_generator(seed, server_round)
+            cycle = cycle_consistency_error(reference, states, self.spec, [group], fixed, generator=generator)
+            # the group's universe order is the first client's: carry the reference into it for the next stages
+            carry = pairwise_matching(states[0], reference, self.spec, [group], fixed, generator)
+            self.universe_reference = permute_state(self.spec, reference, carry)
+        self.moved = moved_share(match.permutations)
+        self.universe_metrics = {"universe-objective": match.objective, "cycle-consistency-error": cycle}
         self.client_models = {
             reply.node: {**state, **{key: target[key] for key in completed}} for reply, state in zip(replies, aligned)
         }

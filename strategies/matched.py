@@ -28,8 +28,25 @@ Run-config keys:
     ``iterative``: the first pass aligns onto the global model, each further
     pass aligns the clients' models again onto the previous pass's matched
     mean, ``matched-iterations`` passes in all.
+    ``universe``: no reference: all the round's client models are matched
+    jointly into one shared unit order (Crisostomi et al., "C2M3:
+    Cycle-Consistent Multi-Model Merging", NeurIPS 2024; :mod:`core.universe`),
+    so the maps between any two clients agree with the maps through any third;
+    the merge is the example-weighted mean in the first client's unit order
+    (partition order). It maximises the weight-matching similarity, so it takes
+    ``matched-cost=weight`` only. Each round records the Frank-Wolfe objective
+    per iteration (``universe-objective``) and, per group, the cycle-consistency
+    error that aligning onto the global model would have had
+    (``cycle-consistency-error``: the share of units where a direct pairwise
+    matching of two clients disagrees with the composition through the global
+    model, averaged over at most :data:`core.universe.MAX_PAIRS` pairs, drawn
+    at random when the round has more), which costs one weight matching per
+    client and one per pair on top of the universe matching.
 ``matched-iterations``
-    Number of passes with ``iterative`` (>= 1); unused with ``global``.
+    Number of passes with ``iterative`` (>= 1); unused otherwise.
+``matched-universe-iterations``, ``matched-universe-tolerance``
+    With ``universe``: Frank-Wolfe's iteration cap, and the relative
+    improvement of its objective below which it stops.
 """
 
 from __future__ import annotations
@@ -44,30 +61,55 @@ from flwr.common.logger import log
 
 from core.alignment import align_and_average, list_costs, matching_generator, moved_share
 from core.strategy import Reply, RunContext, ServerStrategy, states_and_weights
+from core.universe import UniverseSettings, cycle_consistency_error, universe_merge
 from models import PermutationSpec
-from plugins.options import ConfigError, choice, option, option_from, source_settings
+from plugins.options import ConfigError, choice, option, option_from, refuse, source_settings
 from strategies.base import LocalUpdate
 from strategies.registry import STRATEGIES, Algorithm
 
-MATCH_REFERENCES = ("global", "iterative")
+MATCH_REFERENCES = ("global", "iterative", "universe")
+UNIVERSE = "universe"
 
 
 @dataclass(frozen=True)
 class Reference:
     """What client units are matched to, one to one: declared once, borrowed under their own keys by ``matched``
-    (``matched-reference``, ``matched-iterations``) and ``fedma`` (``fedma-reference``, ``fedma-iterations``)."""
+    (``matched-reference``, ``matched-iterations``, ``matched-universe-*``) and ``fedma`` (``fedma-reference``,
+    ``fedma-iterations``, ``fedma-universe-*``)."""
 
     reference: str = choice(
         "global",
-        "what clients' units are matched to (global: the round's global model; iterative: the running matched mean)",
+        "what clients' units are matched to (global: the round's global model; iterative: the running matched "
+        "mean; universe: one another, jointly, in one shared unit order)",
         MATCH_REFERENCES,
     )
     iterations: int = option(3, "passes when the reference is iterative", lambda v: v >= 1, "must be an integer >= 1")
+    universe_iterations: int = option_from(UniverseSettings, "iterations")
+    universe_tolerance: float = option_from(UniverseSettings, "tolerance")
 
     @property
     def passes(self) -> int:
         """How many times the clients' models are aligned: ``iterations`` with ``iterative``, else once."""
         return self.iterations if self.reference == "iterative" else 1
+
+    @property
+    def universe(self) -> bool:
+        return self.reference == UNIVERSE
+
+    def universe_settings(self) -> UniverseSettings:
+        """Frank-Wolfe's settings of the ``universe`` reference (:class:`core.universe.UniverseSettings`'s fields)."""
+        return source_settings(self, UniverseSettings)
+
+
+def refuse_universe_cost(reference_key: str, cost_key: str, cost: str) -> None:
+    """Universe matching maximises the weight-matching similarity: refuse another cost, naming both keys."""
+    if cost != "weight":
+        raise refuse(
+            reference_key,
+            UNIVERSE,
+            f"universe matching maximises the weight-matching similarity, so it needs {cost_key}='weight' "
+            f"(got {cost_key}={cost!r}); with {cost!r} choose one of ['global', 'iterative']",
+        )
 
 
 @dataclass(frozen=True)
@@ -79,15 +121,35 @@ class MatchSettings:
     )
     matched_reference: str = option_from(Reference, "reference")
     matched_iterations: int = option_from(Reference, "iterations")
+    matched_universe_iterations: int = option_from(Reference, "universe_iterations")
+    matched_universe_tolerance: float = option_from(Reference, "universe_tolerance")
+
+    @property
+    def reference(self) -> Reference:
+        return source_settings(self, Reference)
 
     @property
     def passes(self) -> int:
-        return source_settings(self, Reference).passes
+        return self.reference.passes
+
+    def check(self) -> None:
+        if self.reference.universe:
+            refuse_universe_cost("matched-reference", "matched-cost", self.matched_cost)
 
 
-def permutation_spec(context: RunContext, strategy: str) -> PermutationSpec:
+def permutation_spec(context: RunContext, strategy: str, reference: tuple[str, str] | None = None) -> PermutationSpec:
     """The run model's permutation description; refuses a model without one, or one that names entries the
-    model's state lacks."""
+    model's state lacks. ``reference``: the run-config key and value of a reference that needs the description
+    above all (``universe``), named first in the refusal."""
+    if context.spec is None and reference is not None:
+        key, value = reference
+        raise refuse(
+            key,
+            value,
+            f"it matches all clients' units jointly and needs a model with a permutation description; model "
+            f"{context.config.model!r} has none (run-config key 'model' = {context.config.model!r} is not allowed "
+            f"with strategy '{strategy}')",
+        )
     if context.spec is None:
         raise ConfigError(
             f"run-config key 'model' = {context.config.model!r} is not allowed with strategy "
@@ -109,19 +171,28 @@ class Matched(ServerStrategy):
 
     def __init__(self, context: RunContext) -> None:
         super().__init__(context)
-        self.spec = permutation_spec(context, "matched")
+        self.reference = context.config.settings.reference
+        universe = ("matched-reference", UNIVERSE) if self.reference.universe else None
+        self.spec = permutation_spec(context, "matched", universe)
         self.moved: dict[str, float] = {}
+        self.universe_metrics: dict[str, Any] = {}
 
     def round_metrics(self) -> dict[str, Any]:
-        """The share of units the matching moved per group (mean over clients) and the global width per group."""
+        """The share of units the matching moved per group (mean over clients) and the global width per group;
+        with the ``universe`` reference also Frank-Wolfe's objective per iteration and the cycle-consistency
+        error of aligning onto the global model (module notes)."""
         sizes = self.spec.group_sizes(self.context.initial_arrays.to_torch_state_dict())
-        return {"units-moved": self.moved, "global-width": sizes}
+        return {"units-moved": self.moved, "global-width": sizes, **self.universe_metrics}
 
     def aggregate(self, server_round: int, replies: list[Reply], reference: ArrayRecord) -> ArrayRecord | None:
         started = time.perf_counter()
+        states, weights = states_and_weights(replies)
+        if self.reference.universe:
+            return ArrayRecord(self._universe(server_round, states, weights, reference, started))
         matched, permutations = align_and_average(
             reference.to_torch_state_dict(),
-            *states_and_weights(replies),
+            states,
+            weights,
             self.spec,
             self.settings.matched_cost,
             self.settings.passes,
@@ -140,16 +211,48 @@ class Matched(ServerStrategy):
         )
         return ArrayRecord(matched)
 
+    def _universe(
+        self, server_round: int, states: list[dict], weights: list[float], reference: ArrayRecord, started: float
+    ) -> dict:
+        """The universe merge of the round's clients, and its diagnostics for :meth:`round_metrics`."""
+        seed = self.context.config.seed
+        merged, match = universe_merge(
+            states, weights, self.spec, self.reference.universe_settings(), matching_generator(seed, server_round)
+        )
+        matched_at = time.perf_counter()
+        cycle = cycle_consistency_error(
+            reference.to_torch_state_dict(), states, self.spec, generator=matching_generator(seed, server_round)
+        )
+        self.moved = moved_share(match.permutations)
+        self.universe_metrics = {"universe-objective": match.objective, "cycle-consistency-error": cycle}
+        log(
+            INFO,
+            "round %d: matched %d client models into one universe in %.2f s (%d Frank-Wolfe step(s), objective "
+            "%.4g -> %.4g); %.1f %% of units moved; aligning onto the global model would disagree on %.1f %% of "
+            "units between client pairs (%.2f s)",
+            server_round,
+            len(states),
+            matched_at - started,
+            len(match.objective) - 1,
+            match.objective[0],
+            match.projected,
+            100 * sum(self.moved.values()) / max(len(self.moved), 1),
+            100 * sum(cycle.values()) / max(len(cycle), 1),
+            time.perf_counter() - matched_at,
+        )
+        return merged
+
 
 STRATEGIES.register(
     Algorithm(
         "matched",
         Matched,
         LocalUpdate,
-        "align client units onto a reference (matched-cost, matched-reference), then average",
+        "align client units onto a reference or into one universe (matched-cost, matched-reference), then average",
         MatchSettings,
         paper="Wang et al., Federated Learning with Matched Averaging, ICLR 2020; costs: Ainsworth et al., "
-        "Git Re-Basin, ICLR 2023 (weight), Holm, Sajjad and Matjasec, L46 FedMA Project, report (l1)",
+        "Git Re-Basin, ICLR 2023 (weight), Holm, Sajjad and Matjasec, L46 FedMA Project, report (l1); universe: "
+        "Crisostomi et al., C2M3: Cycle-Consistent Multi-Model Merging, NeurIPS 2024",
         renamed={
             "match-cost": "matched-cost",
             "match-reference": "matched-reference",

@@ -30,7 +30,17 @@ dataset's test split, it reports the accuracy of
 * ``ensemble``: the mean of the clients' softmax outputs (K forward passes, an
   upper reference rather than a single model).
 
-The reference is client ``--reference`` (0 by default). With ``--widths`` the
+The reference is client ``--reference`` (0 by default). With ``--reference
+universe`` there is none: ``matched-universe`` replaces ``matched-weight``, all
+models matched jointly into one shared unit order (Crisostomi et al., "C2M3:
+Cycle-Consistent Multi-Model Merging", NeurIPS 2024; :mod:`core.universe`,
+Frank-Wolfe's settings as ``--universe-iterations`` and
+``--universe-tolerance``) and averaged in client 0's unit order; the JSON
+then also holds Frank-Wolfe's objective per iteration, the objective of the
+final permutations and the cycle-consistency error that aligning onto client
+0 would have had (per group; at most :data:`core.universe.MAX_PAIRS` pairs).
+The merges that align onto a client (``l1``, ``ot``) are refused with it, and
+the default ``--costs`` are then ``weight`` and ``bbp``. With ``--widths`` the
 clients train models of those width multipliers (cycled over the clients; the
 model must take ``width-factor``); models of different widths can only be fused
 by ``ot`` (and ensembled): the plain average is left out, ``ot`` is the default
@@ -61,6 +71,7 @@ from core.ensemble import score_models
 from core.model_io import build_model_at, build_run_model, federated_state, independent_start, load_arrays
 from core.ot_fusion import OTSettings, ot_fuse
 from core.training import evaluate, round_generator, seed_everything, seed_torch, select_device
+from core.universe import UniverseSettings, cycle_consistency_error, universe_merge
 from core.widths import width_of
 from fl_app.analysis.common import (
     AnalysisError,
@@ -84,6 +95,9 @@ INITS = ("same", "different")
 BBP = "bbp"
 OT = "ot"
 MERGE_COSTS = (*list_costs(), BBP, OT)
+UNIVERSE = "universe"
+UNIVERSE_COSTS = ("weight", BBP)
+"""The merges ``--reference universe`` takes: the universe matching (weight similarity) and BBP-MAP (no reference)."""
 
 
 def train_clients(
@@ -127,16 +141,31 @@ def merge_accuracies(
     class_counts: Tensor | None = None,
     bbp: BBPSettings | None = None,
     ot: OTSettings | None = None,
-    reference: int = 0,
+    reference: int | str = 0,
     seed: int = 0,
+    universe: UniverseSettings | None = None,
+    diagnostics: dict[str, Any] | None = None,
 ) -> tuple[list[float], dict[str, float], dict[str, int]]:
     """Test accuracy of each state and of every merge (``average``, ``matched-<cost>``, ``ensemble``), and the
     global width per layer of the BBP-MAP merge (the reference's without ``bbp`` among ``costs``). States of
     different widths are merged by ``ot`` only (and ensembled). ``seed``: the run's, for the matching's order
-    (:func:`core.alignment.matching_generator`, round 1 as a one-shot run)."""
+    (:func:`core.alignment.matching_generator`, round 1 as a one-shot run).
+
+    ``reference="universe"``: the ``weight`` cost matches all states jointly (``matched-universe``, with
+    ``universe``'s settings) and ``diagnostics``, if given, receives its ``universe-objective`` (per iteration),
+    ``universe-projected`` and ``cycle-consistency-error`` (of aligning onto state 0); costs that align onto a
+    state (``l1``, ``ot``) are refused."""
     if not isinstance(model, Permutable):
         raise AnalysisError(f"{type(model).__name__} has no permutation_spec(); matching needs one")
     spec = model.permutation_spec()
+    joint = reference == UNIVERSE
+    refused = [cost for cost in costs if joint and cost not in UNIVERSE_COSTS]
+    if refused:
+        raise AnalysisError(
+            f"--costs {refused[0]!r} is not allowed with --reference universe: it aligns onto one client; "
+            f"choose from {list(UNIVERSE_COSTS)} or give a client index as --reference"
+        )
+    reference = 0 if joint else int(reference)
 
     def accuracy(state: Mapping[str, Tensor]) -> float:
         load_arrays(model, ArrayRecord({k: v for k, v in state.items() if v.is_floating_point()}))
@@ -158,6 +187,15 @@ def merge_accuracies(
                 states, weights, spec, bbp, class_counts=class_counts, head=head_of(model).keys
             )
             merged[f"matched-{cost}"], widths = accuracy(result.state), result.widths
+        elif joint:
+            state, match = universe_merge(states, weights, spec, universe, matching_generator(seed, 1))
+            merged["matched-universe"] = accuracy(state)
+            if diagnostics is not None:
+                diagnostics["universe-objective"] = match.objective
+                diagnostics["universe-projected"] = match.projected
+                diagnostics["cycle-consistency-error"] = cycle_consistency_error(
+                    states[0], states, spec, generator=matching_generator(seed, 1)
+                )
         else:
             merged[f"matched-{cost}"] = accuracy(
                 matched_average(states[reference], states, weights, spec, cost, iterations, matching_generator(seed, 1))
@@ -189,10 +227,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--costs",
         nargs="+",
         default=None,
-        help=f"matchings to compare (default: every one that applies, {list(MERGE_COSTS)}, or only ot for clients of "
-        "different --widths; bbp is FedMA's BBP-MAP, ot is OT fusion)",
+        help=f"matchings to compare (default: every one that applies, {list(MERGE_COSTS)}, with --reference universe "
+        f"{list(UNIVERSE_COSTS)}, or only ot for clients of different --widths; bbp is FedMA's BBP-MAP, ot is OT fusion)",
     )
-    parser.add_argument("--reference", type=int, default=0, help="the client others are aligned onto (default: 0)")
+    parser.add_argument(
+        "--reference",
+        default="0",
+        help="the client others are aligned onto, or universe: all matched jointly into one unit order (default: 0)",
+    )
+    add_settings_arguments(parser, UniverseSettings, "universe-")
     parser.add_argument(
         "--widths",
         default="1",
@@ -249,17 +292,40 @@ def _widths(text: str) -> tuple[float, ...]:
     return widths
 
 
-def _costs(costs: list[str] | None, widths: Sequence[float], clients: int) -> list[str]:
+def _reference(text: str, clients: int) -> int | str:
+    """``--reference``: ``universe`` or a client index in ``[0, clients)``."""
+    if text == UNIVERSE:
+        return UNIVERSE
+    try:
+        index = int(text)
+    except ValueError:
+        index = -1
+    if not 0 <= index < clients:
+        raise AnalysisError(f"--reference must be a client index in [0, {clients}) or universe, got {text}")
+    return index
+
+
+def _costs(costs: list[str] | None, widths: Sequence[float], clients: int, reference: int | str) -> list[str]:
     """The matchings to compare (None: every one that applies); refuses one that cannot merge the clients' models,
     which would otherwise be left out of the results without a word."""
     mixed = len({widths[client % len(widths)] for client in range(clients)}) > 1
+    given = ",".join(f"{width:g}" for width in widths)
+    if mixed and reference == UNIVERSE:
+        raise AnalysisError(
+            f"--reference universe cannot match models of different widths (--widths {given} over {clients} "
+            "clients): give one width, or a client index as --reference with --costs ot"
+        )
     if costs is None:
-        return [OT] if mixed else list(MERGE_COSTS)
+        return [OT] if mixed else list(UNIVERSE_COSTS if reference == UNIVERSE else MERGE_COSTS)
     for cost in costs:
         check_choice("--costs", cost, MERGE_COSTS)
+        if reference == UNIVERSE and cost not in UNIVERSE_COSTS:
+            raise AnalysisError(
+                f"--costs {cost!r} is not allowed with --reference universe: it aligns onto one client; "
+                f"choose from {list(UNIVERSE_COSTS)} or give a client index as --reference"
+            )
     unmergeable = [cost for cost in costs if cost != OT]
     if mixed and unmergeable:
-        given = ",".join(f"{width:g}" for width in widths)
         raise AnalysisError(
             f"--costs {' '.join(unmergeable)} cannot merge models of different widths (--widths {given} over "
             f"{clients} clients): only ot can (the ensemble is always reported); give --costs ot, or one width"
@@ -272,10 +338,10 @@ def run(args: argparse.Namespace, out: Path) -> list[Path]:
         raise AnalysisError(f"--clients must be at least 2 (there is nothing to merge), got {args.clients}")
     check_choice("--init", args.init, INITS)
     check_positive_int("--match-iterations", args.match_iterations)
-    if not (isinstance(args.reference, int) and 0 <= args.reference < args.clients):
-        raise AnalysisError(f"--reference must be a client index in [0, {args.clients}), got {args.reference}")
+    reference = _reference(args.reference, args.clients)
     widths = _widths(args.widths)
-    args.costs = _costs(args.costs, widths, args.clients)
+    costs = _costs(args.costs, widths, args.clients, reference)
+    universe = settings_from_arguments(args, UniverseSettings, "universe-")
     pan_settings(args.pan_mode, args.pan_t, args.pan_a)
     config = _run_config(args)
     bbp = settings_from_arguments(args, BBPSettings, "bbp-")
@@ -289,20 +355,23 @@ def run(args: argparse.Namespace, out: Path) -> list[Path]:
     device = select_device(config.device)
     states, counts, dataset, classes = train_clients(config, args.clients, args.init == "same", device)
     model = build_run_model(config, dataset).to(device)
+    diagnostics: dict[str, Any] = {}
     clients, merged, widths_out = merge_accuracies(
         model,
         states,
         counts,
         dataset.test_x,
         dataset.test_y,
-        args.costs,
+        costs,
         args.match_iterations,
         device,
         classes,
         bbp,
         ot,
-        args.reference,
+        reference,
         args.seed,
+        universe,
+        diagnostics,
     )
 
     print(f"{'model':<18} {'examples':>8} {'accuracy':>9}")
@@ -310,7 +379,7 @@ def run(args: argparse.Namespace, out: Path) -> list[Path]:
         print(f"{f'client {index}':<18} {count:>8} {acc:>9.4f}")
     for name, acc in merged.items():
         print(f"{name:<18} {sum(counts):>8} {acc:>9.4f}")
-    if BBP in args.costs:
+    if BBP in costs:
         print(
             f"global width per layer of matched-bbp: {widths_out} "
             f"(clients: {model.permutation_spec().group_sizes(states[0])})"
@@ -327,14 +396,16 @@ def run(args: argparse.Namespace, out: Path) -> list[Path]:
         "match-iterations": args.match_iterations,
         "pan": config.pan_signature(),
         "seed": args.seed,
-        "reference": f"client {args.reference}",
+        "reference": "universe" if reference == UNIVERSE else f"client {reference}",
         "widths": list(widths),
         "examples": counts,
         "client-accuracy": clients,
         "merged-accuracy": merged,
-        "bbp-global-width": widths_out if BBP in args.costs else None,
+        "bbp-global-width": widths_out if BBP in costs else None,
         "bbp": dataclasses.asdict(bbp),
         "otfusion": dataclasses.asdict(ot),
+        "universe": dataclasses.asdict(universe) if reference == UNIVERSE else None,
+        **diagnostics,
     }
     json_path = write_json(out / "merge.json", payload)
 
