@@ -30,6 +30,10 @@ Run-config keys:
     mean, ``matched-iterations`` passes in all.
 ``matched-iterations``
     Number of passes with ``iterative`` (>= 1); unused with ``global``.
+
+With ``repair=on`` the clients' unit statistics follow their units through the matching's permutations, and the
+matched average is renormalised by REPAIR (:mod:`core.repair_round`; what the statistics reveal of a client's
+data: ``docs/running.md``).
 """
 
 from __future__ import annotations
@@ -106,6 +110,7 @@ class Matched(ServerStrategy):
     """FedAvg whose average is taken after aligning every client model onto a reference (module notes)."""
 
     aligns_to_reference = True
+    repairable = True
 
     def __init__(self, context: RunContext) -> None:
         super().__init__(context)
@@ -128,6 +133,7 @@ class Matched(ServerStrategy):
             matching_generator(self.context.config.seed, server_round),
         )
         self.moved = moved_share(permutations)
+        self.unit_maps = permutations
         log(
             INFO,
             "round %d: matched %d client models (%s cost, %d pass(es)) in %.2f s; %.1f %% of units moved",
