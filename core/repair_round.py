@@ -33,15 +33,16 @@ checkpoint asks the same clients (by partition) that layer's query again instead
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from logging import INFO, WARNING
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, MessageType, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 from flwr.common.logger import log
 
+from core.nodes import NodeDirectory
 from core.repair import (
     REPAIR_RECORD,
     Site,
@@ -52,11 +53,8 @@ from core.repair import (
     statistics_shapes,
 )
 from core.replies import CONFIG_RECORD, METRICS_RECORD, MODEL_RECORD, NUM_EXAMPLES, metric_record_problem
-from core.strategy import Reply
+from core.strategy import Reply, ServerStrategy
 from plugins.options import is_number
-
-if TYPE_CHECKING:
-    from core.rounds import RoundRunner
 
 QUERY_KEY = "query"
 """The config-record key of a QUERY message that says what it asks for (none: the node's partition)."""
@@ -117,6 +115,28 @@ class PendingRepair:
         )
 
 
+class Runner(Protocol):
+    """What REPAIR uses of the round runner (:class:`core.rounds.RoundRunner`): its strategy, nodes and metric
+    callbacks, how it sends a message to nodes, checks the replies and builds a round's config."""
+
+    strategy: ServerStrategy
+    nodes: NodeDirectory
+    metrics: Any
+    on_merged: Callable[[int, ArrayRecord, PendingRepair], None] | None
+
+    def _send(self, contents: dict[int, RecordDict], message_type: str) -> tuple[list[Message], dict[str, int]]: ...
+
+    def _checked(
+        self,
+        replies: list[Message],
+        destinations: dict[str, int],
+        problem_of: Callable[[RecordDict], str | None],
+        dropped: dict[str, str],
+    ) -> list[Reply]: ...
+
+    def _config(self, server_round: int) -> ConfigRecord: ...
+
+
 def _shapes(arrays: ArrayRecord) -> dict[str, tuple[int, ...]]:
     return {key: tuple(array.shape) for key, array in arrays.items()}
 
@@ -124,7 +144,7 @@ def _shapes(arrays: ArrayRecord) -> dict[str, tuple[int, ...]]:
 class RepairStep:
     """The REPAIR part of a round runner's training rounds (module notes)."""
 
-    def __init__(self, runner: RoundRunner) -> None:
+    def __init__(self, runner: Runner) -> None:
         self.runner = runner
         self.strategy = runner.strategy
 
