@@ -211,24 +211,39 @@ class _Moments:
         self.count = total
 
 
+class _Measured(Exception):
+    """Raised at the last site a forward pass measures: the layers after it need not run."""
+
+
 @torch.no_grad()
 def unit_statistics(
     model: nn.Module, sites: Sequence[Site], x: Tensor, device: torch.device, chunk: int = STATISTICS_CHUNK
 ) -> dict[str, Tensor]:
     """Per site, the mean and std of every unit's pre-activation over ``x`` (module notes), as the
-    :data:`REPAIR_RECORD` entries ``<site>.mean`` and ``<site>.std`` (float64, on the CPU)."""
+    :data:`REPAIR_RECORD` entries ``<site>.mean`` and ``<site>.std`` (float64, on the CPU). ``sites`` in forward
+    order: each forward pass stops at the last one."""
     moments = {site.name: _Moments() for site in sites}
+
+    def measure(moment: _Moments, last: bool) -> Callable[[nn.Module, tuple], None]:
+        def hook(module: nn.Module, inputs: tuple) -> None:
+            moment.add(inputs[0])
+            if last:
+                raise _Measured
+
+        return hook
+
     handles = [
-        model.get_submodule(site.probe).register_forward_pre_hook(
-            lambda module, inputs, moment=moments[site.name]: moment.add(inputs[0])
-        )
-        for site in sites
+        model.get_submodule(site.probe).register_forward_pre_hook(measure(moments[site.name], i == len(sites) - 1))
+        for i, site in enumerate(sites)
     ]
     training = model.training
     try:
         model.eval()
         for start in range(0, len(x), chunk):
-            model(x[start : start + chunk].to(device, non_blocking=True))
+            try:
+                model(x[start : start + chunk].to(device, non_blocking=True))
+            except _Measured:
+                pass
     finally:
         for handle in handles:
             handle.remove()
@@ -455,14 +470,14 @@ def repair_in_order(
     sites: Sequence[Site],
     targets: Sequence[Mapping[str, UnitStats]],
     weights: Sequence[float],
-    measure: Callable[[Mapping[str, Tensor]], Sequence[Mapping[str, UnitStats]]],
+    measure: Callable[[Mapping[str, Tensor], Site], Sequence[UnitStats]],
 ) -> tuple[dict[str, Tensor], dict[str, Correction]]:
     """REPAIR of every site of ``merged`` in order from the input (:func:`repair_site`), each measured
-    (``measure(state)``: per client, the model's statistics on its data) after the sites before it are corrected,
-    as the authors measure a layer behind the layers already reset. Returns the repaired state and each site's
-    correction."""
+    (``measure(state, site)``: per client, the model's statistics of the site on its data) after the sites before
+    it are corrected, as the authors measure a layer behind the layers already reset. Returns the repaired state
+    and each site's correction."""
     state, corrections = dict(merged), {}
     for site in sites:
-        measured = [statistics[site.name] for statistics in measure(state)]
+        measured = measure(state, site)
         state, corrections[site.name] = repair_site(state, site, [t[site.name] for t in targets], measured, weights)
     return state, corrections

@@ -5,8 +5,8 @@ goes on after its merge. Its training replies carried, beside the model, the cli
 own trained models on their own training data (:data:`core.repair.REPAIR_RECORD`); the server carries each
 client's statistics onto the merged model's units (the strategy's :attr:`~core.strategy.ServerStrategy.unit_maps`)
 and then corrects the merged model's layers in order from the input, one QUERY message per layer: the message
-carries the model with the layers before it already corrected, its config asks for REPAIR statistics
-(:data:`QUERY_KEY` = :data:`REPAIR_QUERY`), every client of the round replies with that model's statistics on its
+carries the model with the layers before it already corrected, its config asks for REPAIR statistics of that
+layer (:data:`QUERY_KEY` = :data:`REPAIR_QUERY`, :data:`SITE_KEY`), every client of the round replies with that model's statistics on its
 training data, and the server folds into the layer the correction that gives each of its units the pooled
 statistics of the clients' own units (:func:`core.repair.repair_site`).
 
@@ -15,7 +15,8 @@ layers corrected from one set of statistics of the uncorrected merge over-correc
 spread already lacks what the earlier layers lost, so it is scaled up for that too, on top of the earlier layers'
 own correction, and the scales multiply with depth (on a narrow VGG-9 with BatchNorm, one set made the
 last layers' corrections 18 to 76 times, and the next round's clients diverged). The cost: a layer's query is the
-merged model down to every client and a forward pass of its training split, a few KB back; a model with ``L``
+merged model down to every client and a forward pass of its training split up to that layer, a few KB back (that
+layer's statistics); a model with ``L``
 hidden layers (sites) adds ``L`` query messages to each round (small MLP 4, VGG-9 8, ResNet-20 19).
 
 A client whose query reply fails, is late or malformed is dropped with its reason (``repair-dropped-reasons``)
@@ -60,6 +61,8 @@ QUERY_KEY = "query"
 """The config-record key of a QUERY message that says what it asks for (none: the node's partition)."""
 REPAIR_QUERY = "repair-statistics"
 """What a REPAIR query asks for: the received model's unit statistics on the client's training data."""
+SITE_KEY = "repair-site"
+"""The config-record key of a REPAIR query naming the layer (site) whose statistics it asks for."""
 
 
 @dataclass(frozen=True)
@@ -210,7 +213,7 @@ class RepairStep:
     def _layer(self, pending: PendingRepair, site: Site, dropped: dict[str, str]) -> PendingRepair | str:
         """Layer ``site`` corrected from its query's replies, or why it could not be; the clients dropped on the
         way go to ``dropped``."""
-        replies = self._query(pending, dropped)
+        replies = self._query(pending, site, dropped)
         if not replies:
             return f"no client answered the REPAIR query of layer '{site.name}'"
         shapes = _shapes(pending.current)
@@ -233,15 +236,17 @@ class RepairStep:
             changes=torch.cat([pending.changes, fix.std_change]),
         )
 
-    def _query(self, pending: PendingRepair, dropped: dict[str, str]) -> list[Reply]:
-        """The usable replies to a query with the pending model; the other clients' reasons go to ``dropped``."""
+    def _query(self, pending: PendingRepair, site: Site, dropped: dict[str, str]) -> list[Reply]:
+        """The usable replies to the query of ``site`` with the pending model; the other clients' reasons go to
+        ``dropped``."""
         runner, server_round = self.runner, pending.server_round
         nodes = self._recipients(pending, dropped)
-        content = RecordDict({MODEL_RECORD: pending.current, CONFIG_RECORD: self._config(server_round)})
+        config = ConfigRecord({**runner._config(server_round), QUERY_KEY: REPAIR_QUERY, SITE_KEY: site.name})
+        content = RecordDict({MODEL_RECORD: pending.current, CONFIG_RECORD: config})
         replies, destinations = runner._send(dict.fromkeys(nodes, content), MessageType.QUERY)
         answered = {destinations.get(m.metadata.reply_to_message_id, m.metadata.src_node_id) for m in replies}
         late = {runner.nodes.name(node): "no reply within the round's timeout" for node in set(nodes) - answered}
-        expected = statistics_shapes(self.strategy.context.sites, _shapes(pending.current))
+        expected = statistics_shapes([site], _shapes(pending.current))
         new: dict[str, str] = dict(late)
         kept = runner._checked(replies, destinations, lambda content: _query_problem(content, expected), new)
         for client, reason in new.items():
@@ -262,9 +267,6 @@ class RepairStep:
             else:
                 nodes.append(node)
         return nodes
-
-    def _config(self, server_round: int) -> ConfigRecord:
-        return ConfigRecord({**self.runner._config(server_round), QUERY_KEY: REPAIR_QUERY})
 
     def _done(self, pending: PendingRepair, layers: int) -> None:
         change = float(pending.changes.mean()) if len(pending.changes) else 0.0

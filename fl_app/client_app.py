@@ -24,7 +24,7 @@ from core.model_io import build_run_model, independent_start, load_arrays
 from core.nodes import is_holdout
 from core.partitioning.partitions import client_split, partition_dataset
 from core.repair import REPAIR_RECORD, sites_of, unit_statistics
-from core.repair_round import QUERY_KEY, REPAIR_QUERY
+from core.repair_round import QUERY_KEY, REPAIR_QUERY, SITE_KEY
 from core.replies import CONFIG_RECORD, MODEL_RECORD, NEW_CLIENT, NUM_EXAMPLES
 from core.training import round_generator, seed_torch, select_device
 from fl_app.config import parse_run_config
@@ -195,9 +195,15 @@ def begin_train(
     return TrainJob(message, context, config, partition_id, data, model, device, generator, update)
 
 
-def repair_statistics(model: nn.Module, data: ClientData, device: torch.device) -> ArrayRecord:
-    """``model``'s per-unit pre-activation statistics on the client's training split (:mod:`core.repair`)."""
-    return ArrayRecord(unit_statistics(model, sites_of(model, tuple(data.train_x.shape[1:])), data.train_x, device))
+def repair_statistics(model: nn.Module, data: ClientData, device: torch.device, site: str | None = None) -> ArrayRecord:
+    """``model``'s per-unit pre-activation statistics on the client's training split (:mod:`core.repair`): of
+    every hidden layer, or of the layer (site) ``site``."""
+    sites = sites_of(model, tuple(data.train_x.shape[1:]))
+    if site is not None:
+        sites = tuple(s for s in sites if s.name == site)
+        if not sites:
+            raise ValueError(f"the REPAIR query asks for layer {site!r}, which this model does not have")
+    return ArrayRecord(unit_statistics(model, sites, data.train_x, device))
 
 
 def finish_train(job: TrainJob, metrics: Mapping[str, Any]) -> Message:
@@ -248,11 +254,13 @@ def evaluate_message(
 def repair_message(
     message: Message, context: Context, overrides: Mapping[str, Any], sources: Sources = PER_MESSAGE
 ) -> Message:
-    """A REPAIR query's reply: the received (merged) model's unit statistics on the client's training split."""
+    """A REPAIR query's reply: the received (merged) model's unit statistics of the layer the query names, on the
+    client's training split."""
     config, partition_id, data, model, device = _receive(message, context, overrides, sources)
+    site = str(message.content[CONFIG_RECORD][SITE_KEY])
     metrics = MetricRecord({NUM_EXAMPLES: len(data.train_y), "partition-id": partition_id})
     return Message(
-        content=RecordDict({REPAIR_RECORD: repair_statistics(model, data, device), "metrics": metrics}),
+        content=RecordDict({REPAIR_RECORD: repair_statistics(model, data, device, site), "metrics": metrics}),
         reply_to=message,
     )
 

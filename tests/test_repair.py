@@ -100,7 +100,9 @@ def test_on_the_same_data_every_merged_unit_gets_exactly_the_target_mean_and_std
 
     targets = [statistics(state) for state in states]
     merged = weighted_average(states, weights)
-    repaired, _ = repair_in_order(merged, sites, targets, weights, lambda state: [statistics(state)] * 3)
+    repaired, _ = repair_in_order(
+        merged, sites, targets, weights, lambda state, site: [statistics(state)[site.name]] * 3
+    )
     after = statistics(repaired)
     for site in sites:
         goal = pooled([t[site.name] for t in targets], weights)
@@ -124,7 +126,10 @@ def test_a_model_every_client_holds_is_left_unchanged_on_non_iid_data(name):
         shapes = {k: tuple(v.shape) for k, v in current.items()}
         return [carry_statistics(unit_statistics(model, sites, x, CPU), sites, shapes, shapes) for x in by_class]
 
-    repaired, corrections = repair_in_order(state, sites, measure(state), [60.0, 30.0, 10.0], measure)
+    def measure_site(current: dict[str, torch.Tensor], site) -> list[UnitStats]:
+        return [statistics[site.name] for statistics in measure(current)]
+
+    repaired, corrections = repair_in_order(state, sites, measure(state), [60.0, 30.0, 10.0], measure_site)
     assert all(torch.equal(fix.scale, torch.ones_like(fix.scale)) for fix in corrections.values())
     assert all(torch.equal(fix.shift, torch.zeros_like(fix.shift)) for fix in corrections.values())
     assert all(torch.equal(repaired[k], state[k]) for k in state)

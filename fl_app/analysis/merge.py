@@ -64,7 +64,15 @@ from core.data import ImageDataset, dataset_info, list_datasets, load_dataset
 from core.ensemble import score_models
 from core.model_io import build_model_at, build_run_model, federated_state, independent_start, load_arrays
 from core.ot_fusion import OTSettings, ot_fuse
-from core.repair import UnitStats, assignment_coupling, carry_statistics, repair_in_order, sites_of, unit_statistics
+from core.repair import (
+    Site,
+    UnitStats,
+    assignment_coupling,
+    carry_statistics,
+    repair_in_order,
+    sites_of,
+    unit_statistics,
+)
 from core.training import evaluate, round_generator, seed_everything, seed_torch, select_device
 from core.widths import width_of
 from fl_app.analysis.common import (
@@ -199,9 +207,9 @@ def repair_merge(
     model's on the same inputs, clients weighted by ``weights`` (their example counts)."""
     sites = sites_of(model, tuple(data[0].shape[1:]))
 
-    def statistics(state: Mapping[str, Tensor], inputs: Tensor) -> dict[str, Tensor]:
+    def statistics(state: Mapping[str, Tensor], inputs: Tensor, measured: Sequence[Site] = sites) -> dict[str, Tensor]:
         load_arrays(model, ArrayRecord({k: v for k, v in state.items() if v.is_floating_point()}))
-        return unit_statistics(model, sites, inputs, device)
+        return unit_statistics(model, measured, inputs, device)
 
     merged_shapes = {key: tuple(value.shape) for key, value in merged.items()}
     targets = [
@@ -211,8 +219,11 @@ def repair_merge(
         for state, inputs, maps in zip(states, data, unit_maps, strict=True)
     ]
 
-    def measure(state: Mapping[str, Tensor]) -> list[dict[str, UnitStats]]:
-        return [carry_statistics(statistics(state, inputs), sites, merged_shapes, merged_shapes) for inputs in data]
+    def measure(state: Mapping[str, Tensor], site: Site) -> list[UnitStats]:
+        return [
+            carry_statistics(statistics(state, inputs, [site]), [site], merged_shapes, merged_shapes)[site.name]
+            for inputs in data
+        ]
 
     return repair_in_order(merged, sites, targets, weights, measure)[0]
 
