@@ -48,6 +48,7 @@ DEVICE_CHOICES = ("auto", "cpu", "cuda")
 SERVER_WEIGHTINGS = ("examples", "uniform")
 TRACKING_CHOICES = ("tensorboard", "mlflow", "both", "none")
 CLIENT_INITS = ("global", "independent")
+REPAIR_CHOICES = ("off", "on")
 
 
 MLFLOW_SCHEMES = ("databricks", "file", "http", "https", "mssql", "mysql", "postgresql", "sqlite")
@@ -170,6 +171,13 @@ class TrainSection:
         False,
         "the server also scores the clients' trained models of every round on the test split: their ensemble "
         "(mean softmax, server-ensemble), the best one (server-best-client) and their mean (server-client-mean)",
+    )
+    repair: str = choice(
+        "off",
+        "REPAIR (Jordan et al., ICLR 2023) after an aligning strategy merges: clients also send per-unit mean and std "
+        "of their trained model's pre-activations on their training data; a second message asks them for the merged "
+        "model's; the server rescales each merged unit to the clients' pooled statistics",
+        REPAIR_CHOICES,
     )
     batch_size: int = option(64, "local mini-batch size", positive, "must be a positive integer")
     lr: float = option(0.05, "client learning rate", positive, "must be a finite number > 0")

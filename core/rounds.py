@@ -21,6 +21,7 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 
 from core.nodes import NodeDirectory, PartitionTable, send_and_receive, wait_for_nodes
+from core.repair_round import PendingRepair, RepairStep
 from core.replies import (
     CONFIG_RECORD,
     METRICS_RECORD,
@@ -97,6 +98,10 @@ class RoundRunner:
         self.metrics = metrics
         self.nodes = NodeDirectory(grid, config.holdout_clients, partition_table)
         self.sampling = random.Random(config.seed)
+        self.repair = RepairStep(self) if config.repair == "on" else None
+        self.on_merged: Callable[[int, ArrayRecord, PendingRepair], None] | None = None
+        """Called with a round's number, the global model it started from and its state after its merge, before
+        each REPAIR query (``repair=on``): where the server checkpoints that state."""
 
     @property
     def sampling_state(self) -> Any:
@@ -113,22 +118,29 @@ class RoundRunner:
         first_round: int = 1,
         evaluate_fn: Callable[[int, ArrayRecord], Any] | None = None,
         on_round_end: Callable[[int, ArrayRecord], None] | None = None,
+        pending: PendingRepair | None = None,
     ) -> ArrayRecord:
         """Rounds ``first_round .. num-server-rounds``; returns the final global model. Each round trains,
         evaluates on clients, calls ``evaluate_fn(round, arrays)`` then ``on_round_end(round, arrays)``; round
-        0 (``evaluate_fn`` on the initial arrays) runs only when ``first_round`` is 1."""
+        0 (``evaluate_fn`` on the initial arrays) runs only when ``first_round`` is 1. ``pending``: a round
+        resumed after its merge, before one of its REPAIR queries (``first_round`` is its round), which asks that
+        query again instead of training."""
         if first_round < 1:
             raise ValueError(f"first_round = {first_round} must be >= 1")
         last = self.config.num_server_rounds
         log(INFO, "Starting %s, rounds %d to %d", self.strategy.describe(), first_round, last)
         wait_for_nodes(self.grid, self.config.min_available_nodes, self.config.node_wait_timeout)
         arrays = initial_arrays
-        if first_round == 1 and evaluate_fn is not None:
+        if first_round == 1 and evaluate_fn is not None and pending is None:
             evaluate_fn(0, arrays)
         for server_round in range(first_round, last + 1):
             log(INFO, "")
             log(INFO, "[ROUND %s/%s]", server_round, last)
-            arrays = self.train_round(server_round, arrays)
+            if pending is not None and self.repair is not None and server_round == pending.server_round:
+                log(INFO, "round %d: resumed between its merge and its REPAIR query", server_round)
+                arrays = self.repair.finish(pending, arrays)
+            else:
+                arrays = self.train_round(server_round, arrays)
             if server_round % self.config.evaluate_every == 0 or server_round == last:
                 self.evaluate_round(server_round, arrays)
             if evaluate_fn is not None:
@@ -227,6 +239,8 @@ class RoundRunner:
                 problem,
             )
             return arrays
+        if self.repair is not None:
+            return self.repair.run(server_round, usable, aggregated, arrays)
         return aggregated
 
     def _alignment_reference(self, server_round: int, usable: list[Reply], arrays: ArrayRecord) -> ArrayRecord:

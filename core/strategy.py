@@ -18,8 +18,10 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 from torch import Tensor, nn
 
 from core.config import RunConfig
+from core.data import dataset_info
 from core.model_io import to_arrays
 from core.nodes import NodeDirectory
+from core.repair import REPAIR_RECORD, RepairError, Site, find_sites, statistics_problem, statistics_shapes
 from core.replies import CONFIG_RECORD, MODEL_RECORD, array_values, reply_problem
 from core.sub_models import ClientWidths, first_units
 from core.widths import refuse_mixed_widths
@@ -32,21 +34,34 @@ from plugins.options import refuse, settings_fields
 class RunContext:
     """What the ServerApp built, handed to the algorithm's server side so that it never rebuilds or guesses it:
     the run's settings, the initial global arrays, the model's permutation description (None for a model
-    without one), its head and, for grouped nets, its group layout."""
+    without one), its head, for grouped nets its group layout and, with ``repair=on``, the hidden layers REPAIR
+    measures and rescales (:mod:`core.repair`) or why it cannot."""
 
     config: RunConfig
     initial_arrays: ArrayRecord
     spec: PermutationSpec | None
     head: ModelHead
     layout: Any = None
+    sites: tuple[Site, ...] = ()
+    sites_problem: str | None = None
 
 
 def build_context(config: RunConfig, model: nn.Module) -> RunContext:
     """The run context of ``config`` and its freshly built ``model``: the model's arrays, and what the model
-    declares of itself (permutation description, head, group layout), asked of the model, never guessed."""
+    declares of itself (permutation description, head, group layout), asked of the model, never guessed; with
+    ``repair=on`` also its REPAIR sites, found on the model's own forward pass (:func:`core.repair.find_sites`)."""
     spec = model.permutation_spec() if hasattr(model, "permutation_spec") else None
     layout = model.layout() if hasattr(model, "layout") else None
-    return RunContext(config, to_arrays(model), spec, head_of(model), layout)
+    sites: tuple[Site, ...] = ()
+    problem = None
+    if config.repair == "on":
+        try:
+            if spec is None:
+                raise RepairError("it has no permutation description to tell its hidden units by")
+            sites = find_sites(model, dataset_info(config.dataset)[0], spec)
+        except RepairError as error:
+            problem = str(error)
+    return RunContext(config, to_arrays(model), spec, head_of(model), layout, sites, problem)
 
 
 @dataclass(frozen=True)
@@ -92,7 +107,9 @@ class ServerStrategy:
     records, or other recipients), :meth:`reply_problem` (their extra reply records, named in
     :attr:`extra_reply_arrays`), :meth:`narrow` (with :attr:`client_widths`), :meth:`on_empty_round`, :meth:`round_metrics`, :meth:`describe`,
     :attr:`changes_shapes` and :meth:`state_dict` / :meth:`load_state_dict` (what they carry from round to
-    round, named in :attr:`state_keys`). These are all the round runner and the checkpoint read.
+    round, named in :attr:`state_keys`); an algorithm that merges aligned units sets :attr:`repairable` (and
+    :attr:`unit_maps`, :attr:`repair_groups`, :meth:`on_repaired` where ``repair=on`` needs them). These are all
+    the round runner and the checkpoint read.
     ``context`` is what the ServerApp built; ``settings`` the algorithm's own settings.
     """
 
@@ -117,6 +134,17 @@ class ServerStrategy:
     changes_shapes: bool = False
     """Whether :meth:`aggregate` may return arrays of other shapes than the global model's (FedMA's BBP-MAP
     opens new units): the round runner then checks only that the aggregate is finite, not that it fits."""
+    repairable: bool = False
+    """Whether :meth:`aggregate` merges the clients' units aligned (matched, fused, or sliced so that unit ``i``
+    is unit ``i`` everywhere), so that ``repair=on`` may renormalise the merged units (:mod:`core.repair`)."""
+    unit_maps: list[dict[str, Tensor]] | None = None
+    """Set by :meth:`aggregate` of a repairable strategy that reorders units: per reply (in the order given), per
+    permutation group, how the reply's units land on the aggregate's: a permutation (aggregate unit ``i`` is the
+    reply's unit ``map[i]``) or a coupling (reply units × aggregate units). A group without a map keeps its order
+    (a narrower reply's units are the first ones)."""
+    repair_groups: frozenset[str] | None = None
+    """Set by :meth:`aggregate` when it merged only some groups' units this round (FedMA's stages): REPAIR then
+    rescales only the layers of those groups. None: every group."""
 
     def __init__(self, context: RunContext) -> None:
         self.context = context
@@ -135,6 +163,23 @@ class ServerStrategy:
                 True,
                 f"strategy '{context.config.strategy}' cannot have its clients' models scored: {self.ensemble_problem}",
             )
+        if context.config.repair == "on":
+            self._check_repair()
+            self.extra_reply_arrays = (*self.extra_reply_arrays, REPAIR_RECORD)
+
+    def _check_repair(self) -> None:
+        """Refuse ``repair=on`` for a strategy that does not merge aligned units, or a model whose units REPAIR
+        cannot find or rescale (the message names the layer)."""
+        config = self.context.config
+        if not self.repairable:
+            raise refuse(
+                "repair",
+                "on",
+                f"strategy '{config.strategy}' does not align the clients' units before merging them, so there is "
+                "no aligned merge to repair; use repair=off, or a strategy that aligns",
+            )
+        if self.context.sites_problem is not None:
+            raise refuse("repair", "on", f"model {config.model!r}: {self.context.sites_problem}")
 
     def describe(self) -> str:
         """One line for the log: the algorithm's registered name and its settings as run-config keys."""
@@ -158,8 +203,28 @@ class ServerStrategy:
     def reply_problem(self, content: RecordDict, reference: ArrayRecord) -> str | None:
         """What is wrong with one training reply, or None; extend it to check the extra records' contents."""
         if self.client_widths is not None:
-            return self.client_widths.reply_problem(content, self.extra_reply_arrays)
-        return reply_problem(content, reference, self.extra_reply_arrays)
+            problem = self.client_widths.reply_problem(content, self.extra_reply_arrays)
+        else:
+            problem = reply_problem(content, reference, self.extra_reply_arrays)
+        return problem or self.repair_statistics_problem(content, reference)
+
+    def repair_statistics_problem(self, content: RecordDict, reference: ArrayRecord) -> str | None:
+        """With ``repair=on``, what is wrong with a training reply's unit statistics (:data:`REPAIR_RECORD`), or
+        None: one mean and one std per unit of every site, at the widths of the reply's model (of ``reference``
+        for the layers the reply leaves out), finite, no std below 0."""
+        if self.context.config.repair != "on" or REPAIR_RECORD not in content.array_records:
+            return None
+        shapes = {key: tuple(array.shape) for key, array in reference.items()}
+        shapes.update({key: tuple(array.shape) for key, array in content[MODEL_RECORD].items()})
+        try:
+            statistics = content[REPAIR_RECORD].to_torch_state_dict()
+        except (ValueError, TypeError) as error:
+            return f"'{REPAIR_RECORD}' cannot be read: {error}"
+        return statistics_problem(statistics, statistics_shapes(self.context.sites, shapes))
+
+    def on_repaired(self, arrays: ArrayRecord) -> None:
+        """Called with the global model REPAIR made of :meth:`aggregate`'s (``repair=on``), before the round ends:
+        a strategy that keeps parts of the aggregate for its next round takes the repaired values here."""
 
     def narrow(self, state: dict[str, Tensor], template: dict[str, Tensor]) -> dict[str, Tensor]:
         """The global model's ``state`` at the shapes ``template`` of a client of another width (with

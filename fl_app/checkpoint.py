@@ -8,6 +8,11 @@ the clients the uninterrupted run would have). It is written to
 a temporary file that then replaces the old one, so a crash leaves the previous
 checkpoint whole.
 
+With ``repair=on`` the server also checkpoints a training round between its merge and its REPAIR query
+(:class:`core.repair_round.PendingRepair`: the merged model and the clients' statistics on its units, with the
+strategy, recorder and sampling state of that moment); the checkpoint's round is then the last complete one and
+a resumed run asks that round's clients the query again instead of training the round again.
+
 ``resume-from=<run folder>`` loads it. State the clients keep in ``context.state``
 (SCAFFOLD's c_i, MOON's previous model, SuPerFed's, FedPer's and Ditto's personal
 models) lives on the nodes, not here: each node snapshots it after every round in its
@@ -26,6 +31,7 @@ import torch
 from flwr.app import ArrayRecord
 
 from core.config import RunConfig, results_root
+from core.repair_round import PendingRepair
 from core.rounds import RoundRunner
 from fl_app.config import default_run_config, rename_old_keys
 from plugins.options import ConfigError
@@ -64,12 +70,20 @@ class Checkpoint:
     recorder_state: dict[str, Any]
     sampling_random: Any
     """:attr:`core.rounds.RoundRunner.sampling_state`: a ``random.getstate()`` tuple."""
+    pending: PendingRepair | None = None
+    """Round ``round + 1`` between its merge and its REPAIR query, or None (taken at a round's end)."""
 
 
 def capture(
-    server_round: int, config: RunConfig, arrays: ArrayRecord, runner: RoundRunner, recorder_state: dict[str, Any]
+    server_round: int,
+    config: RunConfig,
+    arrays: ArrayRecord,
+    runner: RoundRunner,
+    recorder_state: dict[str, Any],
+    pending: PendingRepair | None = None,
 ) -> Checkpoint:
-    """A checkpoint of the server as it is now."""
+    """A checkpoint of the server as it is now: after ``server_round`` (``arrays`` its global model), or in the
+    next round between its merge and its REPAIR query (``pending``)."""
     return Checkpoint(
         server_round,
         config.to_run_config(),
@@ -77,6 +91,7 @@ def capture(
         runner.strategy.state_dict(),
         recorder_state,
         runner.sampling_state,
+        pending,
     )
 
 
@@ -90,6 +105,7 @@ def save_checkpoint(folder: Path, checkpoint: Checkpoint) -> Path:
         "strategy": checkpoint.strategy_state,
         "recorder": checkpoint.recorder_state,
         "sampling-random": checkpoint.sampling_random,
+        "repair-pending": checkpoint.pending.state() if checkpoint.pending is not None else None,
     }
     path = folder / CHECKPOINT
     staged = folder / f"{CHECKPOINT}.tmp"
@@ -132,6 +148,7 @@ def load_checkpoint(folder: Path) -> Checkpoint:
         dict(payload["strategy"]),
         dict(payload["recorder"]),
         _as_random_state(payload["sampling-random"]),
+        PendingRepair.from_state(payload["repair-pending"]) if payload.get("repair-pending") is not None else None,
     )
 
 

@@ -23,7 +23,9 @@ from core.label_noise import noisy_labels
 from core.model_io import build_run_model, independent_start, load_arrays
 from core.nodes import is_holdout
 from core.partitioning.partitions import client_split, partition_dataset
-from core.replies import MODEL_RECORD, NEW_CLIENT, NUM_EXAMPLES
+from core.repair import REPAIR_RECORD, sites_of, unit_statistics
+from core.repair_round import QUERY_KEY, REPAIR_QUERY, SITE_KEY
+from core.replies import CONFIG_RECORD, MODEL_RECORD, NEW_CLIENT, NUM_EXAMPLES
 from core.training import round_generator, seed_torch, select_device
 from fl_app.config import parse_run_config
 from fl_app.node_state import begin_message, end_train
@@ -193,8 +195,20 @@ def begin_train(
     return TrainJob(message, context, config, partition_id, data, model, device, generator, update)
 
 
+def repair_statistics(model: nn.Module, data: ClientData, device: torch.device, site: str | None = None) -> ArrayRecord:
+    """``model``'s per-unit pre-activation statistics on the client's training split (:mod:`core.repair`): of
+    every hidden layer, or of the layer (site) ``site``."""
+    sites = sites_of(model, tuple(data.train_x.shape[1:]))
+    if site is not None:
+        sites = tuple(s for s in sites if s.name == site)
+        if not sites:
+            raise ValueError(f"the REPAIR query asks for layer {site!r}, which this model does not have")
+    return ArrayRecord(unit_statistics(model, sites, data.train_x, device))
+
+
 def finish_train(job: TrainJob, metrics: Mapping[str, Any]) -> Message:
-    """The reply to a training message whose local update has trained ``job.model``; saves the client's state."""
+    """The reply to a training message whose local update has trained ``job.model`` (with ``repair=on`` also its
+    unit statistics on the client's training split); saves the client's state."""
     reply = RecordDict(
         {
             MODEL_RECORD: job.update.model_record(job.model),
@@ -202,6 +216,8 @@ def finish_train(job: TrainJob, metrics: Mapping[str, Any]) -> Message:
             "metrics": MetricRecord({**metrics, NUM_EXAMPLES: len(job.data.train_y), "partition-id": job.partition_id}),
         }
     )
+    if job.config.repair == "on":
+        reply[REPAIR_RECORD] = repair_statistics(job.model, job.data, job.device)
     placement = ray_placement()
     if placement is not None:  # the Ray node this client ran on, for the round's metrics
         reply[RAY_NODE_RECORD] = ConfigRecord(placement)
@@ -235,8 +251,29 @@ def evaluate_message(
     return Message(content=RecordDict({"metrics": metrics}), reply_to=message)
 
 
-def query_message(message: Message, context: Context) -> Message:
-    """Tell the server this node's partition, so seeded runs sample the same clients."""
+def repair_message(
+    message: Message, context: Context, overrides: Mapping[str, Any], sources: Sources = PER_MESSAGE
+) -> Message:
+    """A REPAIR query's reply: the received (merged) model's unit statistics of the layer the query names, on the
+    client's training split."""
+    config, partition_id, data, model, device = _receive(message, context, overrides, sources)
+    site = str(message.content[CONFIG_RECORD][SITE_KEY])
+    metrics = MetricRecord({NUM_EXAMPLES: len(data.train_y), "partition-id": partition_id})
+    return Message(
+        content=RecordDict({REPAIR_RECORD: repair_statistics(model, data, device, site), "metrics": metrics}),
+        reply_to=message,
+    )
+
+
+def query_message(
+    message: Message, context: Context, overrides: Mapping[str, Any] | None = None, sources: Sources = PER_MESSAGE
+) -> Message:
+    """What a QUERY message asks, by its content: a REPAIR query (:data:`core.repair_round.REPAIR_QUERY`) gets
+    the received model's unit statistics; any other query this node's partition, so seeded runs sample the same
+    clients."""
+    asked = message.content.config_records.get(CONFIG_RECORD)
+    if asked is not None and asked.get(QUERY_KEY) == REPAIR_QUERY:
+        return repair_message(message, context, overrides or {}, sources)
     partition_id, num_partitions = node_partition(context)
     metrics = MetricRecord({"partition-id": partition_id, "num-partitions": num_partitions})
     return Message(content=RecordDict({"metrics": metrics}), reply_to=message)
@@ -256,8 +293,8 @@ def build_client_app(overrides: Mapping[str, Any] | None = None) -> ClientApp:
         return evaluate_message(message, context, overrides)
 
     @app.query()
-    def identify(message: Message, context: Context) -> Message:
-        return query_message(message, context)
+    def query(message: Message, context: Context) -> Message:
+        return query_message(message, context, overrides)
 
     return app
 

@@ -284,8 +284,14 @@ class RoundRecorder:
         self._pending.update(metrics)
 
     def state(self) -> dict[str, Any]:
-        """What a checkpoint keeps of the recorder: the rows so far, the extra keys, the elapsed time."""
-        return {"rows": list(self.rows), "extra-keys": list(self.extra_keys), "elapsed-s": time.time() - self.started}
+        """What a checkpoint keeps of the recorder: the rows so far, the extra keys, the elapsed time, and what the
+        round being run has recorded so far (a checkpoint between a round's merge and its REPAIR query)."""
+        return {
+            "rows": list(self.rows),
+            "extra-keys": list(self.extra_keys),
+            "elapsed-s": time.time() - self.started,
+            "pending": dict(self._pending),
+        }
 
     def restore(self, state: dict[str, Any]) -> None:
         """Continue from :meth:`state`: ``metrics.jsonl`` is rewritten to hold exactly the checkpoint's rows
@@ -293,6 +299,7 @@ class RoundRecorder:
         self.rows = list(state["rows"])
         self.extra_keys = dict.fromkeys(state["extra-keys"])
         self.started = time.time() - float(state["elapsed-s"])
+        self._pending = dict(state.get("pending", {}))
         staged = self.folder / "metrics.jsonl.tmp"
         staged.write_text("".join(json.dumps(row, sort_keys=True) + "\n" for row in self.rows))
         staged.replace(self.folder / "metrics.jsonl")

@@ -20,6 +20,7 @@ from core.data import check_dataset_available, load_dataset
 from core.ensemble import score_models
 from core.model_io import build_run_model, load_arrays
 from core.nodes import PartitionTable
+from core.repair_round import PendingRepair
 from core.rounds import MetricAggregation, RoundRunner
 from core.training import evaluate, seed_everything, select_device
 from fl_app.checkpoint import Checkpoint, capture, resume_checkpoint, save_checkpoint
@@ -130,8 +131,16 @@ def run_experiment(grid: Grid, config: RunConfig, partition_table: PartitionTabl
             save_checkpoint(folder, capture(server_round, config, arrays, runner, recorder.state()))
             tracking.log_rows(recorder.rows)  # once the round is durable, so a resumed run tracks it once
 
+        def merged(server_round: int, start: ArrayRecord, pending: PendingRepair) -> None:
+            save_checkpoint(folder, capture(server_round - 1, config, start, runner, recorder.state(), pending))
+
+        runner.on_merged = merged
         final = runner.run(
-            initial_arrays, first_round=first_round, evaluate_fn=recorder.evaluate, on_round_end=end_round
+            initial_arrays,
+            first_round=first_round,
+            evaluate_fn=recorder.evaluate,
+            on_round_end=end_round,
+            pending=checkpoint.pending if checkpoint is not None else None,
         )
         if not any(row.get("clients-trained") for row in recorder.rows if row["round"] > 0):
             raise RuntimeError(f"no round produced a usable client update; see the log and {folder / 'metrics.jsonl'}")

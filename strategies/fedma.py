@@ -65,6 +65,11 @@ weighted average of the aligned rest. Each round logs the share of units the
 stage's matching moved and the global width per group (``units-moved``,
 ``global-width`` in ``metrics.jsonl``, plotted in ``alignment.png``).
 
+With ``repair=on`` (:mod:`core.repair_round`) each stage renormalises the layers of the group it matched (the
+clients' statistics follow their units through the assignment, onto the grown width with BBP-MAP), and the
+clients' models of the next stages freeze the repaired entries; the output-layer stage matches no units and is
+not repaired.
+
 Where this differs from IBM/FedMA:
 
 * BBP-MAP's own deviations are listed in :mod:`core.bbp` (a hard width cap,
@@ -99,6 +104,7 @@ from core.bbp import BBPSettings
 from core.bbp_model import match_group, scatter_group, units_to_entries
 from core.model_io import federated_state
 from core.nodes import NodeDirectory
+from core.repair import assignment_coupling
 from core.replies import CONFIG_RECORD, MODEL_RECORD
 from core.strategy import Reply, RunContext, ServerStrategy, states_and_weights
 from core.universe import cycle_consistency_error, pairwise_matching, universe_matching
@@ -210,6 +216,7 @@ class FedMA(ServerStrategy):
 
     extra_reply_arrays = (CLASS_COUNTS,)
     aligns_to_reference = True
+    repairable = True
     state_keys = frozenset({"stage", "cycle-start", "client-models", "universe-reference"})
 
     def __init__(self, context: RunContext) -> None:
@@ -332,11 +339,13 @@ class FedMA(ServerStrategy):
         plan = completion_plan(self.spec, states[0], self.head)
         started = time.perf_counter()
         self.moved, self.universe_metrics = {}, {}
+        self.unit_maps, self.repair_groups = None, frozenset()  # the output-layer stage matches no units
         if self.stage == 0:
             self.cycle_start = reference.to_torch_state_dict()  # a client's model when clients started apart
             self.universe_reference = dict(self.cycle_start) if self.universe else None
         if self.stage < len(self.groups):
             match = self._bbp_stage if self.bbp else self._universe_stage if self.universe else self._match_stage
+            self.repair_groups = frozenset({self.groups[self.stage]})
             merged = match(server_round, replies, states, weights, plan[self.stage])
             self.stage += 1
         else:
@@ -387,6 +396,7 @@ class FedMA(ServerStrategy):
                 sum((a != torch.arange(len(a))).double().mean() for a in match.assignments) / len(match.assignments)
             )
         }
+        self.unit_maps = [{group: assignment_coupling(assignment, match.width)} for assignment in match.assignments]
         self.client_models = {
             reply.node: {**client, **{key: target[key] for key in completed}} for reply, client in zip(replies, clients)
         }
@@ -413,6 +423,7 @@ class FedMA(ServerStrategy):
             aligned = [permute_state(self.spec, state, perms) for state, perms in zip(states, permutations)]
             target = weighted_average(aligned, weights)
         self.moved = moved_share(permutations)
+        self.unit_maps = permutations
         self.client_models = {
             reply.node: {**state, **{key: target[key] for key in completed}} for reply, state in zip(replies, aligned)
         }
@@ -446,12 +457,21 @@ class FedMA(ServerStrategy):
             carry = pairwise_matching(states[0], reference, self.spec, [group], fixed, generator)
             self.universe_reference = permute_state(self.spec, reference, carry)
         self.moved = moved_share(match.permutations)
+        self.unit_maps = list(match.permutations)
         self.universe_metrics = {"universe-objective": match.objective, "cycle-consistency-error": cycle}
         self.client_models = {
             reply.node: {**state, **{key: target[key] for key in completed}} for reply, state in zip(replies, aligned)
         }
         self.client_partitions = {reply.node: reply.partition for reply in replies}
         return dict(target)
+
+    def on_repaired(self, arrays: ArrayRecord) -> None:
+        """The next stage's clients freeze the entries the stage just matched completed: at their repaired values
+        (also in the client models a resumed run has not yet given to nodes)."""
+        repaired = arrays.to_torch_state_dict()
+        completed = completion_plan(self.spec, repaired, self.head)[self.stage - 1]
+        for state in [*self.client_models.values(), *self._restored_models.values()]:
+            state.update({key: repaired[key] for key in completed})
 
 
 class FedMAUpdate(LocalUpdate):

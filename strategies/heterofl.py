@@ -10,6 +10,9 @@ local training every hidden layer's output is divided by ``r`` (the authors' *sc
 ``heterofl-scaler``), so a narrower sub-model's activations keep the global model's scale; evaluation runs
 unscaled.
 
+With ``repair=on`` (:mod:`core.repair_round`) a unit is renormalised to the statistics of the clients whose
+sub-model holds it, measured on those clients' data (the scaler is off then, as in evaluation).
+
 Where this differs from the authors' code:
 
 * The mean is weighted by the run's ``server-weighting`` (examples by default, as every strategy here);
@@ -63,6 +66,7 @@ class HeteroFL(ServerStrategy):
     """Sub-models of the first units, averaged where they overlap (module notes)."""
 
     mixed_widths = True
+    repairable = True  # unit i of every sub-model is unit i of the global model
 
     def __init__(self, context: RunContext) -> None:
         super().__init__(context)

@@ -47,6 +47,10 @@ Run-config keys:
 ``matched-universe-iterations``, ``matched-universe-tolerance``
     With ``universe``: Frank-Wolfe's iteration cap, and the relative
     improvement of its objective below which it stops.
+
+With ``repair=on`` the clients' unit statistics follow their units through the matching's permutations, and the
+matched average is renormalised by REPAIR (:mod:`core.repair_round`; what the statistics reveal of a client's
+data: ``docs/running.md``).
 """
 
 from __future__ import annotations
@@ -168,6 +172,7 @@ class Matched(ServerStrategy):
     """FedAvg whose average is taken after aligning every client model onto a reference (module notes)."""
 
     aligns_to_reference = True
+    repairable = True
 
     def __init__(self, context: RunContext) -> None:
         super().__init__(context)
@@ -199,6 +204,7 @@ class Matched(ServerStrategy):
             matching_generator(self.context.config.seed, server_round),
         )
         self.moved = moved_share(permutations)
+        self.unit_maps = permutations
         log(
             INFO,
             "round %d: matched %d client models (%s cost, %d pass(es)) in %.2f s; %.1f %% of units moved",
@@ -224,6 +230,7 @@ class Matched(ServerStrategy):
             reference.to_torch_state_dict(), states, self.spec, generator=matching_generator(seed, server_round)
         )
         self.moved = moved_share(match.permutations)
+        self.unit_maps = list(match.permutations)
         self.universe_metrics = {"universe-objective": match.objective, "cycle-consistency-error": cycle}
         log(
             INFO,

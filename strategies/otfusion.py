@@ -15,6 +15,11 @@ global unit contributes to the narrower model, as the authors compress a model i
 narrow client's unit is spread over several global units (with ``otfusion-split-outgoing`` its outgoing weights
 are split among them).
 
+With ``repair=on`` (:mod:`core.repair_round`) a client's unit statistics follow its transport maps: a fused
+unit's target is the coupling-weighted mean of the mean and std of the client units carried onto it (exact for a
+permutation; for a soft map the std of a mix of units is not known without their covariances, and the weighted
+mean of their stds is its upper bound).
+
 Run-config keys ``otfusion-<field>``: the fields of :class:`core.ot_fusion.OTSettings` (their defaults and where
 they come from are in that module's notes), and ``otfusion-downsize``.
 """
@@ -70,6 +75,7 @@ class OTFusion(ServerStrategy):
     """FedAvg whose average is taken after carrying every client model onto the global model by OT (module notes)."""
 
     aligns_to_reference = True
+    repairable = True
 
     mixed_widths = True
 
@@ -105,6 +111,7 @@ class OTFusion(ServerStrategy):
     def aggregate(self, server_round: int, replies: list[Reply], reference: ArrayRecord) -> ArrayRecord | None:
         started = time.perf_counter()
         fused, maps = ot_fuse(reference.to_torch_state_dict(), *states_and_weights(replies), self.spec, self.ot)
+        self.unit_maps = [dict(transport.couplings) for transport in maps]
         shares = [transport.off_diagonal() for transport in maps]
         groups = {group for share in shares for group in share}
         self.off_diagonal = {

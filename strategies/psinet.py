@@ -19,6 +19,10 @@ holds keeps its previous global value. GroupNorm has no running statistics, so
 "GN statistics are not averaged" holds by construction. PAN encodings are not in
 the state, so PANs on or off change nothing here.
 
+With ``repair=on`` (:mod:`core.repair_round`) a group's units are renormalised to the statistics of the clients
+that trained the group (a trimmed group's statistics are left out), measured on those clients' data; shared
+layers on every client's.
+
 Where this differs from the paper, and why:
 
 * Averages are weighted by the clients' example counts, like every strategy here;
@@ -126,6 +130,7 @@ class PsiNetStrategy(ServerStrategy):
     """Shared keys averaged over all participants, each group's keys over its holders."""
 
     extra_reply_arrays = (HELD_RECORD,)
+    repairable = True  # nothing moves: a unit is the same unit in every client's model
     ensemble_problem = "its clients send only the shared layers and the groups of the classes they hold"
 
     def __init__(self, context: RunContext) -> None:
@@ -144,7 +149,9 @@ class PsiNetStrategy(ServerStrategy):
         if problem is not None:
             return problem
         expected = ArrayRecord({key: reference[key] for key in self.layout.keys_for(held)})
-        return reply_problem(content, expected, self.extra_reply_arrays)
+        return reply_problem(content, expected, self.extra_reply_arrays) or self.repair_statistics_problem(
+            content, reference
+        )
 
     def aggregate(self, server_round: int, replies: list[Reply], reference: ArrayRecord) -> ArrayRecord | None:
         return masked_average(reference, [reply.arrays for reply in replies], [reply.weight for reply in replies])

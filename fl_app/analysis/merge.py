@@ -28,7 +28,12 @@ dataset's test split, it reports the accuracy of
   the ``otfusion`` strategy's keys), then averaged the same way; it also fuses
   models of different widths (``--widths``) into the reference's width;
 * ``ensemble``: the mean of the clients' softmax outputs (K forward passes, an
-  upper reference rather than a single model).
+  upper reference rather than a single model);
+* with ``--repair``, every merge again after REPAIR (``<merge>+repair``: Jordan,
+  Sedghi, Saukh, Entezari and Neyshabur, "REPAIR: REnormalizing Permuted
+  Activations for Interpolation Repair", ICLR 2023; :mod:`core.repair`), each
+  client's statistics taken on its own training split, as a one-shot run with
+  ``repair=on`` takes them (the same merged model).
 
 The reference is client ``--reference`` (0 by default). With ``--reference
 universe`` there is none: ``matched-universe`` replaces ``matched-weight``, all
@@ -63,13 +68,22 @@ import torch
 from flwr.app import ArrayRecord
 from torch import Tensor, nn
 
-from core.alignment import list_costs, matched_average, matching_generator, weighted_average
+from core.alignment import align_and_average, list_costs, matching_generator, weighted_average
 from core.bbp import BBPSettings
 from core.bbp_model import bbp_matched_average
 from core.data import ImageDataset, dataset_info, list_datasets, load_dataset
 from core.ensemble import score_models
 from core.model_io import build_model_at, build_run_model, federated_state, independent_start, load_arrays
 from core.ot_fusion import OTSettings, ot_fuse
+from core.repair import (
+    Site,
+    UnitStats,
+    assignment_coupling,
+    carry_statistics,
+    repair_in_order,
+    sites_of,
+    unit_statistics,
+)
 from core.training import evaluate, round_generator, seed_everything, seed_torch, select_device
 from core.universe import UniverseSettings, cycle_consistency_error, universe_merge
 from core.widths import width_of
@@ -145,11 +159,13 @@ def merge_accuracies(
     seed: int = 0,
     universe: UniverseSettings | None = None,
     diagnostics: dict[str, Any] | None = None,
+    repair_data: Sequence[Tensor] | None = None,
 ) -> tuple[list[float], dict[str, float], dict[str, int]]:
     """Test accuracy of each state and of every merge (``average``, ``matched-<cost>``, ``ensemble``), and the
     global width per layer of the BBP-MAP merge (the reference's without ``bbp`` among ``costs``). States of
     different widths are merged by ``ot`` only (and ensembled). ``seed``: the run's, for the matching's order
-    (:func:`core.alignment.matching_generator`, round 1 as a one-shot run).
+    (:func:`core.alignment.matching_generator`, round 1 as a one-shot run). ``repair_data``: each state's client's
+    training inputs; every merge is then also scored after REPAIR (``<merge>+repair``, :func:`repair_merge`).
 
     ``reference="universe"``: the ``weight`` cost matches all states jointly (``matched-universe``, with
     ``universe``'s settings) and ``diagnostics``, if given, receives its ``universe-objective`` (per iteration),
@@ -174,22 +190,29 @@ def merge_accuracies(
     clients = [accuracy(state) for state in states]
     sizes = [spec.group_sizes(state) for state in states]
     equal = all(size == sizes[reference] for size in sizes)
-    merged = {"average": accuracy(weighted_average(states, weights))} if equal else {}
+    merges: dict[str, tuple[Mapping[str, Tensor], list[dict[str, Tensor]]]] = {}
+    if equal:
+        merges["average"] = weighted_average(states, weights), [{} for _ in states]
     widths: dict[str, int] = {}
     for cost in costs:
         if cost == OT:
-            fused, _ = ot_fuse(states[reference], states, weights, spec, ot or OTSettings())
-            merged[f"matched-{cost}"] = accuracy(fused)
+            fused, maps = ot_fuse(states[reference], states, weights, spec, ot or OTSettings())
+            merges[f"matched-{cost}"] = fused, [dict(transport.couplings) for transport in maps]
         elif not equal:
             continue
         elif cost == BBP:
             result = bbp_matched_average(
                 states, weights, spec, bbp, class_counts=class_counts, head=head_of(model).keys
             )
-            merged[f"matched-{cost}"], widths = accuracy(result.state), result.widths
+            widths = result.widths
+            couplings = [
+                {group: assignment_coupling(result.assignments[group][k], width) for group, width in widths.items()}
+                for k in range(len(states))
+            ]
+            merges[f"matched-{cost}"] = result.state, couplings
         elif joint:
             state, match = universe_merge(states, weights, spec, universe, matching_generator(seed, 1))
-            merged["matched-universe"] = accuracy(state)
+            merges["matched-universe"] = state, list(match.permutations)
             if diagnostics is not None:
                 diagnostics["universe-objective"] = match.objective
                 diagnostics["universe-projected"] = match.projected
@@ -197,11 +220,51 @@ def merge_accuracies(
                     states[0], states, spec, generator=matching_generator(seed, 1)
                 )
         else:
-            merged[f"matched-{cost}"] = accuracy(
-                matched_average(states[reference], states, weights, spec, cost, iterations, matching_generator(seed, 1))
+            merges[f"matched-{cost}"] = align_and_average(
+                states[reference], states, weights, spec, cost, iterations, matching_generator(seed, 1)
             )
+    merged: dict[str, float] = {}
+    for name, (state, maps) in merges.items():
+        merged[name] = accuracy(state)
+        if repair_data is not None:
+            merged[f"{name}+repair"] = accuracy(repair_merge(model, state, states, maps, repair_data, weights, device))
     merged["ensemble"] = score_models(model, [ArrayRecord(state) for state in states], x, y, device).ensemble
     return clients, merged, widths or sizes[reference]
+
+
+def repair_merge(
+    model: nn.Module,
+    merged: Mapping[str, Tensor],
+    states: Sequence[Mapping[str, Tensor]],
+    unit_maps: Sequence[Mapping[str, Tensor]],
+    data: Sequence[Tensor],
+    weights: Sequence[float],
+    device: torch.device,
+) -> dict[str, Tensor]:
+    """``merged`` after REPAIR, as a federated round with ``repair=on`` makes it (:mod:`core.repair`): each state's
+    unit statistics on its client's inputs ``data`` carried onto the merged units by ``unit_maps``, the merged
+    model's on the same inputs, clients weighted by ``weights`` (their example counts)."""
+    sites = sites_of(model, tuple(data[0].shape[1:]))
+
+    def statistics(state: Mapping[str, Tensor], inputs: Tensor, measured: Sequence[Site] = sites) -> dict[str, Tensor]:
+        load_arrays(model, ArrayRecord({k: v for k, v in state.items() if v.is_floating_point()}))
+        return unit_statistics(model, measured, inputs, device)
+
+    merged_shapes = {key: tuple(value.shape) for key, value in merged.items()}
+    targets = [
+        carry_statistics(
+            statistics(state, inputs), sites, {k: tuple(v.shape) for k, v in state.items()}, merged_shapes, maps
+        )
+        for state, inputs, maps in zip(states, data, unit_maps, strict=True)
+    ]
+
+    def measure(state: Mapping[str, Tensor], site: Site) -> list[UnitStats]:
+        return [
+            carry_statistics(statistics(state, inputs, [site]), [site], merged_shapes, merged_shapes)[site.name]
+            for inputs in data
+        ]
+
+    return repair_in_order(merged, sites, targets, weights, measure)[0]
 
 
 # --- command line -------------------------------------------------------------------
@@ -249,6 +312,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_settings_arguments(parser, BBPSettings, "bbp-")
     add_settings_arguments(parser, OTSettings, "otfusion-")
+    parser.add_argument(
+        "--repair",
+        action="store_true",
+        help="also score every merge after REPAIR, statistics on each client's training split (as repair=on)",
+    )
     parser.add_argument("--pan-mode", default="off", help="PAN mode of every model (default: off)")
     parser.add_argument("--pan-t", type=float, default=1.0, help="PAN period T (default: 1)")
     parser.add_argument("--pan-a", type=float, default=0.0, help="PAN amplitude A (default: 0)")
@@ -356,6 +424,7 @@ def run(args: argparse.Namespace, out: Path) -> list[Path]:
     states, counts, dataset, classes = train_clients(config, args.clients, args.init == "same", device)
     model = build_run_model(config, dataset).to(device)
     diagnostics: dict[str, Any] = {}
+    repair_data = [client_data(config, k, args.clients).train_x for k in range(args.clients)] if args.repair else None
     clients, merged, widths_out = merge_accuracies(
         model,
         states,
@@ -372,6 +441,7 @@ def run(args: argparse.Namespace, out: Path) -> list[Path]:
         args.seed,
         universe,
         diagnostics,
+        repair_data,
     )
 
     print(f"{'model':<18} {'examples':>8} {'accuracy':>9}")
@@ -394,6 +464,7 @@ def run(args: argparse.Namespace, out: Path) -> list[Path]:
         "partitioner": args.partitioner,
         "dirichlet-alpha": args.dirichlet_alpha,
         "match-iterations": args.match_iterations,
+        "repair": args.repair,
         "pan": config.pan_signature(),
         "seed": args.seed,
         "reference": "universe" if reference == UNIVERSE else f"client {reference}",

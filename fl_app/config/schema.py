@@ -27,7 +27,7 @@ from core.config import RunConfig, common_settings
 from core.partitioning.partitioners import PARTITIONERS, list_partitioners
 from models import list_models
 from models.registry import model_options
-from plugins.options import ConfigError, Setting, build_settings, coerce, settings_fields
+from plugins.options import ConfigError, Setting, build_settings, coerce, refuse, settings_fields
 from strategies import get_strategy, list_strategies
 
 
@@ -165,9 +165,25 @@ def parse_run_config(values: Mapping[str, Any] | None = None) -> RunConfig:
     common = {key: value for key, value in values.items() if key in chosen}
     partitioning = build_settings(parts["partitioner_settings"], values)
     base = build_settings(RunConfig, common, partitioner_settings=partitioning)
+    _refuse_unrepairable(base)
     return base.replace(
         settings=build_settings(parts["settings"], values), model_options=build_settings(parts["model_options"], values)
     )
+
+
+def repairable_strategies() -> list[str]:
+    """The algorithms whose server side merges aligned units, so that ``repair=on`` is allowed with them."""
+    return [name for name in list_strategies() if getattr(get_strategy(name).server, "repairable", False)]
+
+
+def _refuse_unrepairable(config: RunConfig) -> None:
+    if config.repair == "on" and config.strategy not in repairable_strategies():
+        raise refuse(
+            "repair",
+            "on",
+            f"strategy '{config.strategy}' does not align the clients' units before merging them, so there is no "
+            f"aligned merge to repair; use repair=off, or one of {repairable_strategies()}",
+        )
 
 
 def _refuse_if_changed(key: str, value: Any, owned: OwnedSetting, chosen: str) -> None:

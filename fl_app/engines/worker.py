@@ -100,7 +100,7 @@ class Worker:
             if kind == MessageType.EVALUATE:
                 return evaluate_message(message, context, self.overrides, self.sources)
             if kind == MessageType.QUERY:
-                return query_message(message, context)
+                return query_message(message, context, self.overrides, self.sources)
             raise ValueError(f"message type {kind!r} is not one this ClientApp handles (train, evaluate, query)")
         except Exception as error:
             return error_reply(message, error)
