@@ -11,6 +11,7 @@ import torch
 from core.bbp import BBPSettings
 from core.data import ImageDataset, load_dataset
 from fl_app.analysis.__main__ import main
+from fl_app.analysis.common import AnalysisError
 from fl_app.analysis.merge import merge_accuracies
 from fl_app.client_app import client_data
 from fl_app.config import parse_run_config
@@ -132,12 +133,20 @@ def test_ot_fusion_merges_a_permuted_copy_back_and_models_of_different_widths_in
 
 
 def test_the_costs_default_to_those_that_can_merge_the_clients_models():
-    from fl_app.analysis.merge import MERGE_COSTS, _costs
+    from fl_app.analysis.merge import MERGE_COSTS, UNIVERSE_COSTS, _costs
 
-    assert _costs(None, (1.0,), 2) == list(MERGE_COSTS)
-    assert _costs(None, (0.5, 1.0), 2) == ["ot"]
-    assert _costs(["weight", "ot"], (0.5, 0.5), 3) == ["weight", "ot"]
-    assert _costs(["weight"], (0.5, 1.0), 1) == ["weight"]  # widths past the clients make no difference
+    assert _costs(None, (1.0,), 2, 0) == list(MERGE_COSTS)
+    assert _costs(None, (1.0,), 2, "universe") == list(UNIVERSE_COSTS)
+    assert _costs(None, (0.5, 1.0), 2, 0) == ["ot"]
+    assert _costs(["weight", "ot"], (0.5, 0.5), 3, 0) == ["weight", "ot"]
+    assert _costs(["weight"], (0.5, 1.0), 1, 0) == ["weight"]  # widths past the clients make no difference
+
+
+def test_universe_matching_of_clients_of_different_widths_is_refused():
+    from fl_app.analysis.merge import _costs
+
+    with pytest.raises(AnalysisError, match="--reference universe cannot match models of different widths"):
+        _costs(None, (0.5, 1.0), 2, "universe")
 
 
 def test_the_command_fuses_clients_of_different_widths_by_ot(tmp_path):
