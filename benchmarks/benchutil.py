@@ -107,8 +107,11 @@ class TreeSampler:
     """
 
     def __init__(self, interval: float = 1.0, tag: Callable[[], Any] | None = None, memory: bool = True) -> None:
-        import psutil
-        import ray  # noqa: F401  (Ray ships psutil in its third-party folder and puts it on sys.path)
+        try:
+            import psutil
+        except ImportError:  # Ray ships psutil in its third-party folder, put on sys.path when Ray is imported
+            __import__("ray")
+            import psutil
 
         self._psutil = psutil
         self.interval = interval

@@ -6,7 +6,8 @@ train (batch 10, one local epoch) and as many score the global model on their lo
 (``server-evaluate-every``: round 0, every 10th and the last), as cross-device studies do. Each model
 (:data:`MODELS`) runs on every engine, one after another in this process:
 
-* ``ray``: Flower's Ray simulation of the product's apps (what the launcher's ``flwr run`` runs), ``--ray-cpus``;
+* ``ray``: Flower's Ray simulation of the product's apps (what the launcher's ``flwr run`` runs), ``--ray-cpus``
+  (the one engine that needs Ray: where it is not installed, ``--engines inprocess,batched,vectorised,plain``);
 * ``inprocess``: ``sim.backend=inprocess``, one client after another;
 * ``batched``: the batched engine, one worker in this process, clients one after another;
 * ``vectorised``: the same, clients of a round trained as one stacked update (torch.func);
@@ -16,11 +17,12 @@ train (batch 10, one local epoch) and as many score the global model on their lo
 A round's time ends when its row is written, after the server's evaluation in a round that has one (the runs'
 ``elapsed-s`` stamps; the same point in the plain loop); round 1 holds start-up (Ray, data), so medians are over
 rounds 2 and later. Accuracies, and their gaps to the plain loop, are of the rounds the server evaluated. CPU
-seconds are of this process and its children (Ray's), sampled every 0.25 s. ``device=auto``: CUDA where present
-(each worker one CUDA context, clients' data on the device).
+seconds are of this process and its children (Ray's), sampled every 0.25 s (psutil, or the one Ray ships).
+``device=auto``: CUDA where present (each worker one CUDA context, clients' data on the device).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/cross_device.py              # the full workload
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/cross_device.py --clients 200 --per-round 10 --rounds 4
+    OMP_NUM_THREADS=1 python3 benchmarks/cross_device.py --engines inprocess,batched,vectorised,plain  # no Ray
 """
 
 from __future__ import annotations
@@ -143,8 +145,6 @@ def engine_run(engine: str, values: dict[str, Any], num_clients: int, ray_cpus: 
         "vectorised": lambda v: run_batched(v, num_clients, "on"),
     }
     values = {**values, "results-dir": str(folder), "run-name": engine}
-    import ray  # noqa: F401  (puts the psutil Ray ships on sys.path, for the sampler)
-
     sampler = TreeSampler(interval=0.25, tag=RoundCounter(folder / engine / "metrics.jsonl"), memory=False)
     with sampler:
         runners[engine](values)
