@@ -9,19 +9,17 @@ import subprocess
 import sys
 import urllib.request
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import yaml
 from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
 from core.data import DatasetMissingError
-from fl_app.config import parse_run_config
 from fl_app.sweeps import sweep
-from fl_app.sweeps.sim import SimSettings
-from fl_app.sweeps.sweep import hydra_to_run_config, job_settings, register_configs, sweep_job_overrides, validate_sweep
+from fl_app.sweeps.sweep import register_configs, sweep_job_overrides, validate_sweep
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -84,16 +82,69 @@ def _as_full(key: str, value: str) -> str:
     return value.removesuffix("-cpu") if "experiment" in key else value
 
 
-def _seed0_jobs(name: str, folder: Path) -> list[tuple[dict[str, str], dict]]:
-    """Every seed-0 job of a preset: its overrides, and its regime values and config-group choices, composed."""
-    with composed([f"+experiment={name}", f"hydra.sweep.dir={folder}"]) as cfg:
-        loader = GlobalHydra.instance().config_loader()
-        jobs = []
-        for overrides in _one_seed(sweep_job_overrides(cfg)):
-            job = loader.load_sweep_config(cfg, overrides)
-            values = {key: OmegaConf.select(job, key, default=None) for key in REGIME}
-            jobs.append((_settings(overrides), {**values, "choices": dict(job.hydra.runtime.choices)}))
-    return jobs
+@dataclass
+class Validated:
+    """One preset's sweep as ValidateSweep checks it, with an empty data root: every job of seed 0 composed and
+    validated once, shared by the tests below (composing a preset's jobs is most of their time)."""
+
+    mode: str
+    jobs: list[list[str]]
+    """Every job's overrides, all seeds."""
+    validated: list[tuple[dict[str, str], dict]]
+    """Each seed-0 job that passed job_settings (the schema, the model built, the algorithm's server side): its
+    overrides, and its regime values and config-group choices."""
+    needs: set[str]
+    error: DatasetMissingError | None
+    first: tuple
+    """The preset's own defaults as one job: its run config and simulation settings."""
+    sweep_dir: Path
+
+
+def _validate(name: str, folder: Path) -> Validated:
+    needs, validated = set(), []
+    real_check, real_settings = sweep.check_dataset_available, sweep.job_settings
+
+    def check(dataset, root):
+        needs.add(dataset)
+        real_check(dataset, root)
+
+    def settings(job, choices, results):
+        config = real_settings(job, choices, results)
+        values = {key: OmegaConf.select(job, key, default=None) for key in REGIME}
+        validated.append({**values, "choices": dict(choices)})
+        return config
+
+    sweep_dir, data_root = folder / "sweep", folder / "data"
+    data_root.mkdir()
+    with pytest.MonkeyPatch.context() as patch:
+        _no_network(patch)
+        patch.setattr(sweep, "check_dataset_available", check)
+        patch.setattr(sweep, "job_settings", settings)
+        with composed([f"+experiment={name}", f"hydra.sweep.dir={sweep_dir}", f"data.root={data_root}"]) as cfg:
+            jobs = sweep_job_overrides(cfg)
+            patch.setattr(sweep, "sweep_job_overrides", lambda config: _one_seed(jobs))
+            try:
+                validate_sweep(cfg)
+                error = None
+            except DatasetMissingError as raised:
+                error = raised
+            first = real_settings(cfg, cfg.hydra.runtime.choices, folder)
+            mode = str(cfg.hydra.mode)
+    overrides = [_settings([o for o in job if not o.startswith("data.root=")]) for job in _one_seed(jobs)]
+    return Validated(mode, jobs, list(zip(overrides, validated)), needs, error, first, sweep_dir)
+
+
+@pytest.fixture(scope="module")
+def validated(tmp_path_factory):
+    """``validated(name)``: the preset's :class:`Validated`, computed once per test module."""
+    cache: dict[str, Validated] = {}
+
+    def get(name: str) -> Validated:
+        if name not in cache:
+            cache[name] = _validate(name, tmp_path_factory.mktemp(name))
+        return cache[name]
+
+    return get
 
 
 def _lines_setting(path: Path, dotted: str) -> list[tuple[str, str]]:
@@ -152,14 +203,14 @@ def test_a_cut_is_allowed_only_where_its_line_says_so(tmp_path):
 
 
 @pytest.mark.parametrize("name", CPU_PRESETS)
-def test_a_cpu_preset_keeps_its_full_twins_regime(name, tmp_path):
+def test_a_cpu_preset_keeps_its_full_twins_regime(name, validated):
     """Every job of a -cpu preset has the local epochs, participation, split (partitioner, Dirichlet alpha,
     classes per client) and FedMA retraining epochs of the matching job of its full twin (the same sweep values,
     ``-cpu`` rows as the rows they scale), unless the -cpu line that sets the value says what was cut: the word
     "cut" and the full preset's value in its comment."""
-    full_jobs = _seed0_jobs(name.removesuffix("-cpu"), tmp_path / "full")
+    full_jobs = validated(name.removesuffix("-cpu")).validated
     problems = {}  # a dict: the same message once where a -cpu job has two twins
-    for overrides, cpu in _seed0_jobs(name, tmp_path / "cpu"):
+    for overrides, cpu in validated(name).validated:
         as_full = {key: _as_full(key, value) for key, value in overrides.items()}
         twins = [job for settings, job in full_jobs if all(as_full.get(k, v) == v for k, v in settings.items())]
         assert twins, f"{name} job {overrides}: no job of {name.removesuffix('-cpu')} has these sweep values"
@@ -178,21 +229,19 @@ def test_a_cpu_preset_keeps_its_full_twins_regime(name, tmp_path):
 
 
 @pytest.mark.parametrize("name", PRESETS)
-def test_every_job_of_a_preset_composes_and_validates(name, tmp_path, monkeypatch):
+def test_every_job_of_a_preset_composes_and_validates(name, validated):
     """The preset runs as a multirun of its whole table, 3 seeds, and ValidateSweep's check (the schema, the model
     built, the algorithm's server side) passes for every configuration. The data check is the next test's."""
-    checked = []
-    monkeypatch.setattr(sweep, "check_dataset_available", lambda dataset, root: checked.append(dataset))
-    with composed([f"+experiment={name}", f"hydra.sweep.dir={tmp_path}"]) as cfg:
-        assert str(cfg.hydra.mode) == "RunMode.MULTIRUN", "a preset runs its whole table without -m"
-        jobs = sweep_job_overrides(cfg)
-        seeds = [next(o for o in job if o.startswith("seed=")) for job in jobs]
-        expected = ["seed=0"] if name in ONE_SEED else ["seed=0", "seed=1", "seed=2"]
-        assert sorted(set(seeds)) == expected and len(jobs) == len(expected) * seeds.count("seed=0")
-        monkeypatch.setattr(sweep, "sweep_job_overrides", lambda config: _one_seed(jobs))
-        assert validate_sweep(cfg) == len(jobs) // len(expected)
-    assert checked, "the sweep checks its data sets"
-    first, sim = job_settings(cfg, cfg.hydra.runtime.choices, tmp_path)  # the preset's own defaults: one job too
+    preset = validated(name)
+    assert preset.mode == "RunMode.MULTIRUN", "a preset runs its whole table without -m"
+    seeds = [next(o for o in job if o.startswith("seed=")) for job in preset.jobs]
+    expected = ["seed=0"] if name in ONE_SEED else ["seed=0", "seed=1", "seed=2"]
+    assert sorted(set(seeds)) == expected and len(preset.jobs) == len(expected) * seeds.count("seed=0")
+    others = {tuple(o for o in job if not o.startswith("seed=")) for job in preset.jobs}
+    assert len(others) == seeds.count("seed=0"), "the other seeds' jobs differ from seed 0's in the seed alone"
+    assert len(preset.validated) == seeds.count("seed=0"), "every configuration passed the schema"
+    assert preset.needs, "the sweep checks its data sets"
+    first, sim = preset.first  # the preset's own defaults: one job too
     assert first.device == "auto"
     assert (sim.backend, sim.vectorise) == ("batched", "auto"), "every preset runs on the batched engine"
     if name.endswith("-cpu"):
@@ -214,41 +263,16 @@ def test_a_preset_file_says_which_paper_table_it_follows():
 
 
 @pytest.mark.parametrize("name", [*PAPER_PRESETS, *STUDIES])
-def test_a_preset_whose_data_are_missing_refuses_before_any_job(name, tmp_path, monkeypatch):
+def test_a_preset_whose_data_are_missing_refuses_before_any_job(name, validated):
     """With an empty data root, ValidateSweep's check raises the data set's own message (how to get it, in
     torchvision's layout) for a preset that reads MNIST or CIFAR-10, and passes for one on Fashion-MNIST."""
-    _no_network(monkeypatch)
-    needs = set()
-    real_check = sweep.check_dataset_available
-
-    def check(dataset, root):
-        needs.add(dataset)
-        real_check(dataset, root)
-
-    monkeypatch.setattr(sweep, "check_dataset_available", check)
-    # The schema alone per job (the previous test builds the models); every configuration of seed 0.
-    monkeypatch.setattr(
-        sweep,
-        "job_settings",
-        lambda cfg, choices, folder: (
-            parse_run_config({**hydra_to_run_config(cfg, choices), "results-dir": str(folder)}),
-            SimSettings.from_config(OmegaConf.to_container(cfg.sim, resolve=True)),
-        ),
-    )
-    with composed([f"+experiment={name}", f"hydra.sweep.dir={tmp_path / 'sweep'}", f"data.root={tmp_path}"]) as cfg:
-        jobs = _one_seed(sweep_job_overrides(cfg))
-        monkeypatch.setattr(sweep, "sweep_job_overrides", lambda config: jobs)
-        try:
-            validate_sweep(cfg)
-            error = None
-        except DatasetMissingError as raised:
-            error = raised
-    if needs & NOT_SHIPPED:
-        assert error is not None and "torchvision's layout" in str(error), error
-        assert f"dataset '{min(needs & NOT_SHIPPED, key=str)}' not found" in str(error)
+    preset = validated(name)
+    if preset.needs & NOT_SHIPPED:
+        assert preset.error is not None and "torchvision's layout" in str(preset.error), preset.error
+        assert f"dataset '{min(preset.needs & NOT_SHIPPED, key=str)}' not found" in str(preset.error)
     else:
-        assert error is None and needs == {"fashion-mnist"}
-    assert not list((tmp_path / "sweep").glob("**/.hydra")), "no job started"
+        assert preset.error is None and preset.needs == {"fashion-mnist"}
+    assert not list(preset.sweep_dir.glob("**/.hydra")), "no job started"
 
 
 def _sweep(tmp_path: Path, *overrides: str, extra_env=None) -> subprocess.CompletedProcess:

@@ -181,6 +181,35 @@ def test_every_job_of_a_sweep_is_validated_before_it_runs(sweep_override, key, v
         assert validate_sweep(cfg) == 8
 
 
+def test_jobs_that_differ_in_the_seed_alone_are_composed_as_hydra_composes_them():
+    """validate_sweep composes a configuration once and sets the other seeds on a copy: the same configs as
+    Hydra's composition of each job (the hydra section aside), and a bad seed is still refused."""
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import OmegaConf
+
+    from fl_app.sweeps.sweep import composed_jobs, sweep_job_overrides
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("config", overrides=TINY, return_hydra_config=True)
+        with open_dict(cfg):
+            cfg.hydra.overrides.task = [*TINY, "strategy=fedavg,fedprox", "train.lr=0.1", "seed=0,1,2"]
+        jobs = sweep_job_overrides(cfg)
+        loader = GlobalHydra.instance().config_loader()
+        reused = 0
+        for overrides, job in composed_jobs(cfg, jobs):
+            hydras = loader.load_sweep_config(cfg, overrides)
+            mine, theirs = (OmegaConf.to_container(c, resolve=True) for c in (job, hydras))
+            assert {k: v for k, v in mine.items() if k != "hydra"} == {k: v for k, v in theirs.items() if k != "hydra"}
+            assert job.hydra.runtime.choices == hydras.hydra.runtime.choices
+            reused += job.hydra.overrides.task != hydras.hydra.overrides.task
+        assert len(jobs) == 6 and reused == 4, "seeds 1 and 2 of each strategy reuse seed 0's composition"
+        with open_dict(cfg):
+            cfg.hydra.overrides.task = [*TINY, "seed=0,-1"]
+        with pytest.raises(ConfigError, match="sweep job seed=-1"):
+            validate_sweep(cfg)
+
+
 def test_a_sweep_job_resuming_an_unreadable_checkpoint_is_refused_before_any_job(tmp_path):
     (tmp_path / "old").mkdir()
     (tmp_path / "old" / "checkpoint.pt").write_text("not a checkpoint")
