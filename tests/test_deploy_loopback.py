@@ -29,6 +29,7 @@ from tests.deployments import (
     RUN_TIMEOUT_S,
     expected_commands,
     private_home,
+    quick_heartbeats,
     rows,
     run_config,
     run_to_end,
@@ -43,9 +44,15 @@ def home(tmp_path_factory) -> Iterator[Path]:
 
 
 @pytest.fixture(scope="module")
-def plain(tmp_path_factory, home) -> Iterator[Deployment]:
-    """One plaintext deployment of 3 SuperNodes shared by the tests below; the node-killing test is the last to run
-    on it."""
+def heartbeats(tmp_path_factory) -> Iterator[None]:
+    """The module's SuperNodes beat every 10 s, so the SuperLink notices the one killed within 20 s."""
+    yield from quick_heartbeats(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory, home, heartbeats) -> Iterator[Deployment]:
+    """One plaintext deployment of 3 SuperNodes shared by the tests below (beating every 10 s: :func:`heartbeats`);
+    the node-killing test is the last to run on it."""
     work = tmp_path_factory.mktemp("deploy")
     with deployment(loopback_topology(3, work), work) as running:
         yield running
@@ -162,8 +169,9 @@ def test_the_superlink_killed_mid_run_is_reported_and_the_printed_command_resume
 def test_run_finishes_with_the_defaults_when_a_supernode_is_killed_in_round_two(plain, request, tmp_path, capsys):
     """SIGKILL to one flower-supernode, as a crash, with every default (min-available-nodes = all 3 nodes): the
     watch reports it within 10 s and stops its executor; the SuperLink notices the missing heartbeats (within
-    about a minute) and answers the dead node's messages with errors; round 2 goes on with the two others and
-    round 3 samples only the nodes online. The shared deployment's last test: it loses a node."""
+    20 s: the nodes beat at Flower's shortest interval, :func:`heartbeats`; about a minute at Flower's default) and
+    answers the dead node's messages with errors; round 2 goes on with the two others and round 3 samples only the
+    nodes online. The shared deployment's last test: it loses a node."""
     config = run_config(tmp_path, "killed", 3, **{"num-server-rounds": 3})
     assert config.min_available_nodes == 3
     folder = tmp_path / "killed"

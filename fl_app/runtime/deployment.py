@@ -181,7 +181,9 @@ class Deployment:
         self.start_service("superlink", superlink_command(topology))
         url = health_url(topology.superlink_address, self.ca)
         verify = trust(self.ca)
-        wait_until(self.running_and(lambda: healthy(url, verify)), timeout_s, f"the SuperLink at {url}")
+        wait_until(  # a cheap HTTP request: asked as often as local_superlink asks
+            self.running_and(lambda: healthy(url, verify)), timeout_s, f"the SuperLink at {url}", interval_s=0.25
+        )
         self.start_service("superexec-serverapp", serverapp_executor_command(topology))
         if topology.certificates is not None:
             register_supernodes(
