@@ -3,6 +3,7 @@
 For each network and method: final test accuracy (mean ± sd over seeds) per local-epoch count E and Dirichlet
 alpha, its gain over FedAvg on the same network in the same cell, and the share of units the clients' training
 moved (``client-units-moved-mean``). Ψ-Net's gain is measured against FedAvg on plain VGG-9, as Fed2 compares.
+Jobs swept over ``train.repair=off,on`` appear as two methods, ``<method>`` and ``<method>+repair``.
 
     python benchmarks/drift_report.py <sweep folder>        # writes drift.md and drift_heatmap.png there
 """
@@ -17,15 +18,17 @@ from pathlib import Path
 
 from fl_app.sweeps.report import ConfigRow, collect
 
-RUN, EPOCHS, ALPHA = "experiment/drift_run", "experiment/drift_epochs", "data.dirichlet_alpha"
+RUN, EPOCHS, ALPHA, REPAIR = "experiment/drift_run", "experiment/drift_epochs", "data.dirichlet_alpha", "train.repair"
 METRIC, MOVED = "final-accuracy", "client-units-moved-mean"
 
 
 def _cells(rows: list[ConfigRow]) -> dict[tuple[str, str, int, str], ConfigRow]:
-    """(network, method, E, alpha) → the configuration's row."""
+    """(network, method, E, alpha) → the configuration's row; a job run with ``train.repair=on`` is its own method,
+    ``<method>+repair``."""
     cells = {}
     for row in rows:
         network, _, method = row.settings[RUN].partition("-")
+        method += "+repair" if row.settings.get(REPAIR) == "on" else ""
         cells[(network, method, int(row.settings[EPOCHS].removeprefix("e")), row.settings[ALPHA])] = row
     return cells
 
