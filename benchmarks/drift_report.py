@@ -3,6 +3,8 @@
 For each network and method: final test accuracy (mean ± sd over seeds) per local-epoch count E and Dirichlet
 alpha, its gain over FedAvg on the same network in the same cell, and the share of units the clients' training
 moved (``client-units-moved-mean``). Ψ-Net's gain is measured against FedAvg on plain VGG-9, as Fed2 compares.
+Jobs swept over ``train.repair=off,on`` appear as two methods, ``<method>`` and ``<method>+repair``; jobs that
+scored the global model every round (``train.server_evaluate_every=1``) also get a table of accuracy per round.
 
     python benchmarks/drift_report.py <sweep folder>        # writes drift.md and drift_heatmap.png there
 """
@@ -10,6 +12,7 @@ moved (``client-units-moved-mean``). Ψ-Net's gain is measured against FedAvg on
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import statistics
 from collections.abc import Sequence
@@ -17,15 +20,17 @@ from pathlib import Path
 
 from fl_app.sweeps.report import ConfigRow, collect
 
-RUN, EPOCHS, ALPHA = "experiment/drift_run", "experiment/drift_epochs", "data.dirichlet_alpha"
+RUN, EPOCHS, ALPHA, REPAIR = "experiment/drift_run", "experiment/drift_epochs", "data.dirichlet_alpha", "train.repair"
 METRIC, MOVED = "final-accuracy", "client-units-moved-mean"
 
 
 def _cells(rows: list[ConfigRow]) -> dict[tuple[str, str, int, str], ConfigRow]:
-    """(network, method, E, alpha) → the configuration's row."""
+    """(network, method, E, alpha) → the configuration's row; a job run with ``train.repair=on`` is its own method,
+    ``<method>+repair``."""
     cells = {}
     for row in rows:
         network, _, method = row.settings[RUN].partition("-")
+        method += "+repair" if row.settings.get(REPAIR) == "on" else ""
         cells[(network, method, int(row.settings[EPOCHS].removeprefix("e")), row.settings[ALPHA])] = row
     return cells
 
@@ -42,8 +47,9 @@ def _cell_text(row: ConfigRow | None, baseline: ConfigRow | None) -> str:
     gain = 100 * (mean - _mean(baseline, METRIC))
     spread = f" ± {100 * std:.1f}" if not math.isnan(std) else ""
     moved = _mean(row, MOVED)
-    moved_text = f", {100 * moved:.0f} % moved" if not math.isnan(moved) else ""
-    return f"{100 * mean:.1f}{spread} ({gain:+.1f}{moved_text})"
+    notes = [f"{gain:+.1f}"] if not math.isnan(gain) else []
+    notes += [f"{100 * moved:.0f} % moved"] if not math.isnan(moved) else []
+    return f"{100 * mean:.1f}{spread}" + (f" ({', '.join(notes)})" if notes else "")
 
 
 def tables(cells: dict[tuple[str, str, int, str], ConfigRow]) -> str:
@@ -64,6 +70,40 @@ def tables(cells: dict[tuple[str, str, int, str], ConfigRow]) -> str:
             out.append(f"| {method} | " + " | ".join(texts) + " |")
         out.append("")
     return "\n".join(out)
+
+
+def _per_round(row: ConfigRow, key: str) -> dict[int, float]:
+    """Round → ``key`` of the metrics rows, mean over the configuration's completed seeds (rounds that have it)."""
+    values: dict[int, list[float]] = {}
+    for job in row.completed:
+        for line in (Path(job.summary["run-folder"]) / "metrics.jsonl").read_text().splitlines():
+            metrics = json.loads(line)
+            if metrics.get(key) is not None:
+                values.setdefault(metrics["round"], []).append(float(metrics[key]))
+    return {r: statistics.fmean(v) for r, v in sorted(values.items())}
+
+
+def rounds_table(cells: dict[tuple[str, str, int, str], ConfigRow]) -> str:
+    """Where the jobs scored the global model every round (``train.server_evaluate_every=1``): its test accuracy
+    after each round, and with REPAIR the mean change it made to a unit's std (``repair-std-change``); empty
+    otherwise."""
+    per_round = {key: _per_round(row, "accuracy") for key, row in cells.items() if row.completed}
+    if all(len(accuracies) <= 2 for accuracies in per_round.values()):
+        return ""  # round 0 and the last only
+    rounds = sorted({r for accuracies in per_round.values() for r in accuracies})
+    out = ["\nGlobal model's test accuracy % after each round, mean over seeds (with REPAIR: mean std change)\n"]
+    out.append("| network, method, E, α | " + " | ".join(f"round {r}" for r in rounds) + " |")
+    out.append("|---" * (len(rounds) + 1) + "|")
+    for key in sorted(per_round):
+        changes = _per_round(cells[key], "repair-std-change")
+        texts = [
+            f"{100 * per_round[key][r]:.1f}" + (f" ({changes[r]:.3g})" if r in changes else "")
+            if r in per_round[key]
+            else "–"
+            for r in rounds
+        ]
+        out.append(f"| {key[0]}, {key[1]}, E={key[2]}, α={key[3]} | " + " | ".join(texts) + " |")
+    return "\n".join(out) + "\n"
 
 
 def heatmap(cells: dict[tuple[str, str, int, str], ConfigRow], path: Path) -> None:
@@ -119,7 +159,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cells = _cells(rows)
     if not cells:
         parser.error(f"{args.sweep} holds no drift-study job")
-    text = tables(cells)
+    text = tables(cells) + rounds_table(cells)
     failed = sum(row.failed for row in rows)
     text += f"\n{sum(len(row.jobs) for row in rows)} jobs, {failed} failed.\n"
     (args.sweep / "drift.md").write_text(text)

@@ -26,7 +26,7 @@ from core.model_io import build_run_model, load_arrays
 from core.ot_fusion import OTSettings, ot_fuse
 from core.training import evaluate
 from fl_app.analysis.merge import merge_accuracies, train_clients
-from fl_app.config import parse_run_config
+from fl_app.config import RunConfig, parse_run_config
 
 NETWORKS = {
     "mlp": {"model": "small-mlp"},
@@ -35,9 +35,9 @@ NETWORKS = {
 COLUMNS = ("average", "matched-weight", "matched-bbp", "matched-ot", "ot-sinkhorn", "ensemble", "best-client")
 
 
-def one_cell(network: str, clients: int, seed: int, epochs: int, alpha: float, train_size: int) -> dict:
-    """Train ``clients`` models and score every merge of them on the test split."""
-    config = parse_run_config(
+def run_config(network: str, seed: int, epochs: int, alpha: float, train_size: int) -> RunConfig:
+    """The one-shot clients' settings (module notes), shared with ``many_models.py``."""
+    return parse_run_config(
         {
             **NETWORKS[network],
             "dataset": "fashion-mnist",
@@ -53,6 +53,11 @@ def one_cell(network: str, clients: int, seed: int, epochs: int, alpha: float, t
             "client-init": "independent",
         }
     )
+
+
+def one_cell(network: str, clients: int, seed: int, epochs: int, alpha: float, train_size: int) -> dict:
+    """Train ``clients`` models and score every merge of them on the test split."""
+    config = run_config(network, seed, epochs, alpha, train_size)
     device = torch.device("cpu")
     started = time.perf_counter()
     states, counts, dataset, classes = train_clients(config, clients, same_init=False, device=device)
