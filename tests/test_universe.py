@@ -191,6 +191,21 @@ def test_reference_based_matching_of_unrelated_models_is_not_cycle_consistent():
     assert set(few) == set(errors)
 
 
+def _full_size_mlp(seed: int) -> dict:
+    torch.manual_seed(seed)
+    return build_model("small-mlp", (1, 28, 28), 10).state_dict()
+
+
+def test_two_models_with_one_of_them_the_reference_are_cycle_consistent():
+    """With two models and the first as the reference, the composed map is the direct one: the diagnostic is 0
+    (it counts disagreements of the maps, not of coordinate descent's visiting orders)."""
+    first, second = (_full_size_mlp(seed) for seed in (0, 1))  # narrow ones rarely reach two local optima
+    spec = build_model("small-mlp", (1, 28, 28), 10).permutation_spec()
+    for seed in range(3):
+        errors = cycle_consistency_error(first, [first, second], spec, generator=torch.Generator().manual_seed(seed))
+        assert set(errors) == set(spec.groups) and all(error == 0.0 for error in errors.values()), errors
+
+
 def test_one_group_is_matched_with_the_earlier_ones_fixed():
     """FedMA's stages: only the free group's entries (and those of fixed groups) take part."""
     spec, state = _state("small-mlp")
