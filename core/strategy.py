@@ -27,7 +27,7 @@ from core.sub_models import ClientWidths, first_units
 from core.widths import refuse_mixed_widths
 from models import PermutationSpec
 from models.protocol import ModelHead, head_of
-from plugins.options import refuse, settings_fields
+from plugins.options import ConfigError, non_negative, option, refuse, settings_fields
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,32 @@ class RunContext:
     layout: Any = None
     sites: tuple[Site, ...] = ()
     sites_problem: str | None = None
+
+    def required_spec(self, strategy: str, reference: tuple[str, str] | None = None) -> PermutationSpec:
+        """The run model's permutation description, for a ``strategy`` that matches units; refuses a model without
+        one, or one that names entries the model's state lacks. ``reference``: the run-config key and value of a
+        reference that needs the description above all (``universe``), named first in the refusal."""
+        model = self.config.model
+        if self.spec is None and reference is not None:
+            key, value = reference
+            raise refuse(
+                key,
+                value,
+                f"it matches all clients' units jointly and needs a model with a permutation description; model "
+                f"{model!r} has none (run-config key 'model' = {model!r} is not allowed with strategy '{strategy}')",
+            )
+        if self.spec is None:
+            raise ConfigError(
+                f"run-config key 'model' = {model!r} is not allowed with strategy "
+                f"'{strategy}': the model has no permutation description to match units with"
+            )
+        missing = sorted(set(self.spec.axes_by_key()) - set(self.initial_arrays.keys()))
+        if missing:
+            raise ConfigError(
+                f"model {model!r}: its permutation description names entries the model "
+                f"does not have ({missing[:5]}); strategy '{strategy}' cannot match it"
+            )
+        return self.spec
 
 
 def build_context(config: RunConfig, model: nn.Module) -> RunContext:
@@ -92,6 +118,16 @@ def weighted_mean(replies: Sequence[Reply]) -> ArrayRecord:
             else:
                 sums[key] = array_values(array) * factor
     return ArrayRecord({key: Array(value) for key, value in sums.items()})
+
+
+@dataclass(frozen=True)
+class ServerStep:
+    """The server's step towards the clients' weighted mean: declared once, borrowed under their own keys by FedAvgM
+    (``fedavgm-server-lr``) and SCAFFOLD (``scaffold-server-lr``)."""
+
+    server_lr: float = option(
+        1.0, "step size of the server's update of the global model", non_negative, "must be a finite number >= 0"
+    )
 
 
 def states_and_weights(replies: Sequence[Reply]) -> tuple[list[dict[str, Tensor]], list[float]]:

@@ -130,7 +130,7 @@ Move = Tensor
 @dataclass(frozen=True)
 class UniverseSettings:
     """Frank-Wolfe's settings, declared once here; the ``matched`` and ``fedma`` strategies borrow them under
-    their own keys (:class:`strategies.matched.Reference`) and the merge tool as ``--universe-<field>``."""
+    their own keys (:class:`core.reference.Reference`) and the merge tool as ``--universe-<field>``."""
 
     iterations: int = option(
         100, "Frank-Wolfe iteration cap of universe matching", lambda v: v >= 1, "must be an integer >= 1"

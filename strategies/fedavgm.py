@@ -14,20 +14,10 @@ import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord
 
-from core.strategy import Reply, RunContext, ServerStrategy, weighted_mean
-from plugins.options import non_negative, option, option_from
+from core.strategy import Reply, RunContext, ServerStep, ServerStrategy, weighted_mean
+from plugins.options import option, option_from
 from strategies.base import LocalUpdate
 from strategies.registry import STRATEGIES, Algorithm
-
-
-@dataclass(frozen=True)
-class ServerStep:
-    """The server's step towards the clients' average: declared once, borrowed under their own keys by FedAvgM
-    (``fedavgm-server-lr``) and SCAFFOLD (``scaffold-server-lr``)."""
-
-    server_lr: float = option(
-        1.0, "step size of the server's update of the global model", non_negative, "must be a finite number >= 0"
-    )
 
 
 @dataclass(frozen=True)

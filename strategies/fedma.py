@@ -104,6 +104,7 @@ from core.bbp import BBPSettings
 from core.bbp_model import match_group, scatter_group, units_to_entries
 from core.model_io import federated_state
 from core.nodes import NodeDirectory
+from core.reference import UNIVERSE, Reference, refuse_universe_cost
 from core.repair import assignment_coupling
 from core.replies import CONFIG_RECORD, MODEL_RECORD
 from core.strategy import Reply, RunContext, ServerStrategy, states_and_weights
@@ -112,7 +113,6 @@ from models import PermutationSpec, permute_state
 from models.protocol import head_of
 from plugins.options import choice, option, option_from, source_settings
 from strategies.base import LocalUpdate
-from strategies.matched import UNIVERSE, Reference, permutation_spec, refuse_universe_cost
 from strategies.registry import STRATEGIES, Algorithm
 
 STAGE = "fedma-stage"
@@ -156,7 +156,7 @@ class FedMASettings:
 
     @property
     def passes(self) -> int:
-        """How many times one-to-one matching aligns the clients' units (:attr:`strategies.matched.Reference.passes`)."""
+        """How many times one-to-one matching aligns the clients' units (:attr:`core.reference.Reference.passes`)."""
         return self.reference.passes
 
     def check(self) -> None:
@@ -222,7 +222,7 @@ class FedMA(ServerStrategy):
     def __init__(self, context: RunContext) -> None:
         super().__init__(context)
         self.universe = self.settings.reference.universe
-        self.spec = permutation_spec(context, "fedma", ("fedma-reference", UNIVERSE) if self.universe else None)
+        self.spec = context.required_spec("fedma", ("fedma-reference", UNIVERSE) if self.universe else None)
         self.head = frozenset(context.head.keys)
         self.num_classes = context.head.num_classes
         self.bbp = self.settings.fedma_matching == "bbp"

@@ -64,56 +64,12 @@ from flwr.app import ArrayRecord
 from flwr.common.logger import log
 
 from core.alignment import align_and_average, list_costs, matching_generator, moved_share
+from core.reference import UNIVERSE, Reference, refuse_universe_cost
 from core.strategy import Reply, RunContext, ServerStrategy, states_and_weights
-from core.universe import UniverseSettings, cycle_consistency_error, universe_merge
-from models import PermutationSpec
-from plugins.options import ConfigError, choice, option, option_from, refuse, source_settings
+from core.universe import cycle_consistency_error, universe_merge
+from plugins.options import choice, option_from, source_settings
 from strategies.base import LocalUpdate
 from strategies.registry import STRATEGIES, Algorithm
-
-MATCH_REFERENCES = ("global", "iterative", "universe")
-UNIVERSE = "universe"
-
-
-@dataclass(frozen=True)
-class Reference:
-    """What client units are matched to, one to one: declared once, borrowed under their own keys by ``matched``
-    (``matched-reference``, ``matched-iterations``, ``matched-universe-*``) and ``fedma`` (``fedma-reference``,
-    ``fedma-iterations``, ``fedma-universe-*``)."""
-
-    reference: str = choice(
-        "global",
-        "what clients' units are matched to (global: the round's global model; iterative: the running matched "
-        "mean; universe: one another, jointly, in one shared unit order)",
-        MATCH_REFERENCES,
-    )
-    iterations: int = option(3, "passes when the reference is iterative", lambda v: v >= 1, "must be an integer >= 1")
-    universe_iterations: int = option_from(UniverseSettings, "iterations")
-    universe_tolerance: float = option_from(UniverseSettings, "tolerance")
-
-    @property
-    def passes(self) -> int:
-        """How many times the clients' models are aligned: ``iterations`` with ``iterative``, else once."""
-        return self.iterations if self.reference == "iterative" else 1
-
-    @property
-    def universe(self) -> bool:
-        return self.reference == UNIVERSE
-
-    def universe_settings(self) -> UniverseSettings:
-        """Frank-Wolfe's settings of the ``universe`` reference (:class:`core.universe.UniverseSettings`'s fields)."""
-        return source_settings(self, UniverseSettings)
-
-
-def refuse_universe_cost(reference_key: str, cost_key: str, cost: str) -> None:
-    """Universe matching maximises the weight-matching similarity: refuse another cost, naming both keys."""
-    if cost != "weight":
-        raise refuse(
-            reference_key,
-            UNIVERSE,
-            f"universe matching maximises the weight-matching similarity, so it needs {cost_key}='weight' "
-            f"(got {cost_key}={cost!r}); with {cost!r} choose one of ['global', 'iterative']",
-        )
 
 
 @dataclass(frozen=True)
@@ -141,33 +97,6 @@ class MatchSettings:
             refuse_universe_cost("matched-reference", "matched-cost", self.matched_cost)
 
 
-def permutation_spec(context: RunContext, strategy: str, reference: tuple[str, str] | None = None) -> PermutationSpec:
-    """The run model's permutation description; refuses a model without one, or one that names entries the
-    model's state lacks. ``reference``: the run-config key and value of a reference that needs the description
-    above all (``universe``), named first in the refusal."""
-    if context.spec is None and reference is not None:
-        key, value = reference
-        raise refuse(
-            key,
-            value,
-            f"it matches all clients' units jointly and needs a model with a permutation description; model "
-            f"{context.config.model!r} has none (run-config key 'model' = {context.config.model!r} is not allowed "
-            f"with strategy '{strategy}')",
-        )
-    if context.spec is None:
-        raise ConfigError(
-            f"run-config key 'model' = {context.config.model!r} is not allowed with strategy "
-            f"'{strategy}': the model has no permutation description to match units with"
-        )
-    missing = sorted(set(context.spec.axes_by_key()) - set(context.initial_arrays.keys()))
-    if missing:
-        raise ConfigError(
-            f"model {context.config.model!r}: its permutation description names entries the model "
-            f"does not have ({missing[:5]}); strategy '{strategy}' cannot match it"
-        )
-    return context.spec
-
-
 class Matched(ServerStrategy):
     """FedAvg whose average is taken after aligning every client model onto a reference (module notes)."""
 
@@ -178,7 +107,7 @@ class Matched(ServerStrategy):
         super().__init__(context)
         self.reference = context.config.settings.reference
         universe = ("matched-reference", UNIVERSE) if self.reference.universe else None
-        self.spec = permutation_spec(context, "matched", universe)
+        self.spec = context.required_spec("matched", universe)
         self.moved: dict[str, float] = {}
         self.universe_metrics: dict[str, Any] = {}
 

@@ -41,7 +41,6 @@ from core.sub_models import ClientWidths, first_units
 from core.widths import mixed_widths
 from plugins.options import ConfigError, choice, option_from, source_settings
 from strategies.base import LocalUpdate
-from strategies.matched import permutation_spec
 from strategies.registry import STRATEGIES, Algorithm
 
 DOWNSIZE = ("ot", "slice")
@@ -81,7 +80,7 @@ class OTFusion(ServerStrategy):
 
     def __init__(self, context: RunContext) -> None:
         super().__init__(context)
-        self.spec = permutation_spec(context, "otfusion")
+        self.spec = context.required_spec("otfusion")
         self.ot = self.settings.transport()
         self.client_widths = (
             ClientWidths(context.config, context.spec, context.initial_arrays.to_torch_state_dict(), nested=False)

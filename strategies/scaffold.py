@@ -47,10 +47,9 @@ from torch import nn
 from core.model_io import arrays_mismatch, federated_state
 from core.nodes import NodeDirectory
 from core.replies import arrays_problem
-from core.strategy import Reply, RunContext, ServerStrategy, weighted_mean
+from core.strategy import Reply, RunContext, ServerStep, ServerStrategy, weighted_mean
 from plugins.options import option_from
 from strategies.base import LocalUpdate
-from strategies.fedavgm import ServerStep
 from strategies.registry import STRATEGIES, Algorithm
 
 

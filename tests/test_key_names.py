@@ -9,14 +9,13 @@ import pytest
 import torch
 
 from core.bbp import BBPSettings
-from core.strategy import ServerStrategy
+from core.strategy import ServerStep, ServerStrategy
 from fl_app.checkpoint import CHECKPOINT
 from fl_app.config import ConfigError, default_run_config, parse_run_config, rename_old_keys
 from fl_app.inprocess import run_in_process
 from plugins.options import option, option_from, prefix_problems, settings_fields
 from strategies import get_strategy, list_strategies
 from strategies.base import LocalUpdate
-from strategies.fedavgm import ServerStep
 from strategies.registry import Algorithm
 
 RENAMED = [(name, old, new) for name in list_strategies() for old, new in get_strategy(name).renamed.items()]

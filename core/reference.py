@@ -1,0 +1,59 @@
+"""What client models' units are matched to, one to one: the reference settings that ``matched`` and ``fedma``
+borrow under their own keys.
+
+A reference is the round's global model (``global``), the running matched mean (``iterative``, for several
+passes of :func:`core.alignment.align_and_average`) or none: all clients' models matched jointly into one shared
+unit order (``universe``, :mod:`core.universe`). Declared here, below both algorithms, so that neither imports
+the other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from core.universe import UniverseSettings
+from plugins.options import choice, option, option_from, refuse, source_settings
+
+MATCH_REFERENCES = ("global", "iterative", "universe")
+UNIVERSE = "universe"
+
+
+@dataclass(frozen=True)
+class Reference:
+    """What client units are matched to, one to one: declared once, borrowed under their own keys by ``matched``
+    (``matched-reference``, ``matched-iterations``, ``matched-universe-*``) and ``fedma`` (``fedma-reference``,
+    ``fedma-iterations``, ``fedma-universe-*``)."""
+
+    reference: str = choice(
+        "global",
+        "what clients' units are matched to (global: the round's global model; iterative: the running matched "
+        "mean; universe: one another, jointly, in one shared unit order)",
+        MATCH_REFERENCES,
+    )
+    iterations: int = option(3, "passes when the reference is iterative", lambda v: v >= 1, "must be an integer >= 1")
+    universe_iterations: int = option_from(UniverseSettings, "iterations")
+    universe_tolerance: float = option_from(UniverseSettings, "tolerance")
+
+    @property
+    def passes(self) -> int:
+        """How many times the clients' models are aligned: ``iterations`` with ``iterative``, else once."""
+        return self.iterations if self.reference == "iterative" else 1
+
+    @property
+    def universe(self) -> bool:
+        return self.reference == UNIVERSE
+
+    def universe_settings(self) -> UniverseSettings:
+        """Frank-Wolfe's settings of the ``universe`` reference (:class:`core.universe.UniverseSettings`'s fields)."""
+        return source_settings(self, UniverseSettings)
+
+
+def refuse_universe_cost(reference_key: str, cost_key: str, cost: str) -> None:
+    """Universe matching maximises the weight-matching similarity: refuse another cost, naming both keys."""
+    if cost != "weight":
+        raise refuse(
+            reference_key,
+            UNIVERSE,
+            f"universe matching maximises the weight-matching similarity, so it needs {cost_key}='weight' "
+            f"(got {cost_key}={cost!r}); with {cost!r} choose one of ['global', 'iterative']",
+        )
