@@ -18,7 +18,7 @@ from flwr.clientapp import ClientApp
 from torch import nn
 
 from core.config import RunConfig
-from core.data import DatasetMissingError, load_dataset
+from core.data import ClientData, DatasetMissingError, load_dataset
 from core.label_noise import noisy_labels
 from core.model_io import build_run_model, independent_start, load_arrays
 from core.nodes import is_holdout
@@ -32,16 +32,6 @@ from fl_app.node_state import begin_message, end_train
 from fl_app.results import RAY_NODE_RECORD, ray_placement, where_this_runs
 from strategies import get_strategy
 from strategies.base import LocalUpdate
-
-
-@dataclass(frozen=True)
-class ClientData:
-    """One client's training split and its held-out local test split."""
-
-    train_x: torch.Tensor
-    train_y: torch.Tensor
-    test_x: torch.Tensor
-    test_y: torch.Tensor
 
 
 def node_partition(context: Context) -> tuple[int, int]:
@@ -244,7 +234,7 @@ def evaluate_message(
     # Every reply has the same keys (Flower aggregates only those); a new client's ``local-*`` scores
     # are the global model's, which is all the server reads from it (its personal scores, if any, are of
     # a model that never trained).
-    scores = update.evaluate(model, data.train_x, data.train_y, data.test_x, data.test_y, device)
+    scores = update.evaluate(model, data, device)
     metrics = MetricRecord(
         {**scores, NUM_EXAMPLES: len(data.test_y), "partition-id": partition_id, NEW_CLIENT: int(new_client)}
     )

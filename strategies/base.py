@@ -12,6 +12,7 @@ from torch import nn
 
 from core.calibration import classification_scores
 from core.config import RunConfig
+from core.data import ClientData
 from core.model_io import to_arrays
 from core.training import PlainSGD, iterate_batches
 
@@ -133,20 +134,12 @@ class LocalUpdate:
         return {"train-loss": total_loss / self.steps if self.steps else math.nan}
 
     @torch.no_grad()
-    def evaluate(
-        self,
-        model: nn.Module,
-        train_x: torch.Tensor,
-        train_y: torch.Tensor,
-        test_x: torch.Tensor,
-        test_y: torch.Tensor,
-        device: torch.device,
-    ) -> dict[str, Any]:
+    def evaluate(self, model: nn.Module, data: ClientData, device: torch.device) -> dict[str, Any]:
         """The client's evaluate reply metrics for the received global ``model``: its loss and accuracy on
-        the local test split, with ECE and MCE (15 bins). Personalised algorithms override it to score their
-        own models (the training split is there for what they need from it, e.g. a validation part); values
-        may be lists of floats."""
-        accuracy, ece, mce, loss = classification_scores(model, test_x, test_y, device)
+        the local test split of ``data``, with ECE and MCE (15 bins). Personalised algorithms override it to
+        score their own models (the training split is there for what they need from it, e.g. a validation
+        part); values may be lists of floats."""
+        accuracy, ece, mce, loss = classification_scores(model, data.test_x, data.test_y, device)
         return {"local-loss": loss, "local-accuracy": accuracy, "local-ece": ece, "local-mce": mce}
 
     def model_record(self, model: nn.Module) -> ArrayRecord:

@@ -19,6 +19,7 @@ from flwr.app import ArrayRecord, RecordDict
 from torch import nn
 
 from core.config import RunConfig
+from core.data import ClientData
 from core.model_io import federated_state
 from core.strategy import ServerStrategy
 from plugins.options import non_negative, option
@@ -78,16 +79,8 @@ class DittoUpdate(LocalUpdate):
         )
         return {**metrics, "personal-train-loss": personal_metrics["train-loss"]}
 
-    def evaluate(
-        self,
-        model: nn.Module,
-        train_x: torch.Tensor,
-        train_y: torch.Tensor,
-        test_x: torch.Tensor,
-        test_y: torch.Tensor,
-        device: torch.device,
-    ) -> dict[str, Any]:
-        return personal_scores(model, stored_personal(self.context, model), test_x, test_y, device)
+    def evaluate(self, model: nn.Module, data: ClientData, device: torch.device) -> dict[str, Any]:
+        return personal_scores(model, stored_personal(self.context, model), data, device)
 
 
 STRATEGIES.register(

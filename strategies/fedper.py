@@ -18,6 +18,7 @@ import torch
 from flwr.app import ArrayRecord
 from torch import nn
 
+from core.data import ClientData
 from core.strategy import ServerStrategy
 from models.protocol import head_of
 from strategies.base import LocalUpdate
@@ -60,22 +61,14 @@ class FedPerUpdate(LocalUpdate):
         load_head(model, self.received_head)  # the reply carries the body and the unchanged global head
         return metrics
 
-    def evaluate(
-        self,
-        model: nn.Module,
-        train_x: torch.Tensor,
-        train_y: torch.Tensor,
-        test_x: torch.Tensor,
-        test_y: torch.Tensor,
-        device: torch.device,
-    ) -> dict[str, Any]:
+    def evaluate(self, model: nn.Module, data: ClientData, device: torch.device) -> dict[str, Any]:
         """The global model, and the received body under this client's head."""
         stored = self.context.state.get(PERSONAL_HEAD)
         personal = None
         if stored is not None:
             personal = copy.deepcopy(model)
             load_head(personal, stored.to_torch_state_dict())
-        return personal_scores(model, personal, test_x, test_y, device)
+        return personal_scores(model, personal, data, device)
 
 
 class FedPerServer(ServerStrategy):

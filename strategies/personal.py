@@ -14,21 +14,21 @@ import torch
 from torch import nn
 
 from core.calibration import classification_scores
+from core.data import ClientData
 
 
 def personal_scores(
     global_model: nn.Module,
     personal_model: nn.Module | None,
-    test_x: torch.Tensor,
-    test_y: torch.Tensor,
+    data: ClientData,
     device: torch.device,
 ) -> dict[str, Any]:
     """Global and personal accuracy, ECE, MCE on the local test split (personal = global when None)."""
-    accuracy, ece, mce, loss = classification_scores(global_model, test_x, test_y, device)
+    accuracy, ece, mce, loss = classification_scores(global_model, data.test_x, data.test_y, device)
     personal = (
         (accuracy, ece, mce)
         if personal_model is None
-        else classification_scores(personal_model, test_x, test_y, device)[:3]
+        else classification_scores(personal_model, data.test_x, data.test_y, device)[:3]
     )
     return {
         "local-loss": loss,

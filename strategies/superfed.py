@@ -47,6 +47,7 @@ from torch.func import functional_call
 
 from core.calibration import classification_scores
 from core.config import RunConfig
+from core.data import ClientData
 from core.strategy import ServerStrategy
 from core.training import PlainSGD, iterate_batches
 from plugins.options import choice, non_negative, option
@@ -246,20 +247,14 @@ class SuPerFedUpdate(LocalUpdate):
         }
 
     @torch.no_grad()
-    def evaluate(
-        self,
-        model: nn.Module,
-        train_x: torch.Tensor,
-        train_y: torch.Tensor,
-        test_x: torch.Tensor,
-        test_y: torch.Tensor,
-        device: torch.device,
-    ) -> dict[str, Any]:
+    def evaluate(self, model: nn.Module, data: ClientData, device: torch.device) -> dict[str, Any]:
         """Accuracy, ECE and MCE of W(λ) for λ in the grid on the local test split; the oracle λ (best on
         the test split) and the honest λ (best on the held-out validation part of the training split)."""
         partition_id = self._partition_id()
         local, mixing_rounds = _load_local(self, model, partition_id)
-        _, val = validation_split(len(train_y), self.settings.superfed_val_fraction, self.config.seed, partition_id)
+        _, val = validation_split(
+            len(data.train_y), self.settings.superfed_val_fraction, self.config.seed, partition_id
+        )
         federated = {n: p.detach() for n, p in model.named_parameters()}
         groups = layer_groups(model)
         point = copy.deepcopy(model)
@@ -269,9 +264,9 @@ class SuPerFedUpdate(LocalUpdate):
             for name, tensor in mixed_parameters(federated, local, groups, [lam] * len(groups)).items():
                 point.get_parameter(name).copy_(tensor)
             if has_batchnorm and lam > 0.0:  # W(0) is the received global model, buffers included
-                recalibrate_batchnorm(point, train_x, device, self.config.batch_size)
-            test.append(classification_scores(point, test_x, test_y, device))
-            valid.append(classification_scores(point, train_x[val], train_y[val], device))
+                recalibrate_batchnorm(point, data.train_x, device, self.config.batch_size)
+            test.append(classification_scores(point, data.test_x, data.test_y, device))
+            valid.append(classification_scores(point, data.train_x[val], data.train_y[val], device))
         accuracy = [s[0] for s in test]
         oracle = _best(accuracy)
         chosen = {"oracle": oracle}

@@ -5,6 +5,7 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
+from core.data import ClientData
 from core.strategy import Reply, weighted_mean
 from fl_app.config import parse_run_config
 from models import build_model, permute_state, random_permutations
@@ -80,5 +81,5 @@ def test_without_a_validation_split_no_honest_figures_are_reported():
     model = build_model("mlp", (1, 8, 8), 10)
     context = type("Ctx", (), {"state": RecordDict(), "node_config": {"partition-id": 0}})()
     x, y = torch.randn(20, 1, 8, 8), torch.randint(0, 10, (20,))
-    scores = SuPerFedUpdate(config, context).evaluate(model, x, y, x, y, torch.device("cpu"))
+    scores = SuPerFedUpdate(config, context).evaluate(model, ClientData(x, y, x, y), torch.device("cpu"))
     assert "oracle-accuracy" in scores and not [key for key in scores if key.startswith("honest")]

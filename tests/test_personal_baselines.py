@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import nn
 
+from core.data import ClientData
 from strategies.base import LocalUpdate
 from tests.local_updates import assert_same_state, data, fresh_model, make_context, received, run, superfed_config
 
@@ -19,7 +20,7 @@ def test_fedper_keeps_its_head_and_sends_only_the_body_trained():
     model = fresh_model()
     received_state = {k: v.clone() for k, v in model.state_dict().items()}
     update = FedPerUpdate(config, context, received(1))
-    assert update.evaluate(model, x, y, tx, ty, torch.device("cpu"))["personal-trained"] == 0
+    assert update.evaluate(model, ClientData(x, y, tx, ty), torch.device("cpu"))["personal-trained"] == 0
     run(update, model, x, y)
     sent = model.state_dict()
     assert torch.equal(sent["classifier.weight"], received_state["classifier.weight"])  # head not sent
@@ -29,7 +30,9 @@ def test_fedper_keeps_its_head_and_sends_only_the_body_trained():
     second = FedPerUpdate(config, context, received(2))
     second.begin(model)  # the next round trains under the kept head
     assert torch.equal(model.state_dict()["classifier.weight"], head["classifier.weight"])
-    scores = FedPerUpdate(config, context, received(2)).evaluate(fresh_model(), x, y, tx, ty, torch.device("cpu"))
+    scores = FedPerUpdate(config, context, received(2)).evaluate(
+        fresh_model(), ClientData(x, y, tx, ty), torch.device("cpu")
+    )
     assert scores["personal-trained"] == 1 and 0.0 <= scores["personal-accuracy"] <= 1.0
 
 

@@ -11,6 +11,7 @@ import torch
 from flwr.app import MetricRecord, RecordDict
 
 from core.calibration import calibration_errors
+from core.data import ClientData
 from fl_app.results import RoundRecorder
 from strategies.base import LocalUpdate
 from strategies.superfed import (
@@ -36,13 +37,13 @@ def test_personalised_evaluation_scores_the_lambda_grid_with_oracle_and_honest_c
     context, (x, y), (tx, ty) = make_context(), data(), data(40, seed=2)
     model = fresh_model()
     update = SuPerFedUpdate(config, context, received(1))
-    untrained = update.evaluate(model, x, y, tx, ty, torch.device("cpu"))
+    untrained = update.evaluate(model, ClientData(x, y, tx, ty), torch.device("cpu"))
     assert untrained["superfed-local-trained"] == 0
     run(update, model, x, y)
-    scores = SuPerFedUpdate(config, context, received(2)).evaluate(model, x, y, tx, ty, torch.device("cpu"))
+    scores = SuPerFedUpdate(config, context, received(2)).evaluate(model, ClientData(x, y, tx, ty), torch.device("cpu"))
     assert scores["superfed-local-trained"] == 1
     assert len(scores["lambda-accuracy"]) == len(scores["lambda-ece"]) == len(LAMBDA_GRID) == 11
-    plain = LocalUpdate(config, context).evaluate(model, x, y, tx, ty, torch.device("cpu"))
+    plain = LocalUpdate(config, context).evaluate(model, ClientData(x, y, tx, ty), torch.device("cpu"))
     assert scores["local-accuracy"] == scores["lambda-accuracy"][0] == pytest.approx(plain["local-accuracy"])
     assert scores["local-ece"] == pytest.approx(plain["local-ece"]) and 0.0 <= plain["local-mce"] <= 1.0
     assert scores["oracle-accuracy"] == max(scores["lambda-accuracy"]) >= scores["honest-accuracy"]

@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from core.data import ClientData
 from fl_app.client_app import client_data
 from fl_app.config import parse_run_config
 from fl_app.inprocess import run_in_process
@@ -188,9 +189,9 @@ def test_batchnorm_statistics_are_re_estimated_for_mixed_points_but_not_for_the_
     config = config_of(strategy="superfed", superfed_start=0.0, superfed_val_fraction=0.25)
     model[2].reset_running_stats()  # the received global buffers: mean 0, var 1
     scores = SuPerFedUpdate(config, make_context(), received(1)).evaluate(
-        model, x, y, *data(40, 2), torch.device("cpu")
+        model, ClientData(x, y, *data(40, 2)), torch.device("cpu")
     )
-    plain = LocalUpdate(config, make_context()).evaluate(model, x, y, *data(40, 2), torch.device("cpu"))
+    plain = LocalUpdate(config, make_context()).evaluate(model, ClientData(x, y, *data(40, 2)), torch.device("cpu"))
     assert scores["lambda-accuracy"][0] == pytest.approx(plain["local-accuracy"])
     assert torch.count_nonzero(model[2].running_mean) == 0  # the received model itself is untouched
 

@@ -12,11 +12,11 @@ import pytest
 import torch
 from flwr.app import Array, ArrayRecord, Context, Message, MessageType, RecordDict
 
-from core.data import load_dataset
+from core.data import ClientData, load_dataset
 from core.model_io import build_run_model, load_arrays
 from core.training import round_generator
 from core.vectorised import StackedTrainer, unsupported
-from fl_app.client_app import ClientData, TrainJob, finish_train
+from fl_app.client_app import TrainJob, finish_train
 from fl_app.config import build_context, parse_run_config
 from fl_app.engines.batched import run_batched
 from fl_app.engines.grid import vectorise_choice

@@ -61,6 +61,17 @@ class ImageDataset:
         return channels, height, width
 
 
+@dataclass(frozen=True)
+class ClientData:
+    """One client's training split and its held-out local test split (labels of the training split possibly
+    noisy, those of the test split never): what its local update trains and scores on."""
+
+    train_x: torch.Tensor
+    train_y: torch.Tensor
+    test_x: torch.Tensor
+    test_y: torch.Tensor
+
+
 Loader = Callable[[Path | None], ImageDataset]
 MissingFiles = Callable[[Path | None], list[Path]]
 Fingerprint = Callable[[Path | None], str | None]

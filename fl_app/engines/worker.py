@@ -21,10 +21,10 @@ from flwr.app import ArrayRecord, Context, Message, MessageType
 from flwr.common.logger import log
 
 from core.config import RunConfig
+from core.data import ClientData
 from core.training import batch_order
 from core.vectorised import ClientSteps, StackedTrainer, stacked_state_names
 from fl_app.client_app import (
-    ClientData,
     Sources,
     TrainJob,
     begin_train,
