@@ -25,7 +25,7 @@ from core.nodes import is_holdout
 from core.partitioning.partitions import client_split, partition_dataset
 from core.repair import REPAIR_RECORD, sites_of, unit_statistics
 from core.repair_round import QUERY_KEY, REPAIR_QUERY, SITE_KEY
-from core.replies import CONFIG_RECORD, MODEL_RECORD, NEW_CLIENT, NUM_EXAMPLES
+from core.replies import CONFIG_RECORD, METRICS_RECORD, MODEL_RECORD, NEW_CLIENT, NUM_EXAMPLES
 from core.training import round_generator, seed_torch, select_device
 from fl_app.config import parse_run_config
 from fl_app.node_state import begin_message, end_train
@@ -130,15 +130,15 @@ def _receive(
     """Parse the config, locate the partition, set up the client's state (restored in a resumed run) and load
     the received global model."""
     config = client_config(context, overrides)
-    check_pan_agreement(config, message.content["config"])
+    check_pan_agreement(config, message.content[CONFIG_RECORD])
     partition_id, num_partitions = node_partition(context)
-    begin_message(context, config, partition_id, int(message.content["config"]["server-round"]))
+    begin_message(context, config, partition_id, int(message.content[CONFIG_RECORD]["server-round"]))
     try:
         model, device = _model(config)
         data = sources.data(config, partition_id, num_partitions)
     except DatasetMissingError as error:  # on a cluster, which node lacks it
         raise DatasetMissingError(f"this node{where_this_runs()} lacks the data set: {error}") from None
-    arrays = message.content["arrays"]
+    arrays = message.content[MODEL_RECORD]
     load_arrays(model, arrays, sources.arrays(arrays))
     return config, partition_id, data, model, device
 
@@ -176,7 +176,7 @@ def begin_train(
             f"partition {partition_id} is held out (holdout-clients={config.holdout_clients}) "
             "and must not train; run the server with the same holdout-clients"
         )
-    server_round = int(message.content["config"]["server-round"])
+    server_round = int(message.content[CONFIG_RECORD]["server-round"])
     if config.client_init == "independent" and server_round == 1:
         start_independently(model, config, partition_id)
     generator = round_generator(config.seed, server_round, partition_id)
@@ -203,7 +203,9 @@ def finish_train(job: TrainJob, metrics: Mapping[str, Any]) -> Message:
         {
             MODEL_RECORD: job.update.model_record(job.model),
             **job.update.reply_records(),
-            "metrics": MetricRecord({**metrics, NUM_EXAMPLES: len(job.data.train_y), "partition-id": job.partition_id}),
+            METRICS_RECORD: MetricRecord(
+                {**metrics, NUM_EXAMPLES: len(job.data.train_y), "partition-id": job.partition_id}
+            ),
         }
     )
     if job.config.repair == "on":
@@ -211,7 +213,7 @@ def finish_train(job: TrainJob, metrics: Mapping[str, Any]) -> Message:
     placement = ray_placement()
     if placement is not None:  # the Ray node this client ran on, for the round's metrics
         reply[RAY_NODE_RECORD] = ConfigRecord(placement)
-    end_train(job.context, job.config, job.partition_id, int(job.message.content["config"]["server-round"]))
+    end_train(job.context, job.config, job.partition_id, int(job.message.content[CONFIG_RECORD]["server-round"]))
     return Message(content=reply, reply_to=job.message)
 
 
@@ -238,7 +240,7 @@ def evaluate_message(
     metrics = MetricRecord(
         {**scores, NUM_EXAMPLES: len(data.test_y), "partition-id": partition_id, NEW_CLIENT: int(new_client)}
     )
-    return Message(content=RecordDict({"metrics": metrics}), reply_to=message)
+    return Message(content=RecordDict({METRICS_RECORD: metrics}), reply_to=message)
 
 
 def repair_message(
@@ -250,7 +252,7 @@ def repair_message(
     site = str(message.content[CONFIG_RECORD][SITE_KEY])
     metrics = MetricRecord({NUM_EXAMPLES: len(data.train_y), "partition-id": partition_id})
     return Message(
-        content=RecordDict({REPAIR_RECORD: repair_statistics(model, data, device, site), "metrics": metrics}),
+        content=RecordDict({REPAIR_RECORD: repair_statistics(model, data, device, site), METRICS_RECORD: metrics}),
         reply_to=message,
     )
 
@@ -266,7 +268,7 @@ def query_message(
         return repair_message(message, context, overrides or {}, sources)
     partition_id, num_partitions = node_partition(context)
     metrics = MetricRecord({"partition-id": partition_id, "num-partitions": num_partitions})
-    return Message(content=RecordDict({"metrics": metrics}), reply_to=message)
+    return Message(content=RecordDict({METRICS_RECORD: metrics}), reply_to=message)
 
 
 def build_client_app(overrides: Mapping[str, Any] | None = None) -> ClientApp:

@@ -14,6 +14,7 @@ from core.calibration import classification_scores
 from core.config import RunConfig
 from core.data import ClientData
 from core.model_io import to_arrays
+from core.replies import CONFIG_RECORD
 from core.training import PlainSGD, iterate_batches
 
 SEQUENTIAL_HOOKS = ("train", "loss", "after_backward", "optimizer", "sgd")
@@ -86,7 +87,7 @@ class LocalUpdate:
         config = self.config
         if config.lr_decay == 1.0 and config.lr_warmup_rounds == 0:
             return config.lr
-        server_round = self.received["config"].get("server-round") if "config" in self.received else None
+        server_round = self.received[CONFIG_RECORD].get("server-round") if CONFIG_RECORD in self.received else None
         if not isinstance(server_round, int) or server_round < 1:
             raise ValueError(
                 f"lr-decay={config.lr_decay} and lr-warmup-rounds={config.lr_warmup_rounds} need the "

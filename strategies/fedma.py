@@ -487,7 +487,7 @@ class FedMAUpdate(LocalUpdate):
         generator: torch.Generator,
         device: torch.device,
     ) -> dict[str, float]:
-        stage = int(self.received["config"][STAGE])
+        stage = int(self.received[CONFIG_RECORD][STAGE])
         state = federated_state(model)
         head = head_of(model)
         frozen = frozen_at(model.permutation_spec(), state, head.keys, stage)

@@ -33,6 +33,7 @@ import torch
 from flwr.app import ArrayRecord
 from torch import Tensor, nn
 
+from core.replies import CONFIG_RECORD
 from core.strategy import Reply, RunContext, ServerStrategy, states_and_weights
 from core.sub_models import ClientWidths
 from core.widths import WIDTH_RATE
@@ -96,7 +97,7 @@ class HeteroFLUpdate(LocalUpdate):
     not_vectorised = "clients train sub-models of different widths, each with its own scaler"
 
     def train(self, model: nn.Module, *args: Any, **kwargs: Any) -> dict[str, float]:
-        config = self.received.get("config", {})
+        config = self.received.get(CONFIG_RECORD, {})
         rate = float(config.get(WIDTH_RATE, 1.0))
         hooks = []
         if self.settings.heterofl_scaler and rate != 1.0:

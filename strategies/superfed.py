@@ -48,6 +48,7 @@ from torch.func import functional_call
 from core.calibration import classification_scores
 from core.config import RunConfig
 from core.data import ClientData
+from core.replies import CONFIG_RECORD
 from core.strategy import ServerStrategy
 from core.training import PlainSGD, iterate_batches
 from plugins.options import choice, non_negative, option
@@ -188,7 +189,7 @@ class SuPerFedUpdate(LocalUpdate):
         return int(self.context.node_config["partition-id"])
 
     def begin(self, model: nn.Module) -> None:
-        server_round = int(self.received["config"]["server-round"])
+        server_round = int(self.received[CONFIG_RECORD]["server-round"])
         partition_id = self._partition_id()
         self.mixing = server_round >= start_round(self.config)
         self.groups = layer_groups(model)
