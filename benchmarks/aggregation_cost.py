@@ -32,7 +32,7 @@ from flwr.app import ConfigRecord, Context, MetricRecord, RecordDict
 
 from core.data import dataset_info
 from core.model_io import build_run_model, federated_state, load_arrays, to_arrays
-from core.strategy import Reply, ServerStrategy
+from core.rounds.strategy import Reply, ServerStrategy
 from fl_app.config import RunConfig, build_context, parse_run_config
 from models import permute_state, random_permutations
 from strategies import get_strategy, list_strategies

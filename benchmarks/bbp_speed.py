@@ -1,4 +1,4 @@
-"""How long one BBP-MAP matching pass (:func:`core.bbp_model.bbp_matched_average`) takes over K VGG-9 clients.
+"""How long one BBP-MAP matching pass (:func:`core.merging.bbp_model.bbp_matched_average`) takes over K VGG-9 clients.
 
 A pass matches every hidden group of the model, input side first, each until
 its assignment settles (at most ``iterations`` sweeps), and builds the grown
@@ -15,7 +15,7 @@ start). Models:
 
 Reported per setting, medians over ``--repeats``: wall seconds and CPU
 seconds of this process (all torch threads), the latter split into building
-the cost matrices (:func:`core.bbp.extended_cost`), solving them
+the cost matrices (:func:`core.merging.bbp.extended_cost`), solving them
 (``scipy.optimize.linear_sum_assignment``) and the rest (unit vectors,
 removing and adding clients, scattering inputs, averaging), measured by
 wrapping both functions; the number of client matches (cost matrices built);
@@ -40,8 +40,8 @@ import scipy.optimize
 import torch
 from torch import Tensor
 
-import core.bbp as bbp
-from core.bbp_model import bbp_matched_average
+import core.merging.bbp as bbp
+from core.merging.bbp_model import bbp_matched_average
 from models import PanSettings, build_model, permute_state, random_permutations
 from models.protocol import head_of
 
@@ -71,7 +71,7 @@ class CpuClock:
 
 @contextmanager
 def instrumented(clock: CpuClock) -> Iterator[None]:
-    """Time cost building and solving for the duration of the block (core.bbp imports the solver from
+    """Time cost building and solving for the duration of the block (core.merging.bbp imports the solver from
     scipy.optimize when it matches, so the solver is replaced there)."""
     cost, solver = bbp.extended_cost, scipy.optimize.linear_sum_assignment
     bbp.extended_cost, scipy.optimize.linear_sum_assignment = clock.wrap("cost", cost), clock.wrap("solve", solver)

@@ -42,9 +42,9 @@ import torch
 from benchutil import RoundCounter, TreeSampler, append_jsonl, machine, median, round_seconds, run_metrics, simulate
 from torch import nn
 
-from core.calibration import classification_scores
+from core.metrics.calibration import classification_scores
 from core.model_io import build_run_model, federated_state
-from core.training import evaluate, iterate_batches, round_generator, seed_everything, seed_torch, select_device
+from core.training.sgd import evaluate, iterate_batches, round_generator, seed_everything, seed_torch, select_device
 from fl_app.checkpoint import load_checkpoint
 from fl_app.client_app import client_data
 from fl_app.config import RunConfig, parse_run_config

@@ -4,7 +4,7 @@ The clients are ``one_shot.py``'s (its :func:`one_shot.run_config`: Fashion-MNIS
 Dirichlet(alpha), E = 20, each client from its own initialisation, trained once per (network, K, seed) cell as
 round 1 of a one-shot run trains it). Each cell scores on the test split: the example-weighted average; weight
 matching onto client 0, then averaged; the universe matching of all K models (Crisostomi et al., "C2M3:
-Cycle-Consistent Multi-Model Merging", NeurIPS 2024; :mod:`core.universe`), then averaged; each merge again after
+Cycle-Consistent Multi-Model Merging", NeurIPS 2024; :mod:`core.merging.universe`), then averaged; each merge again after
 REPAIR (Jordan et al., "REPAIR: REnormalizing Permuted Activations for Interpolation Repair", ICLR 2023;
 :func:`fl_app.analysis.merge.repair_merge`, statistics on each client's own training split, as ``repair=on``
 takes them); the ensemble (mean softmax) and the best client. It also records the cycle-consistency error that
@@ -31,9 +31,9 @@ from benchutil import append_jsonl, machine, read_jsonl
 from flwr.app import ArrayRecord
 from one_shot import NETWORKS, run_config
 
-from core.alignment import align_and_average, matching_generator
+from core.merging.alignment import align_and_average, matching_generator
 from core.model_io import build_run_model, load_arrays
-from core.training import evaluate
+from core.training.sgd import evaluate
 from fl_app.analysis.merge import UNIVERSE, merge_accuracies, repair_merge, train_clients
 from fl_app.client_app import client_data
 

@@ -137,9 +137,9 @@ def pan_measurement(config: RunConfig, init: str) -> dict[str, Any]:
     """
     import torch
 
-    from core.alignment import find_permutations, matched_average, weighted_average
+    from core.merging.alignment import find_permutations, matched_average, weighted_average
     from core.model_io import build_run_model
-    from core.training import evaluate
+    from core.training.sgd import evaluate
     from fl_app.analysis.merge import train_clients
     from models import permute_state
 

@@ -21,10 +21,10 @@ from pathlib import Path
 import torch
 from flwr.app import ArrayRecord
 
-from core.ensemble import score_models
+from core.merging.ot_fusion import OTSettings, ot_fuse
+from core.metrics.ensemble import score_models
 from core.model_io import build_run_model, load_arrays
-from core.ot_fusion import OTSettings, ot_fuse
-from core.training import evaluate
+from core.training.sgd import evaluate
 from fl_app.analysis.merge import merge_accuracies, train_clients
 from fl_app.config import RunConfig, parse_run_config
 

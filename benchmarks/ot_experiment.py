@@ -72,9 +72,9 @@ def _merge(seed: int, k: int) -> dict[str, Any]:
     """Each of ``k`` clients' accuracy, and each one-shot merge's (Sinkhorn OT's included)."""
     import torch
 
+    from core.merging.ot_fusion import OTSettings, ot_fuse
     from core.model_io import build_run_model
-    from core.ot_fusion import OTSettings, ot_fuse
-    from core.training import evaluate
+    from core.training.sgd import evaluate
     from fl_app.analysis.merge import merge_accuracies, train_clients
     from fl_app.config import parse_run_config
 

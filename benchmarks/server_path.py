@@ -23,8 +23,8 @@ import torch
 from flwr.app import ArrayRecord, MetricRecord, RecordDict
 
 from core.model_io import build_model_for, to_arrays
-from core.replies import METRICS_RECORD, MODEL_RECORD, NUM_EXAMPLES, arrays_problem
-from core.strategy import Reply, weighted_mean
+from core.rounds.replies import METRICS_RECORD, MODEL_RECORD, NUM_EXAMPLES, arrays_problem
+from core.rounds.strategy import Reply, weighted_mean
 from fl_app.checkpoint import Checkpoint, save_checkpoint
 from fl_app.config import parse_run_config
 from fl_app.tracking import Tracking

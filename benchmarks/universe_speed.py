@@ -8,13 +8,13 @@ models, where Frank-Wolfe has the most to do; ``trained``: K models trained
 ``--epochs`` on their own Dirichlet shares of the digits from their own
 initialisations, as the merge tool's ``--init different`` trains them, at the
 digits' input shape). Reported per setting: the wall
-and CPU seconds of :func:`core.universe.universe_merge` (what one
+and CPU seconds of :func:`core.merging.universe.universe_merge` (what one
 ``matched-reference=universe`` round computes before its diagnostic), split
 into the pairwise start (K - 1 weight matchings onto client 0) and Frank-Wolfe
 (with the projection); the number of Frank-Wolfe steps and the objective at the
 start and at the end; the seconds of the round's cycle-consistency diagnostic
-(:func:`core.universe.cycle_consistency_error`); and, for comparison, the
-seconds of :func:`core.alignment.matched_average` onto the global model
+(:func:`core.merging.universe.cycle_consistency_error`); and, for comparison, the
+seconds of :func:`core.merging.alignment.matched_average` onto the global model
 (``matched-reference=global``). Run it alone (under the shared lock) with one
 torch thread:
 
@@ -30,9 +30,9 @@ import time
 
 import torch
 
-import core.universe as universe
-from core.alignment import matched_average
+import core.merging.universe as universe
 from core.data import dataset_info
+from core.merging.alignment import matched_average
 from models import PanSettings, build_model, permute_state, random_permutations
 
 CLIENT_MODELS = ("permuted", "independent", "trained")

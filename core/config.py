@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from core.data import dataset_info, list_datasets
-from core.label_noise import LABEL_NOISE_KINDS
+from core.data.label_noise import LABEL_NOISE_KINDS
 from core.partitioning.partitioners import PARTITIONERS, Split, check_partitioning, list_partitioners
 from models.init import INITS
 from models.pan import PanSettings

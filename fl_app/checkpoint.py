@@ -2,14 +2,14 @@
 
 After every round the ServerApp writes ``checkpoint.pt`` into the
 run folder: the round number, the run config, the global arrays, the strategy's
-server state (:meth:`core.strategy.ServerStrategy.state_dict`), the metrics rows so
+server state (:meth:`core.rounds.strategy.ServerStrategy.state_dict`), the metrics rows so
 far and the state of the round runner's client-sampling stream (so a resumed run samples
 the clients the uninterrupted run would have). It is written to
 a temporary file that then replaces the old one, so a crash leaves the previous
 checkpoint whole.
 
 With ``repair=on`` the server also checkpoints a training round between its merge and its REPAIR query
-(:class:`core.repair_round.PendingRepair`: the merged model and the clients' statistics on its units, with the
+(:class:`core.rounds.repair_round.PendingRepair`: the merged model and the clients' statistics on its units, with the
 strategy, recorder and sampling state of that moment); the checkpoint's round is then the last complete one and
 a resumed run asks that round's clients the query again instead of training the round again.
 
@@ -31,8 +31,8 @@ import torch
 from flwr.app import ArrayRecord
 
 from core.config import RunConfig, results_root
-from core.repair_round import PendingRepair
-from core.rounds import RoundRunner
+from core.rounds.repair_round import PendingRepair
+from core.rounds.runner import RoundRunner
 from fl_app.config import default_run_config, rename_old_keys
 from plugins.options import ConfigError
 
@@ -69,7 +69,7 @@ class Checkpoint:
     strategy_state: dict[str, Any]
     recorder_state: dict[str, Any]
     sampling_random: Any
-    """:attr:`core.rounds.RoundRunner.sampling_state`: a ``random.getstate()`` tuple."""
+    """:attr:`core.rounds.runner.RoundRunner.sampling_state`: a ``random.getstate()`` tuple."""
     pending: PendingRepair | None = None
     """Round ``round + 1`` between its merge and its REPAIR query, or None (taken at a round's end)."""
 

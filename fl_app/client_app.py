@@ -19,14 +19,14 @@ from torch import nn
 
 from core.config import RunConfig
 from core.data import ClientData, DatasetMissingError, load_dataset
-from core.label_noise import noisy_labels
+from core.data.label_noise import noisy_labels
+from core.merging.repair import REPAIR_RECORD, sites_of, unit_statistics
 from core.model_io import build_run_model, independent_start, load_arrays
-from core.nodes import is_holdout
 from core.partitioning.partitions import client_split, partition_dataset
-from core.repair import REPAIR_RECORD, sites_of, unit_statistics
-from core.repair_round import QUERY_KEY, REPAIR_QUERY, SITE_KEY
-from core.replies import CONFIG_RECORD, METRICS_RECORD, MODEL_RECORD, NEW_CLIENT, NUM_EXAMPLES
-from core.training import round_generator, seed_torch, select_device
+from core.rounds.nodes import is_holdout
+from core.rounds.repair_round import QUERY_KEY, REPAIR_QUERY, SITE_KEY
+from core.rounds.replies import CONFIG_RECORD, METRICS_RECORD, MODEL_RECORD, NEW_CLIENT, NUM_EXAMPLES
+from core.training.sgd import round_generator, seed_torch, select_device
 from fl_app.config import parse_run_config
 from fl_app.node_state import begin_message, end_train
 from fl_app.results import RAY_NODE_RECORD, ray_placement, where_this_runs
@@ -186,7 +186,7 @@ def begin_train(
 
 
 def repair_statistics(model: nn.Module, data: ClientData, device: torch.device, site: str | None = None) -> ArrayRecord:
-    """``model``'s per-unit pre-activation statistics on the client's training split (:mod:`core.repair`): of
+    """``model``'s per-unit pre-activation statistics on the client's training split (:mod:`core.merging.repair`): of
     every hidden layer, or of the layer (site) ``site``."""
     sites = sites_of(model, tuple(data.train_x.shape[1:]))
     if site is not None:
@@ -260,7 +260,7 @@ def repair_message(
 def query_message(
     message: Message, context: Context, overrides: Mapping[str, Any] | None = None, sources: Sources = PER_MESSAGE
 ) -> Message:
-    """What a QUERY message asks, by its content: a REPAIR query (:data:`core.repair_round.REPAIR_QUERY`) gets
+    """What a QUERY message asks, by its content: a REPAIR query (:data:`core.rounds.repair_round.REPAIR_QUERY`) gets
     the received model's unit statistics; any other query this node's partition, so seeded runs sample the same
     clients."""
     asked = message.content.config_records.get(CONFIG_RECORD)

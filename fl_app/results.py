@@ -24,9 +24,9 @@ from flwr.app import ArrayRecord, MetricRecord, RecordDict
 from flwr.common.logger import log
 
 from core.config import RunConfig, results_root
-from core.divergence import divergence_by_layer, weight_divergence
-from core.replies import MODEL_RECORD, NEW_CLIENT, drop_cause
-from core.rounds import Participation
+from core.metrics.divergence import divergence_by_layer, weight_divergence
+from core.rounds.replies import MODEL_RECORD, NEW_CLIENT, drop_cause
+from core.rounds.runner import Participation
 from fl_app.patches import seam
 from fl_app.provenance import git_commit, machine
 

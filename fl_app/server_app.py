@@ -14,15 +14,15 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 from torch import nn
 
-from core.alignment import units_moved
 from core.config import RunConfig
 from core.data import check_dataset_available, load_dataset
-from core.ensemble import score_models
+from core.merging.alignment import units_moved
+from core.metrics.ensemble import score_models
 from core.model_io import build_run_model, load_arrays
-from core.nodes import PartitionTable
-from core.repair_round import PendingRepair
-from core.rounds import MetricAggregation, RoundRunner
-from core.training import evaluate, seed_everything, select_device
+from core.rounds.nodes import PartitionTable
+from core.rounds.repair_round import PendingRepair
+from core.rounds.runner import MetricAggregation, RoundRunner
+from core.training.sgd import evaluate, seed_everything, select_device
 from fl_app.checkpoint import Checkpoint, capture, resume_checkpoint, save_checkpoint
 from fl_app.config import ConfigError, build_context, parse_run_config
 from fl_app.patches.flower_runtime import prepare_simulation
@@ -55,7 +55,7 @@ def _initial_arrays(model: nn.Module, model_arrays: ArrayRecord, checkpoint: Che
 def run_experiment(grid: Grid, config: RunConfig, partition_table: PartitionTable | None = None) -> dict[str, Any]:
     """Train rounds up to ``num-server-rounds`` (after the checkpoint's round when resuming), checkpoint
     every round and write the run folder; returns the summary. ``partition_table``: where the runtime knows
-    which node holds which partition (see :class:`core.nodes.NodeDirectory`)."""
+    which node holds which partition (see :class:`core.rounds.nodes.NodeDirectory`)."""
     root = config.data_root or None
     check_tracking(config)
     check_dataset_available(config.dataset, root)

@@ -16,7 +16,7 @@ that does not (:func:`prefix_problems`). Two kinds of borrowed field keep this:
   its fields mean the same wherever they are borrowed, so they keep one key,
   ``<key_prefix>-<field>`` (``bbp-sigma`` in ``fedma`` and in the merge tool);
 * a class without ``key_prefix`` shares only a declaration (default, help, check)
-  between algorithms (``core.strategy.ServerStep``): each algorithm borrows it
+  between algorithms (``core.rounds.strategy.ServerStep``): each algorithm borrows it
   under its own prefix (``fedavgm-server-lr``, ``scaffold-server-lr``).
 """
 

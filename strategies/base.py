@@ -10,15 +10,15 @@ import torch
 from flwr.app import ArrayRecord, Context, RecordDict
 from torch import nn
 
-from core.calibration import classification_scores
 from core.config import RunConfig
 from core.data import ClientData
+from core.metrics.calibration import classification_scores
 from core.model_io import to_arrays
-from core.replies import CONFIG_RECORD
-from core.training import PlainSGD, iterate_batches
+from core.rounds.replies import CONFIG_RECORD
+from core.training.sgd import PlainSGD, iterate_batches
 
 SEQUENTIAL_HOOKS = ("train", "loss", "after_backward", "optimizer", "sgd")
-"""Hooks of the sequential update that a stacked update (:mod:`core.vectorised`) does not call."""
+"""Hooks of the sequential update that a stacked update (:mod:`core.training.vectorised`) does not call."""
 
 
 class LocalUpdate:
@@ -34,7 +34,7 @@ class LocalUpdate:
     """
 
     not_vectorised: ClassVar[str | None] = None
-    """Why this update cannot train many clients at once (:mod:`core.vectorised`), or None when it can: its
+    """Why this update cannot train many clients at once (:mod:`core.training.vectorised`), or None when it can: its
     steps are then cross-entropy plus :meth:`penalty`, the gradient plus :meth:`gradient_correction`, and
     SGD over every parameter. A subclass that overrides a hook the stacked update does not call
     (:data:`SEQUENTIAL_HOOKS`) and does not set this itself is marked as not vectorised."""

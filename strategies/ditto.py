@@ -21,7 +21,7 @@ from torch import nn
 from core.config import RunConfig
 from core.data import ClientData
 from core.model_io import federated_state
-from core.strategy import ServerStrategy
+from core.rounds.strategy import ServerStrategy
 from plugins.options import non_negative, option
 from strategies.base import LocalUpdate
 from strategies.personal import personal_scores

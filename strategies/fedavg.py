@@ -1,7 +1,7 @@
 """FedAvg (McMahan, Moore, Ramage, Hampson and Agüera y Arcas, "Communication-Efficient Learning of Deep
 Networks from Decentralized Data", AISTATS 2017): clients run local SGD, the server averages weighted by examples."""
 
-from core.strategy import ServerStrategy
+from core.rounds.strategy import ServerStrategy
 from strategies.base import LocalUpdate
 from strategies.registry import STRATEGIES, Algorithm
 

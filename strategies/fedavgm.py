@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord
 
-from core.strategy import Reply, RunContext, ServerStep, ServerStrategy, weighted_mean
+from core.rounds.strategy import Reply, RunContext, ServerStep, ServerStrategy, weighted_mean
 from plugins.options import option, option_from
 from strategies.base import LocalUpdate
 from strategies.registry import STRATEGIES, Algorithm

@@ -27,7 +27,7 @@ layer's weight is complete once both its input and output groups are matched).
 Matching group ``s`` (``fedma-matching``):
 
 * ``bbp`` (the default, FedMA's): BBP-MAP over the clients' units of the group
-  (:mod:`core.bbp`; ``bbp-sigma``, ``bbp-sigma0``, ``bbp-mu0``, ``bbp-gamma``,
+  (:mod:`core.merging.bbp`; ``bbp-sigma``, ``bbp-sigma0``, ``bbp-mu0``, ``bbp-gamma``,
   ``bbp-max-width``, ``bbp-iterations``, ``bbp-include-classifier``, defaults
   as the authors'). A client unit joins a global unit or opens a new one, so
   the matched layer may be wider than the clients'. Each client's model comes
@@ -38,13 +38,13 @@ Matching group ``s`` (``fedma-matching``):
   every model that loads it (clients, the server's evaluation, a resumed run)
   takes them (:func:`core.model_io.resize_to`).
 * ``weight`` or ``l1``: one assignment per client with that score
-  (:mod:`core.alignment`) onto the global model the cycle started from
+  (:mod:`core.merging.alignment`) onto the global model the cycle started from
   (``fedma-reference=global``) or, for ``fedma-iterations`` passes, onto the
   running matched mean (``iterative``); the width never changes.
 * ``weight`` with ``fedma-reference=universe``: the stage's group is matched
   jointly over the clients into one shared unit order (Crisostomi et al.,
   "C2M3: Cycle-Consistent Multi-Model Merging", NeurIPS 2024;
-  :mod:`core.universe`, ``fedma-universe-iterations`` and
+  :mod:`core.merging.universe`, ``fedma-universe-iterations`` and
   ``fedma-universe-tolerance``), the groups matched at earlier stages held
   fixed (every client holds them in one order already) and the same entries as
   the one-to-one matching taking part; the group's order is the first client's
@@ -65,14 +65,14 @@ weighted average of the aligned rest. Each round logs the share of units the
 stage's matching moved and the global width per group (``units-moved``,
 ``global-width`` in ``metrics.jsonl``, plotted in ``alignment.png``).
 
-With ``repair=on`` (:mod:`core.repair_round`) each stage renormalises the layers of the group it matched (the
+With ``repair=on`` (:mod:`core.rounds.repair_round`) each stage renormalises the layers of the group it matched (the
 clients' statistics follow their units through the assignment, onto the grown width with BBP-MAP), and the
 clients' models of the next stages freeze the repaired entries; the output-layer stage matches no units and is
 not repaired.
 
 Where this differs from IBM/FedMA:
 
-* BBP-MAP's own deviations are listed in :mod:`core.bbp` (a hard width cap,
+* BBP-MAP's own deviations are listed in :mod:`core.merging.bbp` (a hard width cap,
   early stop of the sweeps, one ``mu0`` for every coordinate).
 * **Any permutation spec.** The stages follow the model's permutation groups,
   so residual networks and the transformer run too (FedMA supports plain conv/FC
@@ -99,16 +99,16 @@ from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 from flwr.common.logger import log
 from torch import Tensor, nn
 
-from core.alignment import get_cost, list_costs, matching_generator, moved_share, solve_group, weighted_average
-from core.bbp import BBPSettings
-from core.bbp_model import match_group, scatter_group, units_to_entries
+from core.merging.alignment import get_cost, list_costs, matching_generator, moved_share, solve_group, weighted_average
+from core.merging.bbp import BBPSettings
+from core.merging.bbp_model import match_group, scatter_group, units_to_entries
+from core.merging.reference import UNIVERSE, Reference, refuse_universe_cost
+from core.merging.repair import assignment_coupling
+from core.merging.universe import cycle_consistency_error, pairwise_matching, universe_matching
 from core.model_io import federated_state
-from core.nodes import NodeDirectory
-from core.reference import UNIVERSE, Reference, refuse_universe_cost
-from core.repair import assignment_coupling
-from core.replies import CONFIG_RECORD, MODEL_RECORD
-from core.strategy import Reply, RunContext, ServerStrategy, states_and_weights
-from core.universe import cycle_consistency_error, pairwise_matching, universe_matching
+from core.rounds.nodes import NodeDirectory
+from core.rounds.replies import CONFIG_RECORD, MODEL_RECORD
+from core.rounds.strategy import Reply, RunContext, ServerStrategy, states_and_weights
 from models import PermutationSpec, permute_state
 from models.protocol import head_of
 from plugins.options import choice, option, option_from, source_settings
@@ -147,7 +147,7 @@ class FedMASettings:
     bbp_include_classifier: bool = option_from(BBPSettings, "include_classifier")
 
     def bbp(self) -> BBPSettings:
-        """BBP-MAP's settings: the ``bbp-*`` fields are :class:`~core.bbp.BBPSettings`'s, borrowed."""
+        """BBP-MAP's settings: the ``bbp-*`` fields are :class:`~core.merging.bbp.BBPSettings`'s, borrowed."""
         return source_settings(self, BBPSettings)
 
     @property
@@ -156,7 +156,7 @@ class FedMASettings:
 
     @property
     def passes(self) -> int:
-        """How many times one-to-one matching aligns the clients' units (:attr:`core.reference.Reference.passes`)."""
+        """How many times one-to-one matching aligns the clients' units (:attr:`core.merging.reference.Reference.passes`)."""
         return self.reference.passes
 
     def check(self) -> None:

@@ -19,7 +19,7 @@ from flwr.app import ArrayRecord
 from torch import nn
 
 from core.data import ClientData
-from core.strategy import ServerStrategy
+from core.rounds.strategy import ServerStrategy
 from models.protocol import head_of
 from strategies.base import LocalUpdate
 from strategies.personal import personal_scores

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from core.strategy import ServerStrategy
+from core.rounds.strategy import ServerStrategy
 from plugins.options import non_negative, option
 from strategies.base import LocalUpdate
 from strategies.registry import STRATEGIES, Algorithm

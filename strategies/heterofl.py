@@ -10,7 +10,7 @@ local training every hidden layer's output is divided by ``r`` (the authors' *sc
 ``heterofl-scaler``), so a narrower sub-model's activations keep the global model's scale; evaluation runs
 unscaled.
 
-With ``repair=on`` (:mod:`core.repair_round`) a unit is renormalised to the statistics of the clients whose
+With ``repair=on`` (:mod:`core.rounds.repair_round`) a unit is renormalised to the statistics of the clients whose
 sub-model holds it, measured on those clients' data (the scaler is off then, as in evaluation).
 
 Where this differs from the authors' code:
@@ -33,9 +33,9 @@ import torch
 from flwr.app import ArrayRecord
 from torch import Tensor, nn
 
-from core.replies import CONFIG_RECORD
-from core.strategy import Reply, RunContext, ServerStrategy, states_and_weights
-from core.sub_models import ClientWidths
+from core.rounds.replies import CONFIG_RECORD
+from core.rounds.strategy import Reply, RunContext, ServerStrategy, states_and_weights
+from core.rounds.sub_models import ClientWidths
 from core.widths import WIDTH_RATE
 from plugins.options import option
 from strategies.base import LocalUpdate

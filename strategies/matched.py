@@ -4,7 +4,7 @@ The one-to-one member of the matched-averaging family (Wang et al., "Federated L
 with Matched Averaging", ICLR 2020). Clients run FedAvg's local SGD. Before averaging,
 the server reorders each client model's hidden units (every group of the model's
 permutation spec) to best match a reference, solving one assignment problem per group
-with :mod:`core.alignment`, then averages weighted by examples. PAN encodings never
+with :mod:`core.merging.alignment`, then averages weighted by examples. PAN encodings never
 travel, so nothing here knows whether PANs are on: the matching reads weights only.
 With PANs on, moving a unit to another position also gives it another encoding, so the
 reordering is no longer function-preserving for that client's model. The combination is
@@ -22,7 +22,7 @@ Run-config keys:
 ``matched-cost``
     ``weight`` (weight matching of Ainsworth et al., "Git Re-Basin: Merging Models
     modulo Permutation Symmetries", ICLR 2023) or ``l1`` (Simple-FedMA, from Holm,
-    Sajjad and Matjasec, "L46 FedMA Project", project report), see :mod:`core.alignment`.
+    Sajjad and Matjasec, "L46 FedMA Project", project report), see :mod:`core.merging.alignment`.
 ``matched-reference``
     ``global``: align onto the global model the clients started from (one pass).
     ``iterative``: the first pass aligns onto the global model, each further
@@ -30,7 +30,7 @@ Run-config keys:
     mean, ``matched-iterations`` passes in all.
     ``universe``: no reference: all the round's client models are matched
     jointly into one shared unit order (Crisostomi et al., "C2M3:
-    Cycle-Consistent Multi-Model Merging", NeurIPS 2024; :mod:`core.universe`),
+    Cycle-Consistent Multi-Model Merging", NeurIPS 2024; :mod:`core.merging.universe`),
     so the maps between any two clients agree with the maps through any third;
     the merge is the example-weighted mean in the first client's unit order
     (partition order). It maximises the weight-matching similarity, so it takes
@@ -39,7 +39,7 @@ Run-config keys:
     error that aligning onto the global model would have had
     (``cycle-consistency-error``: the share of units where a direct pairwise
     matching of two clients disagrees with the composition through the global
-    model, averaged over at most :data:`core.universe.MAX_PAIRS` pairs, drawn
+    model, averaged over at most :data:`core.merging.universe.MAX_PAIRS` pairs, drawn
     at random when the round has more), which costs one weight matching per
     client and one per pair on top of the universe matching.
 ``matched-iterations``
@@ -49,7 +49,7 @@ Run-config keys:
     improvement of its objective below which it stops.
 
 With ``repair=on`` the clients' unit statistics follow their units through the matching's permutations, and the
-matched average is renormalised by REPAIR (:mod:`core.repair_round`; what the statistics reveal of a client's
+matched average is renormalised by REPAIR (:mod:`core.rounds.repair_round`; what the statistics reveal of a client's
 data: ``docs/running.md``).
 """
 
@@ -63,10 +63,10 @@ from typing import Any
 from flwr.app import ArrayRecord
 from flwr.common.logger import log
 
-from core.alignment import align_and_average, list_costs, matching_generator, moved_share
-from core.reference import UNIVERSE, Reference, refuse_universe_cost
-from core.strategy import Reply, RunContext, ServerStrategy, states_and_weights
-from core.universe import cycle_consistency_error, universe_merge
+from core.merging.alignment import align_and_average, list_costs, matching_generator, moved_share
+from core.merging.reference import UNIVERSE, Reference, refuse_universe_cost
+from core.merging.universe import cycle_consistency_error, universe_merge
+from core.rounds.strategy import Reply, RunContext, ServerStrategy, states_and_weights
 from plugins.options import choice, option_from, source_settings
 from strategies.base import LocalUpdate
 from strategies.registry import STRATEGIES, Algorithm

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from core.model_io import load_arrays, to_arrays
-from core.strategy import ServerStrategy
+from core.rounds.strategy import ServerStrategy
 from plugins.options import non_negative, option, positive
 from strategies.base import LocalUpdate
 from strategies.registry import STRATEGIES, Algorithm

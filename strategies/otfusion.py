@@ -2,7 +2,7 @@
 average (Singh & Jaggi, "Model Fusion via Optimal Transport", NeurIPS 2020, arXiv:1910.05653).
 
 Clients run FedAvg's local SGD. The server aligns every reply onto the global model the clients started from
-with :mod:`core.ot_fusion` (exact OT or Sinkhorn, layer by layer from the input, over the model's permutation
+with :mod:`core.merging.ot_fusion` (exact OT or Sinkhorn, layer by layer from the input, over the model's permutation
 description) and averages the aligned models weighted by examples (``server-weighting``). The authors fuse two
 models with ``ensemble_step``; fusing K client models onto the global model, the reference only fixes the units'
 order and the example weights take the step's place. PAN encodings never travel, so nothing here knows whether
@@ -15,12 +15,12 @@ global unit contributes to the narrower model, as the authors compress a model i
 narrow client's unit is spread over several global units (with ``otfusion-split-outgoing`` its outgoing weights
 are split among them).
 
-With ``repair=on`` (:mod:`core.repair_round`) a client's unit statistics follow its transport maps: a fused
+With ``repair=on`` (:mod:`core.rounds.repair_round`) a client's unit statistics follow its transport maps: a fused
 unit's target is the coupling-weighted mean of the mean and std of the client units carried onto it (exact for a
 permutation; for a soft map the std of a mix of units is not known without their covariances, and the weighted
 mean of their stds is its upper bound).
 
-Run-config keys ``otfusion-<field>``: the fields of :class:`core.ot_fusion.OTSettings` (their defaults and where
+Run-config keys ``otfusion-<field>``: the fields of :class:`core.merging.ot_fusion.OTSettings` (their defaults and where
 they come from are in that module's notes), and ``otfusion-downsize``.
 """
 
@@ -35,9 +35,9 @@ from flwr.app import ArrayRecord
 from flwr.common.logger import log
 from torch import Tensor
 
-from core.ot_fusion import OTSettings, align_onto, ot_fuse
-from core.strategy import Reply, RunContext, ServerStrategy, states_and_weights
-from core.sub_models import ClientWidths, first_units
+from core.merging.ot_fusion import OTSettings, align_onto, ot_fuse
+from core.rounds.strategy import Reply, RunContext, ServerStrategy, states_and_weights
+from core.rounds.sub_models import ClientWidths, first_units
 from core.widths import mixed_widths
 from plugins.options import ConfigError, choice, option_from, source_settings
 from strategies.base import LocalUpdate
@@ -66,7 +66,7 @@ class OTFusionSettings:
     )
 
     def transport(self) -> OTSettings:
-        """OT fusion's settings: the ``otfusion-*`` fields are :class:`~core.ot_fusion.OTSettings`'s, borrowed."""
+        """OT fusion's settings: the ``otfusion-*`` fields are :class:`~core.merging.ot_fusion.OTSettings`'s, borrowed."""
         return source_settings(self, OTSettings)
 
 

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from core.calibration import classification_scores
 from core.data import ClientData
+from core.metrics.calibration import classification_scores
 
 
 def personal_scores(

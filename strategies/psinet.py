@@ -19,7 +19,7 @@ holds keeps its previous global value. GroupNorm has no running statistics, so
 "GN statistics are not averaged" holds by construction. PAN encodings are not in
 the state, so PANs on or off change nothing here.
 
-With ``repair=on`` (:mod:`core.repair_round`) a group's units are renormalised to the statistics of the clients
+With ``repair=on`` (:mod:`core.rounds.repair_round`) a group's units are renormalised to the statistics of the clients
 that trained the group (a trimmed group's statistics are left out), measured on those clients' data; shared
 layers on every client's.
 
@@ -41,9 +41,9 @@ from flwr.app import Array, ArrayRecord, RecordDict
 from torch import nn
 
 from core.model_io import federated_state
-from core.replies import reply_problem
-from core.strategy import Reply, RunContext, ServerStrategy
-from core.training import PlainSGD
+from core.rounds.replies import reply_problem
+from core.rounds.strategy import Reply, RunContext, ServerStrategy
+from core.training.sgd import PlainSGD
 from models.psinet import GroupLayout, held_groups
 from plugins.options import ConfigError
 from strategies.base import LocalUpdate

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from core.strategy import RunContext, ServerStrategy
+from core.rounds.strategy import RunContext, ServerStrategy
 from plugins.options import NoOptions, prefix_problems, settings_fields
 from plugins.registry import Registry
 from strategies.base import LocalUpdate

@@ -45,9 +45,9 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 from torch import nn
 
 from core.model_io import arrays_mismatch, federated_state
-from core.nodes import NodeDirectory
-from core.replies import arrays_problem
-from core.strategy import Reply, RunContext, ServerStep, ServerStrategy, weighted_mean
+from core.rounds.nodes import NodeDirectory
+from core.rounds.replies import arrays_problem
+from core.rounds.strategy import Reply, RunContext, ServerStep, ServerStrategy, weighted_mean
 from plugins.options import option_from
 from strategies.base import LocalUpdate
 from strategies.registry import STRATEGIES, Algorithm

@@ -45,12 +45,12 @@ from flwr.app import ArrayRecord, MetricRecord
 from torch import nn
 from torch.func import functional_call
 
-from core.calibration import classification_scores
 from core.config import RunConfig
 from core.data import ClientData
-from core.replies import CONFIG_RECORD
-from core.strategy import ServerStrategy
-from core.training import PlainSGD, iterate_batches
+from core.metrics.calibration import classification_scores
+from core.rounds.replies import CONFIG_RECORD
+from core.rounds.strategy import ServerStrategy
+from core.training.sgd import PlainSGD, iterate_batches
 from plugins.options import choice, non_negative, option
 from strategies.base import LocalUpdate
 from strategies.registry import STRATEGIES, Algorithm

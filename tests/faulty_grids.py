@@ -18,8 +18,8 @@ from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode
 from flwr.simulation import run_simulation
 from flwr.supercore.task_identity import TaskIdentity
 
-from core.rounds import MetricAggregation, RoundRunner
-from core.strategy import RunContext
+from core.rounds.runner import MetricAggregation, RoundRunner
+from core.rounds.strategy import RunContext
 from fl_app.client_app import build_client_app
 from fl_app.config import parse_run_config
 from fl_app.inprocess import InProcessGrid

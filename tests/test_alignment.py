@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from core.alignment import (
+from core.merging.alignment import (
     align,
     find_permutations,
     list_costs,

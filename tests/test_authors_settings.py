@@ -6,7 +6,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
 from core.data import ClientData
-from core.strategy import Reply, weighted_mean
+from core.rounds.strategy import Reply, weighted_mean
 from fl_app.config import parse_run_config
 from models import build_model, permute_state, random_permutations
 from strategies.base import LocalUpdate

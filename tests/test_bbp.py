@@ -1,4 +1,4 @@
-"""BBP-MAP (core/bbp.py; over a model, core/bbp_model.py): the vectorised matching equals a plain loop-based
+"""BBP-MAP (core/merging/bbp.py; over a model, core/merging/bbp_model.py): the vectorised matching equals a plain loop-based
 one, and it has FedMA's properties.
 
 The reference below writes the paper's cost (PFNM / FedMA, as in the authors'
@@ -24,8 +24,8 @@ import pytest
 import torch
 from scipy.optimize import linear_sum_assignment
 
-from core.bbp import BBPSettings, extended_cost, match_units
-from core.bbp_model import bbp_matched_average
+from core.merging.bbp import BBPSettings, extended_cost, match_units
+from core.merging.bbp_model import bbp_matched_average
 from models import permute_state, random_permutations
 from tests.bbp_models import CLASSES, head, mlp, prototype_rows, random_state
 

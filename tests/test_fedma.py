@@ -10,9 +10,9 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 from torch import nn
 
-from core.bbp_model import match_group
+from core.merging.bbp_model import match_group
 from core.model_io import federated_state
-from core.strategy import Reply
+from core.rounds.strategy import Reply
 from fl_app.config import build_context, parse_run_config
 from fl_app.inprocess import run_in_process
 from models import build_model, permute_state, random_permutations

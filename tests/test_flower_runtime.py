@@ -16,7 +16,7 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.simulation import run_simulation
 from flwr.supercore.task_identity import TaskIdentity
 
-from core.nodes import send_and_receive, wait_for_nodes
+from core.rounds.nodes import send_and_receive, wait_for_nodes
 from fl_app import server_app
 from fl_app.client_app import build_client_app
 from fl_app.inprocess import InProcessGrid

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from core.bbp import BBPSettings
-from core.strategy import ServerStep, ServerStrategy
+from core.merging.bbp import BBPSettings
+from core.rounds.strategy import ServerStep, ServerStrategy
 from fl_app.checkpoint import CHECKPOINT
 from fl_app.config import ConfigError, default_run_config, parse_run_config, rename_old_keys
 from fl_app.inprocess import run_in_process

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from core.config import RunConfig
-from core.label_noise import noisy_labels
+from core.data.label_noise import noisy_labels
 from fl_app.client_app import client_data
 from fl_app.config import ConfigError, parse_run_config
 

@@ -12,7 +12,7 @@ from flwr.app import ArrayRecord, MetricRecord, RecordDict
 from torch import nn
 
 import models.registry as model_registry
-from core.strategy import Reply, ServerStrategy
+from core.rounds.strategy import Reply, ServerStrategy
 from fl_app.config import ConfigError, build_context, check_run, parse_run_config
 from fl_app.inprocess import run_in_process
 from models import PanSettings, build_model, permute_state, random_permutations

@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from core.bbp import BBPSettings
 from core.data import ImageDataset, load_dataset
+from core.merging.bbp import BBPSettings
 from fl_app.analysis.__main__ import main
 from fl_app.analysis.common import AnalysisError
 from fl_app.analysis.merge import merge_accuracies
@@ -101,7 +101,7 @@ def test_the_bbp_merge_reports_its_accuracy_and_global_widths(tmp_path, capsys):
     )
     assert code == 0
     payload = json.loads((tmp_path / "merge.json").read_text())
-    # every BBP-MAP setting is an option (declared once, in core.bbp.BBPSettings) and recorded
+    # every BBP-MAP setting is an option (declared once, in core.merging.bbp.BBPSettings) and recorded
     assert payload["bbp"] == {**dataclasses.asdict(BBPSettings()), "include_classifier": True, "iterations": 2}
     assert {"matched-bbp", "matched-weight", "average", "ensemble"} <= set(payload["merged-accuracy"])
     widths = payload["bbp-global-width"]

@@ -9,7 +9,7 @@ import math
 import pytest
 from flwr.app import Message, MessageType, MetricRecord, RecordDict
 
-from core.rounds import MetricAggregation, RoundRunner
+from core.rounds.runner import MetricAggregation, RoundRunner
 from fl_app.client_app import build_client_app
 from fl_app.config import ConfigError, build_context, parse_run_config
 from fl_app.inprocess import InProcessGrid

@@ -10,13 +10,13 @@ import pytest
 import torch
 from flwr.app import ArrayRecord
 
-from core.alignment import matched_average, matching_generator, weighted_average
 from core.data import dataset_info
-from core.ensemble import score_models
+from core.merging.alignment import matched_average, matching_generator, weighted_average
+from core.merging.ot_fusion import ot_fuse
+from core.metrics.ensemble import score_models
 from core.model_io import build_model_for, build_run_model, federated_state, independent_start
-from core.ot_fusion import ot_fuse
-from core.strategy import ServerStrategy, build_context
-from core.training import seed_everything
+from core.rounds.strategy import ServerStrategy, build_context
+from core.training.sgd import seed_everything
 from fl_app.analysis.merge import train_clients
 from fl_app.config import ConfigError, check_run, parse_run_config
 from fl_app.engines.batched import run_batched

@@ -8,8 +8,8 @@ import dataclasses
 
 import pytest
 
-from core.bbp import BBPSettings
 from core.config import SECTIONS, PanSection, RunConfig
+from core.merging.bbp import BBPSettings
 from fl_app.config import ConfigError, parse_run_config
 from models import PanSettings, list_models
 from models.registry import model_options

@@ -1,4 +1,4 @@
-"""The OT fusion engine (core/ot_fusion.py): permuted copies, agreement with the Hungarian matcher, Sinkhorn's
+"""The OT fusion engine (core/merging/ot_fusion.py): permuted copies, agreement with the Hungarian matcher, Sinkhorn's
 approach to exact OT, and fusion across widths."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import dataclasses
 import pytest
 import torch
 
-from core.alignment import find_permutations, inner_products, solve_group
-from core.ot_fusion import (
+from core.merging.alignment import find_permutations, inner_products, solve_group
+from core.merging.ot_fusion import (
     OTSettings,
     Transport,
     align_onto,

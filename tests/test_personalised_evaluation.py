@@ -10,8 +10,8 @@ import pytest
 import torch
 from flwr.app import MetricRecord, RecordDict
 
-from core.calibration import calibration_errors
 from core.data import ClientData
+from core.metrics.calibration import calibration_errors
 from fl_app.results import RoundRecorder
 from strategies.base import LocalUpdate
 from strategies.superfed import (

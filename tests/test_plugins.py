@@ -9,7 +9,7 @@ import torch
 
 from core.data import dataset_info
 from core.model_io import build_model_for
-from core.rounds import MetricAggregation, RoundRunner
+from core.rounds.runner import MetricAggregation, RoundRunner
 from fl_app.client_app import build_client_app
 from fl_app.config import ConfigError, build_context, check_run, parse_run_config
 from fl_app.inprocess import InProcessGrid, run_in_process

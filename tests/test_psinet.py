@@ -15,7 +15,7 @@ from torch import nn
 
 from core.config import RunConfig
 from core.model_io import build_run_model, federated_state
-from core.strategy import Reply, RunContext
+from core.rounds.strategy import Reply, RunContext
 from fl_app.config import ConfigError, check_run, parse_run_config
 from fl_app.inprocess import run_in_process
 from models import PanSettings, build_model

@@ -17,11 +17,11 @@ from flwr.app import Error, Message, MessageType
 from flwr.common.constant import ErrorCode
 from flwr.supercore.task_identity import TaskIdentity
 
-from core.alignment import align_and_average, matching_generator, weighted_average
 from core.data import load_dataset
+from core.merging.alignment import align_and_average, matching_generator, weighted_average
+from core.merging.repair import UnitStats, carry_statistics, find_sites, pooled, repair_in_order, unit_statistics
 from core.model_io import build_run_model
-from core.repair import UnitStats, carry_statistics, find_sites, pooled, repair_in_order, unit_statistics
-from core.repair_round import QUERY_KEY, REPAIR_QUERY
+from core.rounds.repair_round import QUERY_KEY, REPAIR_QUERY
 from fl_app import server_app
 from fl_app.analysis.merge import repair_merge, train_clients
 from fl_app.checkpoint import load_checkpoint, save_checkpoint

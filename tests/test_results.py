@@ -7,7 +7,7 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, MetricRecord, RecordDict
 
-from core.rounds import Participation
+from core.rounds.runner import Participation
 from fl_app.results import RoundRecorder, plot_accuracy
 
 

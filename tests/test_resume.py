@@ -19,7 +19,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
 from core.config import RunConfig
-from core.strategy import Reply, RunContext, ServerStrategy
+from core.rounds.strategy import Reply, RunContext, ServerStrategy
 from fl_app import checkpoint as checkpoint_module
 from fl_app import server_app
 from fl_app.checkpoint import CHECKPOINT, capture, load_checkpoint, save_checkpoint

@@ -17,9 +17,9 @@ from torch import nn
 
 from core.config import RunConfig
 from core.model_io import to_arrays
-from core.nodes import NodeDirectory
-from core.replies import reply_problem
-from core.strategy import Reply, RunContext
+from core.rounds.nodes import NodeDirectory
+from core.rounds.replies import reply_problem
+from core.rounds.strategy import Reply, RunContext
 from fl_app.config import parse_run_config
 from fl_app.inprocess import run_in_process
 from models import build_model

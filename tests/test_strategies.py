@@ -11,9 +11,9 @@ from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordD
 from flwr.clientapp import ClientApp
 from torch import nn
 
-from core.replies import array_values, reply_problem
-from core.rounds import MetricAggregation, Participation, RoundRunner
-from core.strategy import Reply, RunContext, ServerStrategy
+from core.rounds.replies import array_values, reply_problem
+from core.rounds.runner import MetricAggregation, Participation, RoundRunner
+from core.rounds.strategy import Reply, RunContext, ServerStrategy
 from fl_app.config import parse_run_config
 from fl_app.inprocess import InProcessGrid
 from models.protocol import ModelHead

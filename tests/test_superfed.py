@@ -202,7 +202,7 @@ def test_batchnorm_statistics_are_re_estimated_for_mixed_points_but_not_for_the_
 def test_two_rounds_keep_each_local_model_across_rounds_and_report_personalised_accuracy(tmp_path):
     from core.data import load_dataset
     from core.model_io import build_run_model
-    from core.training import evaluate
+    from core.training.sgd import evaluate
 
     config = {
         "strategy": "superfed",

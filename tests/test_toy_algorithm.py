@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 from flwr.app import Array, ArrayRecord
 
-from core.strategy import Reply, ServerStrategy, weighted_mean
+from core.rounds.strategy import Reply, ServerStrategy, weighted_mean
 from plugins.options import option, unit_interval
 from strategies.base import LocalUpdate
 from strategies.registry import STRATEGIES, Algorithm

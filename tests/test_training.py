@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from core import training
-from core.training import evaluate, iterate_batches, round_generator, select_device
+from core.training import sgd
+from core.training.sgd import evaluate, iterate_batches, round_generator, select_device
 
 
 @pytest.fixture
@@ -19,7 +19,7 @@ def flwr_log(caplog):
 
 
 def test_auto_falls_back_to_cpu_and_says_so(monkeypatch, flwr_log):
-    monkeypatch.setattr(training.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(sgd.torch.cuda, "is_available", lambda: False)
     assert select_device("auto") == torch.device("cpu")
     # a set: caplog sees the record through its own handler and through the root logger
     assert {(r.levelno, r.getMessage()) for r in flwr_log.records} == {
@@ -28,7 +28,7 @@ def test_auto_falls_back_to_cpu_and_says_so(monkeypatch, flwr_log):
 
 
 def test_explicit_cuda_without_cuda_falls_back_with_a_warning(monkeypatch, flwr_log):
-    monkeypatch.setattr(training.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(sgd.torch.cuda, "is_available", lambda: False)
     assert select_device("cuda:1") == torch.device("cpu")
     assert {(r.levelno, r.getMessage()) for r in flwr_log.records} == {
         (logging.WARNING, "device=cuda:1 requested but CUDA is not available: falling back to CPU")
@@ -36,7 +36,7 @@ def test_explicit_cuda_without_cuda_falls_back_with_a_warning(monkeypatch, flwr_
 
 
 def test_auto_takes_cuda_when_present(monkeypatch):
-    monkeypatch.setattr(training.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(sgd.torch.cuda, "is_available", lambda: True)
     assert select_device("auto") == torch.device("cuda")
 
 
@@ -83,12 +83,12 @@ def _train(make_optimizer, device: torch.device, steps: int = 6) -> list[torch.T
 def test_plain_sgd_takes_torchs_sgd_steps_bit_for_bit(momentum, weight_decay):
     devices = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
     for device in devices:
-        ours = _train(lambda p: training.PlainSGD(p, 0.1, momentum, weight_decay), device)
+        ours = _train(lambda p: sgd.PlainSGD(p, 0.1, momentum, weight_decay), device)
         torchs = _train(lambda p: torch.optim.SGD(p, lr=0.1, momentum=momentum, weight_decay=weight_decay), device)
         exact = device.type == "cpu"  # on CUDA torch takes its batched path: the same formula, rounding may differ
         for a, b in zip(ours, torchs):
             assert torch.equal(a, b) if exact else torch.allclose(a, b, atol=1e-6)
-        one_step = _train(lambda p: training.PlainSGD(p, 0.1, momentum, weight_decay), device, steps=1)
+        one_step = _train(lambda p: sgd.PlainSGD(p, 0.1, momentum, weight_decay), device, steps=1)
         assert torch.equal(ours[0], one_step[0])  # the layer without gradients stayed where step 1 left it
         assert not torch.equal(ours[-1], one_step[-1])  # the others went on moving
 
@@ -98,7 +98,7 @@ def test_plain_sgd_does_not_import_torch_dynamo():
     import sys
 
     code = (
-        "import sys, torch; from core.training import PlainSGD; m = torch.nn.Linear(2, 2); "
+        "import sys, torch; from core.training.sgd import PlainSGD; m = torch.nn.Linear(2, 2); "
         "o = PlainSGD(m.parameters(), 0.1, 0.9, 1e-4); m(torch.ones(1, 2)).sum().backward(); o.step(); "
         "print('torch._dynamo' in sys.modules)"
     )

@@ -8,9 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from core import tokens
-from core.alignment import find_permutations, list_costs
-from core.data import load_dataset
+from core.data import load_dataset, tokens
+from core.merging.alignment import find_permutations, list_costs
 from fl_app.inprocess import run_in_process
 from models import PanSettings, PermutationSpec, invert_permutations, permute_state, random_permutations
 from models.transformer import Transformer1, sinusoid_table

@@ -13,10 +13,8 @@ import torch
 from flwr.app import ArrayRecord, MetricRecord, RecordDict
 from torch import nn
 
-from core.alignment import find_permutations, weighted_average
-from core.model_io import federated_state
-from core.strategy import Reply
-from core.universe import (
+from core.merging.alignment import find_permutations, weighted_average
+from core.merging.universe import (
     UniverseSettings,
     _best_step,
     _dense,
@@ -28,6 +26,8 @@ from core.universe import (
     universe_matching,
     universe_merge,
 )
+from core.model_io import federated_state
+from core.rounds.strategy import Reply
 from fl_app.analysis.__main__ import main
 from fl_app.config import ConfigError, build_context, parse_run_config
 from fl_app.inprocess import run_in_process
@@ -113,7 +113,7 @@ def test_permuted_copies_are_matched_into_one_universe_exactly(name):
 
 @pytest.mark.parametrize("name", ["small-mlp", "twocnn", "resnet20", "transformer-1", "vgg9-bn"])
 def test_two_models_match_as_pairwise_weight_matching(name):
-    """N = 2 unrelated models: the universe map from model 1 to model 0 is core.alignment's weight matching."""
+    """N = 2 unrelated models: the universe map from model 1 to model 0 is core.merging.alignment's weight matching."""
     spec, first = _state(name, seed=1)
     _, second = _state(name, seed=2)
     match = universe_matching([first, second], spec, generator=torch.Generator().manual_seed(5))

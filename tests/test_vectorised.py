@@ -14,8 +14,8 @@ from flwr.app import Array, ArrayRecord, Context, Message, MessageType, RecordDi
 
 from core.data import ClientData, load_dataset
 from core.model_io import build_run_model, load_arrays
-from core.training import round_generator
-from core.vectorised import StackedTrainer, unsupported
+from core.training.sgd import round_generator
+from core.training.vectorised import StackedTrainer, unsupported
 from fl_app.client_app import TrainJob, finish_train
 from fl_app.config import build_context, parse_run_config
 from fl_app.engines.batched import run_batched
@@ -161,7 +161,7 @@ def test_the_stacked_update_steps_each_client_through_exactly_its_own_batches():
     model.double()
     start = {k: v.clone() for k, v in model.state_dict().items()}
     x, y = torch.randn(20, 3, dtype=torch.float64), torch.randint(0, 2, (20,))
-    from core.vectorised import ClientSteps
+    from core.training.vectorised import ClientSteps
 
     alone = StackedTrainer(model, [start], 0.1, 0.9, 0.01).run(
         [ClientSteps(x[:7], y[:7], [torch.arange(4), torch.arange(4, 7)])]

@@ -12,8 +12,8 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
-from core.strategy import Reply
-from core.sub_models import first_units
+from core.rounds.strategy import Reply
+from core.rounds.sub_models import first_units
 from core.widths import WIDTH_RATE, client_widths, global_width, unused_widths, width_of
 from fl_app.checkpoint import load_checkpoint
 from fl_app.client_app import build_client_app

@@ -7,10 +7,11 @@ cache spares other processes the parsing. How a data set is split over clients
 is :mod:`core.partitioning`'s job.
 
 This package's modules declare the data sets (:mod:`core.data.sources`: where
-each one's files come from and how they are read); importing the package
-imports every one of them, and each registers its data sets in
-:data:`DATASETS`, so a module dropped here adds data sets with no other line
-to edit.
+each one's files come from and how they are read; :mod:`core.data.tokens`
+generates the synthetic token task) or change a client's share of them
+(:mod:`core.data.label_noise`); importing the package imports every one of them,
+and each registers its data sets in :data:`DATASETS`, so a module dropped here
+adds data sets with no other line to edit.
 """
 
 from __future__ import annotations

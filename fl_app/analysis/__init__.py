@@ -4,7 +4,7 @@ Each tool is a library function and a command, ``python -m fl_app.analysis <tool
 the commands write ``<tool>.json`` and ``<tool>.png`` into an output folder.
 """
 
-from core.divergence import divergence_by_layer, weight_divergence
+from core.metrics.divergence import divergence_by_layer, weight_divergence
 from fl_app.analysis.common import AnalysisError
 from fl_app.analysis.matching import GroupMatch, matching_ratio
 from fl_app.analysis.preference import PreferenceAgreement, compare_preferences, preference_vectors

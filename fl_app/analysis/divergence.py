@@ -24,7 +24,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from core.divergence import divergence_by_layer, normalised_weights, weight_divergence
+from core.metrics.divergence import divergence_by_layer, normalised_weights, weight_divergence
 from fl_app.analysis.common import (
     AnalysisError,
     Subcommand,

@@ -14,16 +14,16 @@ dataset's test split, it reports the accuracy of
 * every client model on its own;
 * ``average``: the coordinate-wise average, weighted by example counts (one-shot FedAvg);
 * ``matched-<cost>``: every model aligned onto client 0 with that cost (see
-  :mod:`core.alignment`), then averaged the same way; with
+  :mod:`core.merging.alignment`), then averaged the same way; with
   ``--match-iterations N`` the models are aligned again onto the matched mean,
   ``N`` passes in all;
 * ``matched-bbp``: FedMA's BBP-MAP matching of every layer in turn
-  (:mod:`core.bbp`, the authors' defaults), which may open new global units:
+  (:mod:`core.merging.bbp`, the authors' defaults), which may open new global units:
   the merged model can be wider than the clients' (its width per layer is
   reported); the output layer is averaged per class with the clients' class
   counts, as FedMA does;
 * ``matched-ot``: every model carried onto the reference model by optimal
-  transport (:mod:`core.ot_fusion`: Singh & Jaggi, "Model Fusion via Optimal
+  transport (:mod:`core.merging.ot_fusion`: Singh & Jaggi, "Model Fusion via Optimal
   Transport", NeurIPS 2020; exact or Sinkhorn, the ``--otfusion-*`` options are
   the ``otfusion`` strategy's keys), then averaged the same way; it also fuses
   models of different widths (``--widths``) into the reference's width;
@@ -31,19 +31,19 @@ dataset's test split, it reports the accuracy of
   upper reference rather than a single model);
 * with ``--repair``, every merge again after REPAIR (``<merge>+repair``: Jordan,
   Sedghi, Saukh, Entezari and Neyshabur, "REPAIR: REnormalizing Permuted
-  Activations for Interpolation Repair", ICLR 2023; :mod:`core.repair`), each
+  Activations for Interpolation Repair", ICLR 2023; :mod:`core.merging.repair`), each
   client's statistics taken on its own training split, as a one-shot run with
   ``repair=on`` takes them (the same merged model).
 
 The reference is client ``--reference`` (0 by default). With ``--reference
 universe`` there is none: ``matched-universe`` replaces ``matched-weight``, all
 models matched jointly into one shared unit order (Crisostomi et al., "C2M3:
-Cycle-Consistent Multi-Model Merging", NeurIPS 2024; :mod:`core.universe`,
+Cycle-Consistent Multi-Model Merging", NeurIPS 2024; :mod:`core.merging.universe`,
 Frank-Wolfe's settings as ``--universe-iterations`` and
 ``--universe-tolerance``) and averaged in client 0's unit order; the JSON
 then also holds Frank-Wolfe's objective per iteration, the objective of the
 final permutations and the cycle-consistency error that aligning onto client
-0 would have had (per group; at most :data:`core.universe.MAX_PAIRS` pairs).
+0 would have had (per group; at most :data:`core.merging.universe.MAX_PAIRS` pairs).
 The merges that align onto a client (``l1``, ``ot``) are refused with it, and
 the default ``--costs`` are then ``weight`` and ``bbp``. With ``--widths`` the
 clients train models of those width multipliers (cycled over the clients; the
@@ -68,14 +68,12 @@ import torch
 from flwr.app import ArrayRecord
 from torch import Tensor, nn
 
-from core.alignment import align_and_average, list_costs, matching_generator, weighted_average
-from core.bbp import BBPSettings
-from core.bbp_model import bbp_matched_average
 from core.data import ImageDataset, dataset_info, list_datasets, load_dataset
-from core.ensemble import score_models
-from core.model_io import build_model_at, build_run_model, federated_state, independent_start, load_arrays
-from core.ot_fusion import OTSettings, ot_fuse
-from core.repair import (
+from core.merging.alignment import align_and_average, list_costs, matching_generator, weighted_average
+from core.merging.bbp import BBPSettings
+from core.merging.bbp_model import bbp_matched_average
+from core.merging.ot_fusion import OTSettings, ot_fuse
+from core.merging.repair import (
     Site,
     UnitStats,
     assignment_coupling,
@@ -84,8 +82,10 @@ from core.repair import (
     sites_of,
     unit_statistics,
 )
-from core.training import evaluate, round_generator, seed_everything, seed_torch, select_device
-from core.universe import UniverseSettings, cycle_consistency_error, universe_merge
+from core.merging.universe import UniverseSettings, cycle_consistency_error, universe_merge
+from core.metrics.ensemble import score_models
+from core.model_io import build_model_at, build_run_model, federated_state, independent_start, load_arrays
+from core.training.sgd import evaluate, round_generator, seed_everything, seed_torch, select_device
 from core.widths import width_of
 from fl_app.analysis.common import (
     AnalysisError,
@@ -164,7 +164,7 @@ def merge_accuracies(
     """Test accuracy of each state and of every merge (``average``, ``matched-<cost>``, ``ensemble``), and the
     global width per layer of the BBP-MAP merge (the reference's without ``bbp`` among ``costs``). States of
     different widths are merged by ``ot`` only (and ensembled). ``seed``: the run's, for the matching's order
-    (:func:`core.alignment.matching_generator`, round 1 as a one-shot run). ``repair_data``: each state's client's
+    (:func:`core.merging.alignment.matching_generator`, round 1 as a one-shot run). ``repair_data``: each state's client's
     training inputs; every merge is then also scored after REPAIR (``<merge>+repair``, :func:`repair_merge`).
 
     ``reference="universe"``: the ``weight`` cost matches all states jointly (``matched-universe``, with
@@ -241,7 +241,7 @@ def repair_merge(
     weights: Sequence[float],
     device: torch.device,
 ) -> dict[str, Tensor]:
-    """``merged`` after REPAIR, as a federated round with ``repair=on`` makes it (:mod:`core.repair`): each state's
+    """``merged`` after REPAIR, as a federated round with ``repair=on`` makes it (:mod:`core.merging.repair`): each state's
     unit statistics on its client's inputs ``data`` carried onto the merged units by ``unit_maps``, the merged
     model's on the same inputs, clients weighted by ``weights`` (their example counts)."""
     sites = sites_of(model, tuple(data[0].shape[1:]))

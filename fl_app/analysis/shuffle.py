@@ -41,7 +41,7 @@ import torch
 from torch import Tensor, nn
 
 from core.data import dataset_info
-from core.training import evaluate
+from core.training.sgd import evaluate
 from fl_app.analysis.common import (
     AnalysisError,
     Subcommand,

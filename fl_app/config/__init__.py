@@ -8,11 +8,11 @@
   table and ``docs/configuration.md``'s key tables and names (``python -m fl_app.config --write``).
 
 The run context the algorithm's server side receives is built beside its definition
-(:func:`core.strategy.build_context`).
+(:func:`core.rounds.strategy.build_context`).
 """
 
 from core.config import RunConfig, results_root
-from core.strategy import build_context
+from core.rounds.strategy import build_context
 from fl_app.config.checks import check_paths, check_run, path_problem, pyproject_problem, validate_run
 from fl_app.config.schema import (
     OwnedSetting,

@@ -19,7 +19,7 @@ from flwr.common.logger import log
 from core.config import RunConfig, results_root
 from core.data import dataset_info
 from core.model_io import build_model_for
-from core.strategy import ServerStrategy, build_context
+from core.rounds.strategy import ServerStrategy, build_context
 from core.widths import check_widths_used
 from fl_app.config import tables
 from fl_app.config.schema import default_run_config, owned_settings

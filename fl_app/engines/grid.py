@@ -21,8 +21,8 @@ from flwr.common.logger import log
 from core.config import RunConfig
 from core.data import dataset_info
 from core.model_io import build_model_for
-from core.training import select_device
-from core.vectorised import unsupported
+from core.training.sgd import select_device
+from core.training.vectorised import unsupported
 from fl_app.config import ConfigError
 from fl_app.engines.worker import Job, Worker
 from fl_app.inprocess import FIRST_NODE_ID, give_message_id, node_contexts, set_task_identity
@@ -72,7 +72,7 @@ def vectorise_choice(config: RunConfig, setting: str, gpu_workers: bool = False)
 
     ``sim.vectorise``: ``on`` = wherever the algorithm's local update and the model allow it, on any device;
     ``auto`` = there and only where the clients also train on CUDA (``device`` as
-    :func:`core.training.select_device` resolves it here, or Ray workers given a GPU share, ``gpu_workers``): on
+    :func:`core.training.sgd.select_device` resolves it here, or Ray workers given a GPU share, ``gpu_workers``): on
     a CPU a stacked update was not faster than one client after another (``benchmarks/stacked_step.py``);
     ``off`` = never.
     """

@@ -5,7 +5,7 @@ data once sliced (training splits also on the model's device, for stacked update
 per configuration, and runs each message as :mod:`fl_app.client_app` runs it under Flower: the same seeds,
 batches and replies. Training messages of an algorithm whose local update vectorises
 (:attr:`strategies.base.LocalUpdate.not_vectorised`) train as one stacked update
-(:class:`core.vectorised.StackedTrainer`) when the worker is asked to; everything the ClientApp does before
+(:class:`core.training.vectorised.StackedTrainer`) when the worker is asked to; everything the ClientApp does before
 and after the local steps is still done per message. A message that raises gets an error reply with the
 reason, as Flower's runtimes give it, and the worker goes on.
 """
@@ -22,8 +22,8 @@ from flwr.common.logger import log
 
 from core.config import RunConfig
 from core.data import ClientData
-from core.training import batch_order
-from core.vectorised import ClientSteps, StackedTrainer, stacked_state_names
+from core.training.sgd import batch_order
+from core.training.vectorised import ClientSteps, StackedTrainer, stacked_state_names
 from fl_app.client_app import (
     Sources,
     TrainJob,

@@ -18,7 +18,7 @@ a name is not there as read, the state keeps Flower's own lookup and the log say
 :func:`prepare_simulation` installs it and reads which partition each node holds from the same state: Flower's
 simulation registers its nodes in a loop and gives the i-th partition i (``vce_api._register_nodes``), and the
 state keeps its nodes in registration order. The round runner then asks one node instead of every node
-(:class:`core.nodes.NodeDirectory`, which checks that node's answer against the table).
+(:class:`core.rounds.nodes.NodeDirectory`, which checks that node's answer against the table).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Any
 from flwr.app import Message
 from flwr.serverapp import Grid
 
-from core.nodes import PartitionTable
+from core.rounds.nodes import PartitionTable
 from fl_app.patches import seam
 from fl_app.patches.ray_pool import drop_lost_actors
 

@@ -1,7 +1,7 @@
 """Many clients' local SGD as one computation: their models stacked along a new first axis, one step of all
 of them at once with ``torch.func`` (``functional_call`` under ``vmap`` of ``grad``).
 
-The arithmetic is the sequential update's (:class:`core.training.PlainSGD` after cross-entropy, plus an
+The arithmetic is the sequential update's (:class:`core.training.sgd.PlainSGD` after cross-entropy, plus an
 algorithm's parameter-only loss term and constant gradient correction): each client's batches in its own
 order, weight decay, momentum (each client's buffer starts with its first step's direction) and its
 BatchNorm statistics (buffers stacked too, updated in place under ``vmap``). Clients of unequal sizes take
@@ -78,7 +78,7 @@ class StackedTrainer:
     starts : list of dict
         Each client's starting state (from :func:`stacked_state_names`' entries of its ``state_dict``).
     lr, momentum, weight_decay : float
-        :class:`core.training.PlainSGD`'s settings, the same for every client.
+        :class:`core.training.sgd.PlainSGD`'s settings, the same for every client.
     penalty : Penalty or None
         A loss term added to cross-entropy, of each client's parameters and its starting parameters.
     """

@@ -15,13 +15,13 @@ from torch import Tensor
 
 from core.data import dataset_info
 from core.model_io import build_model_at
-from core.replies import CONFIG_RECORD, METRICS_RECORD, MODEL_RECORD, reply_problem
+from core.rounds.replies import CONFIG_RECORD, METRICS_RECORD, MODEL_RECORD, reply_problem
 from core.widths import WIDTH_OPTION, WIDTH_RATE, client_widths, global_width, width_of, width_options
 from plugins.options import ConfigError
 
 if TYPE_CHECKING:
     from core.config import RunConfig
-    from core.nodes import NodeDirectory
+    from core.rounds.nodes import NodeDirectory
     from models import PermutationSpec
 
 

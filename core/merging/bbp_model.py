@@ -1,4 +1,4 @@
-"""BBP-MAP (:mod:`core.bbp`) over a whole model: each group of its permutation spec matched in turn, the clients'
+"""BBP-MAP (:mod:`core.merging.bbp`) over a whole model: each group of its permutation spec matched in turn, the clients'
 states scattered onto the global units it opens, and the rest averaged.
 
 A group's unit vectors are read from the client states through the spec
@@ -17,7 +17,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from core.bbp import BBPSettings, GroupMatch, as_generator, check_weights, match_units
+from core.merging.bbp import BBPSettings, GroupMatch, as_generator, check_weights, match_units
 from models.permutation import AxisRef, PermutationSpec, unit_view
 
 StateDict = Mapping[str, Tensor]

@@ -13,7 +13,7 @@ import math
 import torch
 from torch import nn
 
-from core.training import iterate_batches
+from core.training.sgd import iterate_batches
 
 CALIBRATION_BINS = 15
 

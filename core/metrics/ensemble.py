@@ -16,7 +16,7 @@ from flwr.app import ArrayRecord
 from torch import nn
 
 from core.model_io import load_arrays
-from core.training import iterate_batches
+from core.training.sgd import iterate_batches
 
 
 @dataclass(frozen=True)

@@ -1,14 +1,14 @@
 """REPAIR in a training round: the query messages after the merge, and the round's state between them.
 
-With ``repair=on`` a training round of a repairable strategy (:attr:`core.strategy.ServerStrategy.repairable`)
+With ``repair=on`` a training round of a repairable strategy (:attr:`core.rounds.strategy.ServerStrategy.repairable`)
 goes on after its merge. Its training replies carried, beside the model, the clients' per-unit statistics of their
-own trained models on their own training data (:data:`core.repair.REPAIR_RECORD`); the server carries each
-client's statistics onto the merged model's units (the strategy's :attr:`~core.strategy.ServerStrategy.unit_maps`)
+own trained models on their own training data (:data:`core.merging.repair.REPAIR_RECORD`); the server carries each
+client's statistics onto the merged model's units (the strategy's :attr:`~core.rounds.strategy.ServerStrategy.unit_maps`)
 and then corrects the merged model's layers in order from the input, one QUERY message per layer: the message
 carries the model with the layers before it already corrected, its config asks for REPAIR statistics of that
 layer (:data:`QUERY_KEY` = :data:`REPAIR_QUERY`, :data:`SITE_KEY`), every client of the round replies with that model's statistics on its
 training data, and the server folds into the layer the correction that gives each of its units the pooled
-statistics of the clients' own units (:func:`core.repair.repair_site`).
+statistics of the clients' own units (:func:`core.merging.repair.repair_site`).
 
 One message per layer is what REPAIR does: its authors measure a layer behind the layers already reset. All
 layers corrected from one set of statistics of the uncorrected merge over-correct: a later layer's measured
@@ -43,8 +43,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 from flwr.common.logger import log
 
-from core.nodes import NodeDirectory
-from core.repair import (
+from core.merging.repair import (
     REPAIR_RECORD,
     Site,
     UnitStats,
@@ -53,8 +52,9 @@ from core.repair import (
     statistics_problem,
     statistics_shapes,
 )
-from core.replies import CONFIG_RECORD, METRICS_RECORD, MODEL_RECORD, NUM_EXAMPLES, metric_record_problem
-from core.strategy import Reply, ServerStrategy
+from core.rounds.nodes import NodeDirectory
+from core.rounds.replies import CONFIG_RECORD, METRICS_RECORD, MODEL_RECORD, NUM_EXAMPLES, metric_record_problem
+from core.rounds.strategy import Reply, ServerStrategy
 from plugins.options import is_number
 
 QUERY_KEY = "query"
@@ -119,7 +119,7 @@ class PendingRepair:
 
 
 class Runner(Protocol):
-    """What REPAIR uses of the round runner (:class:`core.rounds.RoundRunner`): its strategy, nodes and metric
+    """What REPAIR uses of the round runner (:class:`core.rounds.runner.RoundRunner`): its strategy, nodes and metric
     callbacks, how it sends a message to nodes, checks the replies and builds a round's config."""
 
     strategy: ServerStrategy

@@ -63,7 +63,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from core.alignment import weighted_average
+from core.merging.alignment import weighted_average
 from models.permutation import AxisRef, PermutationSpec, unit_view
 from plugins.options import check_fields, choice, option, positive
 

@@ -2,8 +2,8 @@
 borrow under their own keys.
 
 A reference is the round's global model (``global``), the running matched mean (``iterative``, for several
-passes of :func:`core.alignment.align_and_average`) or none: all clients' models matched jointly into one shared
-unit order (``universe``, :mod:`core.universe`). Declared here, below both algorithms, so that neither imports
+passes of :func:`core.merging.alignment.align_and_average`) or none: all clients' models matched jointly into one shared
+unit order (``universe``, :mod:`core.merging.universe`). Declared here, below both algorithms, so that neither imports
 the other.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from core.universe import UniverseSettings
+from core.merging.universe import UniverseSettings
 from plugins.options import choice, option, option_from, refuse, source_settings
 
 MATCH_REFERENCES = ("global", "iterative", "universe")
@@ -44,7 +44,7 @@ class Reference:
         return self.reference == UNIVERSE
 
     def universe_settings(self) -> UniverseSettings:
-        """Frank-Wolfe's settings of the ``universe`` reference (:class:`core.universe.UniverseSettings`'s fields)."""
+        """Frank-Wolfe's settings of the ``universe`` reference (:class:`core.merging.universe.UniverseSettings`'s fields)."""
         return source_settings(self, UniverseSettings)
 
 

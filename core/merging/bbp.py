@@ -1,6 +1,6 @@
 """FedMA's Bayesian non-parametric matching (BBP-MAP), vectorised: its settings and the matching of units.
 
-:mod:`core.bbp_model` applies it to any model with a permutation spec, one group of units at a time.
+:mod:`core.merging.bbp_model` applies it to any model with a permutation spec, one group of units at a time.
 
 PFNM (Yurochkin et al., ICML 2019) and FedMA (Wang et al., ICLR 2020) treat the
 hidden units of one layer, pooled over K clients, as noisy draws of global
@@ -74,7 +74,7 @@ Where this deviates:
   sweep in order of first appearance (client 0's units first, in its order),
   which renames atoms but changes no assignment.
 * **Any permutation spec.** A unit's vector is every entry of its group that
-  is already aligned on its other axes (:func:`core.bbp_model.aligned_refs`), as the other
+  is already aligned on its other axes (:func:`core.merging.bbp_model.aligned_refs`), as the other
   alignment costs use it (normalisation entries too), except the output
   layer's weights unless ``include_classifier``. With it, the last hidden
   layer's units are also told apart by what they vote for, which the output

@@ -5,7 +5,7 @@ A :class:`ServerStrategy` may add records to the training messages
 (:meth:`ServerStrategy.reply_problem`), and folds the checked replies into the next global
 model (:meth:`ServerStrategy.aggregate`, FedAvg's weighted mean by default). It is built
 from the :class:`RunContext` the ServerApp made (:func:`build_context`); the rounds themselves are
-:class:`core.rounds.RoundRunner`'s, the same for every algorithm.
+:class:`core.rounds.runner.RoundRunner`'s, the same for every algorithm.
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ from torch import Tensor, nn
 
 from core.config import RunConfig
 from core.data import dataset_info
+from core.merging.repair import REPAIR_RECORD, RepairError, Site, find_sites, statistics_problem, statistics_shapes
 from core.model_io import to_arrays
-from core.nodes import NodeDirectory
-from core.repair import REPAIR_RECORD, RepairError, Site, find_sites, statistics_problem, statistics_shapes
-from core.replies import CONFIG_RECORD, MODEL_RECORD, array_values, reply_problem
-from core.sub_models import ClientWidths, first_units
+from core.rounds.nodes import NodeDirectory
+from core.rounds.replies import CONFIG_RECORD, MODEL_RECORD, array_values, reply_problem
+from core.rounds.sub_models import ClientWidths, first_units
 from core.widths import refuse_mixed_widths
 from models import PermutationSpec
 from models.protocol import ModelHead, head_of
@@ -35,7 +35,7 @@ class RunContext:
     """What the ServerApp built, handed to the algorithm's server side so that it never rebuilds or guesses it:
     the run's settings, the initial global arrays, the model's permutation description (None for a model
     without one), its head, for grouped nets its group layout and, with ``repair=on``, the hidden layers REPAIR
-    measures and rescales (:mod:`core.repair`) or why it cannot."""
+    measures and rescales (:mod:`core.merging.repair`) or why it cannot."""
 
     config: RunConfig
     initial_arrays: ArrayRecord
@@ -75,7 +75,7 @@ class RunContext:
 def build_context(config: RunConfig, model: nn.Module) -> RunContext:
     """The run context of ``config`` and its freshly built ``model``: the model's arrays, and what the model
     declares of itself (permutation description, head, group layout), asked of the model, never guessed; with
-    ``repair=on`` also its REPAIR sites, found on the model's own forward pass (:func:`core.repair.find_sites`)."""
+    ``repair=on`` also its REPAIR sites, found on the model's own forward pass (:func:`core.merging.repair.find_sites`)."""
     spec = model.permutation_spec() if hasattr(model, "permutation_spec") else None
     layout = model.layout() if hasattr(model, "layout") else None
     sites: tuple[Site, ...] = ()
@@ -172,7 +172,7 @@ class ServerStrategy:
     opens new units): the round runner then checks only that the aggregate is finite, not that it fits."""
     repairable: bool = False
     """Whether :meth:`aggregate` merges the clients' units aligned (matched, fused, or sliced so that unit ``i``
-    is unit ``i`` everywhere), so that ``repair=on`` may renormalise the merged units (:mod:`core.repair`)."""
+    is unit ``i`` everywhere), so that ``repair=on`` may renormalise the merged units (:mod:`core.merging.repair`)."""
     unit_maps: list[dict[str, Tensor]] | None = None
     """Set by :meth:`aggregate` of a repairable strategy that reorders units: per reply (in the order given), per
     permutation group, how the reply's units land on the aggregate's: a permutation (aggregate unit ``i`` is the

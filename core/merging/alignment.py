@@ -167,7 +167,7 @@ def unit_rows(
     dominated by these copies and the matrix products.
 
     A move may also be a ``J x J`` matrix ``M`` (a relaxed permutation, as
-    :mod:`core.universe` uses): new unit ``i`` is then ``sum_j M[i, j]`` times
+    :mod:`core.merging.universe` uses): new unit ``i`` is then ``sum_j M[i, j]`` times
     old unit ``j``; a permutation ``perm`` is the matrix with ``M[i, perm[i]] = 1``.
     """
     blocks = {axis.axis: axis.block for axis, _ in moves} | {ref.axis: ref.block}

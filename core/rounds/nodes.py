@@ -18,7 +18,7 @@ from flwr.app import Message, MessageType, RecordDict
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 
-from core.replies import METRICS_RECORD
+from core.rounds.replies import METRICS_RECORD
 
 REPLY_POLL_S = 0.2
 """Seconds between the server's requests for the replies still missing (see :func:`send_and_receive`)."""

@@ -1,10 +1,10 @@
 """One round runner for every algorithm: sampling, messages, reply checks, metrics, checkpoints, resume.
 
-An algorithm's server side is a :class:`core.strategy.ServerStrategy`; everything else is
+An algorithm's server side is a :class:`core.rounds.strategy.ServerStrategy`; everything else is
 the :class:`RoundRunner`'s, the same for all: who is sampled (a seeded ``random.Random`` of
 its own), in which order replies are folded (partition order, since float sums depend on
-order), which replies are dropped and why (:mod:`core.replies`), how metrics are folded,
-and what a checkpoint keeps. The nodes and their partitions are :mod:`core.nodes`'.
+order), which replies are dropped and why (:mod:`core.rounds.replies`), how metrics are folded,
+and what a checkpoint keeps. The nodes and their partitions are :mod:`core.rounds.nodes`'.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricReco
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 
-from core.nodes import NodeDirectory, PartitionTable, send_and_receive, wait_for_nodes
-from core.repair_round import PendingRepair, RepairStep
-from core.replies import (
+from core.rounds.nodes import NodeDirectory, PartitionTable, send_and_receive, wait_for_nodes
+from core.rounds.repair_round import PendingRepair, RepairStep
+from core.rounds.replies import (
     CONFIG_RECORD,
     METRICS_RECORD,
     MODEL_RECORD,
@@ -31,7 +31,7 @@ from core.replies import (
     evaluate_reply_problem,
     odd_metric_keys,
 )
-from core.strategy import Reply, ServerStrategy
+from core.rounds.strategy import Reply, ServerStrategy
 
 MetricsAggregator = Callable[[list[RecordDict], str], MetricRecord]
 

@@ -3,7 +3,7 @@
 Crisostomi, Fumero, Baieri, Bernard and Rodolà, "C2M3: Cycle-Consistent
 Multi-Model Merging", NeurIPS 2024.
 
-Aligning each of N models onto one reference (:mod:`core.alignment`) gives N
+Aligning each of N models onto one reference (:mod:`core.merging.alignment`) gives N
 independent pairwise matchings: the map from model i to model j through the
 reference need not be the map a direct matching of i and j finds. Here every
 model i gets one permutation ``P_i`` per permutation group of the model's
@@ -20,7 +20,7 @@ incoming and outgoing axes, biases, normalisation entries). The objective is
 the sum over all pairs ``i < j`` of ``<P_i . W_i, P_j . W_j>``, which for
 every pair is Git Re-Basin's weight-matching similarity ``<W_i, P W_j Q^T>``
 (Ainsworth, Hayase and Srinivasa, ICLR 2023) with ``P = P_i^T P_j``, layer by
-layer: the same terms as :mod:`core.alignment`'s ``weight`` cost. With
+layer: the same terms as :mod:`core.merging.alignment`'s ``weight`` cost. With
 ``A_i = P_i . W_i`` it equals ``(|sum_i A_i|^2 - sum_i |A_i|^2) / 2``.
 
 Frank-Wolfe
@@ -29,9 +29,9 @@ Each ``P_i`` is relaxed to a doubly stochastic matrix ``X_i`` (new unit ``u`` is
 ``sum_a X[u, a]`` times old unit ``a``). An iteration
 
 1. linearises: the gradient for model i and group g sums, over the entries g
-   acts on, the weight cost's score (:func:`core.alignment.inner_products`)
+   acts on, the weight cost's score (:func:`core.merging.alignment.inner_products`)
    between the unit rows of ``sum_{j != i} A_j`` and model i's unit rows with its
-   other axes carried by its current ``X_i`` (:func:`core.alignment.unit_rows`,
+   other axes carried by its current ``X_i`` (:func:`core.merging.alignment.unit_rows`,
    which takes relaxed matrices as moves);
 2. solves one linear assignment per model and group
    (:func:`scipy.optimize.linear_sum_assignment`, maximising) for the vertex
@@ -59,7 +59,7 @@ Where this differs from the authors' code (crisostomi/cycle-consistent-model-mer
 * **Start.** The authors start every ``X_i`` at the identity (their default;
   random and Sinkhorn starts are options). Here model 0 starts at the identity
   and every other model at its pairwise weight matching onto model 0
-  (:mod:`core.alignment`'s ``weight`` cost), ``start="pairwise"``; the
+  (:mod:`core.merging.alignment`'s ``weight`` cost), ``start="pairwise"``; the
   identity start is kept as ``start="identity"``. From the identity, the
   linearised step sums every other model's scores and can settle in a wrong
   joint order even for exactly permuted copies of one model; from the pairwise
@@ -100,7 +100,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from core.alignment import (
+from core.merging.alignment import (
     PairScores,
     Permutations,
     StateDict,
@@ -130,7 +130,7 @@ Move = Tensor
 @dataclass(frozen=True)
 class UniverseSettings:
     """Frank-Wolfe's settings, declared once here; the ``matched`` and ``fedma`` strategies borrow them under
-    their own keys (:class:`core.reference.Reference`) and the merge tool as ``--universe-<field>``."""
+    their own keys (:class:`core.merging.reference.Reference`) and the merge tool as ``--universe-<field>``."""
 
     iterations: int = option(
         100, "Frank-Wolfe iteration cap of universe matching", lambda v: v >= 1, "must be an integer >= 1"
@@ -212,16 +212,16 @@ def pairwise_matching(
     fixed: Collection[str] = (),
     generator: torch.Generator | None = None,
 ) -> Permutations:
-    """Group name -> permutation aligning ``other`` onto ``reference`` by :mod:`core.alignment`'s weight matching,
+    """Group name -> permutation aligning ``other`` onto ``reference`` by :mod:`core.merging.alignment`'s weight matching,
     restricted to ``groups`` with ``fixed`` at the identity as in :func:`universe_matching` (every group: exactly
-    :func:`core.alignment.find_permutations` with the ``weight`` cost)."""
+    :func:`core.merging.alignment.find_permutations` with the ``weight`` cost)."""
     check_compatible(reference, other, spec)
     problem = _Problem(spec, reference, groups, fixed)
     return _pairwise(Target(reference, spec), other, problem, generator or torch.Generator().manual_seed(0))
 
 
 def _pairwise(target: Target, other: StateDict, problem: _Problem, generator: torch.Generator) -> Permutations:
-    """``core.alignment``'s weight matching of ``other`` onto ``target`` over the problem's free groups (the fixed
+    """``core.merging.alignment``'s weight matching of ``other`` onto ``target`` over the problem's free groups (the fixed
     ones at the identity, entries touching other groups left out); with every group free, exactly its ``weight``
     cost."""
     scores = PairScores(target, other, inner_products)
