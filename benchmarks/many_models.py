@@ -1,14 +1,14 @@
 """Merging many models at once: matching onto client 0 against the universe (C2M3), each without and with REPAIR.
 
 The clients are ``one_shot.py``'s (its :func:`one_shot.run_config`: Fashion-MNIST, a fixed 3,200-image subset,
-Dirichlet(alpha), E = 20, each client from its own initialisation, trained once per (network, K, seed) cell as
-round 1 of a one-shot run trains it). Each cell scores on the test split: the example-weighted average; weight
-matching onto client 0, then averaged; the universe matching of all K models (Crisostomi et al., "C2M3:
-Cycle-Consistent Multi-Model Merging", NeurIPS 2024; :mod:`core.merging.universe`), then averaged; each merge again after
-REPAIR (Jordan et al., "REPAIR: REnormalizing Permuted Activations for Interpolation Repair", ICLR 2023;
-:func:`fl_app.analysis.merge.repair_merge`, statistics on each client's own training split, as ``repair=on``
-takes them); the ensemble (mean softmax) and the best client. It also records the cycle-consistency error that
-matching onto client 0 has (per permutation group) and Frank-Wolfe's iterations and objective.
+Dirichlet(alpha), E = 20, each client from its own initialisation, trained once per (network, K, seed) cell as round
+1 of a one-shot run trains it). Each cell scores on the test split: the example-weighted average; weight matching
+onto client 0, then averaged; the universe matching of all K models (Crisostomi et al., "C2M3: Cycle-Consistent
+Multi-Model Merging", NeurIPS 2024; :mod:`core.merging.universe`), then averaged; each merge again after REPAIR
+(Jordan et al., "REPAIR: REnormalizing Permuted Activations for Interpolation Repair", ICLR 2023;
+:func:`fl_app.analysis.merge.repair_merge`, statistics on each client's own training split, as ``repair=on`` takes
+them); the ensemble (mean softmax) and the best client. It also records the cycle-consistency error that matching
+onto client 0 has (per permutation group) and Frank-Wolfe's iterations and objective.
 
 One JSON line per cell is appended to ``--out`` as soon as it is done (a cell already there is skipped, so a
 killed run goes on); ``--report`` prints the markdown tables and draws the figure from that file alone.

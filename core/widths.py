@@ -9,8 +9,8 @@ width of a client's model is then ``round(J * width-factor * multiplier)`` as th
 Models travel at their client's width: the server sends a narrower (or wider) model, the client's model takes
 the received widths when it loads it (:func:`core.model_io.load_arrays`) and replies at that width. A strategy
 whose server side sets :attr:`core.rounds.strategy.ServerStrategy.mixed_widths` handles that: it builds a
-:class:`core.rounds.sub_models.ClientWidths` as its ``client_widths``, and the round's messages and reply checks then go at each client's
-width; every other strategy refuses a run whose widths differ (:func:`refuse_mixed_widths`),
+:class:`core.rounds.sub_models.ClientWidths` as its ``client_widths``, and the round's messages and reply checks
+then go at each client's width; every other strategy refuses a run whose widths differ (:func:`refuse_mixed_widths`),
 before anything starts. Widths past the last partition reach no client (:func:`unused_widths`): where they would
 set the global width they are refused, else named in a warning (:func:`check_widths_used`).
 """

@@ -156,7 +156,8 @@ class FedMASettings:
 
     @property
     def passes(self) -> int:
-        """How many times one-to-one matching aligns the clients' units (:attr:`core.merging.reference.Reference.passes`)."""
+        """How many times one-to-one matching aligns the clients' units
+        (:attr:`core.merging.reference.Reference.passes`)."""
         return self.reference.passes
 
     def check(self) -> None:

@@ -66,7 +66,8 @@ class OTFusionSettings:
     )
 
     def transport(self) -> OTSettings:
-        """OT fusion's settings: the ``otfusion-*`` fields are :class:`~core.merging.ot_fusion.OTSettings`'s, borrowed."""
+        """OT fusion's settings: the ``otfusion-*`` fields are :class:`~core.merging.ot_fusion.OTSettings`'s,
+        borrowed."""
         return source_settings(self, OTSettings)
 
 

@@ -1,5 +1,5 @@
-"""BBP-MAP (core/merging/bbp.py; over a model, core/merging/bbp_model.py): the vectorised matching equals a plain loop-based
-one, and it has FedMA's properties.
+"""BBP-MAP (core/merging/bbp.py; over a model, core/merging/bbp_model.py): the vectorised matching equals a plain
+loop-based one, and it has FedMA's properties.
 
 The reference below writes the paper's cost (PFNM / FedMA, as in the authors'
 ``matching/pfnm.py``) element by element with Python floats and keeps each

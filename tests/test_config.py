@@ -106,7 +106,7 @@ def test_a_missing_marker_is_refused_naming_it(tmp_path):
 
 
 def test_import_layers_are_kept():
-    """models <- core <- strategies <- apps, and the apps never import the analysis tools (import-linter)."""
+    """models <- core <- strategies <- apps, and the wings of fl_app and core in their order (import-linter)."""
     result = subprocess.run(
         [str(Path(sys.executable).parent / "lint-imports")], cwd=ROOT, capture_output=True, text=True, timeout=300
     )

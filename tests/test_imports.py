@@ -1,4 +1,5 @@
-"""The project's import graph: no circle anywhere, and fl_app's wings as pyproject.toml's contracts declare them."""
+"""The project's import graph: no circle anywhere (the layers, and the wings of fl_app and core, are
+pyproject.toml's import-linter contracts, run by tests/test_config.py)."""
 
 from pathlib import Path
 

@@ -1,5 +1,5 @@
-"""BBP-MAP (:mod:`core.merging.bbp`) over a whole model: each group of its permutation spec matched in turn, the clients'
-states scattered onto the global units it opens, and the rest averaged.
+"""BBP-MAP (:mod:`core.merging.bbp`) over a whole model: each group of its permutation spec matched in turn, the
+clients' states scattered onto the global units it opens, and the rest averaged.
 
 A group's unit vectors are read from the client states through the spec
 (:func:`match_group`), its atoms become the global entries

@@ -44,7 +44,8 @@ class Reference:
         return self.reference == UNIVERSE
 
     def universe_settings(self) -> UniverseSettings:
-        """Frank-Wolfe's settings of the ``universe`` reference (:class:`core.merging.universe.UniverseSettings`'s fields)."""
+        """Frank-Wolfe's settings of the ``universe`` reference (:class:`~core.merging.universe.UniverseSettings`'s
+        fields)."""
         return source_settings(self, UniverseSettings)
 
 

@@ -212,18 +212,18 @@ def pairwise_matching(
     fixed: Collection[str] = (),
     generator: torch.Generator | None = None,
 ) -> Permutations:
-    """Group name -> permutation aligning ``other`` onto ``reference`` by :mod:`core.merging.alignment`'s weight matching,
-    restricted to ``groups`` with ``fixed`` at the identity as in :func:`universe_matching` (every group: exactly
-    :func:`core.merging.alignment.find_permutations` with the ``weight`` cost)."""
+    """Group name -> permutation aligning ``other`` onto ``reference`` by :mod:`core.merging.alignment`'s weight
+    matching, restricted to ``groups`` with ``fixed`` at the identity as in :func:`universe_matching` (every group:
+    exactly :func:`core.merging.alignment.find_permutations` with the ``weight`` cost)."""
     check_compatible(reference, other, spec)
     problem = _Problem(spec, reference, groups, fixed)
     return _pairwise(Target(reference, spec), other, problem, generator or torch.Generator().manual_seed(0))
 
 
 def _pairwise(target: Target, other: StateDict, problem: _Problem, generator: torch.Generator) -> Permutations:
-    """``core.merging.alignment``'s weight matching of ``other`` onto ``target`` over the problem's free groups (the fixed
-    ones at the identity, entries touching other groups left out); with every group free, exactly its ``weight``
-    cost."""
+    """``core.merging.alignment``'s weight matching of ``other`` onto ``target`` over the problem's free groups (the
+    fixed ones at the identity, entries touching other groups left out); with every group free, exactly its
+    ``weight`` cost."""
     scores = PairScores(target, other, inner_products)
     identity = {group: target.identity(group) for group in problem.fixed}
     perms = sequential_matching(scores, problem.free, identity)

@@ -1,14 +1,15 @@
 """REPAIR in a training round: the query messages after the merge, and the round's state between them.
 
-With ``repair=on`` a training round of a repairable strategy (:attr:`core.rounds.strategy.ServerStrategy.repairable`)
-goes on after its merge. Its training replies carried, beside the model, the clients' per-unit statistics of their
-own trained models on their own training data (:data:`core.merging.repair.REPAIR_RECORD`); the server carries each
-client's statistics onto the merged model's units (the strategy's :attr:`~core.rounds.strategy.ServerStrategy.unit_maps`)
-and then corrects the merged model's layers in order from the input, one QUERY message per layer: the message
-carries the model with the layers before it already corrected, its config asks for REPAIR statistics of that
-layer (:data:`QUERY_KEY` = :data:`REPAIR_QUERY`, :data:`SITE_KEY`), every client of the round replies with that model's statistics on its
-training data, and the server folds into the layer the correction that gives each of its units the pooled
-statistics of the clients' own units (:func:`core.merging.repair.repair_site`).
+With ``repair=on`` a training round of a repairable strategy
+(:attr:`core.rounds.strategy.ServerStrategy.repairable`) goes on after its merge. Its training replies carried,
+beside the model, the clients' per-unit statistics of their own trained models on their own training data
+(:data:`core.merging.repair.REPAIR_RECORD`); the server carries each client's statistics onto the merged model's
+units (the strategy's :attr:`~core.rounds.strategy.ServerStrategy.unit_maps`) and then corrects the merged model's
+layers in order from the input, one QUERY message per layer: the message carries the model with the layers before it
+already corrected, its config asks for REPAIR statistics of that layer (:data:`QUERY_KEY` = :data:`REPAIR_QUERY`,
+:data:`SITE_KEY`), every client of the round replies with that model's statistics on its training data, and the
+server folds into the layer the correction that gives each of its units the pooled statistics of the clients' own
+units (:func:`core.merging.repair.repair_site`).
 
 One message per layer is what REPAIR does: its authors measure a layer behind the layers already reset. All
 layers corrected from one set of statistics of the uncorrected merge over-correct: a later layer's measured

@@ -75,7 +75,8 @@ class RunContext:
 def build_context(config: RunConfig, model: nn.Module) -> RunContext:
     """The run context of ``config`` and its freshly built ``model``: the model's arrays, and what the model
     declares of itself (permutation description, head, group layout), asked of the model, never guessed; with
-    ``repair=on`` also its REPAIR sites, found on the model's own forward pass (:func:`core.merging.repair.find_sites`)."""
+    ``repair=on`` also its REPAIR sites, found on the model's own forward pass
+    (:func:`core.merging.repair.find_sites`)."""
     spec = model.permutation_spec() if hasattr(model, "permutation_spec") else None
     layout = model.layout() if hasattr(model, "layout") else None
     sites: tuple[Site, ...] = ()

@@ -164,8 +164,8 @@ def merge_accuracies(
     """Test accuracy of each state and of every merge (``average``, ``matched-<cost>``, ``ensemble``), and the
     global width per layer of the BBP-MAP merge (the reference's without ``bbp`` among ``costs``). States of
     different widths are merged by ``ot`` only (and ensembled). ``seed``: the run's, for the matching's order
-    (:func:`core.merging.alignment.matching_generator`, round 1 as a one-shot run). ``repair_data``: each state's client's
-    training inputs; every merge is then also scored after REPAIR (``<merge>+repair``, :func:`repair_merge`).
+    (:func:`core.merging.alignment.matching_generator`, round 1 as a one-shot run). ``repair_data``: each state's
+    client's training inputs; every merge is then also scored after REPAIR (``<merge>+repair``, :func:`repair_merge`).
 
     ``reference="universe"``: the ``weight`` cost matches all states jointly (``matched-universe``, with
     ``universe``'s settings) and ``diagnostics``, if given, receives its ``universe-objective`` (per iteration),
@@ -241,8 +241,8 @@ def repair_merge(
     weights: Sequence[float],
     device: torch.device,
 ) -> dict[str, Tensor]:
-    """``merged`` after REPAIR, as a federated round with ``repair=on`` makes it (:mod:`core.merging.repair`): each state's
-    unit statistics on its client's inputs ``data`` carried onto the merged units by ``unit_maps``, the merged
+    """``merged`` after REPAIR, as a federated round with ``repair=on`` makes it (:mod:`core.merging.repair`): each
+    state's unit statistics on its client's inputs ``data`` carried onto the merged units by ``unit_maps``, the merged
     model's on the same inputs, clients weighted by ``weights`` (their example counts)."""
     sites = sites_of(model, tuple(data[0].shape[1:]))
 
