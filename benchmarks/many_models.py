@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from benchutil import append_jsonl, machine, read_jsonl
 from flwr.app import ArrayRecord
-from one_shot import NETWORKS, run_config
+from one_shot import NETWORKS, add_cell_arguments, run_config
 
 from core.merging.alignment import align_and_average, matching_generator
 from core.model_io import build_run_model, load_arrays
@@ -200,12 +200,7 @@ def figure(cells: list[dict[str, Any]], path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--network", choices=sorted(NETWORKS), default="mlp")
-    parser.add_argument("--clients", type=int, nargs="+", default=[2, 4, 8, 16])
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--epochs", type=int, default=20)
-    parser.add_argument("--alpha", type=float, default=0.5)
-    parser.add_argument("--train-size", type=int, default=3200)
+    add_cell_arguments(parser)
     parser.add_argument("--out", type=Path, required=True, help="JSON lines, one per cell (appended)")
     parser.add_argument("--report", action="store_true", help="only print the tables and draw the figure")
     parser.add_argument("--figure", type=Path, default=FIGURE)

@@ -91,14 +91,19 @@ def one_cell(network: str, clients: int, seed: int, epochs: int, alpha: float, t
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_cell_arguments(parser: argparse.ArgumentParser) -> None:
+    """The cells' options (network, K, seeds and the clients' training), shared with ``many_models.py``."""
     parser.add_argument("--network", choices=sorted(NETWORKS), default="mlp")
     parser.add_argument("--clients", type=int, nargs="+", default=[2, 4, 8, 16])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--epochs", type=int, default=20)
     parser.add_argument("--alpha", type=float, default=0.5)
     parser.add_argument("--train-size", type=int, default=3200)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_cell_arguments(parser)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
