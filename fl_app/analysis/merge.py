@@ -175,12 +175,8 @@ def merge_accuracies(
         raise AnalysisError(f"{type(model).__name__} has no permutation_spec(); matching needs one")
     spec = model.permutation_spec()
     joint = reference == UNIVERSE
-    refused = [cost for cost in costs if joint and cost not in UNIVERSE_COSTS]
-    if refused:
-        raise AnalysisError(
-            f"--costs {refused[0]!r} is not allowed with --reference universe: it aligns onto one client; "
-            f"choose from {list(UNIVERSE_COSTS)} or give a client index as --reference"
-        )
+    if joint:
+        _refuse_costs_off_universe(costs)
     reference = 0 if joint else int(reference)
 
     def accuracy(state: Mapping[str, Tensor]) -> float:
@@ -360,6 +356,16 @@ def _widths(text: str) -> tuple[float, ...]:
     return widths
 
 
+def _refuse_costs_off_universe(costs: Sequence[str]) -> None:
+    """Universe matching has no reference: a cost that aligns onto one client cannot join it."""
+    refused = [cost for cost in costs if cost not in UNIVERSE_COSTS]
+    if refused:
+        raise AnalysisError(
+            f"--costs {refused[0]!r} is not allowed with --reference universe: it aligns onto one client; "
+            f"choose from {list(UNIVERSE_COSTS)} or give a client index as --reference"
+        )
+
+
 def _reference(text: str, clients: int) -> int | str:
     """``--reference``: ``universe`` or a client index in ``[0, clients)``."""
     if text == UNIVERSE:
@@ -387,11 +393,8 @@ def _costs(costs: list[str] | None, widths: Sequence[float], clients: int, refer
         return [OT] if mixed else list(UNIVERSE_COSTS if reference == UNIVERSE else MERGE_COSTS)
     for cost in costs:
         check_choice("--costs", cost, MERGE_COSTS)
-        if reference == UNIVERSE and cost not in UNIVERSE_COSTS:
-            raise AnalysisError(
-                f"--costs {cost!r} is not allowed with --reference universe: it aligns onto one client; "
-                f"choose from {list(UNIVERSE_COSTS)} or give a client index as --reference"
-            )
+    if reference == UNIVERSE:
+        _refuse_costs_off_universe(costs)
     unmergeable = [cost for cost in costs if cost != OT]
     if mixed and unmergeable:
         raise AnalysisError(
