@@ -176,7 +176,7 @@ class TrainSection:
         "off",
         "REPAIR (Jordan et al., ICLR 2023) after an aligning strategy merges: clients also send per-unit mean and std "
         "of their trained model's pre-activations on their training data; a second message asks them for the merged "
-        "model's; the server rescales each merged unit to the clients' pooled statistics",
+        "model's; the server rescales each merged unit to the examples-weighted mean of the clients' statistics",
         REPAIR_CHOICES,
     )
     batch_size: int = option(64, "local mini-batch size", positive, "must be a positive integer")

@@ -19,7 +19,7 @@ from flwr.supercore.task_identity import TaskIdentity
 
 from core.data import load_dataset
 from core.merging.alignment import align_and_average, matching_generator, weighted_average
-from core.merging.repair import UnitStats, carry_statistics, find_sites, pooled, repair_in_order, unit_statistics
+from core.merging.repair import UnitStats, averaged, carry_statistics, find_sites, repair_in_order, unit_statistics
 from core.model_io import build_run_model
 from core.rounds.repair_round import QUERY_KEY, REPAIR_QUERY
 from fl_app import server_app
@@ -105,7 +105,7 @@ def test_on_the_same_data_every_merged_unit_gets_exactly_the_target_mean_and_std
     )
     after = statistics(repaired)
     for site in sites:
-        goal = pooled([t[site.name] for t in targets], weights)
+        goal = averaged([t[site.name] for t in targets], weights)
         assert torch.allclose(after[site.name].mean, goal.mean, atol=1e-6, rtol=0), site.name
         assert torch.allclose(after[site.name].std, goal.std, atol=1e-6, rtol=0), site.name
     before = statistics(merged)
@@ -166,7 +166,7 @@ def test_the_rounds_are_repaired_alike_on_the_in_process_and_batched_engines(tmp
         assert row["repair-std-change"] > 0 and row["repair-dropped-reasons"] == {}
     plain = {**values, "repair": "off", "run-name": "plain"}
     run_in_process(plain, 3)
-    assert _rows(tmp_path / "plain")[1]["accuracy"] != rows[1]["accuracy"]  # the repair changed the global model
+    assert _rows(tmp_path / "plain")[1]["loss"] != rows[1]["loss"]  # the repair changed the global model
 
 
 def test_a_one_shot_run_repairs_as_the_merge_tool_does(tmp_path):

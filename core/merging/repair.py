@@ -356,20 +356,19 @@ def carry_statistics(
     return carried
 
 
-def pooled(clients: Sequence[UnitStats], weights: Sequence[float]) -> UnitStats:
-    """The statistics of one site's units over the union of the clients' data, each client weighted by its
-    example count: the weighted mean of the means, and the variance of the mixture (the weighted mean of the
-    clients' second moments, less the pooled mean squared), over the clients that hold each unit."""
+def averaged(clients: Sequence[UnitStats], weights: Sequence[float]) -> UnitStats:
+    """One site's statistics over several clients as REPAIR interpolates the endpoints': per unit, the weighted
+    mean of the clients' means and the weighted mean of their stds (each client weighted by its example count),
+    over the clients that hold the unit."""
     weight = torch.stack(
         [torch.where(c.held, torch.tensor(float(w), dtype=torch.float64), 0.0) for c, w in zip(clients, weights)]
     )
     total = weight.sum(dim=0)
     held = total > 0
     share = weight / total.where(held, torch.ones_like(total))
-    means = torch.stack([c.mean for c in clients])
-    mean = (share * means).sum(dim=0)
-    second = (share * (torch.stack([c.std for c in clients]) ** 2 + means**2)).sum(dim=0)
-    return UnitStats(mean, (second - mean**2).clamp(min=0).sqrt(), held)
+    mean = (share * torch.stack([c.mean for c in clients])).sum(dim=0)
+    std = (share * torch.stack([c.std for c in clients])).sum(dim=0)
+    return UnitStats(mean, std, held)
 
 
 @dataclass(frozen=True)
@@ -456,12 +455,12 @@ def repair_site(
     measured: Sequence[UnitStats],
     weights: Sequence[float],
 ) -> tuple[dict[str, Tensor], Correction]:
-    """One layer's REPAIR: ``state`` whose ``site`` gives every unit the pooled statistics (:func:`pooled`) of the
+    """One layer's REPAIR: ``state`` whose ``site`` gives every unit the averaged statistics (:func:`averaged`) of the
     clients' own units (``targets``, carried onto the merged units) where the model measured ``measured`` (the
     same clients, on the same data, in the same order), clients weighted by ``weights`` (their example counts).
     Each client's measurement counts for the units its own statistics cover: like with like."""
     on_own = [UnitStats(m.mean, m.std, t.held) for m, t in zip(measured, targets, strict=True)]
-    fix = correction(pooled(targets, weights), pooled(on_own, weights))
+    fix = correction(averaged(targets, weights), averaged(on_own, weights))
     return fold_corrections(state, [site], {site.name: fix}), fix
 
 

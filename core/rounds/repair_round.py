@@ -8,8 +8,8 @@ units (the strategy's :attr:`~core.rounds.strategy.ServerStrategy.unit_maps`) an
 layers in order from the input, one QUERY message per layer: the message carries the model with the layers before it
 already corrected, its config asks for REPAIR statistics of that layer (:data:`QUERY_KEY` = :data:`REPAIR_QUERY`,
 :data:`SITE_KEY`), every client of the round replies with that model's statistics on its training data, and the
-server folds into the layer the correction that gives each of its units the pooled statistics of the clients' own
-units (:func:`core.merging.repair.repair_site`).
+server folds into the layer the correction that gives each of its units the averaged statistics of the clients'
+own units (:func:`core.merging.repair.repair_site`).
 
 One message per layer is what REPAIR does: its authors measure a layer behind the layers already reset. All
 layers corrected from one set of statistics of the uncorrected merge over-correct: a later layer's measured
@@ -21,7 +21,7 @@ layer's statistics); a model with ``L``
 hidden layers (sites) adds ``L`` query messages to each round (small MLP 4, VGG-9 8, ResNet-20 19).
 
 A client whose query reply fails, is late or malformed is dropped with its reason (``repair-dropped-reasons``)
-and not asked again this round; each layer is pooled over the clients that answered its query (their own
+and not asked again this round; each layer is averaged over the clients that answered its query (their own
 statistics and the merged model's, like with like). When no client answers a layer's query the round keeps the
 unrepaired merge and says why in the log and in the row (``repair: "skipped: <why>"``). The row also records
 ``repair-clients`` (the clients whose statistics made the last layer's correction), ``repair-layers`` and
