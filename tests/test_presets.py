@@ -28,8 +28,9 @@ PRESETS = sorted(path.stem for path in EXPERIMENTS.glob("*.yaml"))
 CPU_PRESETS = [name for name in PRESETS if name.endswith("-cpu")]
 STUDIES = [name for name in PRESETS if name.startswith("drift")]
 """Studies across the papers' regimes, sized for a CPU machine (no paper table, no -cpu twin)."""
-ONE_SEED = {"drift-quick"}
-"""Quick variants of a study: one seed."""
+ONE_SEED = {"drift-quick", "drift"}
+"""Studies run with one seed per command: the quick variant, and the drift study, whose MLP half takes seeds 1 and 2
+from a second command (in its header) to fit two hours."""
 PAPER_PRESETS = [name for name in PRESETS if not name.endswith("-cpu") and name not in STUDIES]
 # Data sets a preset reads that this machine may lack (Fashion-MNIST comes from Debian's package).
 NOT_SHIPPED = {"mnist", "cifar10"}
