@@ -7,7 +7,7 @@ LONGEST_FIRST = (
     "test_presets.py",
     "test_deploy_loopback.py",
     "test_ray_cluster.py",
-    "test_sweep.py",
+    "test_sweep_runs.py",
     "test_end_to_end.py",
     "test_toy_algorithm.py",
     "test_seam.py",

@@ -94,7 +94,7 @@ def test_ray_workers_give_the_in_process_workers_rows(tmp_path):
 
 def test_sweep_jobs_on_the_batched_engine_give_the_in_process_rows(tmp_path):
     from fl_app.sweeps.sweep import register_configs, run_job
-    from tests.test_sweep import TINY, composed
+    from tests.sweep_jobs import TINY, composed
 
     register_configs()
     rows = {}

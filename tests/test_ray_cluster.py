@@ -25,8 +25,8 @@ from fl_app.runtime.ray_cluster import RayNode, check_client_fits, check_ray_add
 from fl_app.sweeps.sim import SimSettings
 from fl_app.sweeps.sweep import register_configs, run_job
 from tests.ray_clusters import cluster_left_clean, kill_node_after_round_1
+from tests.sweep_jobs import composed, sweep
 from tests.test_data import write_mnist_raw
-from tests.test_sweep import composed, sweep
 
 TINY_DIGITS = {"dataset": "digits", "num-server-rounds": 1}
 

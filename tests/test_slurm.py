@@ -9,7 +9,7 @@ import csv
 
 from fl_app.sweeps import report as sweep_report
 from fl_app.sweeps.slurm import SlurmJob, job_cpus, job_gpus, read_jobs_record, set_backend, write_jobs_record
-from tests.test_sweep import _fake_job, composed
+from tests.sweep_jobs import composed, fake_job
 
 
 def test_the_slurm_launcher_asks_for_what_the_sim_keys_need():
@@ -58,7 +58,7 @@ def test_the_report_names_each_job_slurm_ended_and_counts_the_others(tmp_path):
     before it started (no folder at all), seed 3 while it ran but before it made its folder (a log, no folder):
     all are failed, named with their SLURM id, state and log."""
     for seed in (0, 1):
-        _fake_job(
+        fake_job(
             tmp_path / f"seed={seed}", ["pan.mode=mul", f"seed={seed}"], "completed" if seed == 0 else None, 0.6, 0.7
         )
     logs = tmp_path / ".submitit"
@@ -91,6 +91,6 @@ def test_the_report_names_each_job_slurm_ended_and_counts_the_others(tmp_path):
 
 
 def test_a_sweep_that_ran_elsewhere_has_no_slurm_record(tmp_path):
-    _fake_job(tmp_path / "seed=0", ["seed=0"], "completed", 0.5, 0.5)
+    fake_job(tmp_path / "seed=0", ["seed=0"], "completed", 0.5, 0.5)
     assert read_jobs_record(tmp_path) == []
     assert sweep_report.write_report(tmp_path).failed == 0

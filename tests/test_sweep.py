@@ -1,23 +1,17 @@
 """Hydra sweeps: conf/ mirrors the run-config schema, bad sweeps stop before training, results are aggregated."""
 
-import csv
 import json
 import os
-import signal
-import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-import yaml
 from hydra import compose, initialize_config_dir
 from omegaconf import open_dict
 
 from core.config import RESULTS_ENV, default_results_root
 from fl_app.config import ConfigError, default_run_config, parse_run_config
-from fl_app.sweeps import report as sweep_report
 from fl_app.sweeps.slurm import slurm_problem
 from fl_app.sweeps.sweep import (
     GROUPS,
@@ -33,28 +27,7 @@ from fl_app.sweeps.sweep import (
 )
 from models import list_models
 from strategies import list_strategies
-
-ROOT = Path(__file__).resolve().parents[1]
-CONF = ROOT / "conf"
-TINY = ["dataset=digits", "sim.num_supernodes=2", "train.num_server_rounds=1"]
-
-
-def composed(overrides=()):
-    register_configs()
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose("config", overrides=list(overrides), return_hydra_config=True)
-
-
-def sweep(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0"}
-    return subprocess.run(
-        [sys.executable, "-m", "fl_app.sweep", "-m", *overrides, f"hydra.sweep.dir={tmp_path}"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+from tests.sweep_jobs import CONF, ROOT, TINY, composed, sweep
 
 
 def test_hydra_configs_are_generated_with_the_schema_defaults_and_cover_every_key():
@@ -386,224 +359,7 @@ def test_a_sweep_run_again_keeps_finished_jobs_and_resumes_interrupted_ones(tmp_
     assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 3
 
 
-def _fake_job(folder: Path, overrides: list[str], status: str | None, final: float = 0.0, best: float = 0.0) -> None:
-    """A job folder as fl_app.sweeps.sweep leaves it: Hydra's overrides record, job.json, the run's summary.json."""
-    (folder / ".hydra").mkdir(parents=True)
-    (folder / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
-    if status is None:  # the job died before writing its record
-        return
-    run = folder / "run"
-    record = {
-        "status": status,
-        "error": None if status == "completed" else "RuntimeError: boom",
-        "run-folder": str(run) if status == "completed" else None,
-        "job-wall-time-s": 10.0 + final,
-    }
-    (folder / "job.json").write_text(json.dumps(record))
-    if status == "completed":
-        run.mkdir()
-        (run / "summary.json").write_text(json.dumps({"final-accuracy": final, "best-accuracy": best}))
-
-
-def test_report_averages_seeds_and_counts_failures(tmp_path):
-    finals = {("1", "0"): [0.5, 0.7], ("1", "0.1"): [0.6, 0.6], ("4", "0"): [0.8], ("4", "0.1"): [0.4, 0.5]}
-    for (t, a), values in finals.items():
-        for seed, final in enumerate(values):
-            _fake_job(
-                tmp_path / f"pan.a={a},pan.t={t}" / f"seed={seed}",
-                ["pan.mode=mul", f"pan.t={t}", f"pan.a={a}", f"seed={seed}"],
-                "completed",
-                final,
-                final + 0.1,
-            )
-    _fake_job(tmp_path / "pan.a=0,pan.t=4" / "seed=1", ["pan.mode=mul", "pan.t=4", "pan.a=0", "seed=1"], "failed")
-    _fake_job(tmp_path / "pan.a=0,pan.t=4" / "seed=2", ["pan.mode=mul", "pan.t=4", "pan.a=0", "seed=2"], None)
-
-    report = sweep_report.write_report(tmp_path)
-
-    assert (report.jobs, report.failed, report.varying) == (9, 2, ["pan.t", "pan.a"])
-    with report.csv_path.open() as stream:
-        rows = {(row["pan.t"], row["pan.a"]): row for row in csv.DictReader(stream)}
-    assert set(rows) == set(finals)
-    for settings, values in finals.items():
-        row = rows[settings]
-        assert float(row["final-accuracy-mean"]) == pytest.approx(statistics.fmean(values))
-        assert float(row["best-accuracy-mean"]) == pytest.approx(statistics.fmean(values) + 0.1)
-        if len(values) == 1:
-            assert row["final-accuracy-std"] == ""  # a sample std needs two seeds
-        else:
-            assert float(row["final-accuracy-std"]) == pytest.approx(statistics.stdev(values))
-        assert int(row["seeds"]) == len(values)
-    assert rows[("4", "0")]["failed"] == "2" and rows[("1", "0")]["failed"] == "0"
-    table = report.markdown_path.read_text()
-    assert table.count("\n| ") == 4 + 1  # header and one row per configuration
-    assert "| 1 | 0 | 2 | 0 | 0.6000 ± 0.1414 |" in table
-    assert "`pan.mode=mul`" in table
-    assert report.heatmap_path is not None and report.heatmap_path.stat().st_size > 0
-
-
-def test_report_command_prints_the_table_and_refuses_an_empty_folder(tmp_path, capsys):
-    assert sweep_report.main([str(tmp_path)]) == 1
-    for seed in (0, 1):
-        _fake_job(tmp_path / f"seed={seed}", [f"seed={seed}"], "completed", 0.5 + seed / 10, 0.7)
-    assert sweep_report.main([str(tmp_path)]) == 0
-    out = capsys.readouterr().out
-    assert "| 2 | 0 | 0.5500 ± 0.0707 | 0.7000 ± 0.0000 |" in out
-    assert not (tmp_path / "heatmap.png").exists()  # nothing but the seed was swept
-
-
-@pytest.mark.slow
-def test_two_by_two_sweep_writes_four_runs_and_a_four_row_table(tmp_path):
-    result = sweep(tmp_path, *TINY, "sim.backend=inprocess", "pan.mode=mul", "pan.t=1,4", "pan.a=0,0.1")
-    assert result.returncode == 0, result.stderr[-3000:]
-    summaries = sorted(tmp_path.glob("*/seed=0/run/summary.json"))
-    assert len(summaries) == 4  # one folder per configuration, the seed below it, the run folder inside the job's
-    assert {path.parts[-4] for path in summaries} == {
-        f"dataset=digits,pan.a={a},pan.mode=mul,pan.t={t},sim.backend=inprocess,sim.num_supernodes=2,"
-        "train.num_server_rounds=1"
-        for a in ("0", "0.1")
-        for t in ("1", "4")
-    }
-    with (tmp_path / "summary.csv").open() as stream:
-        rows = list(csv.DictReader(stream))
-    assert len(rows) == 4 and all(row["seeds"] == "1" and row["failed"] == "0" for row in rows)
-    assert all(float(row["final-accuracy-mean"]) > 0.2 for row in rows)  # chance is 0.1
-    assert (tmp_path / "summary.md").read_text().count("\n| ") == 5
-    assert (tmp_path / "heatmap.png").stat().st_size > 0
-
-
-@pytest.mark.slow
-def test_a_failed_job_is_reported_and_the_sweep_goes_on(tmp_path):
-    # The MNIST files exist (validation passes) but are not IDX files: that job fails while loading them.
-    raw = tmp_path / "data" / "MNIST" / "raw"
-    raw.mkdir(parents=True)
-    for name in (
-        "train-images-idx3-ubyte",
-        "train-labels-idx1-ubyte",
-        "t10k-images-idx3-ubyte",
-        "t10k-labels-idx1-ubyte",
-    ):
-        (raw / name).write_bytes(b"not an idx file")
-    result = sweep(
-        tmp_path / "sweep",
-        "sim.backend=inprocess",
-        "sim.num_supernodes=2",
-        "train.num_server_rounds=1",
-        f"data.root={tmp_path / 'data'}",
-        "dataset=mnist,digits",
-    )
-    assert result.returncode == 1
-    assert "1 of 2 sweep jobs failed" in result.stderr
-    with (tmp_path / "sweep" / "summary.csv").open() as stream:
-        rows = {row["dataset"]: row for row in csv.DictReader(stream)}
-    assert (rows["mnist"]["seeds"], rows["mnist"]["failed"]) == ("0", "1")
-    assert (rows["digits"]["seeds"], rows["digits"]["failed"]) == ("1", "0")  # the job after the failure ran
-    (record,) = (tmp_path / "sweep").glob("*dataset=mnist*/seed=0/job.json")
-    assert json.loads(record.read_text())["status"] == "failed"
-
-
-@pytest.mark.slow
-def test_an_in_process_job_gives_the_metrics_of_a_ray_job(tmp_path):
-    """sim.backend=inprocess skips Ray's start-up; the rounds it runs are the ones Ray's engine runs."""
-    rows = {}
-    for backend in ("ray", "inprocess"):
-        cfg = composed(
-            [
-                *TINY,
-                "train.num_server_rounds=2",
-                "train.fraction_train=0.5",
-                "sim.num_supernodes=4",
-                f"sim.backend={backend}",
-                "sim.ray_cpus=2",
-            ]
-        )
-        record = run_job(cfg, cfg.hydra.runtime.choices, tmp_path / backend)
-        assert record["status"] == "completed", record["error"]
-        lines = (Path(record["run-folder"]) / "metrics.jsonl").read_text().splitlines()
-        rows[backend] = [{k: v for k, v in json.loads(line).items() if k != "elapsed-s"} for line in lines]
-    assert rows["inprocess"] == rows["ray"]
-
-
 def test_sim_settings_are_checked():
     cfg = composed(["sim.backend=threads"])
     with pytest.raises(ConfigError, match="'sim.backend' = 'threads'"):
         job_settings(cfg, cfg.hydra.runtime.choices, Path("/tmp"))
-
-
-def _flower_home(temp: Path) -> str | None:
-    """The job's private Flower home in ``temp``, once it is made."""
-    from fl_app.runtime.launch import FLWR_HOME_PREFIX
-
-    return next((str(home) for home in temp.glob(f"{FLWR_HOME_PREFIX}*")), None)
-
-
-def _carrying(home: str | None) -> set[int]:
-    """The processes with ``home`` as FLWR_HOME: every process the job's SuperLink starts, and theirs."""
-    from tests.test_launch import processes_with_environment
-
-    return processes_with_environment("FLWR_HOME", home) if home else set()
-
-
-def _simulating(home: str | None) -> bool:
-    """Whether the job's run has started: a ``flwr-simulation`` process carries its Flower home."""
-    for pid in _carrying(home):
-        try:
-            if b"flwr-simulation" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                return True
-        except OSError:
-            continue
-    return False
-
-
-def _kill_carrying(home: str | None) -> None:
-    """SIGKILL whatever still carries the job's Flower home (after a failure: orphans may start others)."""
-    for _ in range(50):
-        left = _carrying(home)
-        if not left:
-            return
-        for pid in left:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        time.sleep(0.2)
-
-
-@pytest.mark.slow
-def test_sigterm_to_a_ray_sweep_job_stops_every_process_it_started_and_removes_its_flower_home(tmp_path):
-    """``timeout`` sends SIGTERM: once the job's private SuperLink has started the run (``flwr-simulation`` runs),
-    the job exits with 128 + 15 and leaves no process of its own (SuperLink, SuperExec, flwr-simulation, Ray)
-    nor its temporary Flower home behind."""
-    from fl_app.runtime import processes
-
-    temp = tmp_path / "tmp"
-    temp.mkdir()
-    env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0", "TMPDIR": str(temp)}
-    command = [sys.executable, "-m", "fl_app.sweep", *TINY, "model=small-mlp", "sim.backend=ray", "sim.ray_cpus=1"]
-    with (tmp_path / "job.log").open("wb") as log:
-        job = processes.start_process(
-            [*command, f"hydra.run.dir={tmp_path / 'job'}"], env, ROOT, stdout=log, stderr=log
-        )
-    home = None
-    try:
-        deadline = time.monotonic() + 120
-        while not _simulating(home) and job.process.poll() is None and time.monotonic() < deadline:
-            job.refresh()
-            home = _flower_home(temp)
-            time.sleep(0.2)
-        started = _carrying(home)
-        assert _simulating(home), (tmp_path / "job.log").read_text()
-        assert len(started) >= 3  # the SuperLink, its SuperExec, flwr-simulation (and the flwr CLI)
-        job.process.send_signal(signal.SIGTERM)
-        code = job.process.wait(timeout=120)
-        left = _carrying(home) | set(job.refresh())
-    finally:  # whatever the job left, when it failed
-        processes.stop_processes([job], grace_s=5.0)
-        _kill_carrying(home)
-    output = (tmp_path / "job.log").read_text()
-    assert not left, f"processes the job started are left: {left}"
-    assert not Path(home).exists()
-    assert code == 128 + signal.SIGTERM, output
-    assert "stopped by SIGTERM" in output and "Traceback" not in output
-    (record,) = (tmp_path / "job").glob(JOB_RECORD)
-    assert json.loads(record.read_text())["error"] == "stopped by SIGTERM"
