@@ -118,7 +118,8 @@ def heatmap(cells: dict[tuple[str, str, int, str], ConfigRow], path: Path) -> No
     panels = sorted({(key[0], key[1]) for key in cells if key[1] != "fedavg"})
     networks = sorted({n for n, _ in panels})
     width = max(sum(1 for n, _ in panels if n == network) for network in networks)
-    fig, axes = plt.subplots(len(networks), width, figsize=(2.4 * width, 2.3 * len(networks)), squeeze=False)
+    fig, axes = plt.subplots(len(networks), width, figsize=(2.4 * width, 2.8 * len(networks)), squeeze=False)
+    fig.subplots_adjust(hspace=0.6)  # a row's axis labels clear of the next row's titles
     for axis in axes.flat:
         axis.set_visible(False)
     for r, network in enumerate(networks):

@@ -2,7 +2,7 @@
 its paper preset's regime, a preset whose data are not on disk refuses before any job starts, and (slow) every -cpu
 preset runs one round."""
 
-import json
+import csv
 import os
 import re
 import subprocess
@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 
 from core.data import DatasetMissingError
 from fl_app.sweeps import sweep
-from fl_app.sweeps.sweep import register_configs, run_job, sweep_job_overrides, validate_sweep
+from fl_app.sweeps.sweep import register_configs, sweep_job_overrides, validate_sweep
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -309,18 +309,22 @@ def test_the_cifar10_preset_exits_with_the_data_message_before_any_job(tmp_path)
 @pytest.mark.parametrize("name", CPU_PRESETS)
 def test_a_cpu_preset_runs_one_round_of_its_last_configuration(name, tmp_path):
     """The table's last configuration (the paper's method, in the largest setting), seed 0, one round, on the
-    preset's own engine (batched), torch at 1 thread, run as the sweep runs each job (``run_job``, here in the test's
-    process: the command line's start-up is the other tests'); that every other configuration composes and
-    validates is the fast test's above."""
+    preset's own engine (batched), torch at 1 thread; that every other configuration composes and validates is the
+    fast test's above."""
     with composed([f"+experiment={name}", "seed=0"]) as cfg:
         last = sweep_job_overrides(cfg)[-1]
-    with composed([*last, "hydra.sweeper.params=null", "train.num_server_rounds=1", "sim.torch_threads=1"]) as job:
-        record = run_job(job, job.hydra.runtime.choices, tmp_path)
-        choices = job.hydra.runtime.choices
-        ran = {
-            key: str(choices.get(key.lstrip("+")) or OmegaConf.select(job, key.lstrip("+"))) for key in _settings(last)
-        }
-    assert record["status"] == "completed", record["error"]
-    rows = [json.loads(line) for line in (Path(record["run-folder"]) / "metrics.jsonl").read_text().splitlines()]
-    assert [row["round"] for row in rows] == [0, 1] and rows[1]["clients-trained"] > 0
-    assert ran == _settings(last), "the job ran the table's last row"
+    result = _sweep(
+        tmp_path,
+        *last,
+        "hydra.sweeper.params=null",
+        "train.num_server_rounds=1",
+        "sim.torch_threads=1",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    with (tmp_path / "summary.csv").open() as stream:
+        rows = list(csv.DictReader(stream))
+    assert len(rows) == 1 and rows[0]["seeds"] == "1" and rows[0]["failed"] == "0", rows
+    assert all(value.split("=")[1] in rows[0].values() for value in last if not value.startswith(("seed=", "+"))), (
+        last,
+        rows,
+    )
