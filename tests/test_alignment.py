@@ -8,6 +8,7 @@ from torch import nn
 
 from core.merging.alignment import (
     align,
+    best_assignment,
     find_permutations,
     list_costs,
     matched_average,
@@ -194,3 +195,17 @@ def test_units_moved_is_the_share_of_each_groups_units_a_permutation_moved():
     assert moved == pytest.approx(expected)
     assert any(share > 0 for share in moved.values())
     assert units_moved(state, [state], spec) == dict.fromkeys(spec.groups, 0.0)
+
+
+def test_the_best_assignment_keeps_the_current_one_unless_another_is_strictly_better():
+    """Where the current permutation already takes every row's best score (ties included) it stays, solver or not;
+    otherwise the solver's strictly better one replaces it."""
+    tied = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0], [0.0, 0.0, 2.0]])
+    swapped = torch.tensor([1, 0, 2])
+    assert best_assignment(tied, swapped) is swapped
+    assert best_assignment(tied, torch.arange(3)).tolist() == [0, 1, 2]
+    better = torch.tensor([[0.0, 3.0, 0.0], [3.0, 0.0, 0.0], [0.0, 0.0, 1.0]])
+    assert best_assignment(better, torch.arange(3)).tolist() == [1, 0, 2]
+    worse_rows = torch.tensor([[1.0, 0.9, 0.0], [0.0, 1.0, 0.9], [0.9, 0.0, 1.0]])  # current best in every row
+    current = torch.arange(3)
+    assert best_assignment(worse_rows, current) is current
