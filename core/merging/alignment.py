@@ -206,10 +206,11 @@ def best_assignment(score: Tensor, current: Tensor) -> Tensor:
     from scipy.optimize import linear_sum_assignment  # here: scipy.optimize's import costs a ClientApp 0.4 s
 
     matrix = score.detach().double().cpu().numpy()
-    if (matrix[np.arange(len(matrix)), current.cpu().numpy()] >= matrix.max(axis=1)).all():
+    current_cols = current.cpu().numpy()
+    if (matrix[np.arange(len(matrix)), current_cols] >= matrix.max(axis=1)).all():
         return current
     rows, cols = linear_sum_assignment(matrix, maximize=True)
-    kept = matrix[rows, current.cpu().numpy()].sum()
+    kept = matrix[rows, current_cols].sum()
     gain = matrix[rows, cols].sum() - kept
     if gain > _IMPROVEMENT_RTOL * max(abs(kept), 1.0):
         return torch.from_numpy(cols).long()
