@@ -308,16 +308,21 @@ def test_the_cifar10_preset_exits_with_the_data_message_before_any_job(tmp_path)
 @pytest.mark.slow
 @pytest.mark.parametrize("name", CPU_PRESETS)
 def test_a_cpu_preset_runs_one_round_of_its_last_configuration(name, tmp_path):
-    """The table's last configuration (the paper's method, in the largest setting), seed 0, one round, on the
-    preset's own engine (batched), torch at 1 thread; that every other configuration composes and validates is the
-    fast test's above."""
+    """The table's last configuration (the paper's method, in the largest setting), seed 0, one round of one local
+    epoch (FedMA: one retraining epoch too), on the preset's own engine (batched), torch at 1 thread; that every
+    other configuration composes and validates, and that each keeps its paper's local epochs, are the fast tests'
+    above."""
     with composed([f"+experiment={name}", "seed=0"]) as cfg:
         last = sweep_job_overrides(cfg)[-1]
+    with composed(last) as job:
+        retraining = ["strategy.fedma_retrain_epochs=1"] if "fedma_retrain_epochs" in job.strategy else []
     result = _sweep(
         tmp_path,
         *last,
         "hydra.sweeper.params=null",
         "train.num_server_rounds=1",
+        "train.local_epochs=1",
+        *retraining,
         "sim.torch_threads=1",
     )
     assert result.returncode == 0, result.stderr[-3000:]

@@ -271,8 +271,10 @@ def test_a_superexec_starts_as_flowers_own_with_the_warning(tmp_path, fault):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fault", sorted(FAULTS))
+@pytest.mark.parametrize("fault", ["release", pytest.param("moved", marks=pytest.mark.long)])
 def test_the_launcher_runs_a_simulation_with_flowers_own_runtime_and_the_warnings(tmp_path, fault):
+    """An unknown release, the likelier fault, in CI; moved internals (long) take the same path once a patch is
+    refused, which the SuperNode's and SuperExec's tests above check in their processes for both faults."""
     run_config = f'dataset="digits" num-server-rounds=1 results-dir="{tmp_path}" run-name="run"'
     done = subprocess.run(
         [sys.executable, "-m", "fl_app.launch", "--num-supernodes", "2", "--run-config", run_config],

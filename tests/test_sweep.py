@@ -286,6 +286,16 @@ def test_overrides_of_the_chosen_algorithm_and_model_pass():
     )
 
 
+def test_the_algorithm_and_model_an_experiment_preset_picks_own_its_overrides():
+    """fedma-clients-cpu's FedMA row (experiment/fedma_method=fedma) picks FedMA, pans-table1-cpu picks VGG-9."""
+    fedma_row = ["+experiment=fedma-clients-cpu", "experiment/fedma_method=fedma", "hydra.sweeper.params=null"]
+    assert unowned_override([*fedma_row, "strategy.fedma_retrain_epochs=1"]) is None
+    assert unowned_override(["+experiment=pans-table1-cpu", "model.width_factor=0.25"]) is None
+    assert "not to strategy ['fedavg']" in unowned_override(
+        ["+experiment=fedma-clients-cpu", "experiment/fedma_method=fedavg", "strategy.fedma_retrain_epochs=1"]
+    )
+
+
 def test_an_unowned_override_exits_with_the_owner_and_no_traceback(tmp_path):
     result = sweep(tmp_path, "strategy.fedprox_mu=0.1")
     assert result.returncode == 2

@@ -211,10 +211,11 @@ def test_regenerating_adds_its_key_and_row_everywhere(project):
 
 @pytest.mark.slow
 def test_the_launcher_runs_it(project, tmp_path):
+    """On the batched engine in the launcher's process: Flower's runtime loading the file from the project's FAB is
+    the deployment's test below."""
     results = f'results-dir="{tmp_path}" run-name="launch"'
-    run = _python(
-        project, "-m", "fl_app.launch", "--num-supernodes", "2", "--run-config", f"{OWN_RUN} {results}", home=tmp_path
-    )
+    launch = ["-m", "fl_app.launch", "--backend", "batched", "--num-supernodes", "2"]
+    run = _python(project, *launch, "--run-config", f"{OWN_RUN} {results}", home=tmp_path)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert _summary(tmp_path / "launch")["rounds"] == 1
 
