@@ -1,6 +1,6 @@
 """The loopback deployment (slow): docker-compose.yml's services as real processes on 127.0.0.1, one deployment of
-3 SuperNodes shared by the module: it runs exactly the compose services, FedAvg (and SCAFFOLD, long) completes
-two rounds across them, the warm executor gives Flower's own results bit for bit, the SuperLink killed mid-run is
+3 SuperNodes shared by the module: it runs exactly the compose services, FedAvg completes a round across them
+(SCAFFOLD two, long), the warm executor gives Flower's own results bit for bit, the SuperLink killed mid-run is
 reported and the printed command resumes the run (long), and a SuperNode killed mid-run leaves the run to finish
 with every default."""
 
@@ -36,6 +36,9 @@ from tests.deployments import (
     without_clock,
 )
 
+ONE_FEDAVG_ROUND = {"strategy": "fedavg", "num-server-rounds": 1}
+"""The run the strategy check and the comparison of executors read: one round shows both."""
+
 
 @pytest.fixture(scope="module")
 def home(tmp_path_factory) -> Iterator[Path]:
@@ -60,10 +63,10 @@ def plain(tmp_path_factory, home, heartbeats) -> Iterator[Deployment]:
 
 @pytest.fixture(scope="module")
 def fedavg_run(plain, tmp_path_factory) -> tuple[RunConfig, str, str, str]:
-    """FedAvg, 2 rounds, on the shared deployment (the warm executor, the default), run once for the tests that
+    """FedAvg, 1 round, on the shared deployment (the warm executor, the default), run once for the tests that
     read it (the strategy check and the comparison with Flower's executor): its config, final status and details,
     and the end of node 0's executor log right after it."""
-    config = run_config(tmp_path_factory.mktemp("fedavg"), "fedavg", 3, strategy="fedavg")
+    config = run_config(tmp_path_factory.mktemp("fedavg"), "fedavg", 3, **ONE_FEDAVG_ROUND)
     status, details = run_to_end(plain, config)
     return config, status, details, plain.log_tail("superexec-clientapp-0", 200)
 
@@ -80,7 +83,7 @@ def flower_executor_run(tmp_path_factory, home) -> Iterator[Future]:
     def run() -> tuple[str, str, Path]:
         with deployment(loopback_topology(3, work, executor="flower"), work) as running:
             started.append(running)
-            status, _ = running.run(run_config(results, "own", 3))
+            status, _ = running.run(run_config(results, "own", 3, **ONE_FEDAVG_ROUND))
             return running.services["superexec-clientapp-0"].process.args[0], status, results / "own"
 
     with ThreadPoolExecutor(1) as pool:
@@ -102,7 +105,7 @@ def test_loopback_runs_exactly_the_compose_services(plain):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["fedavg", pytest.param("scaffold", marks=pytest.mark.long)])
-def test_strategy_completes_two_rounds_on_three_supernodes(plain, strategy, request, tmp_path, capsys):
+def test_strategy_completes_its_rounds_on_three_supernodes(plain, strategy, request, tmp_path, capsys):
     if strategy == "fedavg":  # the run the comparison with Flower's executor reads too
         config, status, details, _ = request.getfixturevalue("fedavg_run")
     else:
@@ -112,14 +115,15 @@ def test_strategy_completes_two_rounds_on_three_supernodes(plain, strategy, requ
     folder = run_folder(config)
     assert {"config.json", "metrics.jsonl", "summary.json", "model.pt"} <= {path.name for path in folder.iterdir()}
     metrics = rows(folder)
-    assert [row["round"] for row in metrics] == [0, 1, 2]
+    rounds = list(range(config.num_server_rounds + 1))  # FedAvg 1, SCAFFOLD 2
+    assert [row["round"] for row in metrics] == rounds
     assert all(row["clients-trained"] == 3 and row["clients-evaluated"] == 3 for row in metrics[1:])
     assert set(metrics[-1]["local-accuracy-per-client"]) == {"0", "1", "2"}  # each node its own partition
     assert report_outcome(config, status, details) == 0
     assert f"results in {folder}" in capsys.readouterr().out
     board = EventAccumulator(str(folder))  # deployed, the ServerApp tracks to TensorBoard as it does in simulation
     board.Reload()
-    assert [event.step for event in board.Scalars("accuracy")] == [0, 1, 2]
+    assert [event.step for event in board.Scalars("accuracy")] == rounds
     # the ServerApp runs from an installed FAB, outside this checkout, and still names its commit
     summary = json.loads((folder / "summary.json").read_text())
     assert summary["git-commit"] == checkout_commit(PROJECT_ROOT) != "unknown"
@@ -212,7 +216,7 @@ def test_warm_clientapp_processes_give_the_results_of_flowers_own_bit_for_bit(pl
     assert executor == "flower-superexec" and own_status == "finished:completed"
     warm_folder = run_folder(config)
     warm, own = rows(warm_folder), rows(own_folder)
-    assert [row["round"] for row in warm] == [0, 1, 2] and warm[-1]["clients-trained"] == 3
+    assert [row["round"] for row in warm] == [0, 1] and warm[-1]["clients-trained"] == 3
     assert without_clock(warm) == without_clock(own)
     model, expected = torch.load(warm_folder / "model.pt"), torch.load(own_folder / "model.pt")
     assert model.keys() == expected.keys() and all(torch.equal(model[k], expected[k]) for k in expected)

@@ -67,10 +67,12 @@ def test_fedavg_on_digits_learns_and_writes_the_run_folder(tmp_path):
     model.load_state_dict(torch.load(folder / "model.pt"))  # the saved global model is complete
 
 
+@pytest.mark.long
 def test_same_seed_same_metrics_with_partial_participation(tmp_path):
     """The same seeded run twice gives the same metrics, the sampled clients included: on Flower's Ray simulation
-    (replies in whatever order the actors finish) and on the in-process engine (one client at a time, in order),
-    which Ray's start-up costs once only."""
+    through its Python API (replies in whatever order the actors finish) and on the in-process engine (one client at
+    a time, in order). Long: a sweep job on Flower's runtime checks the same run in CI
+    (tests/test_sweep_runs.py::test_an_in_process_job_gives_the_metrics_of_a_ray_job)."""
     settings = {"fraction-train": 0.5, "strategy": "fedprox", "model": "small-mlp", "num-server-rounds": 2}
     first = rows(simulate(tmp_path / "a", num_supernodes=4, **settings))
     run_in_process({"dataset": "digits", "results-dir": str(tmp_path / "b"), **settings}, num_nodes=4)

@@ -116,12 +116,15 @@ def test_a_failed_job_is_reported_and_the_sweep_goes_on(tmp_path):
 
 @pytest.mark.slow
 def test_an_in_process_job_gives_the_metrics_of_a_ray_job(tmp_path):
-    """sim.backend=inprocess skips Ray's start-up; the rounds it runs are the ones Ray's engine runs."""
+    """sim.backend=inprocess skips Ray's start-up; the rounds it runs are the ones Ray's engine runs (replies in
+    whatever order the actors finish), the clients each round samples and FedProx's proximal term included."""
     rows = {}
     for backend in ("ray", "inprocess"):
         cfg = composed(
             [
                 *TINY,
+                "strategy=fedprox",
+                "model=small-mlp",
                 "train.num_server_rounds=2",
                 "train.fraction_train=0.5",
                 "sim.num_supernodes=4",
@@ -134,6 +137,7 @@ def test_an_in_process_job_gives_the_metrics_of_a_ray_job(tmp_path):
         lines = (Path(record["run-folder"]) / "metrics.jsonl").read_text().splitlines()
         rows[backend] = [{k: v for k, v in json.loads(line).items() if k != "elapsed-s"} for line in lines]
     assert rows["inprocess"] == rows["ray"]
+    assert all(row["clients-trained"] == 2 for row in rows["ray"][1:])
 
 
 def _flower_home(temp: Path) -> str | None:
