@@ -28,7 +28,7 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
   # uv (one of Flower's own dependencies) installs what pip would, from the same indexes, links and constraints
   # (pip's configuration), several packages at a time: ~25 s where pip takes ~100 s; pip where uv fails.
   if .venv/bin/python -m pip install -q uv && mapfile -t PIP_SOURCES < <(.venv/bin/python scripts/pip_sources.py) \
-    && .venv/bin/uv pip install -q --python .venv/bin/python --index-strategy unsafe-best-match "${PIP_SOURCES[@]}" \
+    && .venv/bin/uv pip install -q --compile-bytecode --python .venv/bin/python --index-strategy unsafe-best-match "${PIP_SOURCES[@]}" \
       -e ".[dev]"; then
     :
   else

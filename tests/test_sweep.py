@@ -294,6 +294,7 @@ def test_the_algorithm_and_model_an_experiment_preset_picks_own_its_overrides():
     assert "not to strategy ['fedavg']" in unowned_override(
         ["+experiment=fedma-clients-cpu", "experiment/fedma_method=fedavg", "strategy.fedma_retrain_epochs=1"]
     )
+    assert unowned_override(["+experiment=no-such-preset", "strategy.fedma_retrain_epochs=1"]) is None  # Hydra's
 
 
 def test_an_unowned_override_exits_with_the_owner_and_no_traceback(tmp_path):

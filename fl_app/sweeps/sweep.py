@@ -372,16 +372,20 @@ def hydra_main(cfg: DictConfig) -> str:
 _OVERRIDE = re.compile(r"^(?P<group>strategy|model)(?:\.(?P<leaf>\w+))?=(?P<value>.*)$")
 
 
-def preset_choices(arguments: list[str]) -> dict[str, list[str]]:
+def preset_choices(arguments: list[str]) -> dict[str, list[str]] | None:
     """The algorithm and model the command's config picks before its own ``strategy=``/``model=`` choices: the
     defaults, or what an experiment preset (``+experiment=NAME``, or one of its rows) chooses. Composed without the
-    command's swept values and its ``strategy.*``/``model.*``/``hydra.*`` overrides: the check is of those."""
+    command's swept values and its ``strategy.*``/``model.*``/``hydra.*`` overrides: the check is of those. None
+    where that does not compose (an unknown preset): Hydra's own run then says what is wrong."""
     if not any(argument.lstrip("+~").startswith("experiment") for argument in arguments):
         return {"strategy": ["fedavg"], "model": ["mlp"]}  # conf/config.yaml's defaults: nothing to compose
     kept = [a for a in arguments if not _OVERRIDE.match(a.lstrip("+~")) and not a.startswith("hydra.") and "," not in a]
     register_configs()
-    with hydra.initialize_config_dir(config_dir=str(PROJECT_ROOT / "conf"), version_base="1.3"):
-        choices = hydra.compose("config", overrides=kept, return_hydra_config=True).hydra.runtime.choices
+    try:
+        with hydra.initialize_config_dir(config_dir=str(PROJECT_ROOT / "conf"), version_base="1.3"):
+            choices = hydra.compose("config", overrides=kept, return_hydra_config=True).hydra.runtime.choices
+    except Exception:  # Hydra's errors have no common base class
+        return None
     return {group: [choices[group]] for group in ("strategy", "model")}
 
 
@@ -391,6 +395,8 @@ def unowned_override(arguments: list[str]) -> str | None:
     if not any((match := _OVERRIDE.match(a.lstrip("+~"))) and match["leaf"] for a in arguments):
         return None
     choices = preset_choices(arguments)
+    if choices is None:
+        return None
     leaves: list[tuple[str, str]] = []
     for argument in arguments:
         match = _OVERRIDE.match(argument.lstrip("+~"))
