@@ -110,7 +110,7 @@ def test_launcher_exits_nonzero_when_the_run_fails(tmp_path):
     code = launch.main(
         [
             "--num-supernodes",
-            "2",
+            "1",  # one Ray actor is enough to fail
             "--run-config",
             f'dataset="digits" lr=1e30 num-server-rounds=1 results-dir="{tmp_path}" run-name="bad"',
         ]
