@@ -155,7 +155,8 @@ def app_files(root: Path) -> Iterator[Path]:
         subfolders[:] = [
             name for name in subfolders if name != ".git" and not ignore.match_file(f"{(relative / name).as_posix()}/")
         ]
-        yield from (Path(folder) / name for name in names if not (Path(folder) / name).is_symlink())  # as Flower
+        files = (Path(folder) / name for name in names)
+        yield from (path for path in files if not path.is_symlink())  # Flower leaves links out too
 
 
 @contextmanager

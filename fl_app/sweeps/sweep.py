@@ -392,20 +392,23 @@ def preset_choices(arguments: list[str]) -> dict[str, list[str]] | None:
 def unowned_override(arguments: list[str]) -> str | None:
     """Why an override sets a key that the chosen algorithm or model (every choice of a swept group) lacks, or
     None; Hydra itself would only say that the key is not in the config."""
-    if not any((match := _OVERRIDE.match(a.lstrip("+~"))) and match["leaf"] for a in arguments):
-        return None
-    choices = preset_choices(arguments)
-    if choices is None:
-        return None
+    given: dict[str, list[str]] = {}
     leaves: list[tuple[str, str]] = []
     for argument in arguments:
         match = _OVERRIDE.match(argument.lstrip("+~"))
         if match is None:
             continue
         if match["leaf"] is None:
-            choices[match["group"]] = match["value"].split(",")
+            given[match["group"]] = match["value"].split(",")
         else:
             leaves.append((match["group"], match["leaf"]))
+    if all(group in given for group, _ in leaves):  # no leaf at all, or every leaf's group chosen here
+        choices = given
+    else:
+        preset = preset_choices(arguments)
+        if preset is None:
+            return None
+        choices = {**preset, **given}
     owned, renamed = owned_settings(), renamed_keys()
     for group, leaf in leaves:
         key = leaf.replace("_", "-")
