@@ -24,6 +24,7 @@ from flwr.app import ArrayRecord, MetricRecord, RecordDict
 from flwr.common.logger import log
 
 from core.config import RunConfig, results_root
+from core.merging.drift import MOVED_BETWEEN, MOVED_FROM_START
 from core.metrics.divergence import divergence_by_layer, weight_divergence
 from core.rounds.replies import MODEL_RECORD, NEW_CLIENT, drop_cause
 from core.rounds.runner import Participation
@@ -183,9 +184,9 @@ class RoundRecorder:
     progress: Callable[[int, float], str] | None = None
     score_clients: Callable[[list[ArrayRecord]], dict[str, float]] | None = None
     """The clients' trained models of a round → the server's scores of them (``server-ensemble``)."""
-    units_moved: Callable[[ArrayRecord, list[ArrayRecord]], dict[str, float]] | None = None
-    """The model a round started from and the clients' trained models → per group the share of units their
-    training moved (``log-units-moved``)."""
+    units_moved: Callable[[ArrayRecord | None, list[ArrayRecord]], dict[str, dict[str, float]]] | None = None
+    """The model a round started from (None when the clients did not) and the clients' trained models (partition
+    order) → the round's units-moved entries (``log-units-moved``, :func:`units_moved_row`)."""
     independent_starts: bool = False
     """Whether round 1's clients start from their own models (``client-init=independent``): no units moved from
     the initial global model then."""
@@ -208,10 +209,8 @@ class RoundRecorder:
             self._pending["client-ray-nodes"] = placements
         if self.log_divergence:
             self._pending["weight-divergence"] = _layer_divergence(records, weight_key)
-        if self.units_moved is not None and self.round_start is not None:
-            self._pending["client-units-moved"] = self.units_moved(
-                self.round_start, [record[MODEL_RECORD] for record in records]
-            )
+        if self.units_moved is not None:
+            self._pending.update(self.units_moved(self.round_start, [record[MODEL_RECORD] for record in records]))
         if self.score_clients is not None:
             scores = self.score_clients([record[MODEL_RECORD] for record in records])
             self.extra_keys.update(dict.fromkeys(scores))
@@ -336,10 +335,14 @@ class RoundRecorder:
         }
 
     def _units_moved_summary(self) -> dict[str, float]:
-        """With ``log-units-moved``: the share of units the clients' training moved, averaged over groups and
-        rounds."""
-        shares = [sum(moved.values()) / len(moved) for r in self.rows if (moved := r.get("client-units-moved"))]
-        return {"client-units-moved-mean": sum(shares) / len(shares)} if shares else {}
+        """With ``log-units-moved``: the share of units moved from the rounds' start and between the clients,
+        each averaged over groups and rounds."""
+        summary = {}
+        for key in (MOVED_FROM_START, MOVED_BETWEEN):
+            shares = [sum(moved.values()) / len(moved) for r in self.rows if (moved := r.get(key))]
+            if shares:
+                summary[f"{key}-mean"] = sum(shares) / len(shares)
+        return summary
 
 
 def plot_accuracy(rows: list[dict[str, Any]], path: Path, title: str) -> None:

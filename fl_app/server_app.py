@@ -5,6 +5,7 @@ round (and resuming from a checkpoint with ``resume-from``)."""
 from __future__ import annotations
 
 from collections.abc import Mapping
+from functools import partial
 from logging import INFO
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ from torch import nn
 
 from core.config import RunConfig
 from core.data import check_dataset_available, load_dataset
-from core.merging.alignment import units_moved
+from core.merging.drift import units_moved_row
 from core.metrics.ensemble import score_models
 from core.model_io import build_run_model, load_arrays
 from core.rounds.nodes import PartitionTable
@@ -87,13 +88,6 @@ def run_experiment(grid: Grid, config: RunConfig, partition_table: PartitionTabl
     def score_clients(models: list[ArrayRecord]) -> dict[str, float]:
         return score_models(model, models, dataset.test_x, dataset.test_y, device).metrics()
 
-    def moved_by_training(start: ArrayRecord, models: list[ArrayRecord]) -> dict[str, float]:
-        reference = start.to_torch_state_dict()
-        # a Ψ-Net reply holds only the groups its client trained; the rest is the start's
-        states = [{**reference, **record.to_torch_state_dict()} for record in models]
-        same_shapes = [s for s in states if all(s[k].shape == v.shape for k, v in reference.items())]
-        return units_moved(reference, same_shapes, context.spec) if same_shapes else {}  # FedMA may grow
-
     first_round = checkpoint.round + 1 if checkpoint is not None else 1
     tracking = Tracking.open(config, folder, resumed=checkpoint is not None)  # before the clock starts
     failed = True
@@ -106,7 +100,7 @@ def run_experiment(grid: Grid, config: RunConfig, partition_table: PartitionTabl
             num_server_rounds=config.num_server_rounds,
             progress=RoundProgress(config.num_server_rounds, first_round).describe,
             score_clients=score_clients if config.server_ensemble else None,
-            units_moved=moved_by_training if config.log_units_moved else None,
+            units_moved=partial(units_moved_row, spec=context.spec) if config.log_units_moved else None,
             independent_starts=config.client_init == "independent",
             round_start=initial_arrays if checkpoint is not None else None,
         )

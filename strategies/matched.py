@@ -25,9 +25,15 @@ Run-config keys:
     Sajjad and Matjasec, "L46 FedMA Project", project report), see :mod:`core.merging.alignment`.
 ``matched-reference``
     ``global``: align onto the global model the clients started from (one pass).
-    ``iterative``: the first pass aligns onto the global model, each further
-    pass aligns the clients' models again onto the previous pass's matched
-    mean, ``matched-iterations`` passes in all.
+    Each client's units keep the imprint of that start, so this returns the
+    identity whatever the drift (:mod:`core.merging.reference`).
+    ``client``: align onto the model of the round's client of the lowest
+    partition id (one pass), so units that drifted apart between clients can
+    be matched; the merge is in that client's unit order.
+    ``iterative``: the first pass aligns onto the global model (or, with
+    ``matched-iterative-start=client``, onto the ``client`` reference), each
+    further pass aligns the clients' models again onto the previous pass's
+    matched mean, ``matched-iterations`` passes in all.
     ``universe``: no reference: all the round's client models are matched
     jointly into one shared unit order (Crisostomi et al., "C2M3:
     Cycle-Consistent Multi-Model Merging", NeurIPS 2024; :mod:`core.merging.universe`),
@@ -42,8 +48,9 @@ Run-config keys:
     model, averaged over at most :data:`core.merging.universe.MAX_PAIRS` pairs, drawn
     at random when the round has more), which costs one weight matching per
     client and one per pair on top of the universe matching.
-``matched-iterations``
-    Number of passes with ``iterative`` (>= 1); unused otherwise.
+``matched-iterations``, ``matched-iterative-start``
+    Number of passes with ``iterative`` (>= 1), and what its first pass aligns
+    onto (``global`` or ``client``); unused otherwise.
 ``matched-universe-iterations``, ``matched-universe-tolerance``
     With ``universe``: Frank-Wolfe's iteration cap, and the relative
     improvement of its objective below which it stops.
@@ -81,6 +88,7 @@ class MatchSettings:
     )
     matched_reference: str = option_from(Reference, "reference")
     matched_iterations: int = option_from(Reference, "iterations")
+    matched_iterative_start: str = option_from(Reference, "iterative_start")
     matched_universe_iterations: int = option_from(Reference, "universe_iterations")
     matched_universe_tolerance: float = option_from(Reference, "universe_tolerance")
 
@@ -108,6 +116,7 @@ class Matched(ServerStrategy):
         self.reference = context.config.settings.reference
         universe = ("matched-reference", UNIVERSE) if self.reference.universe else None
         self.spec = context.required_spec("matched", universe)
+        self.aligns_onto_client = self.reference.from_client
         self.moved: dict[str, float] = {}
         self.universe_metrics: dict[str, Any] = {}
 

@@ -2,8 +2,11 @@
 average (Singh & Jaggi, "Model Fusion via Optimal Transport", NeurIPS 2020, arXiv:1910.05653).
 
 Clients run FedAvg's local SGD. The server aligns every reply onto the global model the clients started from
-with :mod:`core.merging.ot_fusion` (exact OT or Sinkhorn, layer by layer from the input, over the model's permutation
-description) and averages the aligned models weighted by examples (``server-weighting``). The authors fuse two
+(``otfusion-reference=global``) or onto the model of the round's client of the lowest partition id (``client``: the
+clients' units keep the imprint of the round's start, so only a client reference can carry units that drifted apart
+between clients onto one another; :mod:`core.merging.reference`) with :mod:`core.merging.ot_fusion` (exact OT or
+Sinkhorn, layer by layer from the input, over the model's permutation description) and averages the aligned models
+weighted by examples (``server-weighting``). The authors fuse two
 models with ``ensemble_step``; fusing K client models onto the global model, the reference only fixes the units'
 order and the example weights take the step's place. PAN encodings never travel, so nothing here knows whether
 PANs are on (as for ``matched``: a soft map also mixes units of different positions).
@@ -21,7 +24,8 @@ permutation; for a soft map the std of a mix of units is not known without their
 mean of their stds is its upper bound).
 
 Run-config keys ``otfusion-<field>``: the fields of :class:`core.merging.ot_fusion.OTSettings` (their defaults and where
-they come from are in that module's notes), and ``otfusion-downsize``.
+they come from are in that module's notes), ``otfusion-downsize`` and ``otfusion-reference`` (``global`` only with
+``client-widths``: a narrower client's model cannot carry the wider ones).
 """
 
 from __future__ import annotations
@@ -36,10 +40,11 @@ from flwr.common.logger import log
 from torch import Tensor
 
 from core.merging.ot_fusion import OTSettings, align_onto, ot_fuse
+from core.merging.reference import CLIENT, STARTS
 from core.rounds.strategy import Reply, RunContext, ServerStrategy, states_and_weights
 from core.rounds.sub_models import ClientWidths, first_units
 from core.widths import mixed_widths
-from plugins.options import ConfigError, choice, option_from, source_settings
+from plugins.options import ConfigError, choice, option_from, refuse, source_settings
 from strategies.base import LocalUpdate
 from strategies.registry import STRATEGIES, Algorithm
 
@@ -63,6 +68,12 @@ class OTFusionSettings:
         "how a narrower client gets the global model: ot (fused onto the global model's first units) or slice "
         "(HeteroFL's first units)",
         DOWNSIZE,
+    )
+    otfusion_reference: str = choice(
+        "global",
+        "what client units are carried onto: global (the round's global model) or client (the model of the round's "
+        "client of the lowest partition id)",
+        STARTS,
     )
 
     def transport(self) -> OTSettings:
@@ -93,6 +104,14 @@ class OTFusion(ServerStrategy):
                 "run-config key 'otfusion-past-correction' = False is not allowed with clients of different "
                 "widths (client-widths): a fused layer would keep the inputs of the client's width"
             )
+        if self.client_widths is not None and self.settings.otfusion_reference == CLIENT:
+            raise refuse(
+                "otfusion-reference",
+                CLIENT,
+                "with clients of different widths (client-widths) the units are carried onto the global model: "
+                "choose 'global'",
+            )
+        self.aligns_onto_client = self.settings.otfusion_reference == CLIENT
         self.off_diagonal: dict[str, float] = {}
 
     def narrow(self, state: dict[str, Tensor], template: dict[str, Tensor]) -> dict[str, Tensor]:

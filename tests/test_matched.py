@@ -118,7 +118,7 @@ def test_a_model_without_a_permutation_spec_is_refused_before_training(monkeypat
     ("key", "value", "fragment"),
     [
         ("matched-cost", "cosine", "'l1'"),
-        ("matched-reference", "client", "'iterative'"),
+        ("matched-reference", "clients", "'client'"),
         ("matched-iterations", 0, ">= 1"),
     ],
 )

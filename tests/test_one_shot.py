@@ -11,7 +11,7 @@ import torch
 from flwr.app import ArrayRecord
 
 from core.data import dataset_info
-from core.merging.alignment import matched_average, matching_generator, weighted_average
+from core.merging.alignment import align_and_average, matching_generator, weighted_average
 from core.merging.ot_fusion import ot_fuse
 from core.metrics.ensemble import score_models
 from core.model_io import build_model_for, build_run_model, federated_state, independent_start
@@ -93,7 +93,9 @@ def test_a_one_shot_run_merges_as_the_merge_tool_does(tmp_path, strategy):
     states, counts, dataset, _ = train_clients(config, CLIENTS, same_init=False, device=torch.device("cpu"))
     spec = build_run_model(config, dataset).permutation_spec()
     if strategy == "matched":
-        expected = matched_average(states[0], states, counts, spec, "weight", 1, matching_generator(config.seed, 1))
+        expected = align_and_average(states[0], states, counts, spec, "weight", 1, matching_generator(config.seed, 1))[
+            0
+        ]
     else:
         expected = ot_fuse(states[0], states, counts, spec, config.settings.transport())[0]
     merged = torch.load(tmp_path / "run" / "model.pt")
@@ -159,8 +161,10 @@ def test_each_round_records_how_many_units_the_clients_training_moved(tmp_path):
     run_in_process({**values, "results-dir": str(tmp_path), "run-name": "run"}, CLIENTS)
     first, second = _rows(tmp_path / "run")[1:]
     assert "client-units-moved" not in first  # round 1's clients started from their own models
-    assert set(second["client-units-moved"]) == {"hidden.0", "hidden.1", "hidden.2", "hidden.3"}
+    groups = {"hidden.0", "hidden.1", "hidden.2", "hidden.3"}
+    assert set(second["client-units-moved"]) == groups == set(first["client-units-moved-between"])
     assert all(0 <= share <= 1 for share in second["client-units-moved"].values())
+    assert sum(first["client-units-moved-between"].values()) > 0  # independent starts: apart from one another
     still = {**values, "client-init": "global", "lr": 1e-9, "results-dir": str(tmp_path), "run-name": "still"}
     run_in_process(still, CLIENTS)
     assert all(set(row["client-units-moved"].values()) == {0.0} for row in _rows(tmp_path / "still")[1:])

@@ -442,28 +442,6 @@ def matching_generator(seed: int, server_round: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed * 10_007 + server_round)
 
 
-def matched_average(
-    reference: StateDict,
-    states: Sequence[StateDict],
-    weights: Sequence[float],
-    spec: PermutationSpec,
-    cost: str = "weight",
-    iterations: int = 1,
-    generator: torch.Generator | None = None,
-) -> dict[str, Tensor]:
-    """Align every state onto ``reference``, then average them weighted by ``weights`` (:func:`align_and_average`)."""
-    return align_and_average(reference, states, weights, spec, cost, iterations, generator)[0]
-
-
-def units_moved(reference: StateDict, states: Sequence[StateDict], spec: PermutationSpec) -> dict[str, float]:
-    """Per group, the share of units weight matching moves when each state is aligned onto ``reference`` (mean
-    over the states): how far local training carried the clients' units from the model they started from."""
-    shared = Target(reference, spec)
-    match = get_cost("weight").match
-    generator = torch.Generator().manual_seed(0)
-    return moved_share([dict(match(shared, state, generator)) for state in states])
-
-
 def moved_share(permutations: Sequence[Mapping[str, Tensor]]) -> dict[str, float]:
     """Per group, the share of units a matching moved (``perm[i] != i``), averaged over the clients."""
     groups = permutations[0].keys() if permutations else ()

@@ -245,13 +245,22 @@ class RoundRunner:
 
     def _alignment_reference(self, server_round: int, usable: list[Reply], arrays: ArrayRecord) -> ArrayRecord:
         """What an aligning strategy aligns onto: the global model, except in the first round of independently
-        initialised clients, where no client started from it: then the first client's model (partition order)
-        whose shapes are the global model's."""
-        if not (self.strategy.aligns_to_reference and server_round == 1 and self.config.client_init == "independent"):
+        initialised clients, where no client started from it, and for a strategy that aligns onto a client
+        (:attr:`~core.rounds.strategy.ServerStrategy.aligns_onto_client`): then the first client's model
+        (``usable`` is in partition order) whose shapes are the global model's."""
+        independent = server_round == 1 and self.config.client_init == "independent"
+        if not (self.strategy.aligns_to_reference and (independent or self.strategy.aligns_onto_client)):
             return arrays
         for reply in usable:
             if arrays_problem(reply.arrays, arrays, "reference") is None:
-                log(INFO, "round 1: independent starts, aligning onto client %s's model", self.nodes.name(reply.node))
+                why = "independent starts" if independent else "client reference"
+                log(
+                    INFO,
+                    "round %d: %s, aligning onto client %s's model",
+                    server_round,
+                    why,
+                    self.nodes.name(reply.node),
+                )
                 return reply.arrays
         return arrays
 

@@ -165,6 +165,10 @@ class ServerStrategy:
     """Whether :meth:`aggregate` aligns the clients' models onto ``reference`` (matching, OT fusion). In a round
     whose clients share no starting model (``client-init=independent``, round 1) the round runner then hands it
     the first client's model (partition order) instead of a global model no client started from."""
+    aligns_onto_client: bool = False
+    """Whether :meth:`aggregate` aligns onto one client's model every round (a ``client`` reference) rather than the
+    global model: the round runner then hands it the model of the round's client of the lowest partition id whose
+    shapes are the global model's, as in round 1 of independent starts."""
     ensemble_problem: str | None = None
     """Why the clients' training replies are not whole models the server can score (``server-ensemble``), or
     None."""
