@@ -13,6 +13,7 @@ from core.merging.bbp import BBPSettings
 from fl_app.analysis.__main__ import main
 from fl_app.analysis.common import AnalysisError
 from fl_app.analysis.merge import merge_accuracies
+from fl_app.analysis.merge_options import MERGE_COSTS, UNIVERSE_COSTS, costs
 from fl_app.client_app import client_data
 from fl_app.config import parse_run_config
 from models import build_model, permute_state, random_permutations
@@ -57,8 +58,10 @@ def test_the_command_trains_merges_and_writes_json_and_plot(tmp_path, capsys):
         (["--clients", "1"], "--clients must be at least 2"),
         (["--init", "twin"], "--init 'twin'"),
         (["--costs", "cosine"], "--costs 'cosine'"),
-        (["--dirichlet-alpha", "-1"], "'--dirichlet-alpha'"),
-        (["--model", "vgg99"], "'--model'"),
+        (["--dirichlet-alpha", "-1"], "--dirichlet-alpha -1.0 is not allowed: must be > 0"),
+        (["--model", "vgg99"], "--model 'vgg99' is not allowed: choose one of"),
+        (["--epochs", "0"], "error: --epochs 0 is not allowed: must be a positive integer"),  # not local-epochs
+        (["--repair-data", "pooled"], "--repair-data pooled needs --repair"),
         (["--bbp-sigma", "0"], "--bbp-sigma 0.0 is not allowed: must be a finite number > 0"),
         (["--bbp-estimate", "mode"], "--bbp-estimate 'mode' is not allowed: choose one of ['posterior', 'weighted']"),
         (["--otfusion-reg", "0"], "--otfusion-reg 0.0 is not allowed: must be > 0"),
@@ -76,6 +79,26 @@ def test_bad_options_stop_before_training_with_a_named_error(argv, fragment, tmp
     assert main(["merge", *argv, "--out", str(tmp_path / "out")]) == 2
     assert fragment in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_an_unknown_repair_data_is_refused_by_name_before_training(tmp_path, capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["merge", "--repair", "--repair-data", "all", "--out", str(tmp_path / "out")])
+    assert stop.value.code == 2
+    assert "argument --repair-data: invalid choice: 'all' (choose from 'own', 'pooled')" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(("given", "suffix"), [([], "+repair"), (["--repair-data", "pooled"], "+repair-pooled")])
+def test_the_command_scores_every_merge_after_repair_on_the_data_asked_for(given, suffix, tmp_path):
+    argv = ["merge", "--clients", "2", "--epochs", "1", "--costs", "weight", "--repair", *given]
+    assert main([*argv, "--out", str(tmp_path)]) == 0
+    payload = json.loads((tmp_path / "merge.json").read_text())
+    assert payload["repair-data"] == ("pooled" if given else "own")
+    assert set(payload["merged-accuracy"]) == {"average", "matched-weight", "ensemble"} | {
+        f"average{suffix}",
+        f"matched-weight{suffix}",
+    }
 
 
 def test_the_bbp_merge_reports_its_accuracy_and_global_widths(tmp_path, capsys):
@@ -133,20 +156,16 @@ def test_ot_fusion_merges_a_permuted_copy_back_and_models_of_different_widths_in
 
 
 def test_the_costs_default_to_those_that_can_merge_the_clients_models():
-    from fl_app.analysis.merge import MERGE_COSTS, UNIVERSE_COSTS, _costs
-
-    assert _costs(None, (1.0,), 2, 0) == list(MERGE_COSTS)
-    assert _costs(None, (1.0,), 2, "universe") == list(UNIVERSE_COSTS)
-    assert _costs(None, (0.5, 1.0), 2, 0) == ["ot"]
-    assert _costs(["weight", "ot"], (0.5, 0.5), 3, 0) == ["weight", "ot"]
-    assert _costs(["weight"], (0.5, 1.0), 1, 0) == ["weight"]  # widths past the clients make no difference
+    assert costs(None, (1.0,), 2, 0) == list(MERGE_COSTS)
+    assert costs(None, (1.0,), 2, "universe") == list(UNIVERSE_COSTS)
+    assert costs(None, (0.5, 1.0), 2, 0) == ["ot"]
+    assert costs(["weight", "ot"], (0.5, 0.5), 3, 0) == ["weight", "ot"]
+    assert costs(["weight"], (0.5, 1.0), 1, 0) == ["weight"]  # widths past the clients make no difference
 
 
 def test_universe_matching_of_clients_of_different_widths_is_refused():
-    from fl_app.analysis.merge import _costs
-
     with pytest.raises(AnalysisError, match="--reference universe cannot match models of different widths"):
-        _costs(None, (0.5, 1.0), 2, "universe")
+        costs(None, (0.5, 1.0), 2, "universe")
 
 
 def test_the_command_fuses_clients_of_different_widths_by_ot(tmp_path):

@@ -185,6 +185,72 @@ def test_a_one_shot_run_repairs_as_the_merge_tool_does(tmp_path):
     assert not all(torch.allclose(got[k], merged[k]) for k in merged)
 
 
+def _pooled_case() -> tuple[torch.nn.Module, list[dict[str, torch.Tensor]], list[torch.Tensor], list[float]]:
+    """A small MLP, three random states and three clients' inputs of different classes (non-IID)."""
+    model = build_model("small-mlp", (1, 8, 8), 10, PanSettings())
+    digits = load_dataset("digits")
+    data = [
+        digits.train_x[(digits.train_y >= low) & (digits.train_y < high)][:90]
+        for low, high in ((0, 4), (4, 7), (7, 10))
+    ]
+    return model, [_shaken(model, seed) for seed in range(3)], data, [float(len(x)) for x in data]
+
+
+def test_pooled_repair_gives_every_unit_the_endpoints_statistics_on_the_union_of_the_clients_data():
+    """``--repair-data pooled`` against a direct computation: on the pooled inputs, the first layer's correction
+    from the endpoints' and the merge's pre-activations by hand, and every layer's statistics after REPAIR equal to
+    the examples-weighted mean of the endpoints' (REPAIR's interpolation, all measured on one data set)."""
+    model, states, data, weights = _pooled_case()
+    merged = weighted_average(states, weights)
+    repaired = repair_merge(model, merged, states, [{}] * 3, data, weights, CPU, "pooled")
+    pool = torch.cat(data).flatten(1).double()
+
+    def pre_activation(state: dict[str, torch.Tensor]) -> torch.Tensor:
+        return pool @ state["hidden.0.weight"].double().T + state["hidden.0.bias"].double()
+
+    ends = [pre_activation(state) for state in states]
+    share = torch.tensor(weights, dtype=torch.float64) / sum(weights)
+    goal_mean = sum(w * h.mean(0) for w, h in zip(share, ends))
+    goal_std = sum(w * h.std(0, unbiased=False) for w, h in zip(share, ends))
+    own = pre_activation(merged)
+    scale = goal_std / own.std(0, unbiased=False)
+    shift = goal_mean - scale * own.mean(0)
+    expected_weight = scale[:, None] * merged["hidden.0.weight"].double()
+    assert torch.allclose(repaired["hidden.0.weight"].double(), expected_weight, atol=1e-5, rtol=1e-5)
+    assert torch.allclose(repaired["hidden.0.bias"].double(), scale * merged["hidden.0.bias"] + shift, atol=1e-5)
+    sites = find_sites(model, (1, 8, 8), model.permutation_spec())
+
+    def statistics(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        model.load_state_dict(state)
+        return unit_statistics(model, sites, torch.cat(data), CPU)
+
+    after, endpoints = statistics(repaired), [statistics(state) for state in states]
+    for key, values in after.items():
+        goal = sum(w * end[key] for w, end in zip(share, endpoints))
+        assert torch.allclose(values, goal, atol=1e-4, rtol=1e-4), key
+
+
+def test_pooled_repair_differs_from_own_on_non_iid_data_and_equals_it_where_the_data_are_one():
+    model, states, data, weights = _pooled_case()
+    merged = weighted_average(states, weights)
+
+    def both(states, data, weights) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        merged = weighted_average(states, weights)
+        maps = [{}] * len(states)
+        own = repair_merge(model, merged, states, maps, data, weights, CPU, "own")
+        return own, repair_merge(model, merged, states, maps, data, weights, CPU, "pooled")
+
+    own, pooled = both(states, data, weights)
+    assert not all(torch.allclose(own[k], pooled[k], atol=1e-4) for k in own)  # each client's classes differ
+    own, pooled = both(states[:1], data[:1], weights[:1])  # one client: its own data are the union
+    assert all(torch.allclose(own[k], pooled[k], atol=1e-5, rtol=1e-5) for k in own)
+    own, pooled = both(states, [data[0]] * 3, weights)  # every client holds the same data
+    assert all(torch.allclose(own[k], pooled[k], atol=1e-5, rtol=1e-5) for k in own)
+    assert not all(torch.allclose(own[k], merged[k], atol=1e-4) for k in own)  # and REPAIR did change the merge
+    with pytest.raises(ValueError, match="repair statistics 'both'"):
+        repair_merge(model, merged, states, [{}] * 3, data, weights, CPU, "both")
+
+
 class QueryFaults(InProcessGrid):
     """In-process nodes whose REPAIR queries fail (an error reply) for the partitions in ``failing``."""
 

@@ -29,11 +29,15 @@ dataset's test split, it reports the accuracy of
   models of different widths (``--widths``) into the reference's width;
 * ``ensemble``: the mean of the clients' softmax outputs (K forward passes, an
   upper reference rather than a single model);
-* with ``--repair``, every merge again after REPAIR (``<merge>+repair``: Jordan,
-  Sedghi, Saukh, Entezari and Neyshabur, "REPAIR: REnormalizing Permuted
-  Activations for Interpolation Repair", ICLR 2023; :mod:`core.merging.repair`), each
-  client's statistics taken on its own training split, as a one-shot run with
-  ``repair=on`` takes them (the same merged model).
+* with ``--repair``, every merge again after REPAIR (Jordan, Sedghi, Saukh,
+  Entezari and Neyshabur, "REPAIR: REnormalizing Permuted Activations for
+  Interpolation Repair", ICLR 2023; :mod:`core.merging.repair`) as adapted to
+  federated data: ``<merge>+repair`` with ``--repair-data own`` (the default), each
+  client's model measured on its own training split and the merged model on every
+  client's, as a one-shot run with ``repair=on`` measures them (the same merged
+  model); ``<merge>+repair-pooled`` with ``--repair-data pooled``, every model
+  measured on the union of the clients' training splits, as REPAIR's authors
+  measure on one data set (:func:`repair_merge`).
 
 The reference is client ``--reference`` (0 by default). With ``--reference
 universe`` there is none: ``matched-universe`` replaces ``matched-weight``, all
@@ -53,7 +57,7 @@ by ``ot`` (and ensembled): the plain average is left out, ``ot`` is the default
 
 Seed paper 002 reports that one-shot matching beats one-shot averaging; the gap
 is largest for differently initialised models, whose units have no reason to
-share an order.
+share an order. The options and their checks: :mod:`fl_app.analysis.merge_options`.
 """
 
 from __future__ import annotations
@@ -68,8 +72,8 @@ import torch
 from flwr.app import ArrayRecord
 from torch import Tensor, nn
 
-from core.data import ImageDataset, dataset_info, list_datasets, load_dataset
-from core.merging.alignment import align_and_average, list_costs, matching_generator, weighted_average
+from core.data import ImageDataset, dataset_info, load_dataset
+from core.merging.alignment import align_and_average, matching_generator, weighted_average
 from core.merging.bbp import BBPSettings
 from core.merging.bbp_model import bbp_matched_average
 from core.merging.ot_fusion import OTSettings, ot_fuse
@@ -87,11 +91,10 @@ from core.metrics.ensemble import score_models
 from core.model_io import build_model_at, build_run_model, federated_state, independent_start, load_arrays
 from core.training.sgd import evaluate, round_generator, seed_everything, seed_torch, select_device
 from core.widths import width_of
+from fl_app.analysis import merge_options as options
 from fl_app.analysis.common import (
     AnalysisError,
     Subcommand,
-    add_common_arguments,
-    add_settings_arguments,
     check_choice,
     check_positive_int,
     pan_settings,
@@ -99,19 +102,12 @@ from fl_app.analysis.common import (
     settings_from_arguments,
     write_json,
 )
+from fl_app.analysis.merge_options import BBP, OT, OWN, POOLED, REPAIR_DATA, UNIVERSE
 from fl_app.client_app import client_data
-from fl_app.config import ConfigError, RunConfig, parse_run_config
-from models import Permutable, list_models
+from fl_app.config import ConfigError, RunConfig
+from models import Permutable
 from models.protocol import head_of
 from strategies.base import LocalUpdate
-
-INITS = ("same", "different")
-BBP = "bbp"
-OT = "ot"
-MERGE_COSTS = (*list_costs(), BBP, OT)
-UNIVERSE = "universe"
-UNIVERSE_COSTS = ("weight", BBP)
-"""The merges ``--reference universe`` takes: the universe matching (weight similarity) and BBP-MAP (no reference)."""
 
 
 def train_clients(
@@ -160,12 +156,15 @@ def merge_accuracies(
     universe: UniverseSettings | None = None,
     diagnostics: dict[str, Any] | None = None,
     repair_data: Sequence[Tensor] | None = None,
+    repair_on: Sequence[str] = (OWN,),
 ) -> tuple[list[float], dict[str, float], dict[str, int]]:
     """Test accuracy of each state and of every merge (``average``, ``matched-<cost>``, ``ensemble``), and the
     global width per layer of the BBP-MAP merge (the reference's without ``bbp`` among ``costs``). States of
     different widths are merged by ``ot`` only (and ensembled). ``seed``: the run's, for the matching's order
     (:func:`core.merging.alignment.matching_generator`, round 1 as a one-shot run). ``repair_data``: each state's
-    client's training inputs; every merge is then also scored after REPAIR (``<merge>+repair``, :func:`repair_merge`).
+    client's training inputs; every merge is then also scored after REPAIR (:func:`repair_merge`) with its
+    statistics taken as each of ``repair_on`` says (:data:`~fl_app.analysis.merge_options.REPAIR_DATA`):
+    ``<merge>+repair`` (own) and ``<merge>+repair-pooled`` (pooled).
 
     ``reference="universe"``: the ``weight`` cost matches all states jointly (``matched-universe``, with
     ``universe``'s settings) and ``diagnostics``, if given, receives its ``universe-objective`` (per iteration),
@@ -176,7 +175,7 @@ def merge_accuracies(
     spec = model.permutation_spec()
     joint = reference == UNIVERSE
     if joint:
-        _refuse_costs_off_universe(costs)
+        options.refuse_costs_off_universe(costs)
     reference = 0 if joint else int(reference)
 
     def accuracy(state: Mapping[str, Tensor]) -> float:
@@ -222,10 +221,16 @@ def merge_accuracies(
     merged: dict[str, float] = {}
     for name, (state, maps) in merges.items():
         merged[name] = accuracy(state)
-        if repair_data is not None:
-            merged[f"{name}+repair"] = accuracy(repair_merge(model, state, states, maps, repair_data, weights, device))
+        for on in repair_on if repair_data is not None else ():
+            repaired = repair_merge(model, state, states, maps, repair_data, weights, device, on)
+            merged[repair_key(name, on)] = accuracy(repaired)
     merged["ensemble"] = score_models(model, [ArrayRecord(state) for state in states], x, y, device).ensemble
     return clients, merged, widths or sizes[reference]
+
+
+def repair_key(merge: str, on: str) -> str:
+    """The accuracy key of ``merge`` after REPAIR with its statistics taken as ``on`` says."""
+    return f"{merge}+repair" if on == OWN else f"{merge}+repair-{on}"
 
 
 def repair_merge(
@@ -236,185 +241,60 @@ def repair_merge(
     data: Sequence[Tensor],
     weights: Sequence[float],
     device: torch.device,
+    on: str = OWN,
 ) -> dict[str, Tensor]:
-    """``merged`` after REPAIR, as a federated round with ``repair=on`` makes it (:mod:`core.merging.repair`): each
-    state's unit statistics on its client's inputs ``data`` carried onto the merged units by ``unit_maps``, the merged
-    model's on the same inputs, clients weighted by ``weights`` (their example counts)."""
-    sites = sites_of(model, tuple(data[0].shape[1:]))
+    """``merged`` after REPAIR (:mod:`core.merging.repair`): per unit, the mean and std the states' units had
+    (carried onto the merged units by ``unit_maps``), averaged with ``weights`` (their example counts), is the
+    target of the merged model's unit, whose own statistics are measured after the layers before it are corrected.
 
-    def statistics(state: Mapping[str, Tensor], inputs: Tensor, measured: Sequence[Site] = sites) -> dict[str, Tensor]:
+    ``on`` says on which inputs (``data``: each state's client's training inputs):
+
+    * ``own``: each state on its own client's inputs, and the merged model on every client's, averaged the same way
+      (like with like), as a federated round with ``repair=on`` makes it (no client sees another's data or model);
+    * ``pooled``: every state and the merged model on one set, the union of ``data``, as REPAIR's authors measure
+      the endpoints and their interpolation on one data set. In a federation that would need every client to
+      evaluate every other client's model (or to send its data), so only this offline tool, which holds every
+      client's data, can do it; with one client, or every client holding the same inputs, it equals ``own``.
+    """
+    check_choice("repair statistics", on, REPAIR_DATA)
+    sites = sites_of(model, tuple(data[0].shape[1:]))
+    inputs = [torch.cat(list(data))] if on == POOLED else list(data)
+    per_state = inputs * len(states) if on == POOLED else inputs
+
+    def statistics(state: Mapping[str, Tensor], x: Tensor, measured: Sequence[Site] = sites) -> dict[str, Tensor]:
         load_arrays(model, ArrayRecord({k: v for k, v in state.items() if v.is_floating_point()}))
-        return unit_statistics(model, measured, inputs, device)
+        return unit_statistics(model, measured, x, device)
 
     merged_shapes = {key: tuple(value.shape) for key, value in merged.items()}
     targets = [
         carry_statistics(
-            statistics(state, inputs), sites, {k: tuple(v.shape) for k, v in state.items()}, merged_shapes, maps
+            statistics(state, x), sites, {k: tuple(v.shape) for k, v in state.items()}, merged_shapes, maps
         )
-        for state, inputs, maps in zip(states, data, unit_maps, strict=True)
+        for state, x, maps in zip(states, per_state, unit_maps, strict=True)
     ]
 
     def measure(state: Mapping[str, Tensor], site: Site) -> list[UnitStats]:
-        return [
-            carry_statistics(statistics(state, inputs, [site]), [site], merged_shapes, merged_shapes)[site.name]
-            for inputs in data
+        values = [
+            carry_statistics(statistics(state, x, [site]), [site], merged_shapes, merged_shapes)[site.name]
+            for x in inputs
         ]
+        return values * len(states) if on == POOLED else values  # one measurement stands for every client
 
     return repair_in_order(merged, sites, targets, weights, measure)[0]
-
-
-# --- command line -------------------------------------------------------------------
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="small-mlp", help=f"network, one of {list_models()} (default: small-mlp)")
-    parser.add_argument("--dataset", default="digits", help=f"dataset, one of {list_datasets()} (default: digits)")
-    parser.add_argument("--data-root", default="", help="dataset root (absolute path), default: the dataset's own")
-    parser.add_argument("--clients", type=int, default=2, help="number of models K >= 2 (default: 2)")
-    parser.add_argument(
-        "--init", default="different", help=f"initialisation, one of {list(INITS)} (default: different)"
-    )
-    parser.add_argument("--epochs", type=int, default=5, help="local epochs per client (default: 5)")
-    parser.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (default: 0.05)")
-    parser.add_argument("--batch-size", type=int, default=64, help="mini-batch size (default: 64)")
-    parser.add_argument(
-        "--partitioner", default="dirichlet", help="how the training split is divided (default: dirichlet)"
-    )
-    parser.add_argument("--dirichlet-alpha", type=float, default=0.5, help="Dirichlet concentration (default: 0.5)")
-    parser.add_argument("--classes-per-client", type=int, default=2, help="for --partitioner pathological (default: 2)")
-    parser.add_argument(
-        "--costs",
-        nargs="+",
-        default=None,
-        help=f"matchings to compare (default: every one that applies, {list(MERGE_COSTS)}, with --reference universe "
-        f"{list(UNIVERSE_COSTS)}, or only ot for clients of different --widths; bbp is FedMA's BBP-MAP, ot is OT fusion)",
-    )
-    parser.add_argument(
-        "--reference",
-        default="0",
-        help="the client others are aligned onto, or universe: all matched jointly into one unit order (default: 0)",
-    )
-    add_settings_arguments(parser, UniverseSettings, "universe-")
-    parser.add_argument(
-        "--widths",
-        default="1",
-        help="clients' width multipliers of the model's width-factor, comma-separated, cycled (default: 1)",
-    )
-    parser.add_argument(
-        "--match-iterations",
-        type=int,
-        default=1,
-        help="alignment passes: onto client 0, then onto the matched mean (default: 1)",
-    )
-    add_settings_arguments(parser, BBPSettings, "bbp-")
-    add_settings_arguments(parser, OTSettings, "otfusion-")
-    parser.add_argument(
-        "--repair",
-        action="store_true",
-        help="also score every merge after REPAIR, statistics on each client's training split (as repair=on)",
-    )
-    parser.add_argument("--pan-mode", default="off", help="PAN mode of every model (default: off)")
-    parser.add_argument("--pan-t", type=float, default=1.0, help="PAN period T (default: 1)")
-    parser.add_argument("--pan-a", type=float, default=0.0, help="PAN amplitude A (default: 0)")
-    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:<index> (default: auto)")
-    add_common_arguments(parser)
-
-
-def _run_config(args: argparse.Namespace) -> RunConfig:
-    """The local-training settings as a validated run config, so training matches the federated runs."""
-    try:
-        return parse_run_config(
-            {
-                "model": args.model,
-                "dataset": args.dataset,
-                "data-root": args.data_root,
-                "local-epochs": args.epochs,
-                "lr": args.lr,
-                "batch-size": args.batch_size,
-                "partitioner": args.partitioner,
-                "dirichlet-alpha": args.dirichlet_alpha,
-                "classes-per-client": args.classes_per_client,
-                "pan-mode": args.pan_mode,
-                "pan-t": args.pan_t,
-                "pan-a": args.pan_a,
-                "seed": args.seed,
-                "device": args.device,
-                "client-widths": "" if args.widths.strip() == "1" else args.widths,
-            }
-        )
-    except ConfigError as error:
-        raise AnalysisError(str(error).replace("run-config key '", "option '--")) from error
-
-
-def _widths(text: str) -> tuple[float, ...]:
-    try:
-        widths = tuple(float(item) for item in text.split(","))
-    except ValueError:
-        widths = ()
-    if not widths or not all(w > 0 and w != float("inf") for w in widths):
-        raise AnalysisError(f"--widths must be comma-separated numbers > 0, got {text!r}")
-    return widths
-
-
-def _refuse_costs_off_universe(costs: Sequence[str]) -> None:
-    """Universe matching has no reference: a cost that aligns onto one client cannot join it."""
-    refused = [cost for cost in costs if cost not in UNIVERSE_COSTS]
-    if refused:
-        raise AnalysisError(
-            f"--costs {refused[0]!r} is not allowed with --reference universe: it aligns onto one client; "
-            f"choose from {list(UNIVERSE_COSTS)} or give a client index as --reference"
-        )
-
-
-def _reference(text: str, clients: int) -> int | str:
-    """``--reference``: ``universe`` or a client index in ``[0, clients)``."""
-    if text == UNIVERSE:
-        return UNIVERSE
-    try:
-        index = int(text)
-    except ValueError:
-        index = -1
-    if not 0 <= index < clients:
-        raise AnalysisError(f"--reference must be a client index in [0, {clients}) or universe, got {text}")
-    return index
-
-
-def _costs(costs: list[str] | None, widths: Sequence[float], clients: int, reference: int | str) -> list[str]:
-    """The matchings to compare (None: every one that applies); refuses one that cannot merge the clients' models,
-    which would otherwise be left out of the results without a word."""
-    mixed = len({widths[client % len(widths)] for client in range(clients)}) > 1
-    given = ",".join(f"{width:g}" for width in widths)
-    if mixed and reference == UNIVERSE:
-        raise AnalysisError(
-            f"--reference universe cannot match models of different widths (--widths {given} over {clients} "
-            "clients): give one width, or a client index as --reference with --costs ot"
-        )
-    if costs is None:
-        return [OT] if mixed else list(UNIVERSE_COSTS if reference == UNIVERSE else MERGE_COSTS)
-    for cost in costs:
-        check_choice("--costs", cost, MERGE_COSTS)
-    if reference == UNIVERSE:
-        _refuse_costs_off_universe(costs)
-    unmergeable = [cost for cost in costs if cost != OT]
-    if mixed and unmergeable:
-        raise AnalysisError(
-            f"--costs {' '.join(unmergeable)} cannot merge models of different widths (--widths {given} over "
-            f"{clients} clients): only ot can (the ensemble is always reported); give --costs ot, or one width"
-        )
-    return list(costs)
 
 
 def run(args: argparse.Namespace, out: Path) -> list[Path]:
     if check_positive_int("--clients", args.clients) < 2:
         raise AnalysisError(f"--clients must be at least 2 (there is nothing to merge), got {args.clients}")
-    check_choice("--init", args.init, INITS)
+    check_choice("--init", args.init, options.INITS)
     check_positive_int("--match-iterations", args.match_iterations)
-    reference = _reference(args.reference, args.clients)
-    widths = _widths(args.widths)
-    costs = _costs(args.costs, widths, args.clients, reference)
+    reference = options.reference(args.reference, args.clients)
+    widths = options.widths(args.widths)
+    costs = options.costs(args.costs, widths, args.clients, reference)
+    repair_on = options.repair_data(args)
     universe = settings_from_arguments(args, UniverseSettings, "universe-")
     pan_settings(args.pan_mode, args.pan_t, args.pan_a)
-    config = _run_config(args)
+    config = options.run_config(args)
     bbp = settings_from_arguments(args, BBPSettings, "bbp-")
     ot = settings_from_arguments(args, OTSettings, "otfusion-")
     try:
@@ -427,7 +307,7 @@ def run(args: argparse.Namespace, out: Path) -> list[Path]:
     states, counts, dataset, classes = train_clients(config, args.clients, args.init == "same", device)
     model = build_run_model(config, dataset).to(device)
     diagnostics: dict[str, Any] = {}
-    repair_data = [client_data(config, k, args.clients).train_x for k in range(args.clients)] if args.repair else None
+    repair_data = [client_data(config, k, args.clients).train_x for k in range(args.clients)] if repair_on else None
     clients, merged, widths_out = merge_accuracies(
         model,
         states,
@@ -445,6 +325,7 @@ def run(args: argparse.Namespace, out: Path) -> list[Path]:
         universe,
         diagnostics,
         repair_data,
+        (repair_on,) if repair_on else (),
     )
 
     print(f"{'model':<18} {'examples':>8} {'accuracy':>9}")
@@ -468,6 +349,7 @@ def run(args: argparse.Namespace, out: Path) -> list[Path]:
         "dirichlet-alpha": args.dirichlet_alpha,
         "match-iterations": args.match_iterations,
         "repair": args.repair,
+        "repair-data": repair_on,
         "pan": config.pan_signature(),
         "seed": args.seed,
         "reference": "universe" if reference == UNIVERSE else f"client {reference}",
@@ -506,6 +388,6 @@ COMMAND = Subcommand(
     name="merge",
     summary="train K models on non-IID splits; compare plain average, matched average, OT fusion and ensemble",
     description=__doc__,
-    add_arguments=add_arguments,
+    add_arguments=options.add_arguments,
     run=run,
 )
