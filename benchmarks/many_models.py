@@ -6,12 +6,15 @@ Dirichlet(alpha), E = 20, each client from its own initialisation, trained once 
 onto client 0, then averaged; the universe matching of all K models (Crisostomi et al., "C2M3: Cycle-Consistent
 Multi-Model Merging", NeurIPS 2024; :mod:`core.merging.universe`), then averaged; each merge again after REPAIR
 (Jordan et al., "REPAIR: REnormalizing Permuted Activations for Interpolation Repair", ICLR 2023;
-:func:`fl_app.analysis.merge.repair_merge`, statistics on each client's own training split, as ``repair=on`` takes
-them); the ensemble (mean softmax) and the best client. It also records the cycle-consistency error that matching
+:func:`fl_app.analysis.merge.repair_merge`) twice: with each client's model measured on its own training split and
+the merged model on every client's, as ``repair=on`` measures them (``+ REPAIR``), and with every model measured on
+the union of the clients' training splits, as REPAIR's authors measure on one data set (``+ REPAIR pooled``); the
+ensemble (mean softmax) and the best client. It also records the cycle-consistency error that matching
 onto client 0 has (per permutation group) and Frank-Wolfe's iterations and objective.
 
 One JSON line per cell is appended to ``--out`` as soon as it is done (a cell already there is skipped, so a
-killed run goes on); ``--report`` prints the markdown tables and draws the figure from that file alone.
+killed run goes on); ``--report`` prints the markdown tables and draws the figure from that file alone (cells
+written before the pooled columns existed leave those columns out).
 
     python benchmarks/many_models.py --network mlp --out /work/results/many_models.jsonl
     python benchmarks/many_models.py --network vgg --out /work/results/many_models.jsonl
@@ -34,16 +37,20 @@ from one_shot import NETWORKS, add_cell_arguments, run_config
 from core.merging.alignment import align_and_average, matching_generator
 from core.model_io import build_run_model, load_arrays
 from core.training.sgd import evaluate
-from fl_app.analysis.merge import UNIVERSE, merge_accuracies, repair_merge, train_clients
+from fl_app.analysis.merge import merge_accuracies, repair_key, repair_merge, train_clients
+from fl_app.analysis.merge_options import OWN, POOLED, REPAIR_DATA, UNIVERSE
 from fl_app.client_app import client_data
 
+BASES = {"average": "average", "matched-weight": "matched onto client 0", "matched-universe": "universe"}
+SHORT = {"average": "average", "matched-weight": "matched", "matched-universe": "universe"}
 MERGES = {
-    "average": "average",
-    "average+repair": "average + REPAIR",
-    "matched-weight": "matched onto client 0",
-    "matched-weight+repair": "matched + REPAIR",
-    "matched-universe": "universe",
-    "matched-universe+repair": "universe + REPAIR",
+    key: name
+    for base, long in BASES.items()
+    for key, name in (
+        (base, long),
+        (repair_key(base, OWN), f"{SHORT[base]} + REPAIR"),
+        (repair_key(base, POOLED), f"{SHORT[base]} + REPAIR pooled"),
+    )
 }
 """Accuracy key → column name of the merged models."""
 REFERENCES = {"ensemble": "ensemble", "best-client": "best client"}
@@ -74,13 +81,18 @@ def one_cell(network: str, clients: int, seed: int, epochs: int, alpha: float, t
         seed=seed,
         diagnostics=diagnostics,
         repair_data=inputs,
+        repair_on=REPAIR_DATA,
     )
     # Matching onto client 0 as merge_accuracies' reference=0 merges it, without scoring the rest a second time.
     matched, permutations = align_and_average(
         states[0], states, counts, model.permutation_spec(), "weight", 1, matching_generator(seed, 1)
     )
-    repaired = repair_merge(model, matched, states, permutations, inputs, counts, CPU)
-    for key, state in (("matched-weight", matched), ("matched-weight+repair", repaired)):
+    scored = {"matched-weight": matched}
+    for on in REPAIR_DATA:
+        scored[repair_key("matched-weight", on)] = repair_merge(
+            model, matched, states, permutations, inputs, counts, CPU, on
+        )
+    for key, state in scored.items():
         load_arrays(model, ArrayRecord(state))
         accuracy[key] = evaluate(model, dataset.test_x, dataset.test_y, CPU)[1]
     accuracy["best-client"] = max(singles)
@@ -113,6 +125,25 @@ def _mean_std(values: list[float]) -> str:
     return f"{100 * statistics.fmean(values):.1f}{spread}"
 
 
+def _pooled_against_own(network: str, by_k: dict[int, list[dict[str, Any]]], merges: dict[str, str]) -> list[str]:
+    """Per K and merge, REPAIR pooled − REPAIR own in points: the mean over seeds and the range of the seeds'."""
+    bases = [base for base in BASES if repair_key(base, POOLED) in merges]
+    if not bases:
+        return []
+    out = [f"\n**{network}**: REPAIR pooled − REPAIR own in points, mean over seeds (min to max)\n"]
+    out.append("| K | " + " | ".join(BASES[base] for base in bases) + " |")
+    out.append("|---" * (len(bases) + 1) + "|")
+    for k, group in by_k.items():
+        texts = []
+        for base in bases:
+            gaps = [
+                100 * (c["accuracy"][repair_key(base, POOLED)] - c["accuracy"][repair_key(base, OWN)]) for c in group
+            ]
+            texts.append(f"{statistics.fmean(gaps):+.1f} ({min(gaps):+.1f} to {max(gaps):+.1f})")
+        out.append(f"| {k} | " + " | ".join(texts) + " |")
+    return out
+
+
 def report(cells: list[dict[str, Any]]) -> str:
     """Per network: accuracy of every merge, the barriers (ensemble − merge) and the matching's diagnostics."""
     out = []
@@ -121,7 +152,8 @@ def report(cells: list[dict[str, Any]]) -> str:
         ks = sorted({c["clients"] for c in mine})
         seeds = sorted({c["seed"] for c in mine})
         by_k = {k: [c for c in mine if c["clients"] == k] for k in ks}
-        columns = {**MERGES, **REFERENCES}
+        merges = {key: name for key, name in MERGES.items() if all(key in c["accuracy"] for c in mine)}
+        columns = {**merges, **REFERENCES}
         out.append(f"**{network}**: test accuracy %, mean ± sd over seeds {seeds}\n")
         out.append("| K | " + " | ".join(columns.values()) + " |")
         out.append("|---" * (len(columns) + 1) + "|")
@@ -131,14 +163,15 @@ def report(cells: list[dict[str, Any]]) -> str:
         out.append(
             f"\n**{network}**: barrier, ensemble − merge in points (mean over seeds; best: the best merge per seed)\n"
         )
-        out.append("| K | best merge | " + " | ".join(MERGES.values()) + " |")
-        out.append("|---" * (len(MERGES) + 2) + "|")
+        out.append("| K | best merge | " + " | ".join(merges.values()) + " |")
+        out.append("|---" * (len(merges) + 2) + "|")
         for k in ks:
-            gaps = [statistics.fmean(c["accuracy"]["ensemble"] - c["accuracy"][key] for c in by_k[k]) for key in MERGES]
+            gaps = [statistics.fmean(c["accuracy"]["ensemble"] - c["accuracy"][key] for c in by_k[k]) for key in merges]
             best = statistics.fmean(
-                c["accuracy"]["ensemble"] - max(c["accuracy"][key] for key in MERGES) for c in by_k[k]
+                c["accuracy"]["ensemble"] - max(c["accuracy"][key] for key in merges) for c in by_k[k]
             )
             out.append(f"| {k} | {100 * best:.1f} | " + " | ".join(f"{100 * g:.1f}" for g in gaps) + " |")
+        out.extend(_pooled_against_own(network, by_k, merges))
         out.append(f"\n**{network}**: matching diagnostics (mean over seeds)\n")
         out.append(
             "| K | cycle-consistency error onto client 0 (mean over groups) | Frank-Wolfe iterations "
@@ -177,10 +210,13 @@ def figure(cells: list[dict[str, Any]], path: Path) -> None:
     for axis, network in zip(axes[0], networks):
         mine = [c for c in cells if c["network"] == network]
         ks = sorted({c["clients"] for c in mine})
-        for key, label in {**MERGES, **REFERENCES}.items():
+        merges = {key: name for key, name in MERGES.items() if all(key in c["accuracy"] for c in mine)}
+        for key, label in {**merges, **REFERENCES}.items():
             values = [[100 * c["accuracy"][key] for c in mine if c["clients"] == k] for k in ks]
             color = styles.get(key, "C2" if key == "ensemble" else "C3")
-            line = "--" if key.endswith("+repair") else ":" if key in REFERENCES else "-"
+            line = (
+                "-." if key.endswith(POOLED) else "--" if key.endswith("+repair") else ":" if key in REFERENCES else "-"
+            )
             axis.plot(ks, [statistics.fmean(v) for v in values], line, marker="o", ms=3, color=color, label=label)
             axis.fill_between(ks, [min(v) for v in values], [max(v) for v in values], color=color, alpha=0.07, lw=0)
         axis.set_xscale("log", base=2)
