@@ -1,5 +1,10 @@
 """Shared test set-up."""
 
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -103,3 +108,14 @@ def exposed_key_repo(tmp_path):
     (repo / "keys" / "auth").write_text(key)
     (repo / "certs" / "ca.key").write_text(key.replace("OPENSSH ", ""))
     return repo
+
+
+@pytest.fixture
+def fresh_temp(monkeypatch) -> Iterator[Path]:
+    """An empty system temporary folder of the test's own (``tempfile``'s in this process, ``$TMPDIR`` for the
+    processes it starts), short enough a path for Ray's sockets: what a command leaves in it is there to see."""
+    folder = Path(tempfile.mkdtemp(prefix="t", dir="/tmp"))
+    monkeypatch.setenv("TMPDIR", str(folder))
+    monkeypatch.setattr(tempfile, "tempdir", str(folder))
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)

@@ -1,11 +1,16 @@
 """deploy before anything starts and around a run, without Flower's processes: early refusals, the SuperLink's state
-file, the executor and poll options a resumed run keeps, the resume command, and the service watch on stand-in
-processes."""
+file, the executor and poll options a resumed run keeps, the resume command, the service watch on stand-in
+processes, and where a run's logs go and what of its folders is left however it ends."""
 
+import json
+import os
 import shlex
 import signal
 import sqlite3
+import time
+from contextlib import contextmanager
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 
@@ -15,7 +20,7 @@ from fl_app.runtime import deploy
 from fl_app.runtime import deployment as deployment_module
 from fl_app.runtime import topology as topology_module
 from fl_app.runtime.common import PROJECT_ROOT
-from fl_app.runtime.deployment import Deployment, partner_of, resume_command
+from fl_app.runtime.deployment import Deployment, partner_of, resume_command, run_logs
 from fl_app.runtime.flwr_cli import parse_overrides
 from fl_app.runtime.launch import prepare_config, report_outcome
 from fl_app.runtime.topology import (
@@ -219,3 +224,59 @@ def test_failed_run_exits_non_zero(tmp_path):
     config = prepare_config({"dataset": "digits", "results-dir": str(tmp_path), "run-name": "r"}, 2)
     assert report_outcome(config, "finished:failed", "ServerApp raised") == 1
     assert report_outcome(config, "finished:completed", "") == 1  # completed but no summary written
+
+
+def stand_in_deployment(how: str):
+    """``deployment`` for a run that ends as ``how`` says, started nothing but writing what the real one writes: a
+    Flower home under its work folder and a log in its log folder."""
+
+    @contextmanager
+    def started(topology, work, logs):
+        (work / "homes" / "superlink").mkdir(parents=True)
+        (work / "homes" / "superlink" / "state.db").write_bytes(b"")
+        (logs / "superlink.log").write_text("started\n")
+        if how == "failed":
+            raise RuntimeError("the SuperLink exited with code 1")
+        yield SimpleNamespace(run=lambda config: run(config), exited={})
+
+    def run(config):
+        if how == "completed":
+            (run_logs(config).parent / "summary.json").write_text(json.dumps({"final-accuracy": 1, "best-accuracy": 1}))
+            return "finished:completed", ""
+        os.kill(os.getpid(), getattr(signal, how))
+        time.sleep(30)
+        raise AssertionError("the stop signal did not stop the deployment")
+
+    return started
+
+
+@pytest.mark.parametrize(
+    "how, code", [("completed", 0), ("failed", 1), ("SIGTERM", 128 + signal.SIGTERM), ("SIGINT", 128 + signal.SIGINT)]
+)
+def test_a_deployment_keeps_its_logs_in_the_run_folder_and_nothing_in_the_temporary_folder(
+    how, code, fresh_temp, tmp_path, monkeypatch, capsys
+):
+    """Without --work-dir the services' logs go to the run folder's logs/ (printed at the start) and their Flower
+    homes go with their temporary folder, on success, failure, SIGTERM and Ctrl-C; with it, both stay there."""
+    monkeypatch.setattr(deploy, "deployment", stand_in_deployment(how))
+    argv = ["--num-supernodes", "2", "--run-config", f'dataset="digits" results-dir="{tmp_path}" run-name="r"']
+    assert deploy.main(argv) == code
+    assert list(fresh_temp.iterdir()) == []
+    assert (tmp_path / "r" / "logs" / "superlink.log").read_text() == "started\n"
+    assert f"logs in {tmp_path / 'r' / 'logs'}" in capsys.readouterr().out
+    assert deploy.main([*argv, "--work-dir", str(tmp_path / "work")]) == code
+    assert (tmp_path / "work" / "logs" / "superlink.log").exists()
+    assert (tmp_path / "work" / "homes" / "superlink" / "state.db").exists()
+    assert list(fresh_temp.iterdir()) == []
+
+
+def test_a_later_deployment_of_the_same_run_folder_keeps_the_earlier_ones_logs(tmp_path):
+    config = prepare_config({"dataset": "digits", "results-dir": str(tmp_path), "run-name": "r"}, 2)
+    assert run_logs(config) == tmp_path / "r" / "logs"
+    (tmp_path / "r" / "logs").mkdir(parents=True)
+    assert run_logs(config) == tmp_path / "r" / "logs"  # empty: nothing to keep
+    (tmp_path / "r" / "logs" / "superlink.log").write_text("the first deployment\n")
+    assert run_logs(config) == tmp_path / "r" / "logs-2"
+    (tmp_path / "r" / "logs-2").mkdir()
+    (tmp_path / "r" / "logs-2" / "superlink.log").write_text("the second deployment\n")
+    assert run_logs(config) == tmp_path / "r" / "logs-3"

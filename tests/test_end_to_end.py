@@ -84,7 +84,7 @@ def test_same_seed_same_metrics_with_partial_participation(tmp_path):
     assert all(r["clients-trained"] == 2 for r in first[1:])
 
 
-def test_launcher_runs_flwr_and_reports_success(tmp_path, capfd):
+def test_launcher_runs_flwr_and_reports_success(tmp_path, capfd, fresh_temp):
     code = launch.main(
         [
             "--num-supernodes",
@@ -102,6 +102,7 @@ def test_launcher_runs_flwr_and_reports_success(tmp_path, capfd):
     board = EventAccumulator(str(tmp_path / "ok"))  # Ray's simulation tracks to TensorBoard as in-process runs do
     board.Reload()
     assert [event.step for event in board.Scalars("accuracy")] == [0, 1]
+    assert list(fresh_temp.iterdir()) == []  # Flower's home and Ray's session folder went with the run
 
 
 def test_launcher_exits_nonzero_when_the_run_fails(tmp_path):

@@ -122,7 +122,7 @@ def test_deploys_keys_go_outside_the_checkout_by_default(tmp_path, monkeypatch, 
     monkeypatch.delenv("XDG_STATE_HOME", raising=False)
     before = exposed_private_keys(PROJECT_ROOT)
 
-    def not_started(topology, work):
+    def not_started(topology, work, logs):
         raise RuntimeError(f"not started in this test; keys in {topology.certificates.folder}")
 
     monkeypatch.setattr(deploy, "deployment", not_started)

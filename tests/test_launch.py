@@ -14,6 +14,7 @@ import pytest
 from core.config import RESULTS_ENV, results_root
 from fl_app.checkpoint import run_folder
 from fl_app.config import ConfigError, parse_run_config
+from fl_app.engines.grid import RayOptions
 from fl_app.runtime import launch, processes
 from fl_app.runtime.common import PROJECT_ROOT
 from fl_app.runtime.flwr_cli import never_give_up, parse_overrides, to_toml_pairs
@@ -322,10 +323,11 @@ def processes_with_environment(name: str, value: str) -> set[int]:
 @pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP], ids=lambda s: s.name)
 def test_the_launcher_stops_its_superlink_and_everything_it_started_on_a_stop_signal(
-    signum, monkeypatch, capsys, tmp_path
+    signum, monkeypatch, capsys, tmp_path, fresh_temp
 ):
     """A real SuperLink (it starts a SuperExec in a session of its own); the signal comes while the run is
-    followed, and the launcher returns 128 + its number with nobody left behind and no traceback."""
+    followed, and the launcher returns 128 + its number with nobody left behind, nothing left in the temporary
+    folder, and no traceback."""
     seen: dict[str, set[int]] = {}
 
     def signalled_while_following(config, env, run_args, watch):
@@ -344,15 +346,17 @@ def test_the_launcher_stops_its_superlink_and_everything_it_started_on_a_stop_si
     assert code == 128 + signum
     assert len(seen["started"]) >= 2  # the SuperLink and its SuperExec
     assert processes_with_environment("FLWR_HOME", seen["home"]) == set()
+    assert list(fresh_temp.iterdir()) == []
     err = capsys.readouterr().err
     assert f"stopped by {signal.Signals(signum).name}" in err and "Traceback" not in err
 
 
 @pytest.mark.slow
-def test_sigterm_mid_run_stops_every_process_the_launcher_started(tmp_path):
+def test_sigterm_mid_run_stops_every_process_the_launcher_started(tmp_path, fresh_temp):
     """SIGTERM while Ray trains: the SuperLink, its SuperExec, flwr-simulation and Ray's processes (each
     carries the launcher's private FLWR_HOME in its environment) are all gone when the launcher exits, with
-    128 + 15, no traceback, and the way to resume the run."""
+    128 + 15, no traceback, nothing in the temporary folder (Flower's home, Ray's session folder), and the way to
+    resume the run."""
     with (tmp_path / "out.log").open("w") as out:
         launcher = subprocess.Popen(
             [
@@ -385,6 +389,7 @@ def test_sigterm_mid_run_stops_every_process_the_launcher_started(tmp_path):
             os.killpg(launcher.pid, signal.SIGKILL)
             launcher.wait()
     assert processes_with_environment("FLWR_HOME", home) == set()
+    assert list(fresh_temp.iterdir()) == []
     output = (tmp_path / "out.log").read_text()
     assert "stopped by SIGTERM" in output and "Traceback" not in output
     assert f'resume-from="{tmp_path / "r"}"' in output
@@ -425,3 +430,22 @@ def test_the_launcher_refuses_private_keys_that_git_would_commit_naming_them(exp
     err = capsys.readouterr().err
     assert "refused before starting: private keys inside a git work tree that does not ignore them: " in err
     assert f"{exposed_key_repo}/keys/auth" in err and "ca.key" not in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("address", [None, "10.0.0.1:6379"])
+def test_a_ray_the_batched_engine_starts_keeps_its_session_folder_in_a_scratch_folder_removed_after(
+    address, fresh_temp, monkeypatch
+):
+    """Ray keeps its session folder after it stops: one started for the batched engine's workers puts it in a
+    folder of the run's own (``RAY_TMPDIR``), removed after; a cluster that is joined keeps its own."""
+    monkeypatch.delenv("RAY_TMPDIR", raising=False)
+    with launch.own_ray_temp(RayOptions(num_workers=1, address=address)):
+        seen = os.environ.get("RAY_TMPDIR")
+        if address is None:
+            assert seen is not None and Path(seen).parent == fresh_temp and Path(seen).is_dir()
+            (Path(seen) / "ray" / "session_latest").mkdir(parents=True)  # what Ray would leave
+        else:
+            assert seen is None
+    assert "RAY_TMPDIR" not in os.environ and list(fresh_temp.iterdir()) == []
+    with launch.own_ray_temp(None):
+        assert "RAY_TMPDIR" not in os.environ

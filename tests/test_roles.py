@@ -2,6 +2,7 @@
 a node's check of the SuperLink before it starts, and options refused before anything starts. The roles run
 across three network namespaces in scripts/hosts_check.sh."""
 
+import json
 import os
 import shutil
 import signal
@@ -13,6 +14,7 @@ import time
 
 import pytest
 
+from fl_app.checkpoint import run_folder
 from fl_app.runtime import deploy, roles
 from fl_app.runtime.common import free_port
 from fl_app.runtime.reach import Unreachable, listen_host, tls_problem, wait_for_superlink
@@ -85,6 +87,7 @@ def test_a_plaintext_node_machine_says_on_the_console_while_its_superlink_does_n
     assert f"the SuperLink at 127.0.0.1:{closed} cannot be reached" in err
     assert "trying again every 1 s for up to 2 s (--superlink-wait)" in err
     assert "SuperNodes not started" in err and "(tried for 2 s)" in err
+    assert not (tmp_path / "work").exists()  # made for the nodes that never started, and removed again
     port = free_port()
     late: list[socket.socket] = []  # a SuperLink that starts later, kept open until the end of the test
     threading.Timer(1.5, lambda: late.append(socket.create_server(("127.0.0.1", port)))).start()
@@ -300,15 +303,70 @@ def test_a_node_machine_leaves_no_temporary_folder_however_it_ends(how, code, tm
     assert list(tmp_path.iterdir()) == []
 
 
-def test_a_given_work_dir_is_kept_and_an_empty_temporary_superlink_folder_is_not(tmp_path, monkeypatch):
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
-    (tmp_path / "tmp").mkdir()
+def test_a_given_work_dir_is_kept_with_what_was_written_there_and_removed_only_if_made_and_left_empty(
+    tmp_path, fresh_temp, monkeypatch
+):
     monkeypatch.setattr(roles, "Deployment", NodesStandIn)
     monkeypatch.setattr(roles, "serve", ends("every service exited"))
     monkeypatch.setattr(roles, "wait_for_superlink", lambda *args: None)
     argv = ["supernodes", "--superlink", "127.0.0.1:9092", "--nodes", "0", "--num-supernodes", "1"]
     assert deploy.main([*argv, "--work-dir", str(tmp_path / "work")]) == 1
     assert (tmp_path / "work" / "logs" / "supernode-0.log").exists()
+    monkeypatch.setattr(roles, "wait_for_superlink", lambda *args: "the SuperLink cannot be reached")
+    assert deploy.main([*argv, "--work-dir", str(tmp_path / "made" / "work")]) == 1
+    assert not (tmp_path / "made").exists()  # every level it made, and nothing else
+    (tmp_path / "kept").mkdir()
+    (tmp_path / "kept" / "notes").write_text("mine")
+    assert deploy.main([*argv, "--work-dir", str(tmp_path / "kept")]) == 1
+    assert [path.name for path in (tmp_path / "kept").iterdir()] == ["notes"]
+    assert (tmp_path / "kept" / "notes").read_text() == "mine"
     monkeypatch.setattr(roles, "run_superlink_side", lambda args, config, work: 1)  # failed before writing there
     assert deploy.main(["superlink", "--num-supernodes", "1", "--serve"]) == 1
-    assert list((tmp_path / "tmp").iterdir()) == []
+    assert list(fresh_temp.iterdir()) == []
+
+
+class SuperLinkStandIn:
+    """The SuperLink side's deployment that starts nothing but writes a Flower home and a log where the real one
+    would, and completes its run."""
+
+    def __init__(self, topology, work, logs):
+        self.work, self.logs = work, logs
+
+    def start_superlink_side(self):
+        (self.work / "homes" / "superlink").mkdir(parents=True)
+        (self.logs / "superlink.log").write_text("started\n")
+
+    def wait_for_supernodes(self, count, timeout_s):
+        pass
+
+    def run(self, config):
+        (run_folder(config) / "summary.json").write_text(json.dumps({"final-accuracy": 1, "best-accuracy": 1}))
+        return "finished:completed", ""
+
+    def stop(self):
+        pass
+
+
+def test_the_superlink_side_keeps_its_logs_with_the_run_or_says_where_and_no_flower_home(
+    tmp_path, fresh_temp, monkeypatch, capsys
+):
+    """A run's logs go to its run folder; serving, to the one folder it leaves in the temporary folder, printed at
+    the start; the Flower homes go either way."""
+    monkeypatch.setattr(roles, "Deployment", SuperLinkStandIn)
+    run = ["--run-config", f'dataset="digits" results-dir="{tmp_path}" run-name="r"']
+    assert deploy.main(["superlink", "--num-supernodes", "1", *run]) == 0
+    assert (tmp_path / "r" / "logs" / "superlink.log").exists() and list(fresh_temp.iterdir()) == []
+    assert f"logs in {tmp_path / 'r' / 'logs'}" in capsys.readouterr().out
+
+    def stopped_by_sigterm(running, after_exits=None):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)
+        raise AssertionError("the stop signal did not stop the role")
+
+    monkeypatch.setattr(roles, "serve", stopped_by_sigterm)
+    assert deploy.main(["superlink", "--num-supernodes", "1", "--serve"]) == 128 + signal.SIGTERM
+    [logs] = fresh_temp.iterdir()
+    assert logs.name.startswith("alignfl-superlink-logs-") and [path.name for path in logs.iterdir()] == [
+        "superlink.log"
+    ]
+    assert f"logs in {logs}" in capsys.readouterr().out

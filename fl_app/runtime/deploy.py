@@ -27,15 +27,14 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 from pathlib import Path
 
 from core.data import DatasetMissingError
 from fl_app.config import ConfigError, RunConfig
 from fl_app.patches.polling_supernode import FLOWER_NODE_POLL_S
 from fl_app.runtime import register
-from fl_app.runtime.common import PROJECT_ROOT, check_folder
-from fl_app.runtime.deployment import deployment, resume_advice
+from fl_app.runtime.common import PROJECT_ROOT, check_folder, made_folder, work_folder
+from fl_app.runtime.deployment import deployment, resume_advice, run_logs
 from fl_app.runtime.flwr_cli import parse_overrides
 from fl_app.runtime.keys import default_certs, refuse_committable_folder, refuse_exposed_keys
 from fl_app.runtime.launch import prepare_config, report_outcome
@@ -133,37 +132,42 @@ def deploy_and_run(config: RunConfig, args: argparse.Namespace) -> int:
         except RuntimeError as error:
             print(f"[alignfl] deployment FAILED: {error}", file=sys.stderr)
             return 1
-    work = (args.work_dir or Path(tempfile.mkdtemp(prefix="alignfl-deploy-"))).resolve()
-    work.mkdir(parents=True, exist_ok=True)
-    print(
-        f"[alignfl] deployment on 127.0.0.1: {args.num_supernodes} SuperNodes, "
-        f"{'TLS + SuperNode authentication' if args.tls else 'plaintext'}, {args.executor} ClientApp executor, "
-        f"SuperNodes polling every {args.node_poll or FLOWER_NODE_POLL_S:g} s; logs in {work / 'logs'}",
-        flush=True,
-    )
-    try:
-        topology = loopback_topology(
-            args.num_supernodes,
-            work,
-            certs,
-            args.executor,
-            args.node_poll,
-            args.superlink_db.resolve() if args.superlink_db else None,
+    with work_folder(args.work_dir, "alignfl-deploy-") as work, made_folder(logs_folder(config, args)) as logs:
+        print(
+            f"[alignfl] deployment on 127.0.0.1: {args.num_supernodes} SuperNodes, "
+            f"{'TLS + SuperNode authentication' if args.tls else 'plaintext'}, {args.executor} ClientApp executor, "
+            f"SuperNodes polling every {args.node_poll or FLOWER_NODE_POLL_S:g} s; logs in {logs}",
+            flush=True,
         )
-        with deployment(topology, work) as running:
-            status, details = running.run(config)
-    except (RuntimeError, TimeoutError) as error:
-        print(f"[alignfl] deployment FAILED: {error}", file=sys.stderr)
-        return 1
+        try:
+            topology = loopback_topology(
+                args.num_supernodes,
+                work,
+                certs,
+                args.executor,
+                args.node_poll,
+                args.superlink_db.resolve() if args.superlink_db else None,
+            )
+            with deployment(topology, work, logs) as running:
+                status, details = running.run(config)
+        except (RuntimeError, TimeoutError) as error:
+            print(f"[alignfl] deployment FAILED: {error}", file=sys.stderr)
+            return 1
     code = report_outcome(config, status, details)
     if running.exited and status != "aborted":
         print(
             "[alignfl] services that exited during the run: "
             + ", ".join(f"{name} ({how})" for name, how in running.exited.items())
-            + f"; their logs are in {work / 'logs'}",
+            + f"; their logs are in {logs}",
             file=sys.stderr,
         )
     return code
+
+
+def logs_folder(config: RunConfig, args: argparse.Namespace) -> Path:
+    """``logs`` of ``--work-dir``, which then also keeps the services' Flower homes; without it the run folder's
+    (:func:`fl_app.runtime.deployment.run_logs`), and the homes are removed with their temporary folder."""
+    return args.work_dir.resolve() / "logs" if args.work_dir is not None else run_logs(config)
 
 
 if __name__ == "__main__":

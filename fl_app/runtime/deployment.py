@@ -28,6 +28,7 @@ import sys
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from itertools import chain, count
 from pathlib import Path
 
 from fl_app.checkpoint import checkpointed_round, run_folder
@@ -118,10 +119,12 @@ def resume_advice(
 @dataclass
 class Deployment:
     """The loopback deployment's processes, started in the compose file's order, each with every process it
-    starts (its executor's app processes), so stopping one stops what it started."""
+    starts (its executor's app processes), so stopping one stops what it started. Each service's Flower home is
+    under ``work`` (their working folder too), its log in ``logs`` (default ``work/logs``)."""
 
     topology: Topology
     work: Path
+    logs: Path | None = None
     services: dict[str, ProcessTree] = field(default_factory=dict)
     exited: dict[str, str] = field(default_factory=dict)
     """Service → how it ended (``signal SIGKILL``, ``code 1``, ``stopped with supernode-2``), for every service
@@ -140,7 +143,7 @@ class Deployment:
         return self.environment("cli")
 
     def log_file(self, name: str) -> Path:
-        return self.work / "logs" / f"{name}.log"
+        return (self.logs or self.work / "logs") / f"{name}.log"
 
     def start_service(self, name: str, command: list[str]) -> ProcessTree:
         self.log_file(name).parent.mkdir(parents=True, exist_ok=True)
@@ -267,10 +270,18 @@ class Deployment:
         stop_processes(list(self.services.values()), grace_s=30.0)
 
 
+def run_logs(config: RunConfig) -> Path:
+    """Where a deployment that runs ``config`` keeps its services' logs when no ``--work-dir`` is given: beside the
+    run's results, in ``logs`` of its run folder, or ``logs-2``, ``logs-3``, ... when an earlier deployment of the
+    same folder (one the run resumes) left logs there."""
+    folders = (run_folder(config) / name for name in chain(["logs"], (f"logs-{n}" for n in count(2))))
+    return next(logs for logs in folders if not logs.exists() or (logs.is_dir() and not any(logs.iterdir())))
+
+
 @contextmanager
-def deployment(topology: Topology, work: Path) -> Iterator[Deployment]:
+def deployment(topology: Topology, work: Path, logs: Path | None = None) -> Iterator[Deployment]:
     """A started deployment, stopped on leaving the block however it is left."""
-    running = Deployment(topology, work)
+    running = Deployment(topology, work, logs)
     try:
         running.start()
         yield running

@@ -19,12 +19,10 @@ import argparse
 import json
 import math
 import os
-import shutil
 import sys
-import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
 from core.config import default_results_root
@@ -34,7 +32,7 @@ from fl_app.checkpoint import checkpointed_round, resume_checkpoint, run_folder
 from fl_app.config import ConfigError, RunConfig, parse_run_config, validate_run
 from fl_app.engines.batched import ray_options, run_batched, workers_allowed
 from fl_app.engines.grid import VECTORISE_CHOICES, RayOptions
-from fl_app.runtime.common import PROJECT_ROOT
+from fl_app.runtime.common import PROJECT_ROOT, scratch_folder
 from fl_app.runtime.flwr_cli import parse_overrides, submit_and_follow
 from fl_app.runtime.keys import refuse_exposed_keys
 from fl_app.runtime.processes import Stopped, stop_signals
@@ -43,6 +41,9 @@ from fl_app.runtime.superlink import flower_environment, local_superlink
 
 FLWR_HOME_PREFIX = "alignfl-flwr-home-"
 """The temporary Flower home of a private local SuperLink (in ``$TMPDIR``), removed when its run ends."""
+RAY_TMP_PREFIX = "alfl-ray-"
+"""The temporary folder of the Ray a run starts (its ``RAY_TMPDIR``: ``$TMPDIR``, or ``/tmp`` where that is too
+long for Ray's socket paths), removed when its run ends: Ray keeps its session folders after it stops."""
 
 
 def prepare_config(overrides: dict[str, Any], num_supernodes: int) -> RunConfig:
@@ -214,16 +215,18 @@ def simulate_on_local_superlink(
         The run's final status (``finished:completed`` when it completed) and its details.
     """
     overrides = " ".join(f"{key}={value}" for key, value in federation.items())
-    with stop_signals():  # a caller without its own (a sweep job) still stops everything on SIGTERM or SIGHUP
-        flwr_home = Path(tempfile.mkdtemp(prefix=FLWR_HOME_PREFIX))
-        try:
-            env = flower_environment(flwr_home)
-            if ray_address:
-                env["RAY_ADDRESS"] = ray_address  # Flower's ray.init() joins the cluster
-            with local_superlink(env) as watch:
-                return submit_and_follow(run_config, env, ["--federation-config", overrides], watch)
-        finally:
-            shutil.rmtree(flwr_home, ignore_errors=True)
+    with (
+        stop_signals(),  # a caller without its own (a sweep job) still stops everything on SIGTERM or SIGHUP
+        scratch_folder(FLWR_HOME_PREFIX) as flwr_home,
+        scratch_folder(RAY_TMP_PREFIX, short=True) as ray_temp,
+    ):
+        env = flower_environment(flwr_home)
+        if ray_address:
+            env["RAY_ADDRESS"] = ray_address  # Flower's ray.init() joins the cluster
+        else:
+            env["RAY_TMPDIR"] = str(ray_temp)  # the session folder Ray keeps after it stops goes with it
+        with local_superlink(env) as watch:
+            return submit_and_follow(run_config, env, ["--federation-config", overrides], watch)
 
 
 def run_batched_here(config: RunConfig, args: argparse.Namespace) -> tuple[str, str]:
@@ -233,10 +236,30 @@ def run_batched_here(config: RunConfig, args: argparse.Namespace) -> tuple[str, 
     if options is None and args.num_gpus > 0:  # fractional GPUs are Ray's to hand out: as many workers as fit
         options = RayOptions(worker_cpus=args.num_cpus, worker_gpus=args.num_gpus)
     try:
-        run_batched(config.to_run_config(), args.num_supernodes, args.vectorise, options)
+        with own_ray_temp(options):
+            run_batched(config.to_run_config(), args.num_supernodes, args.vectorise, options)
     except Exception as error:
         return "finished:failed", f"{type(error).__name__}: {error}"
     return "finished:completed", ""
+
+
+@contextmanager
+def own_ray_temp(options: RayOptions | None) -> Iterator[None]:
+    """A Ray that this process starts within the block (the batched engine's workers without ``--ray-address``)
+    keeps its session folder, which outlives it, in a scratch folder removed after the block (``RAY_TMPDIR``)."""
+    if options is None or options.address is not None:
+        yield
+        return
+    previous = os.environ.get("RAY_TMPDIR")
+    with scratch_folder(RAY_TMP_PREFIX, short=True) as folder:
+        os.environ["RAY_TMPDIR"] = str(folder)
+        try:
+            yield
+        finally:
+            if previous is None:
+                del os.environ["RAY_TMPDIR"]
+            else:
+                os.environ["RAY_TMPDIR"] = previous
 
 
 def resume_hint(config: RunConfig | None) -> str:

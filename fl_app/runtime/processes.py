@@ -164,10 +164,18 @@ class ProcessTree:
         return live
 
 
+@contextmanager
+def stops_deferred() -> Iterator[None]:
+    """A stop signal that comes within the block raises :class:`Stopped` only after it, so clean-up that it
+    guards (stopping processes, removing their folders) is never cut short."""
+    with _SIGNALS.held():
+        yield
+
+
 def stop_processes(trees: Sequence[ProcessTree], grace_s: float = 20.0) -> None:
     """Stop every process of these trees: SIGTERM to all at once, SIGKILL to what is left after ``grace_s``.
     A stop signal that comes meanwhile waits until this is done."""
-    with _SIGNALS.held():
+    with stops_deferred():
         signalled: set[tuple[int, int]] = set()
         deadline = time.monotonic() + grace_s
         while True:

@@ -27,12 +27,13 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
-import shutil
+import os
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from datetime import datetime
 from pathlib import Path
 
 from cryptography import x509
@@ -40,8 +41,8 @@ from cryptography import x509
 from core.data import DatasetMissingError
 from fl_app.config import ConfigError, RunConfig
 from fl_app.patches.polling_supernode import FLOWER_NODE_POLL_S
-from fl_app.runtime.common import PROJECT_ROOT, check_folder, free_port
-from fl_app.runtime.deployment import Deployment
+from fl_app.runtime.common import PROJECT_ROOT, check_folder, free_port, made_folder, work_folder
+from fl_app.runtime.deployment import Deployment, run_logs
 from fl_app.runtime.flwr_cli import parse_overrides
 from fl_app.runtime.keys import default_certs, refuse_committable_folder, refuse_exposed_keys
 from fl_app.runtime.launch import prepare_config, report_outcome
@@ -284,7 +285,7 @@ def role_main(role: str, argv: list[str]) -> int:
                     file=sys.stderr,
                     flush=True,
                 )
-            with work_folder(role, args.work_dir) as work:
+            with work_folder(args.work_dir, f"alignfl-{role}-") as work:
                 if role == "superlink":
                     return run_superlink_side(args, config, work)
                 return run_supernodes(args, work)
@@ -297,48 +298,47 @@ def role_main(role: str, argv: list[str]) -> int:
 
 
 @contextmanager
-def work_folder(role: str, given: Path | None) -> Iterator[Path]:
-    """``--work-dir``, else a temporary folder, removed however the role ends (a stop signal included) where it
-    would only pile up: a node machine's always (it serves until stopped, and keeps nothing worth reading), the
-    SuperLink side's when it holds nothing (its logs tell how the run went)."""
-    if given is not None:
-        given = given.resolve()
-        given.mkdir(parents=True, exist_ok=True)
-        yield given
-        return
-    work = Path(tempfile.mkdtemp(prefix=f"alignfl-{role}-")).resolve()
-    try:
-        yield work
-    finally:
-        if role == "supernodes" or not any(work.iterdir()):
-            shutil.rmtree(work, ignore_errors=True)
+def superlink_logs(args: argparse.Namespace, config: RunConfig | None, work: Path) -> Iterator[Path]:
+    """Where the SuperLink side's logs go: ``logs`` of ``--work-dir``; else beside the run's results
+    (:func:`fl_app.runtime.deployment.run_logs`), or, serving with no run of its own, a folder
+    ``alignfl-superlink-logs-*`` of the system's temporary folder, the one thing the role leaves there (removed
+    when it stays empty); the temporary ``work`` with the Flower homes goes however the role ends."""
+    if args.work_dir is not None:
+        logs = work / "logs"
+    elif config is not None:
+        logs = run_logs(config)
+    else:
+        logs = Path(tempfile.gettempdir()) / f"alignfl-superlink-logs-{datetime.now():%Y%m%d-%H%M%S}-{os.getpid()}"
+    with made_folder(logs) as folder:
+        yield folder
 
 
 def run_superlink_side(args: argparse.Namespace, config: RunConfig | None, work: Path) -> int:
     certs = None
     if args.tls:
         certs = superlink_certificates((args.certs or default_certs()).resolve(), args.num_supernodes, args.address)
-    running = Deployment(superlink_topology(args, work, certs), work)
-    try:
-        running.start_superlink_side()
-        dialled = args.address[0] if args.address else "<this host>"
-        security = f" --tls --certs <a copy of ca.crt and supernode-<i>/ from {certs}>" if certs else ""
-        mode = "TLS + SuperNode authentication" if certs else "plaintext"
-        print(
-            f"[alignfl] SuperLink on {args.host}:{args.port} ({mode}); logs in {work / 'logs'}. On each node "
-            f"machine:\n  python -m fl_app.deploy supernodes --superlink "
-            f"{dialled}:{args.port} --nodes <i ...> --num-supernodes {args.num_supernodes}{security}",
-            flush=True,
-        )
-        if config is None:
-            return serve(running)
-        running.wait_for_supernodes(args.num_supernodes, args.node_wait)
-        status, details = running.run(config)
-    except (RuntimeError, TimeoutError) as error:
-        print(f"[alignfl] SuperLink side FAILED: {error}", file=sys.stderr)
-        return 1
-    finally:
-        running.stop()
+    with superlink_logs(args, config, work) as logs:
+        running = Deployment(superlink_topology(args, work, certs), work, logs)
+        try:
+            running.start_superlink_side()
+            dialled = args.address[0] if args.address else "<this host>"
+            security = f" --tls --certs <a copy of ca.crt and supernode-<i>/ from {certs}>" if certs else ""
+            mode = "TLS + SuperNode authentication" if certs else "plaintext"
+            print(
+                f"[alignfl] SuperLink on {args.host}:{args.port} ({mode}); logs in {logs}. On each node "
+                f"machine:\n  python -m fl_app.deploy supernodes --superlink "
+                f"{dialled}:{args.port} --nodes <i ...> --num-supernodes {args.num_supernodes}{security}",
+                flush=True,
+            )
+            if config is None:
+                return serve(running)
+            running.wait_for_supernodes(args.num_supernodes, args.node_wait)
+            status, details = running.run(config)
+        except (RuntimeError, TimeoutError) as error:
+            print(f"[alignfl] SuperLink side FAILED: {error}; logs in {logs}", file=sys.stderr)
+            return 1
+        finally:
+            running.stop()
     return report_outcome(config, status, details)
 
 
