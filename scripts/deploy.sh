@@ -3,7 +3,7 @@
 # a SuperLink, N SuperNodes and their SuperExecs on 127.0.0.1, `flwr run` against them, everything stopped after
 # (also on Ctrl-C, SIGTERM or SIGHUP). A service that exits during the run is reported with its exit code and log;
 # without its SuperLink the run stops, and the command that resumes it (resume-from) is printed.
-# Exits non-zero if the run failed.
+# Exits non-zero if the run failed. The services' logs go to the run folder's logs/; nothing stays in $TMPDIR.
 #   ./scripts/deploy.sh --num-supernodes 3 --rounds 5 --run-config 'strategy="scaffold"'
 #   ./scripts/deploy.sh --tls            # TLS everywhere + SuperNode authentication (keys from make_certs.sh)
 #   ./scripts/deploy.sh --executor flower  # Flower's own executor: a fresh flwr-clientapp process per message

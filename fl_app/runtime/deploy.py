@@ -8,7 +8,9 @@ until every SuperNode is online, submits the run with ``flwr run``, streams its
 log, reads its final status, and stops every process it started by process id,
 also on Ctrl-C, SIGTERM, SIGHUP or failure. Its exit code is the run's outcome.
 When the SuperLink exits mid-run, the command that continues the run from its
-checkpoint (``resume-from``) is printed.
+checkpoint (``resume-from``) is printed. The services' logs go to the run folder
+(``logs/``; :func:`fl_app.runtime.deployment.run_logs`) and their Flower homes to a
+temporary folder removed however the deployment ends, unless ``--work-dir`` keeps both.
 
     python -m fl_app.deploy --num-supernodes 3 --run-config 'dataset="digits" num-server-rounds=2'
 
@@ -81,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--work-dir",
         type=Path,
-        help="where the services' logs, Flower homes and state go (default: a new temporary folder)",
+        help="where the services' logs and Flower homes go, and stay (default: the logs in the run folder's logs/, "
+        "the homes in a temporary folder removed when the deployment ends)",
     )
     args = parser.parse_args(argv)
     config = None

@@ -20,7 +20,9 @@ while it does not, and with TLS checks that its certificate names the address di
 reason when it does not (Flower's SuperNode would retry without end); a node whose key the SuperLink does not know
 yet (a node machine started before the SuperLink's machine registered it) is started again every few seconds until
 ``--superlink-wait`` runs out (Flower's SuperNode would exit). Both stop every process they started, by process
-id, on Ctrl-C, SIGTERM or SIGHUP; a node machine serves until then.
+id, on Ctrl-C, SIGTERM or SIGHUP; a node machine serves until then. Without ``--work-dir`` they leave nothing in the
+system's temporary folder but a serving SuperLink's logs: the Flower homes go however a role ends, a run's logs go
+to its run folder, a node machine's with it.
 """
 
 from __future__ import annotations
@@ -163,7 +165,17 @@ def parser_for(role: str) -> argparse.ArgumentParser:
         help="make_certs.sh's folder (superlink: made or completed there, default "
         f"{default_certs()}, outside the checkout; supernodes: required with --tls)",
     )
-    parser.add_argument("--work-dir", type=Path, help="logs, Flower homes and state (default: a new temporary folder)")
+    parser.add_argument(
+        "--work-dir",
+        type=Path,
+        help="where the services' logs and Flower homes go, and stay (default: the homes in a temporary folder "
+        + (
+            "removed at the end, the logs in the run folder's logs/, or with --serve in a temporary folder printed "
+            "at the start)"
+            if role == "superlink"
+            else "removed at the end with the logs)"
+        ),
+    )
     if role == "superlink":
         parser.add_argument(
             "--host",
