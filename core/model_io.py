@@ -81,26 +81,25 @@ def arrays_mismatch(expected: dict[str, torch.Tensor], arrays: ArrayRecord) -> s
     return None
 
 
-_SIZE_ATTRIBUTES = {
-    "weight": (("out_features", 0), ("in_features", 1), ("out_channels", 0), ("in_channels", 1), ("num_features", 0))
-}
-
-
 def resize_to(model: nn.Module, state: Mapping[str, torch.Tensor], spec: PermutationSpec) -> None:
     """Give the model's entries the shapes of ``state`` where they differ only along axes of the permutation
     description: a model whose hidden layers grew (FedMA's matching opens new global units) is rebuilt at
-    the received widths. Values are left for :func:`load_arrays`; any other difference is refused."""
-    grown_axes = {(ref.key, ref.axis) for refs in spec.groups.values() for ref in refs}
+    the received widths, every module the grown groups touch (norms included) sized to match. Values are left
+    for :func:`load_arrays`; any other difference, or a group the description keeps at its width
+    (:attr:`models.PermutationSpec.fixed`), is refused."""
+    owners = {(ref.key, ref.axis): name for name, refs in spec.groups.items() for ref in refs}
     current = model.state_dict()
+    resized: dict[str, nn.Module] = {}
     for key, tensor in state.items():
         if key not in current or tuple(current[key].shape) == tuple(tensor.shape):
             continue
         axes = [axis for axis, (a, b) in enumerate(zip(current[key].shape, tensor.shape)) if a != b]
-        if current[key].dim() != tensor.dim() or any((key, axis) not in grown_axes for axis in axes):
-            raise ValueError(
-                f"'{key}' has shape {tuple(tensor.shape)}, the model {tuple(current[key].shape)}: only "
-                "the widths of permutation groups may change"
-            )
+        shapes = f"'{key}' has shape {tuple(tensor.shape)}, the model {tuple(current[key].shape)}"
+        if current[key].dim() != tensor.dim() or any((key, axis) not in owners for axis in axes):
+            raise ValueError(f"{shapes}: only the widths of permutation groups may change")
+        fixed = [owners[key, axis] for axis in axes if owners[key, axis] in spec.fixed]
+        if fixed:
+            raise ValueError(f"{shapes}: group {fixed[0]!r} cannot change width ({spec.fixed[fixed[0]]})")
         module_name, _, name = key.rpartition(".")
         module = model.get_submodule(module_name)
         fresh = torch.zeros(tensor.shape, dtype=current[key].dtype, device=current[key].device)
@@ -108,9 +107,38 @@ def resize_to(model: nn.Module, state: Mapping[str, torch.Tensor], spec: Permuta
             module._parameters[name] = nn.Parameter(fresh)
         else:
             module._buffers[name] = fresh
-        for attribute, axis in _SIZE_ATTRIBUTES.get(name, ()):
-            if hasattr(module, attribute) and axis < fresh.dim():
-                setattr(module, attribute, fresh.shape[axis] * (getattr(module, "groups", 1) if axis == 1 else 1))
+        resized[module_name] = module
+    for module_name, module in resized.items():
+        _fit_sizes(module_name, module)
+
+
+_CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+_BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+
+
+def _fit_sizes(name: str, module: nn.Module) -> None:
+    """Set the sizes a resized module's forward pass reads (features, channels, a depthwise conv's groups, a
+    norm's shape) from its tensors' new shapes; refuse a grouped conv other than a depthwise one, whose groups
+    would no longer split its channels."""
+    if isinstance(module, nn.Linear):
+        module.out_features, module.in_features = module.weight.shape
+    elif isinstance(module, _CONVS):
+        depthwise = 1 < module.groups == module.in_channels == module.out_channels
+        if module.groups > 1 and not depthwise:
+            raise ValueError(f"'{name}' is a grouped convolution ({module.groups} groups): its width cannot change")
+        module.out_channels = module.weight.shape[0]
+        module.groups = module.out_channels if depthwise else 1
+        module.in_channels = module.weight.shape[1] * module.groups
+    elif isinstance(module, _BATCH_NORMS):
+        module.num_features = next(t for t in (module.weight, module.running_mean) if t is not None).shape[0]
+    elif isinstance(module, nn.LayerNorm):
+        module.normalized_shape = tuple(module.weight.shape)
+    elif isinstance(module, nn.GroupNorm):
+        module.num_channels = module.weight.shape[0]
+        if module.num_channels % module.num_groups:
+            raise ValueError(
+                f"'{name}' is a GroupNorm of {module.num_groups} groups: {module.num_channels} channels do not split"
+            )
 
 
 def load_arrays(model: nn.Module, arrays: ArrayRecord, state: Mapping[str, torch.Tensor] | None = None) -> None:

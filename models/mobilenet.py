@@ -72,6 +72,7 @@ from models.psinet import (
     GroupedNorm,
     GroupLayout,
     PsiOptions,
+    class_group_spec,
     contiguous_class_groups,
     group_layout,
 )
@@ -321,7 +322,7 @@ class PsiMobileNet(SeparableNet):
                     + inputs_of(f"blocks.{i}.pw.conv.groups.{g}")
                 )
                 spec[f"{name}.groups.{g}"] = _group_outputs(name, unit, g) + reads
-        return PermutationSpec(spec)
+        return class_group_spec(spec)
 
 
 def _widths(width_factor: float) -> tuple[int, ...]:

@@ -23,12 +23,14 @@ Conventions
 * BatchNorm ``weight``, ``bias``, ``running_mean`` and ``running_var`` move with
   their channel; ``num_batches_tracked`` and PAN encodings (not in the state
   dict) never move.
+* A group's width may change (a matching that opens new units, FedMA's BBP-MAP,
+  widens it) unless the spec lists it in ``fixed`` with the reason.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import NamedTuple, Protocol, runtime_checkable
 
@@ -65,9 +67,13 @@ class PermutationSpec:
         Group name -> the axes it acts on. Plain ``(key, axis)`` or
         ``(key, axis, block)`` tuples are accepted and converted to
         :class:`AxisRef`. Stored as a read-only mapping of tuples.
+    fixed : Mapping[str, str], optional
+        Group name -> why that group's width cannot change (the model's forward pass ties it to other
+        widths). Empty: every group may grow.
     """
 
     groups: Mapping[str, tuple[AxisRef, ...]]
+    fixed: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         groups = {name: tuple(AxisRef(*ref) for ref in refs) for name, refs in self.groups.items()}
@@ -81,11 +87,15 @@ class PermutationSpec:
                 owner = seen.setdefault((ref.key, ref.axis), name)
                 if owner != name:
                     raise ValueError(f"axis {ref.axis} of {ref.key!r} is claimed by groups {owner!r} and {name!r}")
+        unknown = sorted(set(self.fixed) - set(groups))
+        if unknown:
+            raise ValueError(f"fixed-width groups {unknown} are not among the groups {list(groups)}")
         object.__setattr__(self, "groups", MappingProxyType(groups))
+        object.__setattr__(self, "fixed", MappingProxyType(dict(self.fixed)))
 
-    def __reduce__(self) -> tuple[type, tuple[dict[str, tuple[AxisRef, ...]]]]:
-        """Rebuild from a plain dict: a read-only mapping cannot be pickled or deep-copied as is."""
-        return PermutationSpec, (dict(self.groups),)
+    def __reduce__(self) -> tuple[type, tuple[dict[str, tuple[AxisRef, ...]], dict[str, str]]]:
+        """Rebuild from plain dicts: a read-only mapping cannot be pickled or deep-copied as is."""
+        return PermutationSpec, (dict(self.groups), dict(self.fixed))
 
     def group_sizes(self, state: Mapping[str, Tensor]) -> dict[str, int]:
         """Number of units ``J`` of every group, checked to agree across all its axes."""

@@ -74,6 +74,18 @@ class PsiOptions(WidthOptions):
 
 _GROUP_KEY = re.compile(r"(?:^|\.)groups\.(\d+)\.")
 
+CLASS_GROUP_WIDTH = (
+    "a Psi-Net layer's class groups run as one grouped layer (one grouped conv, GroupNorm or split of the "
+    "features), so all of them keep one width"
+)
+"""Why the permutation group of one class group of a grouped layer cannot change width on its own."""
+
+
+def class_group_spec(groups: dict[str, tuple[AxisRef, ...]]) -> PermutationSpec:
+    """A Ψ-Net's permutation description: ``groups``, where every group of one class group (a name with
+    ``groups.{g}``) keeps its width (:data:`CLASS_GROUP_WIDTH`)."""
+    return PermutationSpec(groups, {name: CLASS_GROUP_WIDTH for name in groups if _GROUP_KEY.search(f"{name}.")})
+
 
 def contiguous_class_groups(num_classes: int, num_groups: int) -> tuple[int, ...]:
     """Class ``c`` -> group ``c * G // C``: contiguous blocks, every group non-empty when ``G <= C``."""
@@ -329,7 +341,7 @@ class PsiNet(ConvStack):
                         + (norm_refs if norm else ())
                         + inputs_of(f"{consumer}.groups.{g}", block)
                     )
-        return PermutationSpec(spec)
+        return class_group_spec(spec)
 
 
 def psi_vgg9(

@@ -36,7 +36,9 @@ Matching group ``s`` (``fedma-matching``):
   it lacks (PFNM's patching), so the whole cycle continues at the grown
   width; the global model carries its widths in its arrays' shapes, and
   every model that loads it (clients, the server's evaluation, a resumed run)
-  takes them (:func:`core.model_io.resize_to`).
+  takes them (:func:`core.model_io.resize_to`, norms included). A model whose
+  permutation description keeps a group at its width (the Ψ-Nets' class
+  groups, :attr:`models.PermutationSpec.fixed`) is refused with ``bbp``.
 * ``weight`` or ``l1``: one assignment per client with that score
   (:mod:`core.merging.alignment`) onto the global model the cycle started from
   (``fedma-reference=global``) or, for ``fedma-iterations`` passes, onto the
@@ -89,7 +91,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from logging import INFO, WARNING
 from typing import Any
@@ -101,7 +103,8 @@ from torch import Tensor, nn
 
 from core.merging.alignment import get_cost, list_costs, matching_generator, moved_share, solve_group, weighted_average
 from core.merging.bbp import BBPSettings
-from core.merging.bbp_model import match_group, scatter_group, units_to_entries
+from core.merging.bbp_model import growth_problem, match_group, patch_clients
+from core.merging.layerwise import completion_plan, frozen_at, per_class_average
 from core.merging.reference import UNIVERSE, Reference, refuse_universe_cost
 from core.merging.repair import assignment_coupling
 from core.merging.universe import cycle_consistency_error, pairwise_matching, universe_matching
@@ -109,9 +112,9 @@ from core.model_io import federated_state
 from core.rounds.nodes import NodeDirectory
 from core.rounds.replies import CONFIG_RECORD, MODEL_RECORD
 from core.rounds.strategy import Reply, RunContext, ServerStrategy, states_and_weights
-from models import PermutationSpec, permute_state
+from models import permute_state
 from models.protocol import head_of
-from plugins.options import choice, option, option_from, source_settings
+from plugins.options import choice, option, option_from, refuse, source_settings
 from strategies.base import LocalUpdate
 from strategies.registry import STRATEGIES, Algorithm
 
@@ -165,53 +168,6 @@ class FedMASettings:
             refuse_universe_cost("fedma-reference", "fedma-matching", self.fedma_matching)
 
 
-def completion_plan(spec: PermutationSpec, keys: Iterable[str], head: Collection[str]) -> list[frozenset[str]]:
-    """The entries completed at each stage ``0 .. G``.
-
-    Stage ``s < G``: entries outside the output layer ``head`` whose groups all lie among the first ``s + 1``.
-    Stage ``G``: the rest (the output layer and any entry no group touches).
-    """
-    groups = list(spec.groups)
-    touched = {key: {name for name, _ in refs} for key, refs in spec.axes_by_key().items()}
-    remaining = set(keys)
-    plan = []
-    for stage in range(len(groups)):
-        matched = set(groups[: stage + 1])
-        done = {k for k in remaining if k not in head and k in touched and touched[k] <= matched}
-        plan.append(frozenset(done))
-        remaining -= done
-    plan.append(frozenset(remaining))
-    return plan
-
-
-def frozen_at(spec: PermutationSpec, keys: Iterable[str], head: Collection[str], stage: int) -> set[str]:
-    """The entries a client must leave unchanged while training at ``stage``."""
-    return set().union(*completion_plan(spec, keys, head)[:stage])
-
-
-def per_class_average(
-    states: Sequence[Mapping[str, Tensor]], counts: Tensor, weights: Sequence[float], keys: Collection[str]
-) -> dict[str, Tensor]:
-    """Average ``keys`` with row ``c`` (axis 0) weighted by each client's count of class ``c``.
-
-    A class no client holds falls back to the example weights. ``counts`` is
-    ``K x C`` for ``K`` states; an entry whose axis 0 is not ``C`` long is
-    averaged with the example weights.
-    """
-    examples = torch.tensor(weights, dtype=torch.float64)
-    examples = examples / examples.sum()
-    counts = counts.double()
-    totals = counts.sum(dim=0)
-    by_class = torch.where(totals > 0, counts / totals.clamp(min=1), examples[:, None])
-    averaged = {}
-    for key in keys:
-        stacked = torch.stack([state[key].double() for state in states])
-        share = by_class if stacked.shape[1:2] == (counts.shape[1],) else examples[:, None]
-        share = share.reshape(share.shape + (1,) * (stacked.dim() - 2))
-        averaged[key] = (share * stacked).sum(dim=0).to(states[0][key].dtype)
-    return averaged
-
-
 class FedMA(ServerStrategy):
     """The layer-wise FedMA schedule (see the module notes); one stage per server round."""
 
@@ -227,6 +183,13 @@ class FedMA(ServerStrategy):
         self.head = frozenset(context.head.keys)
         self.num_classes = context.head.num_classes
         self.bbp = self.settings.fedma_matching == "bbp"
+        problem = growth_problem(self.spec) if self.bbp else None
+        if problem is not None:
+            raise refuse(
+                "fedma-matching",
+                "bbp",
+                f"model {context.config.model!r}: {problem}; with this model use fedma-matching 'weight' or 'l1'",
+            )
         self.changes_shapes = self.bbp  # BBP-MAP may open new global units: the round runner allows new widths
         self.score = None if self.bbp else get_cost(self.settings.fedma_matching).score
         self.groups = list(self.spec.groups)
@@ -381,22 +344,9 @@ class FedMA(ServerStrategy):
         match = match_group(
             states, weights, self.spec, group, self.groups[: self.stage], self.settings.bbp(), generator, head=self.head
         )
-        entries = units_to_entries(match, self.spec, states[0])
-        clients = [
-            {
-                **scatter_group(
-                    {k: v for k, v in state.items() if k not in entries}, self.spec, group, assignment, match.width
-                ),
-                **entries,
-            }
-            for state, assignment in zip(states, match.assignments)
-        ]
+        entries, clients = patch_clients(states, self.spec, group, match)
         target = {**weighted_average(clients, weights), **entries}
-        self.moved = {
-            group: float(
-                sum((a != torch.arange(len(a))).double().mean() for a in match.assignments) / len(match.assignments)
-            )
-        }
+        self.moved = moved_share([{group: assignment} for assignment in match.assignments])
         self.unit_maps = [{group: assignment_coupling(assignment, match.width)} for assignment in match.assignments]
         self.client_models = {
             reply.node: {**client, **{key: target[key] for key in completed}} for reply, client in zip(replies, clients)

@@ -1,4 +1,5 @@
-"""The ``fedma`` strategy: its stage plan, the per-class output average, the schedule and the client's freezing."""
+"""The ``fedma`` strategy: its stage plan, the per-class output average, the schedule, the client's freezing, and
+BBP-MAP's growth on every registered model (or its refusal before the run starts)."""
 
 from __future__ import annotations
 
@@ -10,15 +11,19 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 from torch import nn
 
-from core.merging.bbp_model import match_group
-from core.model_io import federated_state
+from core.merging.bbp import BBPSettings
+from core.merging.bbp_model import match_group, patch_clients, scatter_group
+from core.merging.layerwise import completion_plan, frozen_at, per_class_average
+from core.model_io import federated_state, load_arrays
 from core.rounds.strategy import Reply
-from fl_app.config import build_context, parse_run_config
+from fl_app.config import ConfigError, build_context, check_run, parse_run_config
 from fl_app.inprocess import run_in_process
-from models import build_model, permute_state, random_permutations
+from models import PermutationSpec, build_model, list_models, permute_state, random_permutations
 from models.protocol import head_of
+from models.registry import option_names
 from strategies import fedma, get_strategy
-from strategies.fedma import CLASS_COUNTS, STAGE, FedMA, FedMAUpdate, completion_plan, frozen_at, per_class_average
+from strategies.fedma import CLASS_COUNTS, STAGE, FedMA, FedMAUpdate
+from tests.model_checks import randomise
 
 NUM_CLASSES = 10
 
@@ -226,3 +231,80 @@ def test_fedma_on_digits_completes_a_cycle_and_learns(tmp_path):
     assert [row["round"] for row in rows] == [0, 1, 2, 3, 4]
     assert all(row["clients-trained"] == 3 for row in rows[1:])
     assert rows[-1]["accuracy"] > 0.3  # chance is 0.1
+
+
+TINY_SHAPE, TINY_CLASSES, NEW_UNITS = (3, 8, 8), 4, 3
+SCALED = {("transformer-1", "attn.qk"): "attention scores are divided by the square root of the q/k width"}
+"""Groups whose zero units still change the output for a reason other than a norm pooling over the group."""
+
+
+def _tiny(name: str, seed: int) -> nn.Module:
+    """Model ``name`` at a tiny width (where it takes ``width-factor``), randomised so every unit differs."""
+    torch.manual_seed(seed)
+    options = {"width_factor": 0.125} if "width_factor" in option_names(name) else {}
+    return randomise(build_model(name, TINY_SHAPE, TINY_CLASSES, **options))
+
+
+def _with_new_units(state: dict, spec: PermutationSpec, group: str, fresh: dict, count: int) -> dict:
+    """``state`` with the first ``count`` units of ``group`` taken from ``fresh`` (units no other client has)."""
+    out = dict(state)
+    for ref in spec.groups[group]:
+        index = torch.arange(count * ref.block)
+        out[ref.key] = state[ref.key].index_copy(ref.axis, index, fresh[ref.key].index_select(ref.axis, index))
+    return out
+
+
+def _pools_over(model: nn.Module, spec: PermutationSpec, group: str) -> bool:
+    """Whether a norm normalises over the group's units (LayerNorm, GroupNorm): zero units shift its statistics."""
+    norms = {name for name, module in model.named_modules() if isinstance(module, (nn.LayerNorm, nn.GroupNorm))}
+    return any(ref.key.rpartition(".")[0] in norms for ref in spec.groups[group])
+
+
+@pytest.mark.parametrize("name", list_models())
+def test_bbp_growth_rebuilds_every_registered_model_at_the_new_widths(name):
+    """Each group the model lets grow: two clients that differ in a few units, BBP-MAP's stage as FedMA runs it
+    (:func:`match_group`, :func:`patch_clients`) opens new units, and a fresh model loading a client's patched
+    state runs forward and backward at the new width. Client 0's own units scattered onto the grown group (zeros
+    for the new ones, PFNM's patching) compute what client 0 did, unless a norm pools over the group or the
+    attention scale reads its width; a group the model keeps at its width is refused on loading, naming it."""
+    model, grown = _tiny(name, seed=0), _tiny(name, seed=2)
+    spec, state, head = model.permutation_spec(), federated_state(model), head_of(model).keys
+    fresh, x = federated_state(_tiny(name, seed=1)), torch.randn(5, *TINY_SHAPE)
+    with torch.no_grad():
+        expected = model(x)
+    sizes = spec.group_sizes(state)
+    fixed = next(iter(spec.fixed), None)  # one is enough: the Psi-Nets give every such group one reason
+    if fixed is not None:
+        wider = scatter_group(state, spec, fixed, torch.arange(sizes[fixed]), sizes[fixed] + 1)
+        with pytest.raises(ValueError, match=f"group '{fixed}' cannot change width"):
+            load_arrays(grown, ArrayRecord(wider))
+    for group in [group for group in spec.groups if group not in spec.fixed]:
+        size, others = sizes[group], [g for g in spec.groups if g != group]
+        other = _with_new_units(state, spec, group, fresh, min(NEW_UNITS, size))
+        settings = BBPSettings(max_width=size + NEW_UNITS)
+        match = match_group([state, other], [1.0, 1.0], spec, group, others, settings, head=head)
+        assert size < match.width <= size + NEW_UNITS, group
+        _, clients = patch_clients([state, other], spec, group, match)
+        load_arrays(grown, ArrayRecord({k: v.contiguous() for k, v in clients[1].items()}))
+        assert spec.group_sizes(federated_state(grown))[group] == match.width
+        grown.zero_grad(set_to_none=True)
+        grown(x).sum().backward()
+        assert all(p.grad is not None and p.grad.shape == p.shape for p in grown.parameters()), group
+        own = scatter_group(state, spec, group, match.assignments[0], match.width)
+        load_arrays(grown, ArrayRecord({k: v.contiguous() for k, v in own.items()}))
+        with torch.no_grad():
+            output = grown(x)
+        assert output.shape == expected.shape and bool(torch.isfinite(output).all()), group
+        if not (_pools_over(grown, spec, group) or (name, group) in SCALED):
+            torch.testing.assert_close(output, expected, rtol=1e-4, atol=1e-5, msg=f"{name} {group}")
+
+
+@pytest.mark.parametrize("model", ["psi-vgg9", "psi-mobilenet"])
+def test_bbp_on_a_model_that_cannot_grow_is_refused_before_the_run(model):
+    """A Psi-Net's class groups run as one grouped layer: BBP-MAP, which may widen one of them, is refused by the
+    pre-flight check (no data, no training), naming the key; one-to-one matching is accepted."""
+    config = {"strategy": "fedma", "model": model, "dataset": "digits", "width-factor": 0.125}
+    with pytest.raises(ConfigError, match=r"^run-config key 'fedma-matching' = 'bbp' is not allowed: model") as error:
+        check_run(parse_run_config(config))
+    assert "cannot change width" in str(error.value) and "\n" not in str(error.value)
+    check_run(parse_run_config({**config, "fedma-matching": "weight"}))

@@ -31,6 +31,16 @@ class BBPResult(NamedTuple):
     assignments: dict[str, tuple[Tensor, ...]]
 
 
+def growth_problem(spec: PermutationSpec) -> str | None:
+    """Why BBP-MAP cannot match a model with permutation description ``spec``: it may widen every group, and the
+    description keeps one at its width; None when every group may grow."""
+    if not spec.fixed:
+        return None
+    group, reason = next(iter(spec.fixed.items()))
+    others = f" and {len(spec.fixed) - 1} more" if len(spec.fixed) > 1 else ""
+    return f"BBP-MAP may widen any group, and group {group!r}{others} cannot change width: {reason}"
+
+
 # --- one group of a permutation spec -----------------------------------------------------------
 
 
@@ -75,6 +85,8 @@ def match_group(
     """
     if group not in spec.groups or set(solved) - set(spec.groups):
         raise ValueError(f"group {group!r} and solved groups {sorted(solved)} must be among {list(spec.groups)}")
+    if group in spec.fixed:
+        raise ValueError(f"group {group!r} cannot change width ({spec.fixed[group]}), and BBP-MAP may widen it")
     refs = [ref for ref in aligned_refs(spec, group, solved) if settings.include_classifier or ref.key not in head]
     if not refs:
         raise ValueError(
@@ -110,6 +122,23 @@ def scatter_units(tensor: Tensor, ref: AxisRef, assignment: Tensor, width: int) 
     grown = split.new_zeros(before + (width, ref.block) + after)
     grown.index_copy_(ref.axis, assignment.to(tensor.device), split)
     return grown.reshape(before + (width * ref.block,) + after)
+
+
+def patch_clients(
+    states: Sequence[StateDict], spec: PermutationSpec, group: str, match: GroupMatch
+) -> tuple[dict[str, Tensor], list[dict[str, Tensor]]]:
+    """The global entries of ``match`` and every client's state with them in place and its other entries of
+    ``group`` (the next layer's inputs) moved onto the global units, zeros for the units it lacks: each client's
+    model at the grown width, as FedMA's next stage trains it."""
+    entries = units_to_entries(match, spec, states[0])
+    clients = [
+        {
+            **scatter_group({k: v for k, v in state.items() if k not in entries}, spec, group, assignment, match.width),
+            **entries,
+        }
+        for state, assignment in zip(states, match.assignments)
+    ]
+    return entries, clients
 
 
 def scatter_group(
