@@ -132,17 +132,18 @@ def test_strategy_completes_its_rounds_on_three_supernodes(plain, strategy, requ
 @pytest.mark.slow
 @pytest.mark.long
 def test_the_superlink_killed_mid_run_is_reported_and_the_printed_command_resumes_the_run_exactly(
-    plain, home, tmp_path, capsys
+    plain, home, tmp_path, capsys, fresh_temp
 ):
     """SCAFFOLD, 2 rounds: the SuperLink of a second deployment is killed after round 1's checkpoint; the run
     is given up at once, with the command that resumes it, which then runs on a third deployment with new
-    SuperNode processes (c_i restored from their disk) and ends where the uninterrupted run ends."""
+    SuperNode processes (c_i restored from their disk) and ends where the uninterrupted run ends, its logs beside
+    the second deployment's in the run folder and nothing left in the temporary folder."""
     settings = {"strategy": "scaffold", "num-server-rounds": 2}
     straight = run_config(tmp_path, "straight", 3, **settings)
     assert run_to_end(plain, straight)[0] == "finished:completed"
     config = run_config(tmp_path, "killed-link", 3, **settings)
     folder = tmp_path / "killed-link"
-    with deployment(loopback_topology(3, tmp_path / "work"), tmp_path / "work") as running:
+    with deployment(loopback_topology(3, tmp_path / "work"), tmp_path / "work", folder / "logs") as running:
         with ThreadPoolExecutor(1) as pool:
             future = pool.submit(running.run, config)
             wait_until(
@@ -157,12 +158,15 @@ def test_the_superlink_killed_mid_run_is_reported_and_the_printed_command_resume
             status, reason = future.result(timeout=RUN_TIMEOUT_S)
             given_up_after = time.monotonic() - killed
     assert status == "aborted" and given_up_after < 10.0, (status, given_up_after)
-    assert f"superlink exited with signal SIGKILL; its log: {tmp_path / 'work' / 'logs' / 'superlink.log'}" in (
+    assert f"superlink exited with signal SIGKILL; its log: {folder / 'logs' / 'superlink.log'}" in (
         capsys.readouterr().err
     )
     command = reason.split("continue the run with:\n  ")[1]
     assert command == resume_command(config, 3, tls=False)
-    assert deploy.main([*shlex.split(command)[1:], "--work-dir", str(tmp_path / "again")]) == 0
+    assert deploy.main(shlex.split(command)[1:]) == 0
+    assert f"logs in {folder / 'logs-2'}" in capsys.readouterr().out
+    assert (folder / "logs" / "superlink.log").exists() and (folder / "logs-2" / "superlink.log").exists()
+    assert list(fresh_temp.iterdir()) == []
     assert [r["round"] for r in rows(folder)] == [0, 1, 2]
     assert without_clock(rows(folder)) == without_clock(rows(tmp_path / "straight"))
     model, expected = torch.load(folder / "model.pt"), torch.load(tmp_path / "straight" / "model.pt")
