@@ -41,8 +41,12 @@ Matching group ``s`` (``fedma-matching``):
   groups, :attr:`models.PermutationSpec.fixed`) is refused with ``bbp``.
 * ``weight`` or ``l1``: one assignment per client with that score
   (:mod:`core.merging.alignment`) onto the global model the cycle started from
-  (``fedma-reference=global``) or, for ``fedma-iterations`` passes, onto the
-  running matched mean (``iterative``); the width never changes.
+  (``fedma-reference=global``), onto the model of the cycle's first round's
+  client of the lowest partition id (``client``), or, for ``fedma-iterations``
+  passes, onto the running matched mean (``iterative``, its first pass onto
+  the global model or, with ``fedma-iterative-start=client``, onto that
+  client's); the width never changes. BBP-MAP has no reference (its global
+  units are its own), so ``bbp`` refuses the ``client`` ones.
 * ``weight`` with ``fedma-reference=universe``: the stage's group is matched
   jointly over the clients into one shared unit order (Crisostomi et al.,
   "C2M3: Cycle-Consistent Multi-Model Merging", NeurIPS 2024;
@@ -105,7 +109,7 @@ from core.merging.alignment import get_cost, list_costs, matching_generator, mov
 from core.merging.bbp import BBPSettings
 from core.merging.bbp_model import growth_problem, match_group, patch_clients
 from core.merging.layerwise import completion_plan, frozen_at, per_class_average
-from core.merging.reference import UNIVERSE, Reference, refuse_universe_cost
+from core.merging.reference import CLIENT, UNIVERSE, Reference, refuse_universe_cost
 from core.merging.repair import assignment_coupling
 from core.merging.universe import cycle_consistency_error, pairwise_matching, universe_matching
 from core.model_io import federated_state
@@ -130,6 +134,7 @@ FEDMA_MATCHINGS = ("bbp", *list_costs())
 class FedMASettings:
     fedma_reference: str = option_from(Reference, "reference")
     fedma_iterations: int = option_from(Reference, "iterations")
+    fedma_iterative_start: str = option_from(Reference, "iterative_start")
     fedma_universe_iterations: int = option_from(Reference, "universe_iterations")
     fedma_universe_tolerance: float = option_from(Reference, "universe_tolerance")
     fedma_matching: str = choice(
@@ -166,6 +171,14 @@ class FedMASettings:
     def check(self) -> None:
         if self.reference.universe:
             refuse_universe_cost("fedma-reference", "fedma-matching", self.fedma_matching)
+        if self.reference.from_client and self.fedma_matching == "bbp":
+            key = "fedma-reference" if self.fedma_reference == CLIENT else "fedma-iterative-start"
+            raise refuse(
+                key,
+                CLIENT,
+                "BBP-MAP (fedma-matching='bbp') matches the clients' units to global units of its own, onto no "
+                "reference model; a client reference needs fedma-matching 'weight' or 'l1'",
+            )
 
 
 class FedMA(ServerStrategy):
@@ -179,6 +192,7 @@ class FedMA(ServerStrategy):
     def __init__(self, context: RunContext) -> None:
         super().__init__(context)
         self.universe = self.settings.reference.universe
+        self.aligns_onto_client = self.settings.reference.from_client
         self.spec = context.required_spec("fedma", ("fedma-reference", UNIVERSE) if self.universe else None)
         self.head = frozenset(context.head.keys)
         self.num_classes = context.head.num_classes

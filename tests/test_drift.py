@@ -83,6 +83,9 @@ def test_the_client_reference_is_the_model_of_the_lowest_partition_every_round()
         ("matched", {"matched-reference": "iterative", "matched-iterative-start": "client"}, True),
         ("otfusion", {}, False),
         ("otfusion", {"otfusion-reference": "client"}, True),
+        ("fedma", {"fedma-matching": "weight", "fedma-reference": "client"}, True),
+        ("fedma", {"fedma-matching": "l1", "fedma-reference": "iterative", "fedma-iterative-start": "client"}, True),
+        ("fedma", {}, False),
     ],
 )
 def test_a_strategy_asks_for_a_client_reference_only_when_its_settings_say_so(strategy, keys, onto_client):
@@ -112,6 +115,11 @@ def test_a_client_reference_aligns_every_client_onto_that_clients_unit_order():
         ({"strategy": "otfusion", "otfusion-reference": "client", "client-widths": "0.5,1"}, "client-widths"),
         ({"strategy": "otfusion", "otfusion-reference": "first"}, "choose one of \\['client', 'global'\\]"),
         ({"strategy": "matched", "matched-iterative-start": "mean"}, "choose one of \\['client', 'global'\\]"),
+        ({"strategy": "fedma", "fedma-reference": "client"}, "'fedma-reference' = 'client' .*BBP-MAP"),
+        (
+            {"strategy": "fedma", "fedma-reference": "iterative", "fedma-iterative-start": "client"},
+            "'fedma-iterative-start' = 'client' .*'weight' or 'l1'",
+        ),
         (
             {"strategy": "matched", "matched-reference": "universe", "matched-cost": "l1"},
             "choose one of \\['global', 'iterative', 'client'\\]",
