@@ -73,6 +73,8 @@ def test_the_command_trains_merges_and_writes_json_and_plot(tmp_path, capsys):
             "--costs weight cannot merge models of different widths (--widths 0.5,1 over 2 clients): only ot can",
         ),
         (["--costs", "ot", "bbp", "l1", "--widths", "1,0.5", "--clients", "3"], "--costs bbp l1 cannot merge"),
+        (["--model", "psi-vgg9"], "--costs bbp (a default) is not allowed with --model psi-vgg9: BBP-MAP may widen"),
+        (["--model", "psi-mobilenet", "--costs", "bbp"], "--costs bbp is not allowed with --model psi-mobilenet"),
     ],
 )
 def test_bad_options_stop_before_training_with_a_named_error(argv, fragment, tmp_path, capsys):

@@ -75,7 +75,7 @@ from torch import Tensor, nn
 from core.data import ImageDataset, dataset_info, load_dataset
 from core.merging.alignment import align_and_average, matching_generator, weighted_average
 from core.merging.bbp import BBPSettings
-from core.merging.bbp_model import bbp_matched_average
+from core.merging.bbp_model import bbp_matched_average, growth_problem
 from core.merging.ot_fusion import OTSettings, ot_fuse
 from core.merging.repair import (
     Site,
@@ -298,10 +298,14 @@ def run(args: argparse.Namespace, out: Path) -> list[Path]:
     bbp = settings_from_arguments(args, BBPSettings, "bbp-")
     ot = settings_from_arguments(args, OTSettings, "otfusion-")
     try:
-        for width in set(widths):
-            build_model_at(config, *dataset_info(config.dataset), width)
+        built = [build_model_at(config, *dataset_info(config.dataset), width) for width in set(widths)]
     except (ConfigError, ValueError) as error:
         raise AnalysisError(f"--widths {args.widths!r}: {error}") from None
+    grows = BBP in costs and isinstance(built[0], Permutable)
+    problem = growth_problem(built[0].permutation_spec()) if grows else None
+    if problem is not None:
+        given = "--costs bbp" if args.costs else "--costs bbp (a default)"
+        raise AnalysisError(f"{given} is not allowed with --model {config.model}: {problem}; give --costs without bbp")
 
     device = select_device(config.device)
     states, counts, dataset, classes = train_clients(config, args.clients, args.init == "same", device)
