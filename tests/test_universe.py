@@ -14,12 +14,10 @@ from flwr.app import ArrayRecord, MetricRecord, RecordDict
 from torch import nn
 
 from core.merging.alignment import find_permutations, weighted_average
+from core.merging.relaxed import best_step, dense, line_polynomial
 from core.merging.universe import (
     UniverseSettings,
-    _best_step,
-    _dense,
     _gradients,
-    _line_polynomial,
     _objective,
     _Problem,
     cycle_consistency_error,
@@ -164,12 +162,12 @@ def test_the_line_search_polynomial_is_the_objective_along_the_segment():
     plans = [{g: doubly_stochastic(n) for g, n in sizes.items()} for _ in states]
     vertices = [{g: torch.randperm(n, generator=generator) for g, n in sizes.items()} for _ in states]
     value, gradients, images = _gradients(problem, wide, plans)
-    polynomial = _line_polynomial(problem, wide, plans, vertices, images)
+    polynomial = line_polynomial(problem.entries, wide, plans, vertices, images)
     for t in (0.0, 0.25, 0.6, 1.0):
-        mixed = [{g: (1 - t) * p[g] + t * _dense(v[g]) for g in p} for p, v in zip(plans, vertices)]
+        mixed = [{g: (1 - t) * p[g] + t * dense(v[g]) for g in p} for p, v in zip(plans, vertices)]
         assert np.polyval(polynomial[::-1], t) == pytest.approx(_objective(problem, wide, mixed), rel=1e-9)
     assert polynomial[0] == pytest.approx(value, rel=1e-12)
-    step, gain = _best_step(polynomial)
+    step, gain = best_step(polynomial)
     assert 0.0 <= step <= 1.0 and gain >= 0.0
     direction = torch.randn(sizes["convs.1"], sizes["convs.1"], generator=generator, dtype=torch.float64)
     nudged = [dict(plan) for plan in plans]

@@ -6,6 +6,20 @@ merged unit's pre-activation (the endpoints' units are not perfectly correlated)
 model's per-unit mean and standard deviation on data and applies, per unit, the affine correction that gives it
 the mean and standard deviation the endpoints' units had (their weighted mean), folded into the layer's weights.
 
+REPAIR adapted to federated data. The authors measure every endpoint and the merged model on one shared data set.
+In a federation each client holds only its own data and its own model, so here, per unit:
+
+* the target is the examples-weighted mean, over the clients, of each client's mean and of its std of its own
+  trained model's unit on its own training data (each client sends these with its model);
+* the merged model's statistics are measured by the clients on their own training data after the server sends
+  it, and averaged with the same weights: like with like, so a model every client holds is left as it is even
+  on non-IID data.
+
+Measuring as the authors do (every endpoint and the merged model on one pooled data set) would need each client
+to evaluate every other client's model on its data (K models down to every client, K² forward passes), or the
+clients' data in one place. The offline merge tool, which holds every client's data, measures both ways
+(:func:`fl_app.analysis.merge.repair_merge`, ``--repair-data own|pooled``).
+
 Where a unit is measured (the *site*), the same for every model family: the input of the hidden layer's
 position encoding (:class:`models.pan.PositionEncoding`, present in every hidden layer whether PANs are on or
 off), i.e. the output of the layer that produces the units, after its normalisation if it has one, before the
@@ -357,9 +371,9 @@ def carry_statistics(
 
 
 def averaged(clients: Sequence[UnitStats], weights: Sequence[float]) -> UnitStats:
-    """One site's statistics over several clients as REPAIR interpolates the endpoints': per unit, the weighted
-    mean of the clients' means and the weighted mean of their stds (each client weighted by its example count),
-    over the clients that hold the unit."""
+    """One site's statistics over several clients, as REPAIR interpolates its endpoints' (each measured here on its
+    client's data, module notes): per unit, the weighted mean of the clients' means and the weighted mean of their
+    stds (each client weighted by its example count), over the clients that hold the unit."""
     weight = torch.stack(
         [torch.where(c.held, torch.tensor(float(w), dtype=torch.float64), 0.0) for c, w in zip(clients, weights)]
     )

@@ -9,7 +9,9 @@ layers in order from the input, one QUERY message per layer: the message carries
 already corrected, its config asks for REPAIR statistics of that layer (:data:`QUERY_KEY` = :data:`REPAIR_QUERY`,
 :data:`SITE_KEY`), every client of the round replies with that model's statistics on its training data, and the
 server folds into the layer the correction that gives each of its units the averaged statistics of the clients'
-own units (:func:`core.merging.repair.repair_site`).
+own units (:func:`core.merging.repair.repair_site`). This is REPAIR adapted to federated data: the authors measure
+every endpoint and the merged model on one shared data set, which here would need every client to evaluate every
+other client's model (:mod:`core.merging.repair`'s notes).
 
 One message per layer is what REPAIR does: its authors measure a layer behind the layers already reset. All
 layers corrected from one set of statistics of the uncorrected merge over-correct: a later layer's measured
