@@ -1,5 +1,5 @@
 """What the performance benchmarks share: the machine's description, timing statistics, the resident
-memory of a whole process tree, and in-process Flower simulations of the product's apps.
+memory of a whole process tree, and Flower's own Ray simulation of the product's apps.
 
 Imported by the scripts beside it (``python benchmarks/<script>.py`` puts this folder on ``sys.path``).
 """
@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+RUN_SIMULATION = "flwr.simulation.run_simulation"
 
 
 def machine() -> dict[str, Any]:
@@ -70,26 +72,46 @@ def round_seconds(rows: Sequence[Mapping[str, Any]]) -> list[float]:
     return [later - earlier for earlier, later in zip(stamps, stamps[1:])]
 
 
+def ray_init_args(ray_cpus: int | None, ray_address: str | None) -> dict[str, Any]:
+    """What Flower's backend passes to ``ray.init``: the cluster to join, or the cap on a Ray of its own."""
+    if ray_address:
+        return {"address": ray_address}
+    return {} if ray_cpus is None else {"num_cpus": ray_cpus}
+
+
 def simulate(
-    settings: Mapping[str, Any], num_supernodes: int, ray_cpus: int, client_cpus: float = 1.0, client_gpus: float = 0.0
+    settings: Mapping[str, Any],
+    num_supernodes: int,
+    ray_cpus: int | None,
+    client_cpus: float = 1.0,
+    client_gpus: float = 0.0,
+    ray_address: str | None = None,
 ) -> None:
-    """One in-process Flower simulation of the product's ServerApp and ClientApp (what ``flwr run`` runs).
+    """One Flower simulation of the product's ServerApp and ClientApp on Ray, driven from this process.
 
-    ``ray_cpus`` caps Ray, so at most ``ray_cpus / client_cpus`` clients run at once; Ray is shut down
-    at the end by Flower's backend.
+    Flower's own simulation engine is what the benchmarks that call this measure (``overhead.py``,
+    ``scale.py``, ``cross_device.py``'s ``ray``, ``ray_cluster_scale.py``): its driver (the ServerApp and the
+    engine) in this process and, on a Ray of its own, Ray's processes its children, which :class:`TreeSampler`
+    reads. Flower deprecated the ``run_simulation`` that starts it; the replacement it recommends, ``flwr run``
+    on a SuperLink (the launcher's path), would move the driver into another process beside a SuperLink and a
+    SuperExec and change what these figures mean, so it is read through :mod:`fl_app.patches.seam`.
+
+    ``ray_cpus`` caps a Ray of its own, so at most ``ray_cpus / client_cpus`` clients run at once (None: every
+    core); ``ray_address``: join the running cluster there instead. Flower's backend shuts its Ray down (or
+    leaves the cluster) at the end.
     """
-    from flwr.simulation import run_simulation
-
     from fl_app.client_app import build_client_app
+    from fl_app.patches import seam
     from fl_app.server_app import build_server_app
 
+    run_simulation = seam.get(RUN_SIMULATION)
     run_simulation(
         server_app=build_server_app(settings),
         client_app=build_client_app(settings),
         num_supernodes=num_supernodes,
         backend_config={
             "client_resources": {"num_cpus": client_cpus, "num_gpus": client_gpus},
-            "init_args": {"num_cpus": ray_cpus},
+            "init_args": ray_init_args(ray_cpus, ray_address),
         },
     )
 

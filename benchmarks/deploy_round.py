@@ -36,6 +36,7 @@ from typing import Any
 
 from benchutil import append_jsonl, machine, median, read_jsonl, round_seconds, write_report
 
+from fl_app.patches import seam
 from fl_app.patches.polling_supernode import node_poll_interval
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,12 +45,7 @@ EXECUTORS = ("flower", "warm")
 DEFAULT_SETUPS = ("flower/flower", "warm/flower", "warm/0.5/file", "warm/0.5")
 """``EXECUTOR/NODE-POLL[/file]``: ``python -m fl_app.deploy --executor EXECUTOR --node-poll NODE-POLL`` (with
 ``/file``: ``--superlink-db`` in the run's folder; else the SuperLink's state in memory, the default)."""
-STARTUP = {
-    "flower": "import flwr.supernode.cli.flwr_clientapp, flwr.supernode.runtime.run_clientapp, fl_app.client_app",
-    "warm": "import flwr.supernode.runtime.run_clientapp, fl_app.client_app",
-}
-"""What a ClientApp process imports before the ClientApp's first line. ``flwr-clientapp``: its entry point, Flower's
-ClientApp runner and the app (``load_app``); a warm child: the runner (its parent's) and the app."""
+RUNNER = seam.INTERNALS["flwr.supernode.runtime.run_clientapp.run_clientapp"].module
 ENDED = re.compile(r"ClientApp process pid \d+ ended with code 0 after ([\d.]+) s, ([\d.]+) CPU-s")
 
 
@@ -64,9 +60,20 @@ def valid_setup(setup: str) -> bool:
     return executor in EXECUTORS and state in ("", "file")
 
 
+def startup_imports(executor: str) -> str:
+    """What a ClientApp process imports before the ClientApp's first line, as a statement. ``flower``
+    (``flwr-clientapp``): the module its console script imports it from, Flower's ClientApp runner and the app
+    (``load_app``); ``warm`` (a warm child): the runner (its parent's) and the app. The module names are the
+    seam's, found without importing anything."""
+    modules = [RUNNER, "fl_app.client_app"]
+    if executor == "flower":
+        modules.insert(0, seam.flower_command_module("flwr-clientapp"))
+    return f"import {', '.join(modules)}"
+
+
 def clientapp_startup(_spec: dict[str, Any]) -> None:
     """The warm child's part (the app's own packages are not imported yet: the warm parent forgot them)."""
-    exec(STARTUP["warm"])  # pylint: disable=exec-used
+    exec(startup_imports("warm"))  # pylint: disable=exec-used
 
 
 def environment() -> dict[str, str]:
@@ -83,7 +90,7 @@ def children_cpu_s() -> float:
 def flower_startup_cpu_s() -> float:
     """A fresh interpreter doing what a ``flwr-clientapp`` process does before the app's first line."""
     before = children_cpu_s()
-    subprocess.run([PYTHON, "-c", STARTUP["flower"]], cwd=ROOT, check=True, env=environment())
+    subprocess.run([PYTHON, "-c", startup_imports("flower")], cwd=ROOT, check=True, env=environment())
     return children_cpu_s() - before
 
 
@@ -91,18 +98,18 @@ def warm_startup_cpu_s(samples: int) -> tuple[list[float], float]:
     """``samples`` children of one warm parent doing the same; their CPU-seconds, and the parent's own
     (paid once per SuperNode)."""
     os.environ.update(environment())
-    from flwr.supercore.constant import TaskType
-    from flwr.supercore.superexec.executor import ExecutionSpec
-
     from fl_app.patches.warm_executor import WarmExecutor
+
+    task_type = seam.get("flwr.supercore.constant.TaskType")
+    execution_spec = seam.get("flwr.supercore.superexec.executor.ExecutionSpec")
 
     before = children_cpu_s()
     executor = WarmExecutor(["--target", "deploy_round:clientapp_startup"])
     try:
         for task in range(1, samples + 1):
             executor.launch(
-                ExecutionSpec(
-                    task_type=TaskType.CLIENT_APP,
+                execution_spec(
+                    task_type=task_type.CLIENT_APP,
                     runtime_api_address="127.0.0.1:9",
                     token="benchmark",
                     insecure=True,

@@ -9,6 +9,9 @@ partition query stores one per node, and a round one per sampled node):
 * ``in flight``: the next sweep, the messages delivered but not yet answered (what every sweep costs until the
   replies come back and the server pulls them).
 
+Flower's state is built by ``tests/flower_state.py``, the tests' helper that reads Flower's internals to build
+what the simulation starts from; the two lookups are swapped through :mod:`fl_app.patches.seam`.
+
     .venv/bin/python benchmarks/linkstate_sweep.py --nodes 1000 10000 --messages 20 1000
 """
 
@@ -21,10 +24,9 @@ import time
 from pathlib import Path
 
 from flwr.app import Message, MessageType, RecordDict
-from flwr.server.superlink.linkstate import InMemoryLinkState
 
 from fl_app.inprocess import set_task_identity
-from fl_app.patches import flower_runtime
+from fl_app.patches import flower_runtime, seam
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from flower_state import simulation_state
@@ -47,13 +49,23 @@ def sweep_seconds(nodes: int, messages: int) -> tuple[float, float]:
     return seconds[0], seconds[1]
 
 
+def use_lookup(lookup: str) -> None:
+    """Put Flower's own lookup (``flower``) or alignfl's (``indexed``) on Flower's in-memory state, through the
+    seam; refuse where the indexed one cannot be installed here (the seam has said why)."""
+    if lookup == "flower":
+        seam.restore(flower_runtime.STORE)
+        seam.restore(flower_runtime.LOOKUP)
+    elif not flower_runtime.index_message_lookup():
+        raise SystemExit("the indexed lookup cannot be installed on this Flower (see the warning above)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nodes", type=int, nargs="+", default=[1000, 10000])
     parser.add_argument("--messages", type=int, nargs="+", default=[20, 1000])
     args = parser.parse_args()
     set_task_identity()
-    flower_lookup = (InMemoryLinkState.store_message_ins, InMemoryLinkState.get_message_ins)
+    use_lookup("indexed")  # refused here, before the table, where it cannot be installed
     print(
         "| nodes | messages stored | lookup | delivering sweep (s) | in-flight sweep (s) | load (1 min) |\n"
         "|---|---|---|---|---|---|"
@@ -61,10 +73,7 @@ def main() -> None:
     for nodes in args.nodes:
         for messages in (m for m in args.messages if m <= nodes):
             for lookup in ("flower", "indexed"):
-                if lookup == "indexed":
-                    flower_runtime.index_message_lookup()
-                else:
-                    InMemoryLinkState.store_message_ins, InMemoryLinkState.get_message_ins = flower_lookup
+                use_lookup(lookup)
                 delivering, in_flight = sweep_seconds(nodes, messages)
                 print(
                     f"| {nodes} | {messages} | {lookup} | {delivering:.3f} | {in_flight:.3f} | "

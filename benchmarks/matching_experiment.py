@@ -8,7 +8,7 @@ with ``G`` permutation groups), so all three strategies run the same
 ``num-server-rounds``; it must be a multiple of the FedMA cycle so FedMA ends
 on a finished cycle.
 
-``--part federated`` runs one in-process Flower simulation per (seed, K,
+``--part federated`` runs one experiment on the in-process engine per (seed, K,
 strategy) through :func:`pan_experiment.simulate`; ``--part merge`` runs the
 one-shot merge tool (``python -m fl_app.analysis merge``, differently
 initialised models) for each (seed, K); ``--part pan`` measures what matching

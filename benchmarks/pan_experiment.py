@@ -2,9 +2,11 @@
 
 Li et al., "Federated Learning with Position-Aware Neurons", CVPR 2022.
 
-Each run is one in-process Flower simulation (the same ServerApp/ClientApp as
-``flwr run``) writing its own run folder; finished runs are skipped, so the
-script can be stopped and resumed. ``--report`` turns the run folders into a
+Each run is one experiment on the in-process engine (:func:`fl_app.inprocess.run_in_process`: the ServerApp's
+round runner and the ClientApp that ``flwr run`` runs, clients one after another in this process, no Ray)
+writing its own run folder; accuracy is what is measured here, not Flower's runtime, and the engine gives the
+rows Flower's simulation gives (it samples clients in partition order as every engine does). Finished runs
+are skipped, so the script can be stopped and resumed. ``--report`` turns the run folders into a
 Markdown table (mean ± std over seeds of the final accuracy and of the best
 accuracy over the last 5 rounds) and a plot.
 
@@ -117,31 +119,22 @@ def shuffle_final_model(folder: Path) -> None:
 
 
 def simulate(run: dict[str, Any], scale: dict[str, Any], out: Path, name: str | None = None) -> None:
-    """One in-process simulation with the product's apps (Flower shuts Ray down after each).
+    """One run with the product's apps on the in-process engine.
 
     ``run`` holds run-config overrides (keys starting with ``_`` are labels, not sent),
     which win over ``scale``'s; the run folder is ``out / name`` (default: :func:`run_name`).
     """
-    from flwr.simulation import run_simulation
-
-    from fl_app.client_app import build_client_app
-    from fl_app.server_app import build_server_app
+    from fl_app.inprocess import run_in_process
 
     overrides = {
         "num-server-rounds": scale["rounds"],
         "results-dir": str(out),
         "run-name": name or run_name(run),
-        "min-available-nodes": scale["clients"],
         "fraction-train": scale["fraction"],
         "fraction-evaluate": scale["fraction"],
     }
     overrides.update({k: v for k, v in run.items() if not k.startswith("_")})  # a run's own keys win
-    run_simulation(
-        server_app=build_server_app(overrides),
-        client_app=build_client_app(overrides),
-        num_supernodes=scale["clients"],
-        backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}},
-    )
+    run_in_process(overrides, scale["clients"])  # sets min-available-nodes to the clients
 
 
 def mean_std(values: list[float]) -> str:

@@ -2,8 +2,9 @@
 
 Both clusters are started on this machine (:mod:`fl_app.runtime.local_ray`) with the same total CPUs: one node with
 ``2 * cpus`` CPUs, or a head and a second node with ``cpus`` each. The simulation (the product's ServerApp and
-ClientApp through Flower's ``run_simulation``, as ``python -m fl_app.sweep sim.ray_address=...`` runs them)
-joins the cluster from this process. Per layout: each round's time (``elapsed-s`` differences), where the
+ClientApp on Flower's own simulation engine, :func:`benchutil.simulate`) joins the cluster from this process, so
+the driver measured is the ServerApp and the engine. ``python -m fl_app.sweep sim.backend=ray
+sim.ray_address=...`` runs the same engine through ``flwr run``, whose driver is another process. Per layout: each round's time (``elapsed-s`` differences), where the
 clients trained (``client-ray-nodes``), and the peak memory of each node's processes (GCS, raylet, agents,
 ClientApp workers; PSS, shared pages split among their users) and of this driver process, sampled every second.
 
@@ -20,12 +21,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchutil import append_jsonl, machine, round_seconds, run_metrics, write_report
+from benchutil import append_jsonl, machine, round_seconds, run_metrics, simulate, write_report
 
 from fl_app.config import parse_run_config
 from fl_app.runtime.local_ray import local_ray_cluster
-from fl_app.sweeps.sim import SimSettings
-from fl_app.sweeps.sweep import simulate
 
 EXPERIMENT = {
     "strategy": "fedavg",
@@ -97,10 +96,9 @@ def run_layout(layout: str, cpus: int, rounds: int, results: Path) -> dict[str, 
                 "min-available-nodes": CLIENTS,
             }
         )
-        sim = SimSettings(backend="ray", num_supernodes=CLIENTS, ray_address=cluster.address)
         started = time.time()
         with NodeMemory(cluster) as memory:
-            simulate(config, sim)
+            simulate(config.to_run_config(), CLIENTS, None, ray_address=cluster.address)
         wall = time.time() - started
     rows = run_metrics(results, name)
     placed: dict[str, int] = {}

@@ -8,8 +8,8 @@ of them per round, plus ``--holdout`` partitions that never train and score the
 global model each round as new clients. ``--part noise``: FedAvg against
 SuPerFed-MM with pair or symmetric flipping of the clients' training labels, on
 the same split (the paper's Table 4 uses Dirichlet α = 10; the same split lets
-the clean runs of ``pathological`` serve as the noise-free rows). Each run is one in-process Flower
-simulation through :func:`pan_experiment.simulate`; finished runs are skipped, so
+the clean runs of ``pathological`` serve as the noise-free rows). Each run is one experiment on the in-process
+engine through :func:`pan_experiment.simulate`; finished runs are skipped, so
 the script can be stopped and resumed; seeds are the outer loop. ``--report``
 prints the Markdown tables and writes the plot of accuracy along λ.
 

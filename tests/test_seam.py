@@ -1,6 +1,6 @@
 """The one seam for Flower's and Ray's internals (fl_app/patches/seam.py): it lists every internal alignfl touches,
-each resolves on the installed Flower, nothing else imports one, and where a release is unknown or an internal
-has moved, the launcher, a SuperNode and a SuperExec still start, each with its warning."""
+each resolves on the installed Flower, nothing else (the benchmarks included) imports one, and where a release is
+unknown or an internal has moved, the launcher, a SuperNode and a SuperExec still start, each with its warning."""
 
 from __future__ import annotations
 
@@ -70,9 +70,13 @@ def test_every_internal_is_there_as_read_on_the_installed_flower_and_ray():
     assert seam.problem(*seam.INTERNALS) is None
 
 
+SCANNED = ("fl_app", "core", "strategies", "models", "plugins", "hydra_plugins", "benchmarks")
+"""Where nothing but the seam imports an internal: the packages and the benchmarks (tests may: they check
+Flower's internals themselves, and ``tests/flower_state.py`` builds Flower's state from them)."""
+
+
 def sources() -> list[Path]:
-    packages = ("fl_app", "core", "strategies", "models", "plugins", "hydra_plugins")
-    return [path for package in packages for path in sorted((ROOT / package).rglob("*.py"))]
+    return [path for folder in SCANNED for path in sorted((ROOT / folder).rglob("*.py"))]
 
 
 def internal_imports(path: Path) -> list[str]:
@@ -105,8 +109,10 @@ def internal_imports(path: Path) -> list[str]:
 
 def test_nothing_but_the_seam_imports_an_internal():
     seam_file = ROOT / "fl_app" / "patches" / "seam.py"
-    found = [line for path in sources() if path != seam_file for line in internal_imports(path)]
-    assert len(sources()) > 100 and not found, found
+    scanned = sources()
+    found = [line for path in scanned if path != seam_file for line in internal_imports(path)]
+    assert len(scanned) > 100 and not found, found
+    assert ROOT / "benchmarks" / "benchutil.py" in scanned and ROOT / "benchmarks" / "psinet" / "run.py" in scanned
 
 
 def test_the_import_scan_sees_an_internal(tmp_path):
@@ -143,6 +149,11 @@ def test_public_flower_is_what_its_four_public_modules_export_and_the_logger(lin
     source = tmp_path / "x.py"
     source.write_text(line + "\n")
     assert [entry.split(": ")[1] for entry in internal_imports(source)] == ([found] if found else [])
+
+
+def test_a_flower_command_s_module_is_the_one_its_console_script_imports_it_from():
+    module = seam.flower_command_module("flwr-clientapp")
+    assert importlib.import_module(module).flwr_clientapp is seam.flower_command("flwr-clientapp")
 
 
 def test_an_unchecked_release_leaves_flowers_behaviour_and_warns_once(monkeypatch, caplog):

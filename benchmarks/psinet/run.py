@@ -14,8 +14,8 @@ scale. Four parts, each a grid of runs over seeds:
   group) in 10x3, 10x5 and 10x10, so that the grouped architecture and the grouped
   aggregation can be told apart (not in the paper).
 
-Each run is one Flower simulation with the product's ServerApp/ClientApp (clients in
-this process by default, see :func:`in_process_backend`), writing its run folder under ``--out``; a run whose folder holds ``summary.json`` is
+Each run is one experiment with the product's ServerApp/ClientApp (clients in
+this process by default, see :func:`simulate`), writing its run folder under ``--out``; a run whose folder holds ``summary.json`` is
 skipped (after checking its config equals the planned one), so the script can be
 stopped and resumed. Seeds are the outer loop. ``--report`` writes ``results.md``
 (mean ± sample std over seeds) and ``psinet_*.png`` from the run folders.
@@ -150,64 +150,21 @@ def finished(folder: Path, config: dict[str, Any]) -> bool:
     return True
 
 
-def in_process_backend() -> type:
-    """A Flower simulation backend that runs each ClientApp call in this process, one at a time.
-
-    Why: with Ray, every run starts fresh actor processes that import torch and Flower
-    and load the data again, about two minutes per run on this loaded 2-core machine
-    (measured: round 1 took 123-151 s, round 2 9-23 s), which is more than the
-    training. The apps, messages, strategies and Flower's simulation engine are the
-    same; only where the ClientApp executes changes (and clients train sequentially).
-    """
-    from flwr.server.superlink.fleet.vce.backend import Backend
-
-    class InProcessBackend(Backend):
-        def __init__(self, backend_config: Any) -> None:
-            super().__init__(backend_config)
-            self.app_fn: Any = None
-
-        def build(self, app_fn: Any) -> None:
-            self.app_fn = app_fn
-
-        @property
-        def num_workers(self) -> int:
-            return 1
-
-        def is_worker_idle(self) -> bool:
-            return True
-
-        def terminate(self) -> None:
-            self.app_fn = None
-
-        def process_message(self, message: Any, context: Any) -> tuple[Any, Any]:
-            return self.app_fn()(message=message, context=context), context
-
-    return InProcessBackend
-
-
 def simulate(config: dict[str, Any], clients: int, backend: str) -> None:
-    """One simulation with the product's ServerApp and ClientApp, on Ray or in this process."""
-    from unittest import mock
+    """One run with the product's ServerApp and ClientApp, in this process or on Ray.
 
-    from flwr.server.superlink.fleet.vce.backend import raybackend
-    from flwr.simulation import run_simulation
+    ``inprocess`` (the default) is :func:`fl_app.inprocess.run_in_process`, clients one after another. Why
+    not Ray by default: every run starts fresh actor processes that import torch and Flower and load the
+    data again, about two minutes per run on this loaded 2-core machine (measured: round 1 took 123-151 s,
+    round 2 9-23 s), which is more than the training. ``ray`` is Flower's simulation runtime on a private
+    local SuperLink, as the launcher and the sweep run it. Accuracy is what is measured, and both run the same
+    apps and round runner (which samples clients in partition order on every engine).
+    """
+    from fl_app.config import parse_run_config
+    from fl_app.sweeps.sim import SimSettings
+    from fl_app.sweeps.sweep import simulate as run_simulation
 
-    from fl_app.client_app import build_client_app
-    from fl_app.server_app import build_server_app
-
-    def go() -> None:
-        run_simulation(
-            server_app=build_server_app(config),
-            client_app=build_client_app(config),
-            num_supernodes=clients,
-            backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}},
-        )
-
-    if backend == "ray":
-        go()
-        return
-    with mock.patch.object(raybackend, "RayBackend", in_process_backend()):  # Flower builds its backend by this name
-        go()
+    run_simulation(parse_run_config(config), SimSettings(backend=backend, num_supernodes=clients))
 
 
 def run_all(args: argparse.Namespace) -> None:

@@ -28,6 +28,8 @@ flwr.supercore.constant.TaskType                                               w
 flwr.supercore.superexec.executor.SubprocessExecutor                           warm_executor: Flower's executor, for
                                                                                other tasks and as the fallback
 flwr.supercore.superexec.executor.LaunchResult                                 warm_executor: a launch's answer
+flwr.supercore.superexec.executor.ExecutionSpec                                benchmarks/deploy_round: a warm child's
+                                                                               task, as a SuperNode's executor gets it
 flwr.supernode.runtime.run_clientapp.run_clientapp                             warm_parent: what flwr-clientapp runs
 flwr.supercore.tls.validate_and_resolve_root_certificates                      warm_parent: the task's certificates
 flwr.server.superlink.linkstate.InMemoryLinkState.store_message_ins            flower_runtime: indexes each message
@@ -43,6 +45,10 @@ flwr.supercore.date.now                                                        f
 flwr.server.superlink.fleet.vce.backend.raybackend.RayBackend.process_message  ray_pool: actors lost with their Ray
                                                                                node leave the pool
 flwr.simulation.ray_transport.ray_actor.pool_size_from_resources               ray_pool: room for replacement actors
+flwr.simulation.run_simulation                                                 benchmarks/benchutil: Flower's own Ray
+                                                                               simulation in the benchmark's process,
+                                                                               what overhead, scale and cross_device
+                                                                               measure (deprecated by Flower)
 flwr.common.serde.recorddict_to_proto                                          node_state: client state snapshots
 flwr.common.serde.recorddict_from_proto                                        node_state: client state snapshots
 flwr.proto.recorddict_pb2.RecordDict                                           node_state: the snapshots' format
@@ -64,8 +70,11 @@ ray._private.worker._global_node                                               r
                                                                                cluster
 =============================================================================  =======================================
 
-Flower's commands (``flower-supernode``, ``flower-superexec``) are not internals: :func:`flower_command` loads
-them from their public console-script entry points.
+Flower's commands (``flower-supernode``, ``flower-superexec``, ``flwr-clientapp``) are not internals:
+:func:`flower_command` loads them from their public console-script entry points, and
+:func:`flower_command_module` names the module one is imported from.
+
+The benchmarks (``benchmarks/``) read internals here too, as the app does: the table names them by file.
 """
 
 from __future__ import annotations
@@ -76,7 +85,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
-from importlib.metadata import entry_points, version
+from importlib.metadata import EntryPoint, entry_points, version
 from logging import WARNING
 from typing import Any
 
@@ -134,6 +143,21 @@ INTERNALS = _table(
     Internal(_EXECUTOR, "SubprocessExecutor"),
     Internal(_EXECUTOR, "LaunchResult"),
     Internal(
+        _EXECUTOR,
+        "ExecutionSpec",
+        (
+            "task_type",
+            "runtime_api_address",
+            "token",
+            "insecure",
+            "root_certificates_path",
+            "runtime_dependency_install",
+            "parent_pid",
+            "suppress_output",
+            "task_id",
+        ),
+    ),
+    Internal(
         "flwr.supernode.runtime.run_clientapp",
         "run_clientapp",
         ("runtime_api_address", "token", "insecure", "certificates", "parent_pid", "runtime_dependency_install"),
@@ -151,6 +175,7 @@ INTERNALS = _table(
         ("self", "message", "context"),
     ),
     Internal("flwr.simulation.ray_transport.ray_actor", "pool_size_from_resources", ("client_resources",)),
+    Internal("flwr.simulation", "run_simulation", ("server_app", "client_app", "num_supernodes", "backend_config")),
     Internal("flwr.common.serde", "recorddict_to_proto"),
     Internal("flwr.common.serde", "recorddict_from_proto"),
     Internal("flwr.proto.recorddict_pb2", "RecordDict"),
@@ -358,7 +383,17 @@ def replaced(key: str) -> Any:
     return getattr(owner, attribute)
 
 
+def _flower_entry_point(name: str) -> EntryPoint:
+    (command,) = entry_points(group="console_scripts", name=name)
+    return command
+
+
 def flower_command(name: str) -> Callable[[], Any]:
     """Flower's command ``name`` (``flower-supernode``, ``flower-superexec``) as its console script runs it."""
-    (command,) = entry_points(group="console_scripts", name=name)
-    return command.load()
+    return _flower_entry_point(name).load()
+
+
+def flower_command_module(name: str) -> str:
+    """The module Flower's command ``name`` (``flwr-clientapp``) is imported from, as its console script does
+    first; nothing is imported to find out."""
+    return _flower_entry_point(name).module
