@@ -14,14 +14,16 @@ from flwr.app import Array, ArrayRecord, Context, Message, MessageType, RecordDi
 
 from core.data import ClientData, load_dataset
 from core.model_io import build_run_model, load_arrays
-from core.training.sgd import round_generator
-from core.training.vectorised import StackedTrainer, unsupported
+from core.training.sgd import PlainSGD, round_generator
+from core.training.vectorised import ClientSteps, StackedTrainer, unsupported
 from fl_app.client_app import TrainJob, finish_train
 from fl_app.config import build_context, parse_run_config
 from fl_app.engines.batched import run_batched
 from fl_app.engines.grid import vectorise_choice
 from fl_app.engines.worker import stack_start, train_stacked
 from fl_app.inprocess import set_task_identity
+from models.mlp import MLP
+from models.pan import PanSettings
 from strategies import get_strategy, list_strategies
 from strategies.base import LocalUpdate
 
@@ -161,8 +163,6 @@ def test_the_stacked_update_steps_each_client_through_exactly_its_own_batches():
     model.double()
     start = {k: v.clone() for k, v in model.state_dict().items()}
     x, y = torch.randn(20, 3, dtype=torch.float64), torch.randint(0, 2, (20,))
-    from core.training.vectorised import ClientSteps
-
     alone = StackedTrainer(model, [start], 0.1, 0.9, 0.01).run(
         [ClientSteps(x[:7], y[:7], [torch.arange(4), torch.arange(4, 7)])]
     )
@@ -173,6 +173,46 @@ def test_the_stacked_update_steps_each_client_through_exactly_its_own_batches():
     for key, value in alone.states[0].items():
         assert torch.allclose(together.states[0][key].double(), value.double(), rtol=1e-12, atol=1e-12), key
     assert together.losses[0] == pytest.approx(alone.losses[0], rel=1e-12)
+
+
+def test_an_mlp_steps_through_its_stacked_forward_each_client_exactly_its_own_batches():
+    """The MLPs' path (batched products, short batches padded with weight 0, finished clients dropped) gives
+    each client its sequential update, whatever the other clients in the stack; other models use ``vmap``."""
+    torch.manual_seed(2)
+    model = MLP((1, 2, 3), 4, (5, 3), PanSettings(mode="mul", amplitude=0.3)).double()
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    x, y = torch.randn(30, 1, 2, 3, dtype=torch.float64), torch.randint(0, 4, (30,))
+    plans = [
+        (slice(0, 7), [torch.arange(4), torch.arange(4, 7), torch.tensor([6, 0, 2, 1]), torch.tensor([3, 5, 4])]),
+        (slice(7, 9), [torch.arange(2)]),
+        (slice(9, 30), [torch.arange(4), torch.arange(4, 8), torch.arange(8, 9)]),
+    ]
+    clients = [ClientSteps(x[rows], y[rows], batches) for rows, batches in plans]
+    trainer = StackedTrainer(model, [start] * 3, 0.1, 0.9, 0.01)
+    assert trainer.forward is not None
+    together = trainer.run(clients)
+    for index, client in enumerate(clients):
+        model.load_state_dict(start)
+        optimizer = PlainSGD(model.parameters(), 0.1, 0.9, 0.01)
+        losses = []
+        for batch in client.batches:
+            optimizer.zero_grad()
+            loss = torch.nn.functional.cross_entropy(model(client.x[batch]), client.y[batch])
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+        assert together.steps(index) == len(client.batches)
+        assert together.losses[index] == pytest.approx(losses, rel=1e-12)
+        for key, value in model.state_dict().items():
+            assert torch.allclose(together.states[index][key], value, rtol=1e-12, atol=1e-12), (index, key)
+
+    class Reversed(MLP):
+        def forward(self, x):
+            return super().forward(x.flip(-1))
+
+    bn = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(6, 4), torch.nn.BatchNorm1d(4))
+    for other in (Reversed((1, 2, 3), 4, (5,), PanSettings()), bn):
+        assert StackedTrainer(other, [other.state_dict()] * 2, 0.1).forward is None
 
 
 def test_every_strategy_says_whether_it_vectorises_and_why_not():

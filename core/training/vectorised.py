@@ -9,6 +9,11 @@ unequal numbers of steps, and their last batch may be smaller: a step trains the
 batch, grouped by batch size (one ``vmap`` per size), so every client sees exactly its own batches and
 BatchNorm's batch statistics are never diluted by padding. Results equal the sequential update's up to
 floating-point rounding (``vmap`` batches the matrix products).
+
+Models with a forward pass over stacked clients (:func:`core.training.stacked_forward.stacked_forward`: the MLPs)
+take a faster path: no ``vmap``, one batched product per layer and the plain autograd engine; each step trains
+every client that still has a batch (a shorter last batch is padded with examples of weight 0, exact since no
+layer mixes examples), so the clients that have run out cost nothing.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
+
+from core.training.stacked_forward import StackedForward, stacked_forward
 
 Penalty = Callable[[list[torch.Tensor], list[torch.Tensor]], torch.Tensor]
 """A loss term of the parameters alone: (parameters, the parameters the client started from) → scalar."""
@@ -99,7 +106,10 @@ class StackedTrainer:
         self.anchor = {n: t.clone() for n, t in self.params.items()} if penalty is not None else {}
         self.lr, self.momentum, self.weight_decay, self.penalty = lr, momentum, weight_decay, penalty
         self.momentum_buffers: dict[str, torch.Tensor] = {}
+        self.momentum_rows: dict[tuple[int, int], list[torch.Tensor]] = {}
         self.step_of_client = vmap(grad_and_value(self._loss), randomness="error")
+        self.forward = stacked_forward(model) if not self.buffer_names else None
+        self.stacked_penalty = vmap(penalty) if penalty is not None else None
 
     def _loss(
         self,
@@ -133,19 +143,15 @@ class StackedTrainer:
         all_x = torch.cat([c.x.to(device) for c in ordered])
         all_y = torch.cat([c.y.to(device) for c in ordered])
         corrections = self._stacked_corrections(ordered)
-        losses: list[list[torch.Tensor]] = [[] for _ in ordered]
+        self.momentum_buffers = {n: torch.zeros_like(t) for n, t in self.params.items()} if self.momentum else {}
+        self.momentum_rows = {}
         was_training = self.model.training
         self.model.train()
         try:
-            for step in range(len(ordered[0].batches)):
-                for first, stop in _runs([len(c.batches[step]) for c in ordered if step < len(c.batches)]):
-                    members = range(first, stop)
-                    rows = torch.cat([ordered[i].batches[step].to(device) + offsets[i] for i in members])
-                    xb = all_x.index_select(0, rows).unflatten(0, (len(members), -1))
-                    yb = all_y.index_select(0, rows).unflatten(0, (len(members), -1))
-                    group_losses = self._step(step, slice(first, stop), xb, yb, corrections)
-                    for i, loss in zip(members, group_losses.unbind(), strict=True):
-                        losses[i].append(loss)
+            if self.forward is not None:
+                losses = self._run_padded(ordered, all_x, all_y, offsets, corrections)
+            else:
+                losses = self._run_grouped(ordered, all_x, all_y, offsets, corrections)
         finally:
             self.model.train(was_training)
         names = self.param_names + self.buffer_names
@@ -153,8 +159,105 @@ class StackedTrainer:
         position = {client: row for row, client in enumerate(order)}
         return StackedResult(
             [{n: stacked[n][position[i]] for n in names} for i in range(count)],
-            [torch.stack(losses[position[i]]).tolist() for i in range(count)],
+            [losses[position[i]] for i in range(count)],
         )
+
+    def _run_grouped(
+        self,
+        ordered: Sequence[ClientSteps],
+        all_x: torch.Tensor,
+        all_y: torch.Tensor,
+        offsets: list[int],
+        corrections: dict[str, torch.Tensor] | None,
+    ) -> list[list[float]]:
+        """Every step under ``vmap``, the clients with a batch left grouped by its size; each client's losses."""
+        device = all_x.device
+        losses: list[list[torch.Tensor]] = [[] for _ in ordered]
+        for step in range(len(ordered[0].batches)):
+            for first, stop in _runs([len(c.batches[step]) for c in ordered if step < len(c.batches)]):
+                members = range(first, stop)
+                rows = torch.cat([ordered[i].batches[step].to(device) + offsets[i] for i in members])
+                xb = all_x.index_select(0, rows).unflatten(0, (len(members), -1))
+                yb = all_y.index_select(0, rows).unflatten(0, (len(members), -1))
+                group_losses = self._step(step, slice(first, stop), xb, yb, corrections)
+                for i, loss in zip(members, group_losses.unbind(), strict=True):
+                    losses[i].append(loss)
+        return [torch.stack(client).tolist() for client in losses]
+
+    def _run_padded(
+        self,
+        ordered: Sequence[ClientSteps],
+        all_x: torch.Tensor,
+        all_y: torch.Tensor,
+        offsets: list[int],
+        corrections: dict[str, torch.Tensor] | None,
+    ) -> list[list[float]]:
+        """Every step through :attr:`forward`, on the clients with a batch left (the first rows: ``ordered`` by
+        decreasing number of steps); each client's losses."""
+        forward = self.forward
+        if forward is None:
+            raise ValueError(f"{type(self.model).__name__} has no forward pass over stacked clients")
+        dtype = next(iter(self.params.values())).dtype
+        table, weights = _padded_batches(ordered, offsets, all_x.device, dtype)
+        steps = torch.tensor([len(c.batches) for c in ordered])
+        active = (steps.unsqueeze(0) > torch.arange(len(table)).unsqueeze(1)).sum(1)
+        leaves: dict[int, list[torch.Tensor]] = {}  # the first rows of the stacked parameters, per row count
+        losses, momentum = [], None
+        for count in active.tolist():
+            if count not in leaves:
+                leaves[count] = [self.params[n][:count].detach().requires_grad_() for n in self.param_names]
+            rows = table[len(losses), :count].view(-1)
+            xb = all_x.index_select(0, rows).unflatten(0, (count, -1))
+            yb = all_y.index_select(0, rows).view(count, -1)
+            grads, loss = self._padded_gradients(forward, leaves[count], xb, yb, weights[len(losses), :count])
+            momentum = self._padded_update(leaves[count], grads, momentum, corrections)
+            losses.append(loss)
+        first = active.cumsum(0) - active  # where each step's losses begin in the concatenated losses
+        flat = torch.cat(losses)
+        return [flat[first[:count] + client].tolist() for client, count in enumerate(steps.tolist())]
+
+    def _padded_gradients(
+        self,
+        forward: StackedForward,
+        leaves: list[torch.Tensor],
+        xb: torch.Tensor,
+        yb: torch.Tensor,
+        weights: torch.Tensor,
+    ) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """The gradients and losses of the clients of ``leaves`` (the first rows of the stacked parameters), each
+        example's loss weighted by ``weights`` (1 / its batch's size, 0 for padding)."""
+        with torch.enable_grad():
+            logits = forward(dict(zip(self.param_names, leaves, strict=True)), xb)
+            each = nn.functional.cross_entropy(logits.flatten(0, 1), yb.flatten(), reduction="none")
+            loss = (each.view_as(weights) * weights).sum(1)
+            if self.stacked_penalty is not None:
+                anchor = [self.anchor[n][: len(xb)] for n in self.param_names]
+                loss = loss + self.stacked_penalty(leaves, anchor)
+            grads = torch.autograd.grad(loss.sum(), leaves)
+        return list(grads), loss.detach()
+
+    @torch.no_grad()
+    def _padded_update(
+        self,
+        leaves: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        momentum: list[torch.Tensor] | None,
+        corrections: dict[str, torch.Tensor] | None,
+    ) -> list[torch.Tensor] | None:
+        """``PlainSGD``'s step of the clients of ``leaves`` (updated in place) along ``grads`` (fresh, used up);
+        returns the momentum buffers. ``momentum``: the last step's, of as many or more clients (the clients
+        still training are always the first rows), None at the first step. The new buffer is the gradient
+        tensor itself (β·buffer + direction, accumulated into it), so a parameter costs two operations."""
+        rows = slice(0, len(leaves[0]))
+        for index, (leaf, direction) in enumerate(zip(leaves, grads, strict=True)):
+            if corrections is not None:
+                direction.add_(corrections[self.param_names[index]][rows])
+            if self.weight_decay != 0:
+                direction.add_(leaf, alpha=self.weight_decay)
+            if momentum is not None and self.momentum != 0:
+                direction.add_(momentum[index][rows], alpha=self.momentum)
+            leaf.add_(direction, alpha=-self.lr)
+        return grads if self.momentum != 0 else None
 
     def _stacked_corrections(self, clients: Sequence[ClientSteps]) -> dict[str, torch.Tensor] | None:
         given = [c.correction is not None for c in clients]
@@ -172,28 +275,59 @@ class StackedTrainer:
         params = {n: t[rows] for n, t in self.params.items()}
         buffers = {n: t[rows] for n, t in self.buffers.items()}
         grads, loss = self.step_of_client(params, buffers, {n: t[rows] for n, t in self.anchor.items()}, xb, yb)
-        with torch.no_grad():
-            for name in self.param_names:
-                direction = grads[name]
-                if corrections is not None:
-                    direction = direction.add_(corrections[name][rows])
-                if self.weight_decay != 0:
-                    direction = direction.add_(params[name], alpha=self.weight_decay)  # grads are ours: in place
-                if self.momentum != 0:
-                    direction = self._momentum(name, step, rows, direction)
-                params[name].add_(direction, alpha=-self.lr)
+        names = self.param_names
+        self._update(step, rows, [params[n] for n in names], [grads[n] for n in names], corrections)
         return loss.detach()
 
-    def _momentum(self, name: str, step: int, rows: slice, direction: torch.Tensor) -> torch.Tensor:
-        """``PlainSGD``'s buffer: the first step's direction, then β·buffer + direction."""
-        if name not in self.momentum_buffers:
-            self.momentum_buffers[name] = torch.zeros_like(self.params[name])
-        buffer = self.momentum_buffers[name][rows]
-        if step == 0:  # every client's first step is step 0
-            buffer.copy_(direction)
-        else:
-            buffer.mul_(self.momentum).add_(direction, alpha=1.0)
-        return buffer
+    @torch.no_grad()
+    def _update(
+        self,
+        step: int,
+        rows: slice,
+        params: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        corrections: dict[str, torch.Tensor] | None,
+    ) -> None:
+        """``PlainSGD``'s step of the clients in ``rows``: ``params`` are their views (in the order of
+        :attr:`param_names`), ``grads`` fresh tensors (used up). One parameter at a time, all its operations
+        before the next: a stacked parameter stays in the cache between them."""
+        buffers = self._momentum_rows(rows) if self.momentum != 0 else None
+        for index, (param, direction) in enumerate(zip(params, grads, strict=True)):
+            if corrections is not None:
+                direction = direction.add_(corrections[self.param_names[index]][rows])
+            if self.weight_decay != 0:
+                direction = direction.add_(param, alpha=self.weight_decay)
+            if buffers is not None:
+                if step == 0:  # PlainSGD's buffer starts as the first direction; every client's first step is 0
+                    direction = buffers[index].copy_(direction)
+                else:
+                    direction = buffers[index].mul_(self.momentum).add_(direction)
+            param.add_(direction, alpha=-self.lr)
+
+    def _momentum_rows(self, rows: slice) -> list[torch.Tensor]:
+        """The momentum buffers' rows ``rows`` (views, made once per row range)."""
+        key = (rows.start, rows.stop)
+        if key not in self.momentum_rows:
+            self.momentum_rows[key] = [self.momentum_buffers[n][rows] for n in self.param_names]
+        return self.momentum_rows[key]
+
+
+def _padded_batches(
+    clients: Sequence[ClientSteps], offsets: list[int], device: torch.device, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every client's batches as one table ``[step, client, example]`` of indices into the concatenated data
+    (``offsets``: where each client's examples begin), shorter batches padded with index 0; and each entry's
+    weight in its step's loss: 1 / the batch's size, 0 for padding."""
+    width = max(len(batch) for c in clients for batch in c.batches)
+    table = torch.zeros(max(len(c.batches) for c in clients), len(clients), width, dtype=torch.long)
+    weights = torch.zeros(table.shape, dtype=dtype)
+    for index, client in enumerate(clients):
+        sizes = torch.tensor([len(batch) for batch in client.batches])
+        step = torch.repeat_interleave(torch.arange(len(sizes)), sizes)
+        column = torch.arange(len(step)) - torch.repeat_interleave(sizes.cumsum(0) - sizes, sizes)
+        table[step, index, column] = torch.cat(list(client.batches)).cpu() + offsets[index]
+        weights[step, index, column] = 1.0 / sizes.to(dtype)[step]
+    return table.to(device), weights.to(device)
 
 
 def _runs(sizes: list[int]) -> list[tuple[int, int]]:
