@@ -128,6 +128,7 @@ CLASS_COUNTS = "class-counts"
 
 
 FEDMA_MATCHINGS = ("bbp", *list_costs())
+State = dict[str, Tensor]
 
 
 @dataclass(frozen=True)
@@ -324,7 +325,12 @@ class FedMA(ServerStrategy):
         if self.stage < len(self.groups):
             match = self._bbp_stage if self.bbp else self._universe_stage if self.universe else self._match_stage
             self.repair_groups = frozenset({self.groups[self.stage]})
-            merged = match(server_round, replies, states, weights, plan[self.stage])
+            merged, clients = match(server_round, states, weights)
+            self.client_models = {  # each client's aligned model, the entries the stage completed at global values
+                reply.node: {**client, **{key: merged[key] for key in plan[self.stage]}}
+                for reply, client in zip(replies, clients)
+            }
+            self.client_partitions = {reply.node: reply.partition for reply in replies}
             self.stage += 1
         else:
             counts = torch.stack([torch.from_numpy(r.content[CLASS_COUNTS]["counts"].numpy()) for r in replies])
@@ -342,17 +348,10 @@ class FedMA(ServerStrategy):
         )
         return ArrayRecord(merged)
 
-    def _bbp_stage(
-        self,
-        server_round: int,
-        replies: list[Reply],
-        states: list[dict[str, Tensor]],
-        weights: list[float],
-        completed: frozenset[str],
-    ) -> dict[str, Tensor]:
-        """BBP-MAP of the current group (its layer may grow); each client's model gets the group's global
-        entries and its own other entries of the group moved onto the global units (zeros for units it lacks),
-        so the next stage's inputs are in global indexing; returns the global model."""
+    def _bbp_stage(self, server_round: int, states: list[State], weights: list[float]) -> tuple[State, list[State]]:
+        """BBP-MAP of the current group (its layer may grow): the global model, and each client's with the group's
+        global entries and its own other entries of the group moved onto the global units (zeros for units it
+        lacks), so the next stage's inputs are in global indexing."""
         group = self.groups[self.stage]
         generator = matching_generator(self.context.config.seed, server_round)
         match = match_group(
@@ -362,21 +361,10 @@ class FedMA(ServerStrategy):
         target = {**weighted_average(clients, weights), **entries}
         self.moved = moved_share([{group: assignment} for assignment in match.assignments])
         self.unit_maps = [{group: assignment_coupling(assignment, match.width)} for assignment in match.assignments]
-        self.client_models = {
-            reply.node: {**client, **{key: target[key] for key in completed}} for reply, client in zip(replies, clients)
-        }
-        self.client_partitions = {reply.node: reply.partition for reply in replies}
-        return target
+        return target, clients
 
-    def _match_stage(
-        self,
-        server_round: int,
-        replies: list[Reply],
-        states: list[dict[str, Tensor]],
-        weights: list[float],
-        completed: frozenset[str],
-    ) -> dict[str, Tensor]:
-        """Match the current group, keep each client's aligned model for the next stage, return the global."""
+    def _match_stage(self, server_round: int, states: list[State], weights: list[float]) -> tuple[State, list[State]]:
+        """One-to-one matching of the current group: the global model and each client's aligned one."""
         group = self.groups[self.stage]
         sizes = self.spec.group_sizes(self.cycle_start)
         solved = {name: torch.arange(sizes[name]) for name in self.groups[: self.stage]}  # already in global order
@@ -389,22 +377,13 @@ class FedMA(ServerStrategy):
             target = weighted_average(aligned, weights)
         self.moved = moved_share(permutations)
         self.unit_maps = permutations
-        self.client_models = {
-            reply.node: {**state, **{key: target[key] for key in completed}} for reply, state in zip(replies, aligned)
-        }
-        self.client_partitions = {reply.node: reply.partition for reply in replies}
-        return dict(target)
+        return dict(target), aligned
 
     def _universe_stage(
-        self,
-        server_round: int,
-        replies: list[Reply],
-        states: list[dict[str, Tensor]],
-        weights: list[float],
-        completed: frozenset[str],
-    ) -> dict[str, Tensor]:
-        """Match the current group jointly over the clients (earlier groups fixed), keep each client's aligned
-        model for the next stage, record the diagnostics, return the global model."""
+        self, server_round: int, states: list[State], weights: list[float]
+    ) -> tuple[State, list[State]]:
+        """The current group matched jointly over the clients (earlier groups fixed): the global model and each
+        client's aligned one; records the diagnostics."""
         group, fixed = self.groups[self.stage], self.groups[: self.stage]
         seed = self.context.config.seed
         settings = self.settings.reference.universe_settings()
@@ -424,11 +403,7 @@ class FedMA(ServerStrategy):
         self.moved = moved_share(match.permutations)
         self.unit_maps = list(match.permutations)
         self.universe_metrics = {"universe-objective": match.objective, "cycle-consistency-error": cycle}
-        self.client_models = {
-            reply.node: {**state, **{key: target[key] for key in completed}} for reply, state in zip(replies, aligned)
-        }
-        self.client_partitions = {reply.node: reply.partition for reply in replies}
-        return dict(target)
+        return dict(target), aligned
 
     def on_repaired(self, arrays: ArrayRecord) -> None:
         """The next stage's clients freeze the entries the stage just matched completed: at their repaired values
