@@ -14,7 +14,6 @@ import pytest
 from core.config import RESULTS_ENV, results_root
 from fl_app.checkpoint import run_folder
 from fl_app.config import ConfigError, parse_run_config
-from fl_app.engines.grid import RayOptions
 from fl_app.runtime import launch, processes
 from fl_app.runtime.common import PROJECT_ROOT
 from fl_app.runtime.flwr_cli import never_give_up, parse_overrides, to_toml_pairs
@@ -432,20 +431,17 @@ def test_the_launcher_refuses_private_keys_that_git_would_commit_naming_them(exp
     assert f"{exposed_key_repo}/keys/auth" in err and "ca.key" not in err and "Traceback" not in err
 
 
-@pytest.mark.parametrize("address", [None, "10.0.0.1:6379"])
-def test_a_ray_the_batched_engine_starts_keeps_its_session_folder_in_a_scratch_folder_removed_after(
-    address, fresh_temp, monkeypatch
-):
-    """Ray keeps its session folder after it stops: one started for the batched engine's workers puts it in a
-    folder of the run's own (``RAY_TMPDIR``), removed after; a cluster that is joined keeps its own."""
-    monkeypatch.delenv("RAY_TMPDIR", raising=False)
-    with launch.own_ray_temp(RayOptions(num_workers=1, address=address)):
-        seen = os.environ.get("RAY_TMPDIR")
-        if address is None:
-            assert seen is not None and Path(seen).parent == fresh_temp and Path(seen).is_dir()
-            (Path(seen) / "ray" / "session_latest").mkdir(parents=True)  # what Ray would leave
+@pytest.mark.parametrize("given", [{}, {"RAY_ADDRESS": "10.0.0.1:6379"}, {"RAY_TMPDIR": "/scratch/ray"}])
+def test_a_ray_a_run_starts_keeps_its_session_folder_in_a_scratch_folder_removed_after(given, fresh_temp):
+    """Ray keeps its session folder after it stops: one a run starts (Flower's simulation, the batched engine's
+    workers) puts it in a folder of the run's own (``RAY_TMPDIR``), removed after; a cluster that is joined
+    keeps its own, and a ``RAY_TMPDIR`` the user set is theirs."""
+    env = dict(given)
+    with launch.own_ray_temp(env):
+        if given:
+            assert env == given
         else:
-            assert seen is None
-    assert "RAY_TMPDIR" not in os.environ and list(fresh_temp.iterdir()) == []
-    with launch.own_ray_temp(None):
-        assert "RAY_TMPDIR" not in os.environ
+            folder = Path(env["RAY_TMPDIR"])
+            assert folder.parent == fresh_temp and folder.is_dir()
+            (folder / "ray" / "session_latest").mkdir(parents=True)  # what Ray would leave
+    assert env == given and list(fresh_temp.iterdir()) == []

@@ -20,8 +20,8 @@ import json
 import math
 import os
 import sys
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Iterator, Mapping, MutableMapping
+from contextlib import contextmanager, nullcontext
 from datetime import UTC, datetime
 from typing import Any
 
@@ -42,7 +42,7 @@ from fl_app.runtime.superlink import flower_environment, local_superlink
 FLWR_HOME_PREFIX = "alignfl-flwr-home-"
 """The temporary Flower home of a private local SuperLink (in ``$TMPDIR``), removed when its run ends."""
 RAY_TMP_PREFIX = "alfl-ray-"
-"""The temporary folder of the Ray a run starts (its ``RAY_TMPDIR``: ``$TMPDIR``, or ``/tmp`` where that is too
+"""The temporary folder of the Ray a run starts (its ``RAY_TMPDIR``, in ``$TMPDIR``, or ``/tmp`` where that is too
 long for Ray's socket paths), removed when its run ends: Ray keeps its session folders after it stops."""
 
 
@@ -215,17 +215,12 @@ def simulate_on_local_superlink(
         The run's final status (``finished:completed`` when it completed) and its details.
     """
     overrides = " ".join(f"{key}={value}" for key, value in federation.items())
-    with (
-        stop_signals(),  # a caller without its own (a sweep job) still stops everything on SIGTERM or SIGHUP
-        scratch_folder(FLWR_HOME_PREFIX) as flwr_home,
-        scratch_folder(RAY_TMP_PREFIX, short=True) as ray_temp,
-    ):
+    # a caller without its own stop_signals (a sweep job) still stops everything on SIGTERM or SIGHUP
+    with stop_signals(), scratch_folder(FLWR_HOME_PREFIX) as flwr_home:
         env = flower_environment(flwr_home)
         if ray_address:
             env["RAY_ADDRESS"] = ray_address  # Flower's ray.init() joins the cluster
-        else:
-            env["RAY_TMPDIR"] = str(ray_temp)  # the session folder Ray keeps after it stops goes with it
-        with local_superlink(env) as watch:
+        with own_ray_temp(env), local_superlink(env) as watch:
             return submit_and_follow(run_config, env, ["--federation-config", overrides], watch)
 
 
@@ -235,8 +230,9 @@ def run_batched_here(config: RunConfig, args: argparse.Namespace) -> tuple[str, 
     options = ray_options(args.workers, args.ray_address, args.num_cpus, args.num_gpus)
     if options is None and args.num_gpus > 0:  # fractional GPUs are Ray's to hand out: as many workers as fit
         options = RayOptions(worker_cpus=args.num_cpus, worker_gpus=args.num_gpus)
+    starts_ray = options is not None and options.address is None
     try:
-        with own_ray_temp(options):
+        with own_ray_temp(os.environ) if starts_ray else nullcontext():
             run_batched(config.to_run_config(), args.num_supernodes, args.vectorise, options)
     except Exception as error:
         return "finished:failed", f"{type(error).__name__}: {error}"
@@ -244,22 +240,19 @@ def run_batched_here(config: RunConfig, args: argparse.Namespace) -> tuple[str, 
 
 
 @contextmanager
-def own_ray_temp(options: RayOptions | None) -> Iterator[None]:
-    """A Ray that this process starts within the block (the batched engine's workers without ``--ray-address``)
-    keeps its session folder, which outlives it, in a scratch folder removed after the block (``RAY_TMPDIR``)."""
-    if options is None or options.address is not None:
+def own_ray_temp(env: MutableMapping[str, str]) -> Iterator[None]:
+    """A Ray started within the block with ``env`` keeps its session folder, which outlives it, in a scratch folder
+    removed after the block (``RAY_TMPDIR`` in ``env`` meanwhile); unless ``env`` joins a running Ray
+    (``RAY_ADDRESS``) or already names Ray's folder (``RAY_TMPDIR``: the user's choice, left to them)."""
+    if "RAY_ADDRESS" in env or "RAY_TMPDIR" in env:
         yield
         return
-    previous = os.environ.get("RAY_TMPDIR")
     with scratch_folder(RAY_TMP_PREFIX, short=True) as folder:
-        os.environ["RAY_TMPDIR"] = str(folder)
+        env["RAY_TMPDIR"] = str(folder)
         try:
             yield
         finally:
-            if previous is None:
-                del os.environ["RAY_TMPDIR"]
-            else:
-                os.environ["RAY_TMPDIR"] = previous
+            del env["RAY_TMPDIR"]
 
 
 def resume_hint(config: RunConfig | None) -> str:
