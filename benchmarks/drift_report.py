@@ -22,13 +22,23 @@ from fl_app.sweeps.report import ConfigRow, collect
 
 RUN, EPOCHS, ALPHA, REPAIR = "experiment/drift_run", "experiment/drift_epochs", "data.dirichlet_alpha", "train.repair"
 METRIC, MOVED = "final-accuracy", "client-units-moved-mean"
+AXES = (RUN, EPOCHS, ALPHA)
+"""The overrides that make a job the drift study's: its run, its local epochs (``e<E>``) and its Dirichlet alpha."""
+
+
+def is_study_row(row: ConfigRow) -> bool:
+    """Whether a configuration is the drift study's: it sets every key of :data:`AXES` (a run of
+    ``experiment/drift_run``, epochs ``e<E>``); a plain sweep's rows in the same folder are not."""
+    network, _, method = row.settings.get(RUN, "").partition("-")
+    epochs = row.settings.get(EPOCHS, "").removeprefix("e")
+    return bool(network and method and epochs.isdigit() and row.settings.get(ALPHA))
 
 
 def _cells(rows: list[ConfigRow]) -> dict[tuple[str, str, int, str], ConfigRow]:
-    """(network, method, E, alpha) → the configuration's row; a job run with ``train.repair=on`` is its own method,
-    ``<method>+repair``."""
+    """(network, method, E, alpha) → the configuration's row (the drift study's rows only); a job run with
+    ``train.repair=on`` is its own method, ``<method>+repair``."""
     cells = {}
-    for row in rows:
+    for row in filter(is_study_row, rows):
         network, _, method = row.settings[RUN].partition("-")
         method += "+repair" if row.settings.get(REPAIR) == "on" else ""
         cells[(network, method, int(row.settings[EPOCHS].removeprefix("e")), row.settings[ALPHA])] = row
@@ -106,8 +116,12 @@ def rounds_table(cells: dict[tuple[str, str, int, str], ConfigRow]) -> str:
     return "\n".join(out) + "\n"
 
 
-def heatmap(cells: dict[tuple[str, str, int, str], ConfigRow], path: Path) -> None:
-    """Gain over FedAvg (points) against E and alpha: one panel per network and method."""
+def heatmap(cells: dict[tuple[str, str, int, str], ConfigRow], path: Path) -> Path | None:
+    """Gain over FedAvg (points) against E and alpha: one panel per network and method; None (nothing drawn)
+    where FedAvg is the only method."""
+    panels = sorted({(key[0], key[1]) for key in cells if key[1] != "fedavg"})
+    if not panels:
+        return None
     import matplotlib
 
     matplotlib.use("Agg")
@@ -115,7 +129,6 @@ def heatmap(cells: dict[tuple[str, str, int, str], ConfigRow], path: Path) -> No
 
     epochs = sorted({key[2] for key in cells})
     alphas = sorted({key[3] for key in cells}, key=float)
-    panels = sorted({(key[0], key[1]) for key in cells if key[1] != "fedavg"})
     networks = sorted({n for n, _ in panels})
     width = max(sum(1 for n, _ in panels if n == network) for network in networks)
     fig, axes = plt.subplots(len(networks), width, figsize=(2.4 * width, 2.8 * len(networks)), squeeze=False)
@@ -150,6 +163,7 @@ def heatmap(cells: dict[tuple[str, str, int, str], ConfigRow], path: Path) -> No
     fig.colorbar(image, ax=axes, shrink=0.6, label="gain over FedAvg (points)")
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
+    return path
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -159,14 +173,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows, _ = collect(args.sweep)
     cells = _cells(rows)
     if not cells:
-        parser.error(f"{args.sweep} holds no drift-study job")
+        parser.error(
+            f"{args.sweep} holds no drift-study job (one whose overrides set {', '.join(AXES)}, as "
+            "`python -m fl_app.sweep +experiment=drift` does); for another sweep's folder use "
+            "`python -m fl_app.sweeps.report`"
+        )
+    study = [row for row in rows if is_study_row(row)]
     text = tables(cells) + rounds_table(cells)
-    failed = sum(row.failed for row in rows)
-    text += f"\n{sum(len(row.jobs) for row in rows)} jobs, {failed} failed.\n"
+    failed, running = sum(row.failed for row in study), sum(row.running for row in study)
+    text += f"\n{sum(len(row.jobs) for row in study)} jobs, {failed} failed, {running} running.\n"
+    others = sum(len(row.jobs) for row in rows) - sum(len(row.jobs) for row in study)
+    text += f"{others} other jobs in the folder are not the drift study's: left out.\n" if others else ""
     (args.sweep / "drift.md").write_text(text)
-    heatmap(cells, args.sweep / "drift_heatmap.png")
+    drawn = heatmap(cells, args.sweep / "drift_heatmap.png")
     print(text)
-    print(f"wrote {args.sweep / 'drift.md'} and {args.sweep / 'drift_heatmap.png'}")
+    print(
+        f"wrote {args.sweep / 'drift.md'}" + (f" and {drawn}" if drawn else " (no heatmap: FedAvg is the only method)")
+    )
     return 0
 
 

@@ -2,19 +2,14 @@
 
 A run's estimate is the mean time of the rounds this process has trained times the rounds left (a resumed run
 counts from where it resumed, so the first session's start-up does not skew it). A sweep's is the mean time per
-finished job since the sweep started, times the jobs left; the jobs are counted from their ``job.json`` records,
-so every job process of a parallel launcher sees the same numbers.
+finished job since the sweep started, times the jobs left (:mod:`fl_app.sweeps.launches` counts a sweep's own jobs
+from their ``job.json`` records, so every job process of a parallel launcher sees the same numbers).
 """
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
-
-SWEEP_RECORD = "sweep.json"
-"""Written by the sweep's validation at its start: how many jobs it has and when it started."""
 
 
 def duration(seconds: float) -> str:
@@ -45,21 +40,12 @@ class RoundProgress:
         return f"{text}, about {duration(left)} left"
 
 
-def start_sweep(sweep_dir: Path, jobs: int) -> None:
-    """Record the sweep's size and start time for the progress lines of its jobs."""
-    sweep_dir.mkdir(parents=True, exist_ok=True)
-    (sweep_dir / SWEEP_RECORD).write_text(json.dumps({"jobs": jobs, "started": time.time()}) + "\n")
-
-
-def sweep_progress(sweep_dir: Path, job_record: str, completed: str) -> str:
-    """``sweep: 5 of 12 jobs done (1 failed), 7 left, elapsed 10m03s, about 14m05s left``, from the jobs' records."""
-    statuses = [json.loads(path.read_text()).get("status") for path in sweep_dir.glob(f"**/{job_record}")]
-    done, failed = len(statuses), sum(status != completed for status in statuses)
-    record = sweep_dir / SWEEP_RECORD
-    if not record.is_file():
+def sweep_progress(done: int, failed: int, jobs: int | None = None, started: float | None = None) -> str:
+    """``sweep: 5 of 12 jobs done (1 failed), 7 left, elapsed 10m03s, about 14m05s left`` for a sweep of ``jobs``
+    jobs started at ``started`` (``time.time()``); the counts alone where its size is not known."""
+    if jobs is None or started is None:
         return f"sweep: {done} jobs done ({failed} failed)"
-    meta = json.loads(record.read_text())
-    elapsed = time.time() - float(meta["started"])
-    left = max(0, int(meta["jobs"]) - done)
-    text = f"sweep: {done} of {meta['jobs']} jobs done ({failed} failed), {left} left, elapsed {duration(elapsed)}"
+    elapsed = time.time() - started
+    left = max(0, jobs - done)
+    text = f"sweep: {done} of {jobs} jobs done ({failed} failed), {left} left, elapsed {duration(elapsed)}"
     return f"{text}, about {duration(elapsed / done * left)} left" if done and left else text

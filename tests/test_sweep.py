@@ -12,17 +12,18 @@ from omegaconf import open_dict
 
 from core.config import RESULTS_ENV, default_results_root
 from fl_app.config import ConfigError, default_run_config, parse_run_config
+from fl_app.sweeps.configs import SET_PER_JOB
+from fl_app.sweeps.overrides import unowned_override
+from fl_app.sweeps.resolvers import composition_problem, interpolation_problem
 from fl_app.sweeps.slurm import slurm_problem
 from fl_app.sweeps.sweep import (
     GROUPS,
     JOB_RECORD,
-    SET_PER_JOB,
     ValidateSweep,
     hydra_to_run_config,
     job_settings,
     register_configs,
     run_job,
-    unowned_override,
     validate_sweep,
 )
 from models import list_models
@@ -151,7 +152,7 @@ def test_every_job_of_a_sweep_is_validated_before_it_runs(sweep_override, key, v
         assert str(schema.value) in str(error.value)
         with open_dict(cfg):
             cfg.hydra.overrides.task = [*TINY, "pan.a=0,0.1", "strategy=fedavg,fedprox", "seed=0,1"]
-        assert validate_sweep(cfg) == 8
+        assert len(validate_sweep(cfg)) == 8
 
 
 def _without_hydra(config) -> dict:
@@ -295,6 +296,105 @@ def test_the_algorithm_and_model_an_experiment_preset_picks_own_its_overrides():
         ["+experiment=fedma-clients-cpu", "experiment/fedma_method=fedavg", "strategy.fedma_retrain_epochs=1"]
     )
     assert unowned_override(["+experiment=no-such-preset", "strategy.fedma_retrain_epochs=1"]) is None  # Hydra's
+
+
+def test_an_override_of_a_key_a_presets_choice_lacks_says_what_fixes_it_there():
+    """The preset, not the command line, chose the algorithm: a row of the preset picks it (fedma_method) or its
+    own file does (pans-table1-cpu); the refusal says which, and what fixes the command there."""
+    row = unowned_override(
+        ["+experiment=fedma-clients-cpu", "experiment/fedma_method=fedavg", "strategy.fedma_retrain_epochs=1"]
+    )
+    assert "set strategy=" not in row
+    assert (
+        "not to strategy ['fedavg']; which +experiment=fedma-clients-cpu runs where its row "
+        "experiment/fedma_method=fedavg picks it; to set it, run only the rows that pick fedma "
+        "(experiment/fedma_method=fedma) or set it in their files (conf/experiment/fedma_method/fedma.yaml)"
+    ) in row
+    own = unowned_override(["+experiment=pans-table1-cpu", "strategy.fedprox_mu=0.1"])
+    assert own.endswith(
+        "not to strategy ['fedavg']; which the preset +experiment=pans-table1-cpu picks; leave the override out, "
+        "or add strategy=fedprox to run the preset with fedprox instead"
+    )
+    typed = unowned_override(["+experiment=pans-table1-cpu", "strategy=fedavg", "strategy.fedprox_mu=0.1"])
+    assert typed.endswith("set strategy=fedprox or leave the override out"), "the command line chose it"
+
+
+def test_a_derived_value_that_cannot_be_resolved_names_the_key_that_was_set():
+    """A preset's ``${div:...}`` of a bad value names the key the user set and what div takes; a reference to no
+    key names the derived key and OmegaConf's reason."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    def problem(study: dict) -> str:
+        cfg = OmegaConf.create(
+            {"study": study, "train": {"local_epochs": 5, "rounds": "${div:${study.budget},${train.local_epochs}}"}}
+        )
+        with pytest.raises(OmegaConfBaseException) as error:
+            OmegaConf.to_container(cfg, resolve=True)
+        return interpolation_problem(cfg, error.value)
+
+    written = "${div:${study.budget},${train.local_epochs}}"
+    assert problem({"budget": "abc"}) == (
+        f"'study.budget' = 'abc' is not allowed: train.rounds is {written}, and div takes whole numbers, got 'abc'"
+    )
+    assert problem({"budget": 1.5}).startswith("'study.budget' = 1.5 is not allowed")
+    assert problem({}).startswith(f"'train.rounds' = {written} cannot be resolved: Interpolation key 'study.budget'")
+
+
+@pytest.mark.parametrize(
+    ("swept", "job", "problem"),
+    [
+        (
+            "strategy=fedavg,nosuch",
+            "strategy=nosuch",
+            f"'strategy' = 'nosuch' is not allowed: choose one of {sorted(list_strategies())}",
+        ),
+        (
+            "train.num_server_rounds=2,${nope.x}",
+            "train.num_server_rounds=$\\{nope.x\\}",  # as Hydra's sweeper writes it
+            "'train.num_server_rounds' = ${nope.x} cannot be resolved: Interpolation key 'nope.x' not found",
+        ),
+    ],
+    ids=["unknown-option", "unresolvable"],
+)
+def test_a_job_of_a_list_that_cannot_be_composed_or_resolved_is_the_schemas_error_of_its_job(swept, job, problem):
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("config", overrides=TINY, return_hydra_config=True)
+        with open_dict(cfg):
+            cfg.hydra.overrides.task = [*TINY, swept]
+        with pytest.raises(ConfigError) as error:
+            validate_sweep(cfg)
+    assert str(error.value).startswith("sweep job dataset=digits ") and str(error.value).endswith(f" {job}: {problem}")
+
+
+@pytest.mark.parametrize(
+    ("arguments", "fragments"),
+    [
+        (["+experiment=drift-quick", "study.budget=abc"], ["'study.budget' = 'abc' is not allowed", "div takes whole"]),
+        (
+            ["+experiment=drift", "experiment/drift_run=mlp-fedavg,vgg-nosuch", "experiment/drift_epochs=e1"],
+            ["'experiment/drift_run' = 'vgg-nosuch' is not allowed: choose one of ['mlp-fedavg', "],
+        ),
+    ],
+    ids=["resolver", "unknown-row"],
+)
+def test_a_presets_sweep_with_a_bad_value_exits_in_one_line(tmp_path, arguments, fragments):
+    result = sweep(tmp_path, *arguments, "data.dirichlet_alpha=0.5")
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert lines[0].startswith("[alignfl] refused before starting: invalid sweep, no job was started: sweep job ")
+    assert all(fragment in lines[0] for fragment in fragments), lines[0]
+    assert not list(tmp_path.glob("**/.hydra"))
+
+
+def test_hydras_other_composition_errors_are_one_line():
+    from hydra.errors import ConfigCompositionException, MissingConfigException
+
+    missing = MissingConfigException("In 'x': Could not find 'g/b'\n\nAvailable options in 'g':\n\ta", "g/b", ["a"])
+    assert composition_problem(missing) == "'g' = 'b' is not allowed: choose one of ['a']"
+    other = ConfigCompositionException("Could not override 'train.nope'.\nTo append use +train.nope=1\n\nmore")
+    assert composition_problem(other) == "Could not override 'train.nope'. To append use +train.nope=1"
 
 
 def test_an_unowned_override_exits_with_the_owner_and_no_traceback(tmp_path):

@@ -1,18 +1,30 @@
-"""Sweeps that run: the report over a sweep's jobs, jobs that fail or run on another engine, and a job stopped by
-SIGTERM."""
+"""Sweeps that run: the report over a sweep's jobs, jobs that fail or run on another engine, a job stopped by
+SIGTERM, two sweeps in one folder, and the drift study's report."""
 
 import csv
+import importlib.util
 import json
 import os
 import signal
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
 from fl_app.sweeps import report as sweep_report
+from fl_app.sweeps.launches import (
+    JOB_MARKER,
+    LAUNCH_KEY,
+    JobBusy,
+    job_marker,
+    launch_of_job,
+    launch_progress,
+    start_launch,
+)
 from fl_app.sweeps.sweep import JOB_RECORD, run_job
 from tests.sweep_jobs import ROOT, TINY, composed, fake_job, sweep
 
@@ -217,3 +229,125 @@ def test_sigterm_to_a_ray_sweep_job_stops_every_process_it_started_and_removes_i
     assert "stopped by SIGTERM" in output and "Traceback" not in output
     (record,) = (tmp_path / "job").glob(JOB_RECORD)
     assert json.loads(record.read_text())["error"] == "stopped by SIGTERM"
+
+
+HOLD = (
+    "import sys, time\nfrom pathlib import Path\nfrom fl_app.sweeps.launches import job_marker\n"
+    "with job_marker(Path(sys.argv[1])):\n    print('held', flush=True)\n    time.sleep(120)\n"
+)
+
+
+def _hold_marker(folder: Path) -> subprocess.Popen:
+    """Another process running the job in ``folder`` (as another sweep's job would), once it holds the marker."""
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(folder)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    return holder
+
+
+def test_a_job_another_live_process_runs_is_running_and_one_whose_process_died_failed(tmp_path):
+    """Two sweeps in one folder: a report written while the other sweep's job runs lists it as running, not failed,
+    and the sweep that wrote it fails only for its own jobs; once that process is killed (its marker left behind),
+    the job counts as not finished."""
+    mine, theirs = ["pan.t=1", "seed=0"], ["pan.t=1", "seed=1"]
+    fake_job(tmp_path / "pan.t=1" / "seed=0", mine, "completed", 0.5, 0.6)
+    start_launch(tmp_path, [mine])
+    fake_job(tmp_path / "pan.t=1" / "seed=1", theirs, None)  # started by the other sweep: no job.json yet
+    holder = _hold_marker(tmp_path / "pan.t=1" / "seed=1")
+    try:
+        report = sweep_report.write_report(tmp_path)
+        assert (report.jobs, report.failed, report.running) == (2, 0, 1)
+        assert sweep_report.launch_outcome(report, tmp_path) == (1, 0)
+        sweep_report.ReportSweep().on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}}))
+        table = report.markdown_path.read_text()
+        assert "| seeds | failed | running |" in table and "Failed jobs" not in table
+        assert (
+            f"Running jobs (another sweep in this folder):\n- `{tmp_path / 'pan.t=1' / 'seed=1'}`: running: pid "
+            in table
+        )
+        with pytest.raises(JobBusy, match="being run by another live process"):
+            with job_marker(tmp_path / "pan.t=1" / "seed=1"):
+                pass
+    finally:
+        holder.kill()
+        holder.wait()
+    assert (tmp_path / "pan.t=1" / "seed=1" / JOB_MARKER).is_file(), "a killed job leaves its marker"
+    report = sweep_report.write_report(tmp_path)
+    assert (report.failed, report.running) == (1, 0)
+    assert "no job.json: the job did not finish" in report.markdown_path.read_text()
+    start_launch(tmp_path, [theirs])  # a sweep of the job that died: this process's latest launch
+    with pytest.raises(SystemExit, match="1 of 1 sweep jobs failed"):
+        sweep_report.ReportSweep().on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}}))
+
+
+def test_each_sweep_in_a_folder_counts_its_own_jobs(tmp_path):
+    """The drift study's two commands in one folder: each job finds its own launch, and each launch's progress
+    line counts its own jobs alone."""
+    first, second = [["seed=0"]], [["seed=1"], ["seed=2"]]
+    one = start_launch(tmp_path, first)
+    two = start_launch(tmp_path, second)
+    assert (launch_of_job(tmp_path, ["seed=0"]), launch_of_job(tmp_path, ["seed=2"])) == (one, two)
+    assert launch_of_job(tmp_path, ["seed=3"]) is None
+    for seed, launch, status in ((0, one, "completed"), (1, two, "completed"), (2, two, "failed")):
+        (tmp_path / f"seed={seed}").mkdir()
+        (tmp_path / f"seed={seed}" / JOB_RECORD).write_text(json.dumps({"status": status, LAUNCH_KEY: launch}))
+    assert launch_progress(tmp_path, one, JOB_RECORD, "completed").startswith("sweep: 1 of 1 jobs done (0 failed)")
+    assert launch_progress(tmp_path, two, JOB_RECORD, "completed").startswith("sweep: 2 of 2 jobs done (1 failed)")
+    assert launch_progress(tmp_path, None, JOB_RECORD, "completed") == "sweep: 3 jobs done (1 failed)"
+
+
+def test_a_job_writes_its_launch_and_leaves_a_folder_another_process_runs_to_it(tmp_path):
+    """run_job records the launch that ran it and removes its marker; in a folder another live process is
+    running it runs nothing and writes no record of its own."""
+    cfg = composed(TINY)
+    holder = _hold_marker(tmp_path / "busy")
+    try:
+        record = run_job(cfg, cfg.hydra.runtime.choices, tmp_path / "busy", launch="L")
+    finally:
+        holder.kill()
+        holder.wait()
+    assert record["status"] == "failed" and "being run by another live process (pid " in record["error"]
+    assert not (tmp_path / "busy" / JOB_RECORD).exists()
+    (tmp_path / "job" / "run").mkdir(parents=True)
+    (tmp_path / "job" / "run" / "summary.json").write_text("{}")  # an earlier launch finished it: kept, not run
+    (tmp_path / "job" / JOB_RECORD).write_text(json.dumps({"status": "completed", "job-wall-time-s": 1.0}))
+    record = run_job(cfg, cfg.hydra.runtime.choices, tmp_path / "job", launch="L")
+    assert record["status"] == "completed" and json.loads((tmp_path / "job" / JOB_RECORD).read_text())["launch"] == "L"
+    assert not (tmp_path / "job" / JOB_MARKER).exists()
+
+
+def _drift_report():
+    """benchmarks/drift_report.py as a module (benchmarks/ is no package)."""
+    spec = importlib.util.spec_from_file_location("drift_report", ROOT / "benchmarks" / "drift_report.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_drift_report_refuses_a_folder_without_the_studys_jobs_and_leaves_other_jobs_out(tmp_path, capsys):
+    drift_report = _drift_report()
+    fake_job(tmp_path / "pan.t=1" / "seed=0", ["pan.t=1", "seed=0"], "completed", 0.5, 0.6)
+    with pytest.raises(SystemExit) as refused:
+        drift_report.main([str(tmp_path)])
+    assert refused.value.code == 2
+    assert "holds no drift-study job (one whose overrides set experiment/drift_run" in capsys.readouterr().err
+    for run, final in (("mlp-fedavg", 0.7), ("mlp-pans", 0.75)):
+        study = tmp_path / run / "seed=0"
+        fake_job(
+            study,
+            [f"experiment/drift_run={run}", "experiment/drift_epochs=e5", "data.dirichlet_alpha=0.5", "seed=0"],
+            "completed",
+            final,
+            final,
+        )
+        summary = {"final-accuracy": final, "best-accuracy": final, "run-folder": str(study / "run")}
+        (study / "run" / "summary.json").write_text(json.dumps(summary))
+        (study / "run" / "metrics.jsonl").write_text(json.dumps({"round": 0, "accuracy": 0.1}) + "\n")
+    assert drift_report.main([str(tmp_path)]) == 0
+    text = (tmp_path / "drift.md").read_text()
+    assert (
+        "| fedavg | 70.0 (+0.0) |" in text
+        and "| pans | 75.0 (+5.0) |" in text
+        and "2 jobs, 0 failed, 0 running." in text
+    )
+    assert (tmp_path / "drift_heatmap.png").stat().st_size > 0
+    assert "1 other jobs in the folder are not the drift study's: left out." in text

@@ -6,8 +6,9 @@ Writes ``summary.csv``, ``summary.md`` and ``heatmap.png`` into the sweep folder
 (a multirun does the same at its end, through :class:`ReportSweep`). Jobs are
 found by the ``.hydra/overrides.yaml`` Hydra writes as each job starts, so a job
 that died without a word still counts: as failed, like one whose ``job.json``
-says it failed or whose run has no ``summary.json``. A configuration is a job's
-overrides without the seed.
+says it failed or whose run has no ``summary.json``; a job a live process is
+running (another sweep in the same folder: :mod:`fl_app.sweeps.launches`) counts
+as running. A configuration is a job's overrides without the seed.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from fl_app.sweeps.launches import own_launch, running
 from fl_app.sweeps.slurm import read_jobs_record
 from fl_app.sweeps.sweep import COMPLETED, JOB_RECORD
 from fl_app.sweeps.tracking import finish_sweep_run, write_hparams
@@ -47,7 +49,13 @@ class JobResult:
     settings: tuple[tuple[str, str], ...]  # the job's overrides without the seed, in command-line order
     summary: dict[str, Any] | None  # the run's summary.json; None when the job failed
     wall_time_s: float | None
-    error: str | None
+    error: str | None  # why it failed; who runs it, while it runs
+    overrides: tuple[str, ...] = ()  # all of them, the seed's included
+    running: bool = False  # a live process runs it now
+
+    @property
+    def failed(self) -> bool:
+        return self.summary is None and not self.running
 
 
 @dataclass(frozen=True)
@@ -63,7 +71,11 @@ class ConfigRow:
 
     @property
     def failed(self) -> int:
-        return len(self.jobs) - len(self.completed)
+        return sum(job.failed for job in self.jobs)
+
+    @property
+    def running(self) -> int:
+        return sum(job.running for job in self.jobs)
 
     def values(self, metric: str) -> list[float]:
         """``metric`` of every completed seed (summary.json keys, or ``job-time-s``)."""
@@ -96,6 +108,10 @@ class Report:
     def failed(self) -> int:
         return sum(row.failed for row in self.rows)
 
+    @property
+    def running(self) -> int:
+        return sum(row.running for row in self.rows)
+
 
 def _split_override(override: str) -> tuple[str, str]:
     key, _, value = override.partition("=")
@@ -103,19 +119,24 @@ def _split_override(override: str) -> tuple[str, str]:
 
 
 def read_job(folder: Path) -> JobResult:
-    """A job's settings from Hydra's record, its outcome from job.json and its run's summary.json."""
-    overrides = [_split_override(o) for o in _overrides(folder)]
-    settings = tuple((key, value) for key, value in overrides if key != SEED_KEY)
+    """A job's settings from Hydra's record, its outcome from job.json and its run's summary.json; a job a live
+    process holds is running, whatever an earlier launch's job.json says."""
+    overrides = tuple(_overrides(folder))
+    settings = tuple((key, value) for key, value in map(_split_override, overrides) if key != SEED_KEY)
+    holder = running(folder)
+    if holder is not None:
+        return JobResult(folder, settings, None, None, f"running: {holder}", overrides, running=True)
     record_path = folder / JOB_RECORD
     if not record_path.is_file():
-        return JobResult(folder, settings, None, None, f"no {JOB_RECORD}: the job did not finish")
+        return JobResult(folder, settings, None, None, f"no {JOB_RECORD}: the job did not finish", overrides)
     record = json.loads(record_path.read_text())
+    wall_time = record.get("job-wall-time-s")
     if record["status"] != COMPLETED:
-        return JobResult(folder, settings, None, record.get("job-wall-time-s"), record.get("error"))
+        return JobResult(folder, settings, None, wall_time, record.get("error"), overrides)
     summary_path = Path(record["run-folder"]) / "summary.json"
     if not summary_path.is_file():
-        return JobResult(folder, settings, None, record.get("job-wall-time-s"), f"{summary_path} is missing")
-    return JobResult(folder, settings, json.loads(summary_path.read_text()), record.get("job-wall-time-s"), None)
+        return JobResult(folder, settings, None, wall_time, f"{summary_path} is missing", overrides)
+    return JobResult(folder, settings, json.loads(summary_path.read_text()), wall_time, None, overrides)
 
 
 def _sort_key(value: str) -> tuple[int, float | str]:
@@ -139,8 +160,8 @@ def with_slurm_jobs(jobs: list[JobResult], sweep_dir: Path) -> list[JobResult]:
         return jobs
     found = []
     for job in jobs:
-        record = slurm.pop(tuple(_overrides(job.folder)), None)
-        if record is not None and job.summary is None:
+        record = slurm.pop(job.overrides, None)
+        if record is not None and job.failed:
             job = replace(
                 job, error=f"SLURM job {record.slurm_job_id} {record.state}, log {record.stderr}: {job.error}"
             )
@@ -156,6 +177,7 @@ def with_slurm_jobs(jobs: list[JobResult], sweep_dir: Path) -> list[JobResult]:
                 f"SLURM job {record.slurm_job_id} {record.state} "
                 + ("while it ran, before it made its folder" if Path(record.stdout).exists() else "before it started")
                 + f", log {record.stderr}",
+                tuple(record.overrides),
             )
         )
     return found
@@ -182,7 +204,7 @@ def _format(mean: float, std: float, digits: int) -> str:
 
 
 def write_csv(rows: list[ConfigRow], keys: list[str], path: Path) -> None:
-    columns = [*keys, "seeds", "failed"]
+    columns = [*keys, "seeds", "failed", "running"]
     for metric in (*TABLE_METRICS, "job-time-s"):
         columns += [f"{metric}-mean", f"{metric}-std"]
     with path.open("w", newline="") as stream:
@@ -195,27 +217,34 @@ def write_csv(rows: list[ConfigRow], keys: list[str], path: Path) -> None:
                     *(row.settings[k] for k in keys),
                     len(row.completed),
                     row.failed,
+                    row.running,
                     *("" if math.isnan(v) else f"{v:.10g}" for v in numbers),
                 ]
             )
 
 
 def markdown_table(rows: list[ConfigRow], keys: list[str], varying: list[str]) -> str:
-    """The table, with the settings every configuration shares in a line above it."""
+    """The table, with the settings every configuration shares in a line above it; a column of running jobs where
+    another sweep in the folder still runs some."""
     shown = varying or keys
     fixed = [f"{key}={rows[0].settings[key]}" for key in keys if key not in shown] if rows else []
+    counts = ["seeds", "failed", *(["running"] if any(row.running for row in rows) else [])]
     lines = [
         f"Settings shared by every row: `{' '.join(fixed)}`.\n" if fixed else "",
-        "| " + " | ".join([*shown, "seeds", "failed", "final accuracy", "best accuracy", "job time (s)"]) + " |",
-        "|" + "---|" * (len(shown) + 5),
+        "| " + " | ".join([*shown, *counts, "final accuracy", "best accuracy", "job time (s)"]) + " |",
+        "|" + "---|" * (len(shown) + len(counts) + 3),
     ]
     for row in rows:
         cells = [row.settings[key] for key in shown] + [str(len(row.completed)), str(row.failed)]
+        cells += [str(row.running)] if "running" in counts else []
         cells += [_format(*row.stats(metric), 4) for metric in TABLE_METRICS] + [_format(*row.stats("job-time-s"), 0)]
         lines.append("| " + " | ".join(cells) + " |")
-    failed = [job for row in rows for job in row.jobs if job.summary is None]
-    if failed:
-        lines += ["\nFailed jobs:", *(f"- `{job.folder}`: {job.error}" for job in failed)]
+    for title, jobs in (
+        ("Failed jobs", [job for row in rows for job in row.jobs if job.failed]),
+        ("Running jobs (another sweep in this folder)", [job for row in rows for job in row.jobs if job.running]),
+    ):
+        if jobs:
+            lines += [f"\n{title}:", *(f"- `{job.folder}`: {job.error}" for job in jobs)]
     return "\n".join(line for line in lines if line) + "\n"
 
 
@@ -312,13 +341,26 @@ def write_report(sweep_dir: Path, x: str = "pan.a", y: str = "pan.t", metric: st
     report = Report(rows, keys, varying, csv_path, markdown_path, heatmap_path)
     for row in rows:
         for job in row.jobs:
-            if job.summary is None:
+            if job.failed:
                 log.error("failed job %s: %s", job.folder, job.error)
     return report
 
 
+def launch_outcome(report: Report, sweep_dir: Path) -> tuple[int, int]:
+    """How many jobs the launch this process started in ``sweep_dir`` has, and how many of them failed (one that
+    never made its folder counts as failed); every job of the report where this process recorded no launch."""
+    jobs = [job for row in report.rows for job in row.jobs]
+    launch = own_launch(sweep_dir)
+    if launch is None:
+        return len(jobs), sum(job.failed for job in jobs)
+    own = {tuple(overrides) for overrides in launch[1]["jobs"]}
+    found = [job for job in jobs if job.overrides in own]
+    return len(own), sum(job.failed for job in found) + len(own - {job.overrides for job in found})
+
+
 class ReportSweep(Callback):
-    """At the end of a multirun, write its report; exit non-zero when a job failed."""
+    """At the end of a multirun, write the folder's report; exit non-zero when a job of this sweep failed (not for
+    a job of another sweep in the same folder, which that sweep reports)."""
 
     def __init__(self, heatmap_x: str = "pan.a", heatmap_y: str = "pan.t", metric: str = "final-accuracy") -> None:
         self.heatmap_x, self.heatmap_y, self.metric = heatmap_x, heatmap_y, metric
@@ -336,14 +378,17 @@ class ReportSweep(Callback):
             report.failed,
             files,
         )
+        jobs, failed = launch_outcome(report, Path(config.hydra.sweep.dir).resolve())
+        others = report.jobs - jobs
         print(
-            f"[alignfl] sweep done: {report.jobs - report.failed} of {report.jobs} jobs completed; summary: "
-            f"{report.markdown_path} (also {', '.join(str(path) for path in files[1:])})",
+            f"[alignfl] sweep done: {jobs - failed} of {jobs} jobs completed"
+            + (f" (the folder holds {others} more, {report.running} running)" if others > 0 else "")
+            + f"; summary: {report.markdown_path} (also {', '.join(str(path) for path in files[1:])})",
             flush=True,
         )
-        if report.failed:
+        if failed:
             # Hydra turns a callback's exception into a warning; exiting gives the sweep a non-zero status.
-            raise SystemExit(f"{report.failed} of {report.jobs} sweep jobs failed; see {report.markdown_path}")
+            raise SystemExit(f"{failed} of {jobs} sweep jobs failed; see {report.markdown_path}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -365,7 +410,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     print(report.markdown_path.read_text())
     print(
-        f"{report.jobs} jobs, {report.failed} failed; wrote {report.csv_path}, {report.markdown_path}"
+        f"{report.jobs} jobs, {report.failed} failed, {report.running} running; wrote {report.csv_path}, {report.markdown_path}"
         + (f", {report.heatmap_path}" if report.heatmap_path else "")
     )
     return 0

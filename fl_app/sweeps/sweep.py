@@ -22,7 +22,6 @@ from __future__ import annotations
 import copy
 import json
 import logging
-import math
 import os
 import re
 import sys
@@ -35,17 +34,17 @@ from typing import Any, NoReturn
 import hydra
 import torch
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
-from core.config import PARTITIONER_SECTION, SECTIONS, hydra_leaf, key_of_path
+from core.config import SECTIONS, key_of_path
 from core.data import DatasetMissingError, check_dataset_available
-from core.partitioning.partitioners import PARTITIONERS, list_partitioners
 from fl_app.checkpoint import CHECKPOINT, resume_checkpoint
 from fl_app.config import (
     ConfigError,
@@ -53,36 +52,30 @@ from fl_app.config import (
     owned_settings,
     parse_run_config,
     pyproject_problem,
-    renamed_keys,
     results_root,
     validate_run,
 )
 from fl_app.engines.batched import ray_options, run_batched
 from fl_app.inprocess import run_in_process
-from fl_app.progress import start_sweep, sweep_progress
 from fl_app.results import write_json
 from fl_app.runtime.common import PROJECT_ROOT
 from fl_app.runtime.launch import simulate_on_local_superlink
 from fl_app.runtime.processes import Stopped, stop_signals
+from fl_app.sweeps.configs import register_configs
+from fl_app.sweeps.launches import LAUNCH_KEY, JobBusy, job_marker, launch_of_job, launch_progress, start_launch
+from fl_app.sweeps.overrides import unowned_override
+from fl_app.sweeps.resolvers import composition_problem, interpolation_problem, register_resolvers
 from fl_app.sweeps.sim import SimSettings
-from fl_app.sweeps.slurm import register_launcher, slurm_problem
+from fl_app.sweeps.slurm import slurm_problem
 from fl_app.sweeps.tracking import sweep_child, sweep_store
-from models import list_models
-from models.registry import model_options
 from plugins.options import settings_fields
-from strategies import get_strategy, list_strategies
 
 log = logging.getLogger(__name__)
 
 GROUPS = ("strategy", "model")
 """Config groups whose choice is a run-config key of the same name; their options hold that algorithm's or
 model's own settings."""
-#: Run-config keys each job sets itself: every node must join, and the run folder goes in the job's folder.
-SET_PER_JOB = ("min-available-nodes", "results-dir", "run-name")
-if not OmegaConf.has_resolver("mul"):  # presets derive counts: the drift study's rounds = budget / E x stages
-    OmegaConf.register_new_resolver("mul", lambda *factors: math.prod(int(f) for f in factors))
-if not OmegaConf.has_resolver("div"):
-    OmegaConf.register_new_resolver("div", lambda total, part: int(total) // int(part))
+register_resolvers()  # presets derive counts: the drift study's rounds = budget / E x stages
 STUDY = "study"
 NOT_RUN_CONFIG = ("sim", "hydra", STUDY)
 """Top-level sections that set no run-config key: the simulation's settings, Hydra's, and ``study``, values a
@@ -90,34 +83,6 @@ preset derives run-config keys from (the drift study's epoch budget)."""
 RUN_NAME = "run"
 JOB_RECORD = "job.json"
 COMPLETED, FAILED = "completed", "failed"
-
-
-def _section_node(section: str, settings: type, skip: tuple[str, ...] = ()) -> dict[str, Any]:
-    """The Hydra node of a settings class: leaf → default."""
-    return {hydra_leaf(section, s.key): s.default for s in settings_fields(settings) if s.key not in skip}
-
-
-def register_configs() -> None:
-    """Put the generated configs into Hydra's ConfigStore (again after an algorithm or model registers)."""
-    store = ConfigStore.instance()
-    store.store(name="alignfl_run", node=_section_node("", SECTIONS[""], ("strategy", "model", *SET_PER_JOB)))
-    partitioners = {}
-    for name in list_partitioners():
-        partitioners.update(_section_node(PARTITIONER_SECTION, PARTITIONERS.get(name).settings))
-    for section, settings in SECTIONS.items():
-        if section:
-            node = _section_node(section, settings, SET_PER_JOB)
-            store.store(
-                group=section, name="default", node={**node, **partitioners} if section == PARTITIONER_SECTION else node
-            )
-    register_launcher()
-    store.store(
-        group="sim", name="default", node={f: spec.default for f, spec in SimSettings.__dataclass_fields__.items()}
-    )
-    for name in list_strategies():
-        store.store(group="strategy", name=name, node=_section_node("", get_strategy(name).settings))
-    for name in list_models():
-        store.store(group="model", name=name, node=_section_node("", model_options(name)))
 
 
 def _leaves(node: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -158,10 +123,15 @@ def hydra_to_run_config(cfg: DictConfig, choices: Mapping[str, Any]) -> dict[str
 
 
 def job_settings(cfg: DictConfig, choices: Mapping[str, Any], results_dir: Path) -> tuple[RunConfig, SimSettings]:
-    """The validated run config (its run folder in ``results_dir``) and simulation settings of one job."""
-    sim = SimSettings.from_config(OmegaConf.to_container(cfg.sim, resolve=True))  # type: ignore[arg-type]
+    """The validated run config (its run folder in ``results_dir``) and simulation settings of one job; a value a
+    preset derives that cannot be resolved is the schema's :class:`ConfigError` too, naming the key set."""
+    try:
+        sim = SimSettings.from_config(OmegaConf.to_container(cfg.sim, resolve=True))  # type: ignore[arg-type]
+        mapped = hydra_to_run_config(cfg, choices)
+    except OmegaConfBaseException as error:
+        raise ConfigError(interpolation_problem(cfg, error)) from None
     values = {
-        **hydra_to_run_config(cfg, choices),
+        **mapped,
         "min-available-nodes": sim.num_supernodes,
         "results-dir": str(results_dir.resolve()),
         "run-name": RUN_NAME,
@@ -171,10 +141,17 @@ def job_settings(cfg: DictConfig, choices: Mapping[str, Any], results_dir: Path)
     return config, sim
 
 
+def task_overrides(hydra_config: DictConfig) -> list[str]:
+    """A job's (or the command's) overrides as typed, not resolved: each is Hydra's text."""
+    return [str(override) for override in OmegaConf.to_container(hydra_config.overrides.task, resolve=False)]
+
+
 def sweep_job_overrides(config: DictConfig) -> list[list[str]]:
-    """Every job's overrides, expanded as Hydra's basic sweeper expands them (its params, then the command line)."""
+    """Every job's overrides, expanded as Hydra's basic sweeper expands them (its params, then the command line),
+    as they were typed: a value such as ``${...}`` is the job's to resolve."""
     params = OmegaConf.select(config, "hydra.sweeper.params") or {}
-    arguments = [f"{key}={value}" for key, value in params.items()] + list(config.hydra.overrides.task)
+    typed = OmegaConf.to_container(params, resolve=False) if OmegaConf.is_config(params) else params
+    arguments = [f"{key}={value}" for key, value in typed.items()] + task_overrides(config.hydra)
     parser = OverridesParser.create(config_loader=GlobalHydra.instance().config_loader())
     return [job for batch in BasicSweeper.split_arguments(parser.parse_overrides(arguments), None) for job in batch]
 
@@ -197,17 +174,25 @@ def composed_jobs(config: DictConfig, jobs: list[list[str]]) -> Iterator[tuple[l
             job_cfg = copy.deepcopy(by_others[others])
             job_cfg.seed = parser.parse_override(seeds[0]).value()
         else:
-            job_cfg = loader.load_sweep_config(config, overrides)
+            try:
+                job_cfg = loader.load_sweep_config(config, overrides)
+            except HydraException as error:  # an unknown option of a swept config group, among others
+                raise _job_error(overrides, composition_problem(error)) from None
             if len(seeds) == 1:
                 by_others[others] = job_cfg
         yield overrides, job_cfg
 
 
-def validate_sweep(config: DictConfig) -> int:
+def _job_error(overrides: list[str], problem: str) -> ConfigError:
+    """The schema's error for one job of a multirun, prefixed with its overrides."""
+    return ConfigError(f"sweep job {' '.join(overrides) or '(no overrides)'}: {problem}")
+
+
+def validate_sweep(config: DictConfig) -> list[list[str]]:
     """Compose and validate every job of a multirun, then check each dataset it needs is on disk.
 
     Raises the schema's :class:`ConfigError` (prefixed with the job's overrides) at the first bad job;
-    returns the number of jobs.
+    returns every job's overrides.
     """
     sweep_dir = Path(config.hydra.sweep.dir)
     jobs = sweep_job_overrides(config)
@@ -218,7 +203,7 @@ def validate_sweep(config: DictConfig) -> int:
             if run_config.resume_from:
                 resume_checkpoint(run_config)  # a missing, unreadable or mismatched checkpoint
         except ConfigError as error:
-            raise ConfigError(f"sweep job {' '.join(overrides) or '(no overrides)'}: {error}") from None
+            raise _job_error(overrides, str(error)) from None
         datasets.add((run_config.dataset, run_config.data_root or None))
         if sim.ray_address is not None:
             clusters.setdefault((sim.ray_address, sim.client_cpus, sim.client_gpus), sim)
@@ -226,7 +211,7 @@ def validate_sweep(config: DictConfig) -> int:
         check_dataset_available(name, root)
     for sim in clusters.values():
         sim.attach()
-    return len(jobs)
+    return jobs
 
 
 def refuse(message: str) -> NoReturn:
@@ -261,7 +246,7 @@ class ValidateSweep(Callback):
             log.warning("sweeper %s: each job's config is validated when the job starts", target)
             return
         try:
-            count = validate_sweep(config)
+            jobs = validate_sweep(config)
         except (ConfigError, DatasetMissingError) as error:
             refuse(f"invalid sweep, no job was started: {error}")
         except Exception as error:  # a sweep that cannot be checked is not started either
@@ -269,8 +254,8 @@ class ValidateSweep(Callback):
             raise SystemExit(
                 f"could not validate the sweep, no job was started: {type(error).__name__}: {error}"
             ) from None
-        log.info("all %d jobs of the sweep passed the run-config schema", count)
-        start_sweep(Path(config.hydra.sweep.dir), count)
+        log.info("all %d jobs of the sweep passed the run-config schema", len(jobs))
+        start_launch(Path(config.hydra.sweep.dir), jobs)
 
 
 def simulate(config: RunConfig, sim: SimSettings) -> None:
@@ -298,10 +283,29 @@ def simulate(config: RunConfig, sim: SimSettings) -> None:
 
 
 def run_job(
-    cfg: DictConfig, choices: Mapping[str, Any], job_dir: Path, sweep_dir: Path | None = None
+    cfg: DictConfig,
+    choices: Mapping[str, Any],
+    job_dir: Path,
+    sweep_dir: Path | None = None,
+    launch: str | None = None,
 ) -> dict[str, Any]:
-    """Validate, simulate and record one job; an error is logged and recorded, never raised. ``sweep_dir``: the
-    multirun's folder, whose MLflow parent run the job's run joins (:func:`fl_app.sweeps.tracking.sweep_child`)."""
+    """Validate, simulate and record one job, holding its folder's running marker meanwhile; an error is logged and
+    recorded, never raised. ``sweep_dir``: the multirun's folder, whose MLflow parent run the job's run joins
+    (:func:`fl_app.sweeps.tracking.sweep_child`); ``launch``: the launch of the sweep that runs it
+    (:mod:`fl_app.sweeps.launches`), written into its record. A folder another live process is running is left
+    to it: the job is failed here and its record is that process's to write."""
+    try:
+        with job_marker(job_dir):
+            return _run_marked_job(cfg, choices, job_dir, sweep_dir, launch)
+    except JobBusy as busy:
+        log.error("job not run: %s", busy)
+        return {"status": FAILED, "error": f"{type(busy).__name__}: {busy}", "run-folder": None, LAUNCH_KEY: launch}
+
+
+def _run_marked_job(
+    cfg: DictConfig, choices: Mapping[str, Any], job_dir: Path, sweep_dir: Path | None, launch: str | None
+) -> dict[str, Any]:
+    """:func:`run_job`'s work, once the job's folder is its own."""
     started = time.time()
     record: dict[str, Any] = {
         "status": FAILED,
@@ -335,7 +339,7 @@ def run_job(
         raise
     finally:
         record.setdefault("job-wall-time-s", time.time() - started)  # a kept job keeps its own
-        job_dir.mkdir(parents=True, exist_ok=True)
+        record[LAUNCH_KEY] = launch
         write_json(job_dir / JOB_RECORD, record)
     return record
 
@@ -361,70 +365,13 @@ def hydra_main(cfg: DictConfig) -> str:
     hydra_config = HydraConfig.get()
     multirun = hydra_config.mode == RunMode.MULTIRUN
     sweep_dir = Path(hydra_config.sweep.dir) if multirun else None
-    record = run_job(cfg, hydra_config.runtime.choices, Path(hydra_config.runtime.output_dir), sweep_dir)
+    launch = launch_of_job(sweep_dir, task_overrides(hydra_config)) if sweep_dir is not None else None
+    record = run_job(cfg, hydra_config.runtime.choices, Path(hydra_config.runtime.output_dir), sweep_dir, launch)
     if sweep_dir is not None:
-        print(f"[alignfl] {sweep_progress(sweep_dir, JOB_RECORD, COMPLETED)}", flush=True)
+        print(f"[alignfl] {launch_progress(sweep_dir, launch, JOB_RECORD, COMPLETED)}", flush=True)
     if record["status"] == FAILED and not multirun:
         raise JobFailed(record["error"])
     return record["status"]
-
-
-_OVERRIDE = re.compile(r"^(?P<group>strategy|model)(?:\.(?P<leaf>\w+))?=(?P<value>.*)$")
-
-
-def preset_choices(arguments: list[str]) -> dict[str, list[str]] | None:
-    """The algorithm and model the command's config picks before its own ``strategy=``/``model=`` choices: the
-    defaults, or what an experiment preset (``+experiment=NAME``, or one of its rows) chooses. Composed without the
-    command's swept values and its ``strategy.*``/``model.*``/``hydra.*`` overrides: the check is of those. None
-    where that does not compose (an unknown preset): Hydra's own run then says what is wrong."""
-    if not any(argument.lstrip("+~").startswith("experiment") for argument in arguments):
-        return {"strategy": ["fedavg"], "model": ["mlp"]}  # conf/config.yaml's defaults: nothing to compose
-    kept = [a for a in arguments if not _OVERRIDE.match(a.lstrip("+~")) and not a.startswith("hydra.") and "," not in a]
-    register_configs()
-    try:
-        with hydra.initialize_config_dir(config_dir=str(PROJECT_ROOT / "conf"), version_base="1.3"):
-            choices = hydra.compose("config", overrides=kept, return_hydra_config=True).hydra.runtime.choices
-    except Exception:  # Hydra's errors have no common base class
-        return None
-    return {group: [choices[group]] for group in ("strategy", "model")}
-
-
-def unowned_override(arguments: list[str]) -> str | None:
-    """Why an override sets a key that the chosen algorithm or model (every choice of a swept group) lacks, or
-    None; Hydra itself would only say that the key is not in the config."""
-    given: dict[str, list[str]] = {}
-    leaves: list[tuple[str, str]] = []
-    for argument in arguments:
-        match = _OVERRIDE.match(argument.lstrip("+~"))
-        if match is None:
-            continue
-        if match["leaf"] is None:
-            given[match["group"]] = match["value"].split(",")
-        else:
-            leaves.append((match["group"], match["leaf"]))
-    if all(group in given for group, _ in leaves):  # no leaf at all, or every leaf's group chosen here
-        choices = given
-    else:
-        preset = preset_choices(arguments)
-        if preset is None:
-            return None
-        choices = {**preset, **given}
-    owned, renamed = owned_settings(), renamed_keys()
-    for group, leaf in leaves:
-        key = leaf.replace("_", "-")
-        owners = list(owned[key].owners) if key in owned else []
-        strays = [choice for choice in choices[group] if choice not in owners]
-        if not owners and key in renamed:
-            now = ", ".join(f"{group}.{new.replace('-', '_')} ({group}={name})" for name, new in renamed[key].items())
-            return f"override {group}.{leaf}: '{key}' was renamed; write {now}"
-        if not owners:
-            return f"override {group}.{leaf}: no {group} has a setting '{key}'"
-        if strays:
-            return (
-                f"override {group}.{leaf}: '{key}' belongs to {group} {owners}, not to {group} {strays}; "
-                f"set {group}={owners[0]} or leave the override out"
-            )
-    return None
 
 
 def main() -> None:
