@@ -22,6 +22,7 @@ from fl_app.engines.batched import run_batched
 from fl_app.engines.grid import vectorise_choice
 from fl_app.engines.worker import stack_start, train_stacked
 from fl_app.inprocess import set_task_identity
+from models.cnn import POOL, PlainConvNet
 from models.mlp import MLP
 from models.pan import PanSettings
 from strategies import get_strategy, list_strategies
@@ -175,13 +176,21 @@ def test_the_stacked_update_steps_each_client_through_exactly_its_own_batches():
     assert together.losses[0] == pytest.approx(alone.losses[0], rel=1e-12)
 
 
-def test_an_mlp_steps_through_its_stacked_forward_each_client_exactly_its_own_batches():
-    """The MLPs' path (batched products, short batches padded with weight 0, finished clients dropped) gives
-    each client its sequential update, whatever the other clients in the stack; other models use ``vmap``."""
+STACKED_FORWARD = {
+    "mlp": lambda pan: MLP((1, 4, 3), 4, (5, 3), pan),
+    "conv": lambda pan: PlainConvNet((1, 4, 3), 4, (2, POOL, 3), (5,), 3, pan),
+}
+
+
+@pytest.mark.parametrize("kind", list(STACKED_FORWARD))
+def test_a_stacked_forward_steps_each_client_through_exactly_its_own_batches(kind):
+    """The path of the MLPs and norm-free conv nets (batched products or grouped convolutions, short batches
+    padded with weight 0, finished clients dropped) gives each client its sequential update, whatever the other
+    clients in the stack; other models use ``vmap``."""
     torch.manual_seed(2)
-    model = MLP((1, 2, 3), 4, (5, 3), PanSettings(mode="mul", amplitude=0.3)).double()
+    model = STACKED_FORWARD[kind](PanSettings(mode="mul", amplitude=0.3)).double()
     start = {k: v.clone() for k, v in model.state_dict().items()}
-    x, y = torch.randn(30, 1, 2, 3, dtype=torch.float64), torch.randint(0, 4, (30,))
+    x, y = torch.randn(30, 1, 4, 3, dtype=torch.float64), torch.randint(0, 4, (30,))
     plans = [
         (slice(0, 7), [torch.arange(4), torch.arange(4, 7), torch.tensor([6, 0, 2, 1]), torch.tensor([3, 5, 4])]),
         (slice(7, 9), [torch.arange(2)]),
@@ -210,8 +219,8 @@ def test_an_mlp_steps_through_its_stacked_forward_each_client_exactly_its_own_ba
         def forward(self, x):
             return super().forward(x.flip(-1))
 
-    bn = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(6, 4), torch.nn.BatchNorm1d(4))
-    for other in (Reversed((1, 2, 3), 4, (5,), PanSettings()), bn):
+    bn = PlainConvNet((1, 4, 3), 4, (2,), (), 3, PanSettings(), norm="bn")
+    for other in (Reversed((1, 4, 3), 4, (5,), PanSettings()), bn):
         assert StackedTrainer(other, [other.state_dict()] * 2, 0.1).forward is None
 
 
