@@ -258,13 +258,19 @@ def test_vectorise_auto_stacks_only_where_clients_train_on_cuda(monkeypatch):
     fedavg = parse_run_config({"dataset": "digits", "model": "small-mlp", "device": "auto"})
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     stacked, reason = vectorise_choice(fedavg, "auto")
-    assert stacked is False and reason.startswith("device cpu: stacked updates are not faster")
+    assert stacked is False and reason.startswith("device cpu: auto stacks on CUDA only")
     assert "sim.vectorise=on forces them" in reason
-    assert vectorise_choice(fedavg, "on") == (True, "fedavg on small-mlp vectorises (torch.func); sim.vectorise=on")
+    assert vectorise_choice(fedavg, "on") == (
+        True,
+        "fedavg on small-mlp vectorises (batched products); sim.vectorise=on",
+    )
     assert vectorise_choice(fedavg, "auto", gpu_workers=True)[0] is True  # Ray workers given a GPU share
     assert vectorise_choice(fedavg.replace(device="cuda"), "auto")[0] is False  # no CUDA here: select_device's CPU
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert vectorise_choice(fedavg, "auto") == (True, "fedavg on small-mlp vectorises (torch.func) and trains on CUDA")
+    assert vectorise_choice(fedavg, "auto") == (
+        True,
+        "fedavg on small-mlp vectorises (batched products) and trains on CUDA",
+    )
     assert vectorise_choice(fedavg.replace(device="cpu"), "auto", gpu_workers=True)[0] is False
 
 

@@ -75,6 +75,12 @@ def unsupported(model: nn.Module) -> str | None:
     return None
 
 
+def stacked_method(model: nn.Module) -> str:
+    """How a stacked update trains ``model``: by its forward pass over stacked clients, or under ``vmap``."""
+    has_forward = stacked_forward(model) is not None and not stacked_state_names(model)[1]
+    return "batched products" if has_forward else "torch.func"
+
+
 class StackedTrainer:
     """Trains ``len(starts)`` copies of ``model`` at once; ``model`` lends its modules and is left unchanged.
 
@@ -108,7 +114,7 @@ class StackedTrainer:
         self.momentum_buffers: dict[str, torch.Tensor] = {}
         self.momentum_rows: dict[tuple[int, int], list[torch.Tensor]] = {}
         self.step_of_client = vmap(grad_and_value(self._loss), randomness="error")
-        self.forward = stacked_forward(model) if not self.buffer_names else None
+        self.forward = stacked_forward(model) if not self.buffer_names else None  # buffers: BatchNorm's, per batch
         self.stacked_penalty = vmap(penalty) if penalty is not None else None
 
     def _loss(

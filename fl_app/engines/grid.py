@@ -22,7 +22,7 @@ from core.config import RunConfig
 from core.data import dataset_info
 from core.model_io import build_model_for
 from core.training.sgd import select_device
-from core.training.vectorised import unsupported
+from core.training.vectorised import stacked_method, unsupported
 from fl_app.config import ConfigError
 from fl_app.engines.worker import Job, Worker
 from fl_app.inprocess import FIRST_NODE_ID, give_message_id, node_contexts, set_task_identity
@@ -72,8 +72,9 @@ def vectorise_choice(config: RunConfig, setting: str, gpu_workers: bool = False)
 
     ``sim.vectorise``: ``on`` = wherever the algorithm's local update and the model allow it, on any device;
     ``auto`` = there and only where the clients also train on CUDA (``device`` as
-    :func:`core.training.sgd.select_device` resolves it here, or Ray workers given a GPU share, ``gpu_workers``): on
-    a CPU a stacked update was not faster than one client after another (``benchmarks/stacked_step.py``);
+    :func:`core.training.sgd.select_device` resolves it here, or Ray workers given a GPU share, ``gpu_workers``), so
+    CPU runs keep the sequential update's float32 results (a stacked update differs by rounding), although on a
+    CPU it is faster for the MLPs and the conv nets without norms (``benchmarks/client_throughput.py``);
     ``off`` = never.
     """
     if setting not in VECTORISE_CHOICES:
@@ -84,17 +85,18 @@ def vectorise_choice(config: RunConfig, setting: str, gpu_workers: bool = False)
     if reason is not None:
         return False, f"strategy {config.strategy}: {reason}"
     shape, classes = dataset_info(config.dataset)
-    reason = unsupported(build_model_for(config, shape, classes))
+    model = build_model_for(config, shape, classes)
+    reason = unsupported(model)
     if reason is not None:
         return False, f"model {config.model}: {reason}"
-    allowed = f"{config.strategy} on {config.model} vectorises (torch.func)"
+    allowed = f"{config.strategy} on {config.model} vectorises ({stacked_method(model)})"
     if setting == "on":
         return True, f"{allowed}; sim.vectorise=on"
     cuda = config.device != "cpu" and (gpu_workers or select_device(config.device).type == "cuda")
     if not cuda:
         return False, (
-            "device cpu: stacked updates are not faster than one after another on a CPU "
-            "(benchmarks/stacked_step.py); sim.vectorise=on forces them"
+            "device cpu: auto stacks on CUDA only, so CPU runs keep the sequential update's float32 results "
+            "(stacked ones differ by rounding; benchmarks/client_throughput.py times both); sim.vectorise=on forces them"
         )
     return True, f"{allowed} and trains on CUDA"
 
