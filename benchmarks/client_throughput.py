@@ -19,6 +19,7 @@ each (the plain loop's and the batched engine's are equal; the vectorised one's 
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/client_throughput.py --epochs 20 --repeats 3
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/client_throughput.py --dataset digits --epochs 2 --repeats 1
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/client_throughput.py --alphas 0.1 --rounding-check
 """
 
 from __future__ import annotations
@@ -40,7 +41,16 @@ from torch import nn
 from core.config import RunConfig
 from core.data import load_dataset
 from core.model_io import build_run_model, federated_state
-from core.training.sgd import evaluate, iterate_batches, round_generator, seed_everything, seed_torch
+from core.training.sgd import (
+    PlainSGD,
+    batch_order,
+    evaluate,
+    iterate_batches,
+    round_generator,
+    seed_everything,
+    seed_torch,
+)
+from core.training.vectorised import ClientSteps, StackedTrainer, stacked_state_names
 from fl_app.client_app import client_data
 from fl_app.config import parse_run_config
 from fl_app.engines.batched import run_batched
@@ -150,6 +160,41 @@ def measure(args: argparse.Namespace, out: Path) -> None:
                 )
 
 
+def rounding_check(args: argparse.Namespace, alpha: float, dtype: torch.dtype) -> dict[str, float]:
+    """One round of the workload in ``dtype``, sequential (``PlainSGD``) and stacked from the same start with the
+    same batches: the accuracy of each weighted mean and their largest parameter difference. Where float64
+    agrees and float32 does not, the float32 gap is rounding grown by training, not a different update."""
+    config = parse_run_config(workload(args.dataset, alpha, args.clients, args.epochs))
+    dataset = load_dataset(config.dataset)
+    seed_everything(config.seed)
+    model = build_run_model(config, dataset).to(dtype)
+    names = [n for group in stacked_state_names(model) for n in group]
+    start = {n: t.detach().clone() for n, t in model.state_dict().items() if n in names}
+    data = [client_data(config, pid, args.clients) for pid in range(args.clients)]
+    clients = []
+    for pid, split in enumerate(data):
+        generator = round_generator(config.seed, 1, pid)
+        batches = [b for _ in range(config.local_epochs) for b in batch_order(len(split.train_y), 32, generator)]
+        clients.append(ClientSteps(split.train_x.to(dtype), split.train_y, batches))
+    sequential = []
+    for client in clients:
+        model.load_state_dict(start, strict=False)
+        optimizer = PlainSGD(model.parameters(), config.lr, config.momentum)
+        for batch in client.batches:
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(model(client.x[batch]), client.y[batch]).backward()
+            optimizer.step()
+        sequential.append({n: t.detach().clone() for n, t in model.state_dict().items() if n in names})
+    stacked = StackedTrainer(model, [start] * len(clients), config.lr, config.momentum).run(clients).states
+    weights = [len(c.y) / sum(len(d.y) for d in clients) for c in clients]
+    scores = {}
+    for name, states in (("sequential", sequential), ("stacked", stacked)):
+        model.load_state_dict({n: sum(w * s[n] for w, s in zip(weights, states, strict=True)) for n in names})
+        scores[name] = evaluate(model, dataset.test_x.to(dtype), dataset.test_y, torch.device("cpu"))[1]
+    difference = max(float((a[n] - b[n]).abs().max()) for a, b in zip(sequential, stacked, strict=True) for n in names)
+    return {**scores, "largest-difference": difference}
+
+
 def report(rows: list[dict[str, Any]], setup: str) -> str:
     """Markdown: per α and way the median steps a second, its ratio to the plain loop, the accuracy."""
     lines = [
@@ -182,6 +227,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ways", default=",".join(WAYS), help=f"comma-separated, of {list(WAYS)}")
     parser.add_argument("--dataset", default="fashion-mnist", help="fashion-mnist, or digits for a smoke test")
     parser.add_argument("--out", type=Path, default=None, help="folder for rows.jsonl and report.md")
+    parser.add_argument(
+        "--rounding-check",
+        action="store_true",
+        help="instead: sequential vs stacked in float32 and float64 (accuracy of the mean, largest difference)",
+    )
     args = parser.parse_args(argv)
     args.ways = args.ways.split(",")
     if not set(args.ways) <= set(WAYS):
@@ -200,6 +250,11 @@ def main(argv: list[str] | None = None) -> int:
         f"momentum 0.9, E = {args.epochs}; {machine()}; load before {os.getloadavg()}"
     )
     print(f"[throughput] {setup}; results in {out}", flush=True)
+    if args.rounding_check:
+        for alpha in args.alphas:
+            for dtype in (torch.float32, torch.float64):
+                print(f"[rounding] α={alpha} {dtype}: {rounding_check(args, alpha, dtype)}", flush=True)
+        return 0
     measure(args, out)
     text = report(read_jsonl(out / "rows.jsonl"), setup + f"; load after {os.getloadavg()}")
     (out / "report.md").write_text(text + "\n")
