@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
+from fl_app.sweeps.configs import register_configs
 from fl_app.sweeps.fixed import fixed_key_problem
-from fl_app.sweeps.sweep import job_settings, register_configs, sweep_job_overrides
-from tests.sweep_jobs import CONF, composed, fake_job
+from fl_app.sweeps.sweep import job_settings, sweep_job_overrides
+from tests.sweep_jobs import CONF, composed, fake_job, sweep
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import protocol_report
@@ -56,8 +57,16 @@ def test_an_override_that_contradicts_the_protocol_is_named(override):
     assert fixed_key_problem(composed([override])) is None  # no preset, nothing fixed
 
 
-def _job(sweep: Path, method: str, seed: int, accuracies: list[float], between: float) -> None:
-    folder = sweep / f"experiment/protocol_method={method}" / f"seed={seed}"
+def test_the_sweep_refuses_such_an_override_in_one_line_before_any_job(tmp_path):
+    result = sweep(tmp_path, PRESET, "train.client_init=global")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    lines = [line for line in result.stderr.splitlines() if "refused" in line]
+    assert len(lines) == 1 and "train.client_init=global contradicts preset 'fedma-protocol-cpu'" in lines[0]
+    assert not list(tmp_path.glob("**/.hydra")), "no job started"
+
+
+def _job(folder_root: Path, method: str, seed: int, accuracies: list[float], between: float) -> None:
+    folder = folder_root / f"experiment/protocol_method={method}" / f"seed={seed}"
     fake_job(folder, [f"experiment/protocol_method={method}", f"seed={seed}"], "completed", final=accuracies[-1])
     run = folder / "run"
     summary = json.loads((run / "summary.json").read_text())

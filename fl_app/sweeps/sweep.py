@@ -62,9 +62,10 @@ from fl_app.runtime.common import PROJECT_ROOT
 from fl_app.runtime.launch import simulate_on_local_superlink
 from fl_app.runtime.processes import Stopped, stop_signals
 from fl_app.sweeps.configs import register_configs
+from fl_app.sweeps.fixed import fixed_key_problem
 from fl_app.sweeps.launches import LAUNCH_KEY, JobBusy, job_marker, launch_of_job, launch_progress, start_launch
 from fl_app.sweeps.overrides import unowned_override
-from fl_app.sweeps.resolvers import composition_problem, interpolation_problem, register_resolvers
+from fl_app.sweeps.resolvers import composition_problem, derivation, interpolation_problem, register_resolvers
 from fl_app.sweeps.sim import SimSettings
 from fl_app.sweeps.slurm import slurm_problem
 from fl_app.sweeps.tracking import sweep_child, sweep_store
@@ -104,12 +105,11 @@ def hydra_to_run_config(cfg: DictConfig, choices: Mapping[str, Any]) -> dict[str
     container = OmegaConf.to_container(OmegaConf.masked_copy(cfg, resolvable), resolve=True)
     assert isinstance(container, dict)
     container.pop(STUDY, None)
-    keys = set(owned_settings()) | {s.key for settings in SECTIONS.values() for s in settings_fields(settings)}
+    keys = _known_keys()
     values: dict[str, Any] = {group: choices[group] for group in GROUPS}
     unmapped = []
     for path, value in _leaves(container).items():
-        section, _, leaf = path.rpartition(".")
-        key = key_of_path("" if section in GROUPS else section, leaf, keys)
+        key = _run_config_key(path, keys)
         if key is None:
             unmapped.append(path)
         else:
@@ -122,9 +122,36 @@ def hydra_to_run_config(cfg: DictConfig, choices: Mapping[str, Any]) -> dict[str
     return values
 
 
+def _known_keys() -> set[str]:
+    """Every run-config key: the common sections' and every algorithm's and model's own."""
+    return set(owned_settings()) | {s.key for settings in SECTIONS.values() for s in settings_fields(settings)}
+
+
+def _run_config_key(path: str, keys: set[str]) -> str | None:
+    """The run-config key a Hydra path sets (``train.lr`` → ``lr``) among ``keys``, or None."""
+    section, _, leaf = path.rpartition(".")
+    return key_of_path("" if section in GROUPS else section, leaf, keys)
+
+
+def _derived_note(cfg: DictConfig, message: str) -> str:
+    """For a refused run-config key whose value ``cfg`` derives (a preset's ``${div:...}``): how, and the values
+    it reads, so that the message names the key that was set; else empty."""
+    named = set(re.findall(r"run-config key '([\w-]+)'", message))
+    sections = [key for key in cfg if key not in NOT_RUN_CONFIG]
+    written = OmegaConf.to_container(OmegaConf.masked_copy(cfg, sections), resolve=False)
+    keys = _known_keys()
+    notes = [
+        derivation(cfg, path, value)
+        for path, value in _leaves(written).items()  # type: ignore[arg-type]
+        if isinstance(value, str) and "${" in value and _run_config_key(path, keys) in named
+    ]
+    return f"; {'; '.join(notes)}" if notes else ""
+
+
 def job_settings(cfg: DictConfig, choices: Mapping[str, Any], results_dir: Path) -> tuple[RunConfig, SimSettings]:
     """The validated run config (its run folder in ``results_dir``) and simulation settings of one job; a value a
-    preset derives that cannot be resolved is the schema's :class:`ConfigError` too, naming the key set."""
+    preset derives that cannot be resolved, or that the schema refuses, is a :class:`ConfigError` naming the keys
+    it was derived from."""
     try:
         sim = SimSettings.from_config(OmegaConf.to_container(cfg.sim, resolve=True))  # type: ignore[arg-type]
         mapped = hydra_to_run_config(cfg, choices)
@@ -136,8 +163,11 @@ def job_settings(cfg: DictConfig, choices: Mapping[str, Any], results_dir: Path)
         "results-dir": str(results_dir.resolve()),
         "run-name": RUN_NAME,
     }
-    config = parse_run_config(values)
-    validate_run(config, sim.num_supernodes)
+    try:
+        config = parse_run_config(values)
+        validate_run(config, sim.num_supernodes)
+    except ConfigError as error:
+        raise ConfigError(f"{error}{_derived_note(cfg, str(error))}") from None
     return config, sim
 
 
@@ -194,6 +224,8 @@ def validate_sweep(config: DictConfig) -> list[list[str]]:
     Raises the schema's :class:`ConfigError` (prefixed with the job's overrides) at the first bad job;
     returns every job's overrides.
     """
+    if (problem := fixed_key_problem(config)) is not None:
+        raise ConfigError(problem)
     sweep_dir = Path(config.hydra.sweep.dir)
     jobs = sweep_job_overrides(config)
     datasets, clusters = set(), {}
@@ -228,6 +260,8 @@ class ValidateSweep(Callback):
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         try:
+            if (problem := fixed_key_problem(config)) is not None:
+                raise ConfigError(problem)
             run_config, sim = job_settings(config, config.hydra.runtime.choices, Path(config.hydra.run.dir))
             check_dataset_available(run_config.dataset, run_config.data_root or None)
             if run_config.resume_from:
