@@ -1,8 +1,9 @@
 """The drift study's tables and heatmap from its sweep folder (``python -m fl_app.sweep +experiment=drift``).
 
 For each network and method: final test accuracy (mean ± sd over seeds) per local-epoch count E and Dirichlet
-alpha, its gain over FedAvg on the same network in the same cell, and the share of units the clients' training
-moved (``client-units-moved-mean``). Ψ-Net's gain is measured against FedAvg on plain VGG-9, as Fed2 compares.
+alpha, its gain over FedAvg on the same network in the same cell, and the share of units moved from the rounds'
+start (``client-units-moved-mean``: each client matched onto the model its round started from) and between the
+clients (``client-units-moved-between-mean``: every client matched onto the first one). Ψ-Net's gain is measured against FedAvg on plain VGG-9, as Fed2 compares.
 Jobs swept over ``train.repair=off,on`` appear as two methods, ``<method>`` and ``<method>+repair``; jobs that
 scored the global model every round (``train.server_evaluate_every=1``) also get a table of accuracy per round.
 
@@ -21,7 +22,7 @@ from pathlib import Path
 from fl_app.sweeps.report import ConfigRow, collect
 
 RUN, EPOCHS, ALPHA, REPAIR = "experiment/drift_run", "experiment/drift_epochs", "data.dirichlet_alpha", "train.repair"
-METRIC, MOVED = "final-accuracy", "client-units-moved-mean"
+METRIC, MOVED, BETWEEN = "final-accuracy", "client-units-moved-mean", "client-units-moved-between-mean"
 AXES = (RUN, EPOCHS, ALPHA)
 """The overrides that make a job the drift study's: its run, its local epochs (``e<E>``) and its Dirichlet alpha."""
 
@@ -56,9 +57,10 @@ def _cell_text(row: ConfigRow | None, baseline: ConfigRow | None) -> str:
     mean, std = row.stats(METRIC)
     gain = 100 * (mean - _mean(baseline, METRIC))
     spread = f" ± {100 * std:.1f}" if not math.isnan(std) else ""
-    moved = _mean(row, MOVED)
+    moved, between = _mean(row, MOVED), _mean(row, BETWEEN)
     notes = [f"{gain:+.1f}"] if not math.isnan(gain) else []
-    notes += [f"{100 * moved:.0f} % moved"] if not math.isnan(moved) else []
+    notes += [f"moved {100 * moved:.0f} % from start"] if not math.isnan(moved) else []
+    notes += [f"{100 * between:.0f} % between"] if not math.isnan(between) else []
     return f"{100 * mean:.1f}{spread}" + (f" ({', '.join(notes)})" if notes else "")
 
 
@@ -70,7 +72,9 @@ def tables(cells: dict[tuple[str, str, int, str], ConfigRow]) -> str:
     out = []
     for network in sorted({key[0] for key in cells}):
         methods = sorted({key[1] for key in cells if key[0] == network}, key=lambda m: (m != "fedavg", m))
-        out.append(f"**{network}** — final accuracy % ± sd over seeds (gain over FedAvg in points, units moved)\n")
+        out.append(
+            f"**{network}** — final accuracy % ± sd over seeds (gain over FedAvg in points, units moved from the rounds' start and between clients)\n"
+        )
         out.append("| method | " + " | ".join(f"E={e}, α={a}" for e, a in columns) + " |")
         out.append("|---" * (len(columns) + 1) + "|")
         for method in methods:
