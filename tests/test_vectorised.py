@@ -14,6 +14,7 @@ from flwr.app import Array, ArrayRecord, Context, Message, MessageType, RecordDi
 
 from core.data import ClientData, load_dataset
 from core.model_io import build_run_model, load_arrays
+from core.training import vectorised
 from core.training.sgd import PlainSGD, round_generator
 from core.training.vectorised import ClientSteps, StackedTrainer, unsupported
 from fl_app.client_app import TrainJob, finish_train
@@ -22,7 +23,7 @@ from fl_app.engines.batched import run_batched
 from fl_app.engines.grid import vectorise_choice
 from fl_app.engines.worker import stack_start, train_stacked
 from fl_app.inprocess import set_task_identity
-from models.cnn import POOL, PlainConvNet
+from models.cnn import PlainConvNet
 from models.mlp import MLP
 from models.pan import PanSettings
 from strategies import get_strategy, list_strategies
@@ -31,8 +32,9 @@ from strategies.base import LocalUpdate
 VECTORISED = [name for name in list_strategies() if get_strategy(name).client.not_vectorised is None]
 SIZES = (37, 16, 5, 50)
 """Training examples per client: with batch 16, last batches of 5, 16, 5 and 2 examples, and a one-batch client."""
+BATCHED = "batched products up to 32 MiB of stacked parameters, torch.func beyond"
 MODELS = {
-    "pan-mlp": {"model": "mlp", "pan-mode": "mul", "pan-a": 0.2, "pan-t": 1.0},
+    "pan-mlp": {"model": "small-mlp", "pan-mode": "mul", "pan-a": 0.2, "pan-t": 1.0},  # batched products
     "batchnorm": {"model": "vgg9-bn", "width-factor": 0.125},
 }
 
@@ -176,19 +178,12 @@ def test_the_stacked_update_steps_each_client_through_exactly_its_own_batches():
     assert together.losses[0] == pytest.approx(alone.losses[0], rel=1e-12)
 
 
-STACKED_FORWARD = {
-    "mlp": lambda pan: MLP((1, 4, 3), 4, (5, 3), pan),
-    "conv": lambda pan: PlainConvNet((1, 4, 3), 4, (2, POOL, 3), (5,), 3, pan),
-}
-
-
-@pytest.mark.parametrize("kind", list(STACKED_FORWARD))
-def test_a_stacked_forward_steps_each_client_through_exactly_its_own_batches(kind):
-    """The path of the MLPs and norm-free conv nets (batched products or grouped convolutions, short batches
-    padded with weight 0, finished clients dropped) gives each client its sequential update, whatever the other
-    clients in the stack; other models use ``vmap``."""
+def test_an_mlp_steps_through_its_stacked_forward_each_client_exactly_its_own_batches(monkeypatch):
+    """The MLPs' path (batched products, short batches padded with weight 0, finished clients dropped) gives
+    each client its sequential update, whatever the other clients in the stack; other models, and stacks over
+    the size limit, use ``vmap``."""
     torch.manual_seed(2)
-    model = STACKED_FORWARD[kind](PanSettings(mode="mul", amplitude=0.3)).double()
+    model = MLP((1, 4, 3), 4, (5, 3), PanSettings(mode="mul", amplitude=0.3)).double()
     start = {k: v.clone() for k, v in model.state_dict().items()}
     x, y = torch.randn(30, 1, 4, 3, dtype=torch.float64), torch.randint(0, 4, (30,))
     plans = [
@@ -222,6 +217,10 @@ def test_a_stacked_forward_steps_each_client_through_exactly_its_own_batches(kin
     bn = PlainConvNet((1, 4, 3), 4, (2,), (), 3, PanSettings(), norm="bn")
     for other in (Reversed((1, 4, 3), 4, (5,), PanSettings()), bn):
         assert StackedTrainer(other, [other.state_dict()] * 2, 0.1).forward is None
+    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    monkeypatch.setattr(vectorised, "STACKED_FORWARD_BYTES", 3 * size)
+    assert StackedTrainer(model, [start] * 3, 0.1).forward is not None
+    assert StackedTrainer(model, [start] * 4, 0.1).forward is None
 
 
 def test_every_strategy_says_whether_it_vectorises_and_why_not():
@@ -262,14 +261,14 @@ def test_vectorise_auto_stacks_only_where_clients_train_on_cuda(monkeypatch):
     assert "sim.vectorise=on forces them" in reason
     assert vectorise_choice(fedavg, "on") == (
         True,
-        "fedavg on small-mlp vectorises (batched products); sim.vectorise=on",
+        f"fedavg on small-mlp vectorises ({BATCHED}); sim.vectorise=on",
     )
     assert vectorise_choice(fedavg, "auto", gpu_workers=True)[0] is True  # Ray workers given a GPU share
     assert vectorise_choice(fedavg.replace(device="cuda"), "auto")[0] is False  # no CUDA here: select_device's CPU
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert vectorise_choice(fedavg, "auto") == (
         True,
-        "fedavg on small-mlp vectorises (batched products) and trains on CUDA",
+        f"fedavg on small-mlp vectorises ({BATCHED}) and trains on CUDA",
     )
     assert vectorise_choice(fedavg.replace(device="cpu"), "auto", gpu_workers=True)[0] is False
 

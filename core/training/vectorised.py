@@ -75,10 +75,25 @@ def unsupported(model: nn.Module) -> str | None:
     return None
 
 
+STACKED_FORWARD_BYTES = 32 * 2**20
+"""The largest stack of parameters (all clients') trained through a stacked forward pass. Beyond it each step's
+gradients are fresh allocations too large for the allocator to reuse (glibc maps and faults in every block
+over 32 MiB anew), and the ``vmap`` path was faster: on ``benchmarks/cross_device.py`` 50 clients of the
+1024-wide MLP took 2.6 x the CPU time through batched products (benchmarks/RESULTS.md)."""
+
+
+def _has_stacked_forward(model: nn.Module, clients: int) -> bool:
+    params, buffers = stacked_state_names(model)
+    size = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n in set(params)) * clients
+    return stacked_forward(model) is not None and not buffers and size <= STACKED_FORWARD_BYTES
+
+
 def stacked_method(model: nn.Module) -> str:
-    """How a stacked update trains ``model``: by its forward pass over stacked clients, or under ``vmap``."""
-    has_forward = stacked_forward(model) is not None and not stacked_state_names(model)[1]
-    return "batched products" if has_forward else "torch.func"
+    """How a stacked update trains ``model``: by its forward pass over stacked clients (while the stack is at
+    most :data:`STACKED_FORWARD_BYTES`), or under ``vmap``."""
+    if _has_stacked_forward(model, 1):
+        return f"batched products up to {STACKED_FORWARD_BYTES // 2**20} MiB of stacked parameters, torch.func beyond"
+    return "torch.func"
 
 
 class StackedTrainer:
@@ -114,7 +129,7 @@ class StackedTrainer:
         self.momentum_buffers: dict[str, torch.Tensor] = {}
         self.momentum_rows: dict[tuple[int, int], list[torch.Tensor]] = {}
         self.step_of_client = vmap(grad_and_value(self._loss), randomness="error")
-        self.forward = stacked_forward(model) if not self.buffer_names else None  # buffers: BatchNorm's, per batch
+        self.forward = stacked_forward(model) if _has_stacked_forward(model, len(starts)) else None
         self.stacked_penalty = vmap(penalty) if penalty is not None else None
 
     def _loss(
