@@ -10,8 +10,8 @@ batch, grouped by batch size (one ``vmap`` per size), so every client sees exact
 BatchNorm's batch statistics are never diluted by padding. Results equal the sequential update's up to
 floating-point rounding (``vmap`` batches the matrix products).
 
-Models with a forward pass over stacked clients (:func:`core.training.stacked_forward.stacked_forward`: the MLPs)
-take a faster path: no ``vmap``, one batched product per layer and the plain autograd engine; each step trains
+Models with a forward pass over stacked clients (:func:`core.training.stacked_forward.stacked_forward`: the MLPs),
+while the stack is at most :data:`STACKED_FORWARD_BYTES`, take a faster path: no ``vmap``, one batched product per layer and the plain autograd engine; each step trains
 every client that still has a batch (a shorter last batch is padded with examples of weight 0, exact since no
 layer mixes examples), so the clients that have run out cost nothing.
 """
@@ -76,15 +76,18 @@ def unsupported(model: nn.Module) -> str | None:
 
 
 STACKED_FORWARD_BYTES = 32 * 2**20
-"""The largest stack of parameters (all clients') trained through a stacked forward pass. Beyond it each step's
-gradients are fresh allocations too large for the allocator to reuse (glibc maps and faults in every block
-over 32 MiB anew), and the ``vmap`` path was faster: on ``benchmarks/cross_device.py`` 50 clients of the
-1024-wide MLP took 2.6 x the CPU time through batched products (benchmarks/RESULTS.md)."""
+"""The largest stack of parameters (all clients') trained through a stacked forward pass; larger stacks take
+the ``vmap`` path, which was faster there: on ``benchmarks/cross_device.py`` 50 clients of the 1024-wide MLP
+(a 580 MB stack) took 2.6 x the CPU time through batched products (benchmarks/RESULTS.md). A likely cause,
+not verified: each step's gradients are then blocks over glibc's mapping threshold (at most 32 MiB), mapped
+and faulted in anew every step."""
 
 
 def _has_stacked_forward(model: nn.Module, clients: int) -> bool:
+    """Whether ``clients`` copies of ``model`` train through its stacked forward pass: it has one, no
+    persistent buffers (BatchNorm's statistics are per batch) and the stack is small enough."""
     params, buffers = stacked_state_names(model)
-    size = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n in set(params)) * clients
+    size = sum(p.numel() * p.element_size() for p in model.parameters()) * clients
     return stacked_forward(model) is not None and not buffers and size <= STACKED_FORWARD_BYTES
 
 
