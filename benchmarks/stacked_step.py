@@ -3,7 +3,8 @@
 ``K`` clients of one model, each with ``--steps`` batches of ``--batch`` random Fashion-MNIST-shaped images,
 train from the same start: once one client after another (forward, backward, :class:`core.training.sgd.PlainSGD`
 with momentum and weight decay: the sequential update's arithmetic), once as one stacked update
-(:class:`core.training.vectorised.StackedTrainer`, ``vmap`` of ``grad`` over the stacked models). Clients of equal size,
+(:class:`core.training.vectorised.StackedTrainer`: batched products for MLP stacks up to its size limit,
+``vmap`` of ``grad`` over the stacked models otherwise). Clients of equal size,
 so every stacked step holds all ``K`` (the best case for stacking; a Dirichlet split's unequal clients leave
 fewer per step). Reported: milliseconds per client-step (median of ``--repeats``), their ratio, and the
 largest parameter difference between the two results.
