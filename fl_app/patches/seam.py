@@ -46,8 +46,9 @@ flwr.server.superlink.fleet.vce.backend.raybackend.RayBackend.process_message  r
                                                                                node leave the pool
 flwr.simulation.ray_transport.ray_actor.pool_size_from_resources               ray_pool: room for replacement actors
 flwr.simulation.run_simulation                                                 benchmarks/benchutil: Flower's own Ray
-                                                                               simulation in the benchmark's process,
-                                                                               what overhead, scale and cross_device
+                                                                               simulation driven from the benchmark's
+                                                                               process, what overhead, scale,
+                                                                               cross_device and ray_cluster_scale
                                                                                measure (deprecated by Flower)
 flwr.common.serde.recorddict_to_proto                                          node_state: client state snapshots
 flwr.common.serde.recorddict_from_proto                                        node_state: client state snapshots
