@@ -306,13 +306,13 @@ def test_an_override_of_a_key_a_presets_choice_lacks_says_what_fixes_it_there():
     )
     assert "set strategy=" not in row
     assert (
-        "not to strategy ['fedavg']; which +experiment=fedma-clients-cpu runs where its row "
+        "not to strategy ['fedavg'], which +experiment=fedma-clients-cpu runs where its row "
         "experiment/fedma_method=fedavg picks it; to set it, run only the rows that pick fedma "
         "(experiment/fedma_method=fedma) or set it in their files (conf/experiment/fedma_method/fedma.yaml)"
     ) in row
     own = unowned_override(["+experiment=pans-table1-cpu", "strategy.fedprox_mu=0.1"])
     assert own.endswith(
-        "not to strategy ['fedavg']; which the preset +experiment=pans-table1-cpu picks; leave the override out, "
+        "not to strategy ['fedavg'], which the preset +experiment=pans-table1-cpu picks; leave the override out, "
         "or add strategy=fedprox to run the preset with fedprox instead"
     )
     typed = unowned_override(["+experiment=pans-table1-cpu", "strategy=fedavg", "strategy.fedprox_mu=0.1"])
@@ -339,6 +339,18 @@ def test_a_derived_value_that_cannot_be_resolved_names_the_key_that_was_set():
     )
     assert problem({"budget": 1.5}).startswith("'study.budget' = 1.5 is not allowed")
     assert problem({}).startswith(f"'train.rounds' = {written} cannot be resolved: Interpolation key 'study.budget'")
+
+
+def test_a_derived_value_the_schema_refuses_names_the_keys_it_was_derived_from(tmp_path):
+    """``study.budget=0`` makes the drift study's rounds 0: the schema's refusal of num-server-rounds says how the
+    config derived it, and from which keys."""
+    cfg = composed([*TINY, "+study.budget=0", "train.num_server_rounds='${div:${study.budget},${train.local_epochs}}'"])
+    with pytest.raises(ConfigError) as error:
+        job_settings(cfg, cfg.hydra.runtime.choices, tmp_path)
+    assert str(error.value).endswith(
+        "run-config key 'num-server-rounds' = 0 is not allowed: must be a positive integer; train.num_server_rounds "
+        "is ${div:${study.budget},${train.local_epochs}} here (study.budget = 0, train.local_epochs = 1)"
+    )
 
 
 @pytest.mark.parametrize(

@@ -138,9 +138,9 @@ def unowned_override(arguments: list[str]) -> str | None:
             return f"override {group}.{leaf}: no {group} has a setting '{key}'"
         if strays:
             fix = (
-                f"set {group}={owners[0]} or leave the override out"
+                f"; set {group}={owners[0]} or leave the override out"
                 if group in given or _preset(arguments) is None
-                else _preset_fix(arguments, group, owners)
+                else f", {_preset_fix(arguments, group, owners)}"
             )
-            return f"override {group}.{leaf}: '{key}' belongs to {group} {owners}, not to {group} {strays}; {fix}"
+            return f"override {group}.{leaf}: '{key}' belongs to {group} {owners}, not to {group} {strays}{fix}"
     return None

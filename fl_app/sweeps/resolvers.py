@@ -95,6 +95,14 @@ def interpolation_problem(cfg: DictConfig, error: OmegaConfBaseException) -> str
     return f"'{key}' = {written} is not allowed: {cause}"
 
 
+def derivation(cfg: DictConfig, path: str, written: str) -> str:
+    """``train.num_server_rounds is ${div:${study.budget},${train.local_epochs}} here (study.budget = 0,
+    train.local_epochs = 1)``: how ``cfg`` derives the value at ``path``, and the values it reads."""
+    values = {ref: OmegaConf.select(cfg, ref, throw_on_resolution_failure=False) for ref in REFERENCE.findall(written)}
+    reads = ", ".join(f"{ref} = {value!r}" for ref, value in values.items())
+    return f"{path} is {written} here" + (f" ({reads})" if reads else "")
+
+
 def composition_problem(error: HydraException) -> str:
     """One line for a job Hydra cannot compose: an unknown option of a config group names the group, the value
     and the group's options; any other error is Hydra's message up to its first blank line, on one line."""
