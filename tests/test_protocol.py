@@ -54,6 +54,7 @@ def test_an_override_that_contradicts_the_protocol_is_named(override):
     key = override.partition("=")[0]
     assert problem is not None and override in problem and "'fedma-protocol-cpu'" in problem and key in problem
     assert fixed_key_problem(composed([PRESET, "train.lr=0.02"])) is None  # a key the protocol leaves free
+    assert fixed_key_problem(composed([PRESET, "train.lr=${nope.x}"])) is None  # read as typed, not resolved
     assert fixed_key_problem(composed([override])) is None  # no preset, nothing fixed
 
 

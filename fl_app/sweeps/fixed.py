@@ -13,7 +13,10 @@ def fixed_key_problem(config: DictConfig) -> str | None:
     """The first command-line override of a key the preset lists under :data:`FIXED`, as one line naming the
     override and the preset; None when there is none."""
     fixed = set(OmegaConf.select(config, FIXED, default=None) or ())
-    for override in config.hydra.overrides.task:
+    if not fixed:
+        return None
+    # as typed: an override may hold ${...} that only its job resolves
+    for override in OmegaConf.to_container(config.hydra.overrides.task, resolve=False):
         key = override.lstrip("+~").partition("=")[0]
         if key in fixed:
             preset = config.hydra.runtime.choices.get("experiment", "the preset")
