@@ -85,7 +85,13 @@ def test_every_accepted_pair_aggregates_a_round_of_real_replies(strategy, model)
 def test_pairs_that_cannot_work_are_refused():
     refused = [pair for pair in PAIRS if not _accepted(_pair_values(*pair))]
     assert ("psinet", "mlp") in refused and ("psinet", "psi-vgg9") not in refused
-    assert all(strategy == "psinet" or model in ("vgg11", "psi-vgg11") for strategy, model in refused), refused
+    # FedMA's BBP-MAP may widen any group, which a Psi-Net's per-class groups cannot follow
+    fedma_on_psi = {("fedma", model) for strategy, model in PAIRS if model.startswith("psi-")}
+    assert fedma_on_psi <= set(refused)
+    assert all(
+        strategy == "psinet" or model in ("vgg11", "psi-vgg11") or (strategy, model) in fedma_on_psi
+        for strategy, model in refused
+    ), refused
 
 
 def _rows(folder: Path) -> list[dict]:
