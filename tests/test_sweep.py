@@ -359,7 +359,7 @@ def test_a_derived_value_the_schema_refuses_names_the_keys_it_was_derived_from(t
         (
             "strategy=fedavg,nosuch",
             "strategy=nosuch",
-            f"'strategy' = 'nosuch' is not allowed: choose one of {sorted(list_strategies())}",
+            "'strategy' = 'nosuch' is not allowed: choose one of [",
         ),
         (
             "train.num_server_rounds=2,${nope.x}",
@@ -377,7 +377,10 @@ def test_a_job_of_a_list_that_cannot_be_composed_or_resolved_is_the_schemas_erro
             cfg.hydra.overrides.task = [*TINY, swept]
         with pytest.raises(ConfigError) as error:
             validate_sweep(cfg)
-    assert str(error.value).startswith("sweep job dataset=digits ") and str(error.value).endswith(f" {job}: {problem}")
+    message = str(error.value)
+    assert message.startswith("sweep job dataset=digits ") and f" {job}: {problem}" in message
+    if job == "strategy=nosuch":  # Hydra's options: every registered algorithm (and any a test of this process added)
+        assert all(f"'{name}'" in message for name in list_strategies())
 
 
 @pytest.mark.parametrize(
