@@ -1,11 +1,13 @@
-"""The README and docs/: every measured figure they quote is the one ``benchmarks/RESULTS.md`` holds, every
-relative link leads somewhere, and the README stays short.
+"""The README and docs/: every measured figure they quote is the one the results pages hold, every relative link
+leads somewhere, and the README stays short.
 
-The convention that makes figures checkable: a page quotes a measured figure as a link to the section of
-``benchmarks/RESULTS.md`` that measured it, e.g. ``[4.98 s](../benchmarks/RESULTS.md#some-section)``. Every
-number in such a link's text must appear, as a number of its own, in that section. On the pages that state
+The results are ``benchmarks/RESULTS.md``, an index, and one page per topic under ``benchmarks/results/``
+(:data:`RESULT_PAGES`). The convention that makes figures checkable: a page quotes a measured figure as a link to
+the section of the results page that measured it, e.g. ``[4.98 s](../benchmarks/results/deployment.md#a-section)``.
+Every number in such a link's text must appear, as a number of its own, in that section. On the pages that state
 figures (:data:`FIGURE_PAGES`) a figure with a unit (``85.90 %``, ``4.98 s``, ``3.1×``) outside such a link is
-refused too, so a figure cannot be quoted without its source.
+refused too, so a figure cannot be quoted without its source. Every measurement on a results page opens with the
+same header (:data:`HEADER_FIELDS`).
 """
 
 import re
@@ -20,11 +22,18 @@ from fl_app.runtime.flwr_cli import parse_overrides
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 RESULTS = ROOT / "benchmarks" / "RESULTS.md"
+"""The index of the results pages."""
+RESULT_PAGES = sorted((ROOT / "benchmarks" / "results").glob("*.md"))
+"""One page per topic; a figure quoted elsewhere links to the section of one of them that measured it."""
+HISTORY = ROOT / "benchmarks" / "results" / "history.md"
+"""The measurements in the order they were made: links only, no measurement of its own."""
 PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
-LINK_PAGES = [*PAGES, RESULTS, ROOT / "benchmarks" / "psinet" / "RESULTS.md"]
-"""Pages whose relative links are checked (RESULTS.md links its own sections too)."""
+LINK_PAGES = [*PAGES, RESULTS, *RESULT_PAGES, ROOT / "benchmarks" / "psinet" / "RESULTS.md"]
+"""Pages whose relative links are checked (the results pages link each other's sections too)."""
 FIGURE_PAGES = [README, ROOT / "docs" / "results.md"]
-"""Pages whose figures must all be linked to their RESULTS.md section."""
+"""Pages whose figures must all be linked to their results section."""
+HEADER_FIELDS = ("Date", "Commit", "Machine", "Command", "Scale", "Load")
+"""The header every measurement on a results page opens with, in this order (then, optionally, its Status)."""
 README_MAX_LINES = 300
 
 FENCE = re.compile(r"^(```|~~~).*?^\1[^\n]*$", re.M | re.S)
@@ -74,24 +83,36 @@ def has_number(number: str, text: str) -> bool:
     return re.search(rf"(?<![\d.,]){re.escape(number)}(?!\d|[.,]\d)", text) is not None
 
 
-def figure_problems(markdown: str, page: Path, results: str, results_path: Path = RESULTS) -> list[str]:
-    """Each figure linked to a RESULTS.md section that the section does not hold, and each link to RESULTS.md
-    with a figure but no section."""
+def results_sources() -> dict[Path, str]:
+    """Each results page (the index too) by its resolved path, with its text."""
+    return {path.resolve(): path.read_text() for path in [RESULTS, *RESULT_PAGES]}
+
+
+def is_results_link(target: str) -> bool:
+    """Whether a link leads into a section of the results (the index or a topic page)."""
+    path = target.partition("#")[0]
+    return "#" in target and (path.endswith("RESULTS.md") or "/results/" in f"/{path}")
+
+
+def figure_problems(markdown: str, page: Path, sources: dict[Path, str]) -> list[str]:
+    """Each figure linked to a section of a results page (``sources``: resolved path → text) that the section
+    does not hold, and each link to a results page with a figure but no section."""
     problems = []
-    parts = sections(results)
     for text, target in links(markdown):
         path, _, anchor = target.partition("#")
-        if not path or (page.parent / path).resolve() != results_path.resolve():
+        source = sources.get((page.parent / path).resolve()) if path else None
+        if source is None:
             continue
         numbers = NUMBER.findall(text)
         if not numbers:
             continue
+        parts = sections(source)
         if anchor not in parts:
             problems.append(f"'{text}' links to {path}#{anchor}, which is no section of it")
             continue
         missing = [n for n in numbers if not has_number(n, parts[anchor])]
         if missing:
-            problems.append(f"'{text}': {missing} not in RESULTS.md's section #{anchor}")
+            problems.append(f"'{text}': {missing} not in {Path(path).name}'s section #{anchor}")
     return problems
 
 
@@ -120,12 +141,12 @@ def link_problems(page: Path, markdown: str | None = None) -> list[str]:
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
 def test_every_figure_linked_to_results_is_the_one_results_holds(page):
-    assert figure_problems(page.read_text(), page, RESULTS.read_text()) == []
+    assert figure_problems(page.read_text(), page, results_sources()) == []
 
 
 @pytest.mark.parametrize("page", FIGURE_PAGES, ids=lambda p: p.name)
 def test_every_figure_on_the_figure_pages_names_its_source(page):
-    assert untagged_figures(page.read_text()) == [], f"{page.name}: link these figures to their RESULTS.md section"
+    assert untagged_figures(page.read_text()) == [], f"{page.name}: link these figures to their results section"
 
 
 @pytest.mark.parametrize("page", LINK_PAGES, ids=lambda p: str(p.relative_to(ROOT)))
@@ -135,18 +156,62 @@ def test_every_relative_link_leads_to_a_file_and_heading(page):
 
 @pytest.mark.parametrize("page", [README, ROOT / "docs" / "results.md"], ids=lambda p: p.name)
 def test_a_link_to_a_renamed_heading_is_caught_on_the_real_pages(page):
-    """A link into RESULTS.md whose heading was renamed (its anchor no longer exists) is caught."""
+    """A link into a results page whose heading was renamed (its anchor no longer exists) is caught."""
     markdown = page.read_text()
-    target = next(target for _, target in links(markdown) if "RESULTS.md#" in target)
+    target = next(target for _, target in links(markdown) if is_results_link(target))
     stale = markdown.replace(f"]({target})", f"]({target}-old-tail)", 1)
     assert [problem for problem in link_problems(page, stale) if "no heading" in problem], target
 
 
-def test_results_headings_are_unique():
+@pytest.mark.parametrize("page", [RESULTS, *RESULT_PAGES], ids=lambda p: p.name)
+def test_results_headings_are_unique(page):
     """Two headings with one anchor would send a link to whichever comes first (GitHub numbers the rest)."""
-    text = FENCE.sub("", RESULTS.read_text())
+    text = FENCE.sub("", page.read_text())
     anchors = [slug(m.group(2)) for m in HEADING.finditer(text)]
     assert sorted({a for a in anchors if anchors.count(a) > 1}) == []
+
+
+def header_problems(markdown: str) -> list[str]:
+    """Each measurement header (it starts at a ``- **Date:**`` line) whose fields are not :data:`HEADER_FIELDS`
+    in order, and a page with no header at all."""
+    rows = prose(markdown).splitlines()
+    starts = [index for index, row in enumerate(rows) if row.startswith("- **Date:**")]
+    if not starts:
+        return ["no measurement header"]
+    problems = []
+    for start in starts:
+        fields = [re.match(r"- \*\*(\w+):\*\*", row) for row in rows[start : start + len(HEADER_FIELDS)]]
+        names = tuple(match.group(1) if match else "" for match in fields)
+        if names != HEADER_FIELDS:
+            problems.append(f"header at line {start + 1}: {names}")
+    return problems
+
+
+@pytest.mark.parametrize("page", [p for p in RESULT_PAGES if p != HISTORY], ids=lambda p: p.name)
+def test_every_results_page_opens_its_measurements_with_the_header(page):
+    assert header_problems(page.read_text()) == []
+
+
+@pytest.mark.parametrize(
+    ("page", "problem"),
+    [
+        (
+            "## A\n\n- **Date:** 1\n- **Commit:** x\n- **Machine:** m\n- **Command:** c\n- **Scale:** s\n- **Load:** 1\n",
+            None,
+        ),
+        ("## A\n\n- **Date:** 1\n- **Commit:** x\n- **Machine:** m\n- **Scale:** s\n- **Load:** 1\n", "line 3"),
+        ("## A\n\nno header here\n", "no measurement header"),
+    ],
+)
+def test_the_header_checker_on_right_and_wrong_headers(page, problem):
+    problems = header_problems(page)
+    assert problems == [] if problem is None else (len(problems) == 1 and problem in problems[0])
+
+
+def test_the_index_links_every_results_page():
+    """A topic page nobody links from the index is a page a reader cannot find."""
+    targets = {(RESULTS.parent / target.partition("#")[0]).resolve() for _, target in links(RESULTS.read_text())}
+    assert [page.name for page in RESULT_PAGES if page.resolve() not in targets] == []
 
 
 RUN_CONFIG = re.compile(r"--run-config '([^']*)'")
@@ -182,13 +247,13 @@ def test_the_readme_stays_short():
 def test_the_readme_quotes_figures_and_the_checker_catches_a_wrong_one():
     """The README quotes at least one figure through the convention; changing its digits is caught."""
     readme = README.read_text()
-    quoted = [(t, target) for t, target in links(readme) if "RESULTS.md#" in target and NUMBER.search(t)]
-    assert quoted, "the README quotes no figure from RESULTS.md"
+    quoted = [(t, target) for t, target in links(readme) if is_results_link(target) and NUMBER.search(t)]
+    assert quoted, "the README quotes no figure from the results pages"
     text, target = quoted[0]
     number = NUMBER.search(text).group(0)
     wrong = text.replace(number, number[:-1] + ("1" if number[-1] != "1" else "2"), 1)
     altered = readme.replace(f"[{text}]({target})", f"[{wrong}]({target})", 1)
-    assert figure_problems(altered, README, RESULTS.read_text()), f"a wrong '{wrong}' was not caught"
+    assert figure_problems(altered, README, results_sources()), f"a wrong '{wrong}' was not caught"
 
 
 RESULTS_SAMPLE = """# Results
@@ -229,8 +294,7 @@ Round: 4.98 s (median); single rounds 4.0–5.6 s; 10,000 clients.
     ],
 )
 def test_the_figure_checker_on_right_and_wrong_figures(tmp_path, page, problem):
-    results = tmp_path / "RESULTS.md"
-    problems = figure_problems(page, tmp_path / "page.md", RESULTS_SAMPLE, results)
+    problems = figure_problems(page, tmp_path / "page.md", {(tmp_path / "RESULTS.md").resolve(): RESULTS_SAMPLE})
     if problem is None:
         assert problems == []
     else:
