@@ -205,7 +205,10 @@ def test_every_results_page_opens_its_measurements_with_the_header(page):
 )
 def test_the_header_checker_on_right_and_wrong_headers(page, problem):
     problems = header_problems(page)
-    assert problems == [] if problem is None else (len(problems) == 1 and problem in problems[0])
+    if problem is None:
+        assert problems == []
+    else:
+        assert len(problems) == 1 and problem in problems[0]
 
 
 def test_the_index_links_every_results_page():
