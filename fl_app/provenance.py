@@ -18,6 +18,8 @@ import re
 import subprocess
 from pathlib import Path
 
+from fl_app.locations import checkout_root
+
 COMMIT_ENV = "ALIGNFL_GIT_COMMIT"
 UNKNOWN = "unknown"
 CPUINFO = Path("/proc/cpuinfo")
@@ -25,8 +27,13 @@ VECTOR_FLAG = re.compile(r"^(avx|amx)")
 """The CPU flags that pick float kernels: AVX, AVX2, the AVX-512 family, AMX."""
 
 
-def checkout_commit(folder: Path = Path(__file__).parent) -> str:
-    """The commit checked out where ``folder`` is, or ``unknown`` outside a git checkout (or without git)."""
+def checkout_commit(folder: Path | None = None) -> str:
+    """The commit checked out where ``folder`` is (default: the checkout alignfl runs from), or ``unknown``
+    outside a git checkout (an installed alignfl, even in a virtual environment inside another project's
+    checkout), or without git."""
+    folder = folder or checkout_root()
+    if folder is None:
+        return UNKNOWN
     try:
         done = subprocess.run(
             ["git", "-C", str(folder), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=False

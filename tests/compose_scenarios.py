@@ -49,7 +49,6 @@ from compose_stack import (
     project_leftovers,
 )
 
-from fl_app.runtime.common import PROJECT_ROOT
 from fl_app.runtime.flwr_cli import (
     CONNECTION,
     SubmitError,
@@ -62,6 +61,9 @@ from fl_app.runtime.flwr_cli import (
 from fl_app.runtime.processes import ProcessTree, Stopped, log_tail, start_process, stop_processes, stop_signals
 from fl_app.runtime.superlink import wait_until
 from fl_app.runtime.topology import compose_topology, make_certificates, supernode_command, supernode_entry_point
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+"""The checkout the tests run in."""
 
 # --- runs ---
 

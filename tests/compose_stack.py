@@ -17,11 +17,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fl_app.runtime.common import PROJECT_ROOT
 from fl_app.runtime.flwr_cli import online_supernodes, write_connection
 from fl_app.runtime.processes import Stopped, log_tail
 from fl_app.runtime.superlink import flower_environment, health_url, healthy, trust, wait_until
 from fl_app.runtime.topology import COMPOSE_NUM_SUPERNODES, COMPOSE_SUPERLINK_PORT
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+"""The checkout the tests run in."""
 
 PROJECT = "alignfl"
 """docker-compose.yml's project name: every container, network and volume of the stacks carries its label."""

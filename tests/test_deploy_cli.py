@@ -10,6 +10,7 @@ import sqlite3
 import time
 from contextlib import contextmanager
 from dataclasses import replace
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -19,7 +20,6 @@ from fl_app.config import parse_run_config
 from fl_app.runtime import deploy
 from fl_app.runtime import deployment as deployment_module
 from fl_app.runtime import topology as topology_module
-from fl_app.runtime.common import PROJECT_ROOT
 from fl_app.runtime.deployment import Deployment, partner_of, resume_command, run_logs
 from fl_app.runtime.flwr_cli import parse_overrides
 from fl_app.runtime.launch import prepare_config, report_outcome
@@ -30,6 +30,9 @@ from fl_app.runtime.topology import (
     superlink_command,
     supernode_command,
 )
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+"""The checkout the tests run in."""
 
 
 @pytest.mark.parametrize(

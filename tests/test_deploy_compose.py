@@ -5,6 +5,7 @@ project's Flower; make_certs' certificates and keys."""
 import re
 import subprocess
 import tomllib
+from pathlib import Path
 
 import flwr
 import pytest
@@ -12,9 +13,11 @@ import yaml
 from cryptography import x509
 from cryptography.hazmat.primitives.serialization import load_ssh_private_key, load_ssh_public_key
 
-from fl_app.runtime.common import PROJECT_ROOT
 from fl_app.runtime.topology import compose_topology, make_certificates, supernode_entry_point
 from tests.deployments import expected_commands
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+"""The checkout the tests run in."""
 
 COMPOSE = PROJECT_ROOT / "docker-compose.yml"
 COMPOSE_TLS = PROJECT_ROOT / "compose.tls.yml"

@@ -20,7 +20,6 @@ from fl_app.checkpoint import CHECKPOINT, run_folder
 from fl_app.config import RunConfig
 from fl_app.provenance import checkout_commit
 from fl_app.runtime import deploy
-from fl_app.runtime.common import PROJECT_ROOT
 from fl_app.runtime.deployment import Deployment, deployment, resume_command
 from fl_app.runtime.launch import report_outcome
 from fl_app.runtime.superlink import wait_until
@@ -35,6 +34,9 @@ from tests.deployments import (
     run_to_end,
     without_clock,
 )
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+"""The checkout the tests run in."""
 
 ONE_FEDAVG_ROUND = {"strategy": "fedavg", "num-server-rounds": 1}
 """The run the strategy check and the comparison of executors read: one round shows both."""

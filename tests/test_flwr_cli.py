@@ -1,9 +1,19 @@
-"""The app ``flwr run`` submits: built from the checkout's files without walking its ignored folders."""
+"""The app ``flwr run`` submits: built from the checkout's files without walking its ignored folders, or, for an
+installed alignfl, from the package's manifest alone."""
+
+import io
+import tomllib
+import zipfile
+from pathlib import Path
 
 from flwr.cli.build import build_fab_from_disk
 
-from fl_app.runtime.common import PROJECT_ROOT
+from fl_app.locations import shipped
+from fl_app.runtime import flwr_cli
 from fl_app.runtime.flwr_cli import app_files, staged_app
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+"""The checkout the tests run in."""
 
 
 def test_the_staged_app_builds_the_fab_flwr_builds_from_the_checkout_byte_for_byte():
@@ -21,4 +31,17 @@ def test_ignored_folders_and_git_are_not_walked_and_links_are_left_out(tmp_path)
     assert found == [".gitignore", "pkg/a.py", "pkg/a.pyc", "pyproject.toml"]  # Flower's filter drops *.pyc itself
     with staged_app(tmp_path) as app:
         assert (app / "pkg" / "a.py").read_text() == "x" and not (app / "pkg" / "link.py").exists()
+    assert not app.exists()
+
+
+def test_an_installed_alignfl_stages_only_its_manifest_and_removes_it(monkeypatch):
+    """Without a checkout the FAB holds the package's pyproject.toml alone: its components name the installed
+    modules, which Flower's processes import from site-packages."""
+    monkeypatch.setattr(flwr_cli, "checkout_root", lambda: None)
+    with staged_app() as app:
+        assert sorted(path.name for path in app.iterdir()) == ["pyproject.toml"]
+        assert (app / "pyproject.toml").read_bytes() == shipped("pyproject.toml").read_bytes()
+        with zipfile.ZipFile(io.BytesIO(build_fab_from_disk(app))) as fab:
+            manifest = tomllib.loads(fab.read("pyproject.toml").decode())
+    assert manifest["tool"]["flwr"]["app"]["components"]["serverapp"].endswith("server_app:app")
     assert not app.exists()

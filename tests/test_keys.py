@@ -105,12 +105,12 @@ def test_keys_that_git_would_commit_are_found_and_refused_naming_them(tmp_path):
 def test_deploy_refuses_private_keys_that_git_would_commit_naming_them(exposed_key_repo, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(deploy, "deployment", None)  # starting one would fail loudly
     argv = ["--num-supernodes", "1", "--run-config", 'dataset="digits"', "--work-dir", str(tmp_path / "work")]
-    monkeypatch.setattr(deploy, "PROJECT_ROOT", exposed_key_repo)  # a checkout with a key in it
+    monkeypatch.setattr(deploy, "checkout_root", lambda: exposed_key_repo)  # a checkout with a key in it
     assert deploy.main(argv) == 2
     err = capsys.readouterr().err
     assert f"private keys inside a git work tree that does not ignore them: {exposed_key_repo}/keys/auth" in err
     assert "ca.key" not in err and not (tmp_path / "work").exists()
-    monkeypatch.setattr(deploy, "PROJECT_ROOT", PROJECT_ROOT)
+    monkeypatch.setattr(deploy, "checkout_root", lambda: PROJECT_ROOT)
     assert deploy.main([*argv, "--tls", "--certs", str(exposed_key_repo / "keys")]) == 2  # --certs in a work tree
     assert f"{exposed_key_repo}/keys/auth" in capsys.readouterr().err
 

@@ -15,9 +15,11 @@ from core.config import RESULTS_ENV, results_root
 from fl_app.checkpoint import run_folder
 from fl_app.config import ConfigError, parse_run_config
 from fl_app.runtime import launch, processes
-from fl_app.runtime.common import PROJECT_ROOT
 from fl_app.runtime.flwr_cli import never_give_up, parse_overrides, to_toml_pairs
 from fl_app.runtime.launch import check_client_resources, prepare_config
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+"""The checkout the tests run in."""
 
 
 def test_overrides_parse_toml_values_and_quoted_strings():
@@ -424,7 +426,7 @@ def flwr_home(pid: int) -> str | None:
 
 def test_the_launcher_refuses_private_keys_that_git_would_commit_naming_them(exposed_key_repo, monkeypatch, capsys):
     monkeypatch.setattr(launch, "local_superlink", None)  # starting one would fail loudly
-    monkeypatch.setattr(launch, "PROJECT_ROOT", exposed_key_repo)
+    monkeypatch.setattr(launch, "checkout_root", lambda: exposed_key_repo)
     assert launch.main(["--num-supernodes", "1", "--run-config", 'dataset="digits"']) == 2
     err = capsys.readouterr().err
     assert "refused before starting: private keys inside a git work tree that does not ignore them: " in err

@@ -4,10 +4,13 @@ machine."""
 from __future__ import annotations
 
 import subprocess
+from pathlib import Path
 
 from fl_app import provenance
-from fl_app.runtime.common import PROJECT_ROOT
 from fl_app.runtime.superlink import flower_environment
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+"""The checkout the tests run in."""
 
 
 def test_the_launchers_commit_reaches_every_flower_process_and_wins_over_the_codes_folder(tmp_path, monkeypatch):

@@ -1,8 +1,11 @@
 """scripts/pip_sources.py: pip's configured package sources, as the options ``uv pip install`` takes in setup.sh."""
 
 import importlib.util
+from pathlib import Path
 
-from fl_app.runtime.common import PROJECT_ROOT
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+"""The checkout the tests run in."""
+
 
 _spec = importlib.util.spec_from_file_location("pip_sources", PROJECT_ROOT / "scripts" / "pip_sources.py")
 pip_sources = importlib.util.module_from_spec(_spec)

@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from core.config import default_results_root
 from core.data import ImageDataset, list_datasets, load_dataset
 from core.model_io import build_run_model, federated_state
-from fl_app.config import ConfigError, RunConfig, parse_run_config
+from fl_app.config import ConfigError, RunConfig, parse_run_config, path_problem
 from models import PanSettings, build_model, list_models
 from models.pan import PAN_MODES
 from plugins.options import settings_fields
@@ -127,15 +127,22 @@ def check_model_path(path: str | Path, require_config: bool = True) -> tuple[Pat
 
 def check_out_dir(out: str | None, tool: str) -> Path:
     """The output folder: absolute when given, else a new ``<results root>/analysis/<tool>-<time>`` (the root:
-    :func:`core.config.default_results_root`)."""
+    :func:`core.config.default_results_root`); either must be a folder this user can write to, outside
+    site-packages and alignfl's own code."""
     if out is None:
         stamp = f"{datetime.now(UTC):%Y%m%d-%H%M%S-%f}"
-        return default_results_root() / "analysis" / f"{tool}-{stamp}"
-    folder = Path(out)
-    if not folder.is_absolute():
-        raise AnalysisError(f"--out must be an absolute path, got '{out}'")
-    if folder.exists() and not folder.is_dir():
-        raise AnalysisError(f"--out '{out}' exists and is not a folder")
+        folder = default_results_root() / "analysis" / f"{tool}-{stamp}"
+    else:
+        folder = Path(out)
+        if not folder.is_absolute():
+            raise AnalysisError(f"--out must be an absolute path, got '{out}'")
+        if folder.exists() and not folder.is_dir():
+            raise AnalysisError(f"--out '{out}' exists and is not a folder")
+    problem = path_problem(folder, writable=True)
+    if problem is not None:
+        raise AnalysisError(
+            f"--out '{folder}' is not allowed: it must be a folder of your own that this user can write to ({problem})"
+        )
     return folder
 
 

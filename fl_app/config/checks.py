@@ -23,6 +23,7 @@ from core.rounds.strategy import ServerStrategy, build_context
 from core.widths import check_widths_used
 from fl_app.config import tables
 from fl_app.config.schema import default_run_config, owned_settings
+from fl_app.locations import own_folder_problem
 from fl_app.tracking import check_tracking
 from plugins.options import ConfigError, refuse
 from strategies import get_strategy
@@ -42,7 +43,11 @@ def check_run(config: RunConfig) -> ServerStrategy:
 
 def path_problem(path: Path, writable: bool) -> str | None:
     """Why ``path`` cannot be used, or None: its nearest existing ancestor must be a directory this process can
-    read (and, when ``writable``, create files in; tried with a temporary file that is removed at once)."""
+    read (and, when ``writable``, create files in; tried with a temporary file that is removed at once), and a
+    folder to write to must lie outside site-packages and alignfl's own code
+    (:func:`fl_app.locations.own_folder_problem`)."""
+    if writable and (problem := own_folder_problem(path)) is not None:
+        return problem
     existing = path
     while not existing.exists():
         existing = existing.parent
@@ -60,10 +65,16 @@ def path_problem(path: Path, writable: bool) -> str | None:
 
 
 def check_paths(config: RunConfig) -> None:
-    """Refuse a results folder nobody can write, or a data root that does not exist, naming the key."""
+    """Refuse a results folder this user cannot write or that lies among the installed code (site-packages,
+    alignfl's package folder), or a data root that does not exist, naming the key."""
     problem = path_problem(results_root(config), writable=True)
     if problem is not None:
-        raise refuse("results-dir", config.results_dir, f"the run folder must be writable: {problem}")
+        raise refuse(
+            "results-dir",
+            config.results_dir,
+            "must name a folder of your own that this user can write to (e.g. one under the current folder): "
+            + problem,
+        )
     if config.data_root and not Path(config.data_root).is_dir():
         raise refuse("data-root", config.data_root, "must be an existing directory (a torchvision-style root)")
     if config.data_root and not os.access(config.data_root, os.R_OK | os.X_OK):

@@ -19,14 +19,17 @@ from core.config import common_settings
 from core.data import list_datasets
 from core.partitioning.partitioners import list_partitioners
 from fl_app.config.schema import default_run_config, owned_classes
+from fl_app.locations import checkout_root, shipped
 from models import list_models
 from plugins.options import Setting, settings_fields
 from strategies import get_strategy, list_strategies
 
-ROOT = Path(__file__).resolve().parents[2]
-"""The project's root: where ``pyproject.toml``, the README and ``docs/`` are."""
-PYPROJECT = ROOT / "pyproject.toml"
-"""The ``pyproject.toml`` that the entry points check (:func:`fl_app.config.checks.pyproject_problem`)."""
+ROOT = checkout_root() or Path.cwd()
+"""The project's root: where ``pyproject.toml``, the README and ``docs/`` are (the checkout alignfl runs from;
+installed, the current folder)."""
+PYPROJECT = shipped("pyproject.toml")
+"""The ``pyproject.toml`` that the entry points check (:func:`fl_app.config.checks.pyproject_problem`) and
+``flwr run`` reads: the checkout's, or the installed package's copy."""
 REGENERATE = "python -m fl_app.config --write"
 """The command that regenerates every generated part."""
 

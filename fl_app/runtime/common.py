@@ -1,5 +1,6 @@
-"""What the runtime's modules share: the project folder, a free port, a folder check, and the folders a command
-makes for its processes, which it leaves behind only where the user asked for them."""
+"""What the runtime's modules share: a free port, a folder check, and the folders a command makes for its
+processes, which it leaves behind only where the user asked for them. Where the project's own files are (a
+checkout or an installed package) is :mod:`fl_app.locations`'s."""
 
 from __future__ import annotations
 
@@ -12,9 +13,6 @@ from pathlib import Path
 
 from fl_app.config import ConfigError, path_problem
 from fl_app.runtime.processes import stops_deferred
-
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
-"""The project folder: ``flwr run`` builds the app from it."""
 
 
 def free_port() -> int:
@@ -29,7 +27,8 @@ def check_folder(option: str, folder: Path) -> None:
     problem = path_problem(folder, writable=True)
     if problem is not None:
         raise ConfigError(
-            f"{option} {str(folder)!r} is not allowed: it must be a folder this user can write to ({problem})"
+            f"{option} {str(folder)!r} is not allowed: it must be a folder of your own that this user can write "
+            f"to ({problem})"
         )
 
 

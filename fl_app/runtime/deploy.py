@@ -33,9 +33,10 @@ from pathlib import Path
 
 from core.data import DatasetMissingError
 from fl_app.config import ConfigError, RunConfig
+from fl_app.locations import checkout_root
 from fl_app.patches.polling_supernode import FLOWER_NODE_POLL_S
 from fl_app.runtime import register
-from fl_app.runtime.common import PROJECT_ROOT, check_folder, made_folder, work_folder
+from fl_app.runtime.common import check_folder, made_folder, work_folder
 from fl_app.runtime.deployment import deployment, resume_advice, run_logs
 from fl_app.runtime.flwr_cli import parse_overrides
 from fl_app.runtime.keys import default_certs, refuse_committable_folder, refuse_exposed_keys
@@ -112,7 +113,7 @@ def prepare(args: argparse.Namespace) -> RunConfig:
         if folder is not None:
             check_folder(option, folder.resolve())
     check_superlink_db(args.superlink_db)
-    refuse_exposed_keys(PROJECT_ROOT, (args.certs or default_certs()) if args.tls else None)
+    refuse_exposed_keys(checkout_root(), (args.certs or default_certs()) if args.tls else None)
     if args.tls:
         refuse_committable_folder("--certs", args.certs or default_certs())
     if args.rounds is not None and args.rounds < 1:  # named as the user wrote it, not as num-server-rounds

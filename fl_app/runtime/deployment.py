@@ -33,8 +33,8 @@ from pathlib import Path
 
 from fl_app.checkpoint import checkpointed_round, run_folder
 from fl_app.config import RunConfig, default_run_config
+from fl_app.locations import checkout_root
 from fl_app.patches.polling_supernode import DEFAULT_NODE_POLL_S
-from fl_app.runtime.common import PROJECT_ROOT
 from fl_app.runtime.flwr_cli import (
     CONNECTION,
     online_supernodes,
@@ -73,6 +73,13 @@ def partner_of(service: str) -> str | None:
     return None
 
 
+def deploy_command() -> list[str]:
+    """The command that starts a deployment: the checkout's ``scripts/deploy.sh`` (which sets the checkout up
+    first), else the installed console script's ``alignfl deploy``."""
+    root = checkout_root()
+    return [str(root / "scripts" / "deploy.sh")] if root is not None else ["alignfl", "deploy"]
+
+
 def resume_command(
     config: RunConfig,
     num_supernodes: int,
@@ -80,9 +87,9 @@ def resume_command(
     executor: str = DEFAULT_EXECUTOR,
     node_poll_s: float | None = DEFAULT_NODE_POLL_S,
 ) -> str:
-    """The ``deploy.sh`` command that continues ``config``'s run from its checkpoint on a new deployment of
-    the same shape (with TLS, on keys made afresh): the run's keys that differ from their defaults, and
-    ``resume-from`` its folder."""
+    """The command (:func:`deploy_command`) that continues ``config``'s run from its checkpoint on a new
+    deployment of the same shape (with TLS, on keys made afresh): the run's keys that differ from their defaults,
+    and ``resume-from`` its folder."""
     defaults = default_run_config()
     values = {
         key: value
@@ -90,7 +97,7 @@ def resume_command(
         if key not in ("run-name", "resume-from") and value != defaults.get(key)
     }
     values["resume-from"] = str(run_folder(config))
-    command = [str(PROJECT_ROOT / "scripts" / "deploy.sh"), "--num-supernodes", str(num_supernodes)]
+    command = [*deploy_command(), "--num-supernodes", str(num_supernodes)]
     options = [
         *(["--tls"] if tls else []),
         *(["--executor", executor] if executor != DEFAULT_EXECUTOR else []),

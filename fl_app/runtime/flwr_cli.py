@@ -24,8 +24,8 @@ from typing import Any
 
 from pathspec import GitIgnoreSpec
 
+from fl_app.locations import checkout_root, process_folder, shipped
 from fl_app.patches import seam
-from fl_app.runtime.common import PROJECT_ROOT
 from fl_app.runtime.processes import start_process, stop_processes
 from plugins.options import ConfigError
 
@@ -85,11 +85,11 @@ def to_toml_pairs(values: Mapping[str, Any]) -> str:
 
 
 def flwr_cli(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
-    """Run ``flwr ARGS`` from the project root (``flwr run .`` builds the app from there), its output captured."""
+    """Run ``flwr ARGS`` in :func:`~fl_app.locations.process_folder`, its output captured."""
     return subprocess.run(
         ["flwr", *args],
         env=env,
-        cwd=PROJECT_ROOT,
+        cwd=process_folder(),
         text=True,
         capture_output=True,
         check=False,
@@ -160,17 +160,25 @@ def app_files(root: Path) -> Iterator[Path]:
 
 
 @contextmanager
-def staged_app(root: Path = PROJECT_ROOT) -> Iterator[Path]:
-    """A temporary folder holding :func:`app_files` of ``root`` (hard links where the file system allows), for
-    ``flwr run`` to build the FAB from; removed after."""
+def staged_app(root: Path | None = None) -> Iterator[Path]:
+    """A temporary folder for ``flwr run`` to build the FAB from, removed after, however the block is left.
+
+    It holds :func:`app_files` of ``root`` (default: the checkout alignfl runs from), as hard links where the file
+    system allows. An installed alignfl has no checkout: the folder then holds only the app's manifest, the
+    package's copy of ``pyproject.toml`` (its ``[tool.flwr]`` sections name the installed modules, which Flower's
+    processes import from this environment's site-packages)."""
+    root = root or checkout_root()
     with tempfile.TemporaryDirectory(prefix="alignfl-app-") as staging:
-        for path in app_files(root):
-            target = Path(staging) / path.relative_to(root)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            try:
-                os.link(path, target)
-            except OSError:  # another file system, or links not allowed
-                shutil.copy2(path, target)
+        if root is None:
+            shutil.copyfile(shipped("pyproject.toml"), Path(staging) / "pyproject.toml")
+        else:
+            for path in app_files(root):
+                target = Path(staging) / path.relative_to(root)
+                target.parent.mkdir(parents=True, exist_ok=True)
+                try:
+                    os.link(path, target)
+                except OSError:  # another file system, or links not allowed
+                    shutil.copy2(path, target)
         yield Path(staging)
 
 
@@ -218,7 +226,7 @@ def run_status(
 
 def follow_log(run_id: str, env: dict[str, str], watch: Watch) -> str | None:
     """Stream the run's log to this terminal until it ends; returns watch's reason if it gave up first."""
-    stream = start_process(["flwr", "log", run_id, "--stream"], env, PROJECT_ROOT)
+    stream = start_process(["flwr", "log", run_id, "--stream"], env, process_folder())
     try:
         while stream.process.poll() is None:
             reason = watch()

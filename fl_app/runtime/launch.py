@@ -23,6 +23,7 @@ import sys
 from collections.abc import Iterator, Mapping, MutableMapping
 from contextlib import contextmanager, nullcontext
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 from core.config import default_results_root
@@ -32,7 +33,8 @@ from fl_app.checkpoint import checkpointed_round, resume_checkpoint, run_folder
 from fl_app.config import ConfigError, RunConfig, parse_run_config, validate_run
 from fl_app.engines.batched import ray_options, run_batched, workers_allowed
 from fl_app.engines.grid import VECTORISE_CHOICES, RayOptions
-from fl_app.runtime.common import PROJECT_ROOT, scratch_folder
+from fl_app.locations import checkout_root
+from fl_app.runtime.common import scratch_folder
 from fl_app.runtime.flwr_cli import parse_overrides, submit_and_follow
 from fl_app.runtime.keys import refuse_exposed_keys
 from fl_app.runtime.processes import Stopped, stop_signals
@@ -46,15 +48,31 @@ RAY_TMP_PREFIX = "alfl-ray-"
 long for Ray's socket paths), removed when its run ends: Ray keeps its session folders after it stops."""
 
 
+PATH_KEYS = ("results-dir", "resume-from", "data-root")
+"""Run-config keys that name folders: the apps take them absolute only (they run from a copy elsewhere), so the
+launcher and the deployment resolve a relative one against the current folder first."""
+
+
+def absolute_paths(overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """``overrides`` with each relative folder of :data:`PATH_KEYS` resolved against the current folder."""
+    return {
+        key: str(Path(value).expanduser().absolute())
+        if key in PATH_KEYS and isinstance(value, str) and value
+        else value
+        for key, value in overrides.items()
+    }
+
+
 def prepare_config(overrides: dict[str, Any], num_supernodes: int) -> RunConfig:
     """Validate before anything starts; give the run an absolute results folder and a known name.
 
-    Unless set, ``min-available-nodes`` is every simulated node, so each round samples from all of them.
+    Unless set, ``min-available-nodes`` is every simulated node, so each round samples from all of them; a
+    relative folder (:data:`PATH_KEYS`) is one under the current folder.
     """
     if num_supernodes < 1:  # before min-available-nodes' default, which would otherwise be blamed
         raise ConfigError(f"--num-supernodes must be at least 1, got {num_supernodes}")
     defaults = {"results-dir": str(default_results_root()), "min-available-nodes": num_supernodes}
-    config = parse_run_config({**defaults, **overrides})
+    config = parse_run_config({**defaults, **absolute_paths(overrides)})
     if not config.run_name:
         config = config.replace(
             run_name=f"{datetime.now(UTC):%Y%m%d-%H%M%S}_{config.strategy}_"
@@ -157,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         with stop_signals():
             try:
                 check_workers(args.workers)
-                refuse_exposed_keys(PROJECT_ROOT)  # keys a `git add` of the project would publish
+                refuse_exposed_keys(checkout_root())  # keys a `git add` of the checkout would publish
                 if args.ray_address:
                     args.ray_address = attach_to_cluster(
                         args.ray_address, "--ray-address", args.num_cpus, args.num_gpus

@@ -23,7 +23,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fl_app.runtime.common import PROJECT_ROOT, free_port
+from fl_app.locations import process_folder
+from fl_app.runtime.common import free_port
 from fl_app.runtime.processes import ProcessTree, log_tail, start_process, stop_processes
 from fl_app.runtime.ray_cluster import RayNode, cluster_nodes
 
@@ -112,7 +113,7 @@ class LocalRayCluster:
         env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
         log = self.temp_dir / f"ray-start-node{index}.log"
         with log.open("w") as stream:
-            tree = start_process(command, env, PROJECT_ROOT, stdout=stream, stderr=subprocess.STDOUT)
+            tree = start_process(command, env, process_folder(), stdout=stream, stderr=subprocess.STDOUT)
         self.trees.append(tree)
         deadline = time.monotonic() + START_TIMEOUT_S
         while tree.process.poll() is None:  # its daemons are found while `ray start` still leads their session

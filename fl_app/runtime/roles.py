@@ -42,8 +42,9 @@ from cryptography import x509
 
 from core.data import DatasetMissingError
 from fl_app.config import ConfigError, RunConfig
+from fl_app.locations import checkout_root
 from fl_app.patches.polling_supernode import FLOWER_NODE_POLL_S
-from fl_app.runtime.common import PROJECT_ROOT, check_folder, free_port, made_folder, work_folder
+from fl_app.runtime.common import check_folder, free_port, made_folder, work_folder
 from fl_app.runtime.deployment import Deployment, run_logs
 from fl_app.runtime.flwr_cli import parse_overrides
 from fl_app.runtime.keys import default_certs, refuse_committable_folder, refuse_exposed_keys
@@ -236,7 +237,7 @@ def check(role: str, args: argparse.Namespace) -> RunConfig | None:
         if folder is not None:
             check_folder(option, folder.resolve())
     check_superlink_db(getattr(args, "superlink_db", None))
-    refuse_exposed_keys(PROJECT_ROOT, (args.certs or default_certs()) if args.tls else None)
+    refuse_exposed_keys(checkout_root(), (args.certs or default_certs()) if args.tls else None)
     if role == "supernodes":
         split_address(args.superlink, "--superlink")
         if not args.superlink_wait > 0:

@@ -19,8 +19,9 @@ from pathlib import Path
 
 import httpx
 
+from fl_app.locations import process_folder
 from fl_app.provenance import COMMIT_ENV, git_commit
-from fl_app.runtime.common import PROJECT_ROOT, free_port
+from fl_app.runtime.common import free_port
 from fl_app.runtime.flwr_cli import Watch
 from fl_app.runtime.processes import exit_description, log_tail, start_process, stop_processes
 
@@ -103,7 +104,7 @@ def local_superlink(env: dict[str, str], startup_timeout_s: float = 60.0) -> Ite
         "--database",
         str(home / "local-superlink" / "state.db"),
     ]
-    tree = start_process(command, env, PROJECT_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    tree = start_process(command, env, process_folder(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def watch() -> str | None:
         tree.refresh()

@@ -23,15 +23,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fl_app.config import ConfigError, path_problem
+from fl_app.locations import shipped
 from fl_app.patches.polling_supernode import DEFAULT_NODE_POLL_S, FLOWER_NODE_POLL_S, node_poll_interval
-from fl_app.runtime.common import PROJECT_ROOT, free_port
+from fl_app.runtime.common import free_port
 
 COMPOSE_SUPERLINK_PORT = 9093
 COMPOSE_RUNTIME_PORT = 9094
 """SuperNode ``i`` serves its Runtime API (for its executor) on 127.0.0.1:9094 + i."""
 COMPOSE_CERTS = "/app/certs"
 COMPOSE_NUM_SUPERNODES = 3
-MAKE_CERTS = PROJECT_ROOT / "scripts" / "make_certs.sh"
+MAKE_CERTS = shipped("scripts/make_certs.sh")
 EXECUTORS = {
     "warm": ["python", "-m", "fl_app.patches.warm_superexec"],
     "flower": ["flower-superexec"],

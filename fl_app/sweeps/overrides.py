@@ -18,18 +18,26 @@ import hydra
 from hydra.core.global_hydra import GlobalHydra
 
 from fl_app.config import owned_settings, renamed_keys
-from fl_app.runtime.common import PROJECT_ROOT
+from fl_app.locations import shipped
 from fl_app.sweeps.configs import register_configs
 
-CONF = PROJECT_ROOT / "conf"
+CONF = shipped("conf")
 
+SEARCH_PATH = "hydra.searchpath="
+"""The override that adds a user's own config folders (``[file:///abs/folder,...]``) to Hydra's search path."""
 _OVERRIDE = re.compile(r"^(?P<group>strategy|model)(?:\.(?P<leaf>\w+))?=(?P<value>.*)$")
 
 
 def _preset_overrides(arguments: list[str]) -> list[str]:
     """The command's overrides a preset's choices are composed with: all but its swept values and its
-    ``strategy.*``/``model.*``/``hydra.*`` overrides (the check is of those)."""
-    return [a for a in arguments if not _OVERRIDE.match(a.lstrip("+~")) and not a.startswith("hydra.") and "," not in a]
+    ``strategy.*``/``model.*``/``hydra.*`` overrides (the check is of those), except ``hydra.searchpath``, where a
+    user's own presets may be."""
+    return [
+        a
+        for a in arguments
+        if a.startswith(SEARCH_PATH)
+        or (not _OVERRIDE.match(a.lstrip("+~")) and not a.startswith("hydra.") and "," not in a)
+    ]
 
 
 @contextmanager

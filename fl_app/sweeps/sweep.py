@@ -57,8 +57,8 @@ from fl_app.config import (
 )
 from fl_app.engines.batched import ray_options, run_batched
 from fl_app.inprocess import run_in_process
+from fl_app.locations import shipped
 from fl_app.results import write_json
-from fl_app.runtime.common import PROJECT_ROOT
 from fl_app.runtime.launch import simulate_on_local_superlink
 from fl_app.runtime.processes import Stopped, stop_signals
 from fl_app.sweeps.configs import register_configs
@@ -393,7 +393,7 @@ class JobFailed(RuntimeError):
     """A single (non-multirun) job failed: the command exits non-zero."""
 
 
-@hydra.main(version_base="1.3", config_path=str(PROJECT_ROOT / "conf"), config_name="config")
+@hydra.main(version_base="1.3", config_path=str(shipped("conf")), config_name="config")
 def hydra_main(cfg: DictConfig) -> str:
     """One Hydra job; returns its status (a multirun's report is written by ``fl_app.sweeps.report``)."""
     hydra_config = HydraConfig.get()
