@@ -1,9 +1,10 @@
 """The drift study's tables and heatmap from its sweep folder (``python -m fl_app.sweep +experiment=drift``).
 
 For each network and method: final test accuracy (mean ± sd over seeds) per local-epoch count E and Dirichlet
-alpha, its gain over FedAvg on the same network in the same cell, and the share of units moved from the rounds'
-start (``client-units-moved-mean``: each client matched onto the model its round started from) and between the
-clients (``client-units-moved-between-mean``: every client matched onto the first one). Ψ-Net's gain is measured against FedAvg on plain VGG-9, as Fed2 compares.
+alpha with its gain over FedAvg on the same network in the same cell (Ψ-Net's against FedAvg on plain VGG-9, as
+Fed2 compares), and the units moved there: from the rounds' start (each client matched onto the model its round
+started from), between the clients (every client matched onto the lowest partition's client; round 1's share
+apart) and by the method's own matching (``units-moved``), from the jobs' per-round metrics.
 Jobs swept over ``train.repair=off,on`` appear as two methods, ``<method>`` and ``<method>+repair``; jobs that
 scored the global model every round (``train.server_evaluate_every=1``) also get a table of accuracy per round.
 
@@ -16,13 +17,14 @@ import argparse
 import json
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from core.merging.drift import MOVED_BETWEEN, MOVED_FROM_START
 from fl_app.sweeps.report import ConfigRow, collect
 
 RUN, EPOCHS, ALPHA, REPAIR = "experiment/drift_run", "experiment/drift_epochs", "data.dirichlet_alpha", "train.repair"
-METRIC, MOVED, BETWEEN = "final-accuracy", "client-units-moved-mean", "client-units-moved-between-mean"
+METRIC, MATCHED = "final-accuracy", "units-moved"
 AXES = (RUN, EPOCHS, ALPHA)
 """The overrides that make a job the drift study's: its run, its local epochs (``e<E>``) and its Dirichlet alpha."""
 
@@ -52,48 +54,84 @@ def _mean(row: ConfigRow | None, metric: str) -> float:
 
 
 def _cell_text(row: ConfigRow | None, baseline: ConfigRow | None) -> str:
+    """Final accuracy ± sd over seeds and the gain over FedAvg in points."""
     if row is None or not row.completed:
         return "–"
     mean, std = row.stats(METRIC)
     gain = 100 * (mean - _mean(baseline, METRIC))
     spread = f" ± {100 * std:.1f}" if not math.isnan(std) else ""
-    moved, between = _mean(row, MOVED), _mean(row, BETWEEN)
-    notes = [f"{gain:+.1f}"] if not math.isnan(gain) else []
-    notes += [f"moved {100 * moved:.0f} % from start"] if not math.isnan(moved) else []
-    notes += [f"{100 * between:.0f} % between"] if not math.isnan(between) else []
-    return f"{100 * mean:.1f}{spread}" + (f" ({', '.join(notes)})" if notes else "")
+    return f"{100 * mean:.1f}{spread}" + (f" ({gain:+.1f})" if not math.isnan(gain) else "")
+
+
+def _share(value: object) -> float | None:
+    """A metrics row's units-moved entry (a share per group, or one share) as one share: the mean over groups."""
+    if isinstance(value, dict):
+        return statistics.fmean(value.values()) if value else None
+    return float(value) if isinstance(value, int | float) else None
+
+
+def _moved_text(row: ConfigRow | None) -> str:
+    """Units moved in percent, mean over seeds, rounds and groups: from the round's start, between the clients
+    (round 1's share in brackets: the clients' first drift from one model) and by the method's own matching."""
+    if row is None or not row.completed:
+        return "–"
+    per_round = {key: _per_round(row, key, _share) for key in (MOVED_FROM_START, MOVED_BETWEEN, MATCHED)}
+    texts = []
+    for label, key in (("start", MOVED_FROM_START), ("between", MOVED_BETWEEN), ("matching", MATCHED)):
+        if shares := per_round[key]:
+            first = f" [{100 * shares[min(shares)]:.1f}]" if key == MOVED_BETWEEN else ""
+            texts.append(f"{label} {100 * statistics.fmean(shares.values()):.1f}{first}")
+    return ", ".join(texts) or "not logged"
 
 
 def tables(cells: dict[tuple[str, str, int, str], ConfigRow]) -> str:
-    """One markdown table per network: methods × (E, alpha)."""
+    """Two markdown tables per network, methods × (E, alpha): final accuracy with the gain over FedAvg, and the
+    units moved."""
     epochs = sorted({key[2] for key in cells})
     alphas = sorted({key[3] for key in cells}, key=float)
     columns = [(e, a) for a in alphas for e in epochs]
     out = []
     for network in sorted({key[0] for key in cells}):
         methods = sorted({key[1] for key in cells if key[0] == network}, key=lambda m: (m != "fedavg", m))
-        out.append(
-            f"**{network}** — final accuracy % ± sd over seeds (gain over FedAvg in points, units moved from the rounds' start and between clients)\n"
-        )
-        out.append("| method | " + " | ".join(f"E={e}, α={a}" for e, a in columns) + " |")
-        out.append("|---" * (len(columns) + 1) + "|")
+        header = [
+            "| method | " + " | ".join(f"E={e}, α={a}" for e, a in columns) + " |",
+            "|---" * (len(columns) + 1) + "|",
+        ]
+        out += [f"**{network}** — final accuracy % ± sd over seeds (gain over FedAvg in points)\n", *header]
         for method in methods:
+            baselines = (cells.get((network, "fedavg", e, a)) for e, a in columns)
             texts = [
-                _cell_text(cells.get((network, method, e, a)), cells.get((network, "fedavg", e, a))) for e, a in columns
+                _cell_text(cells.get((network, method, e, a)), b) for (e, a), b in zip(columns, baselines, strict=True)
             ]
             out.append(f"| {method} | " + " | ".join(texts) + " |")
+        out += [
+            "",
+            f"**{network}** — units moved, % (mean over seeds, rounds and groups): each client matched onto its "
+            "round's start, every client matched onto the lowest partition's client [round 1 in brackets], and by "
+            "the method's own matching\n",
+            *header,
+        ]
+        for method in methods:
+            out.append(
+                f"| {method} | "
+                + " | ".join(_moved_text(cells.get((network, method, e, a))) for e, a in columns)
+                + " |"
+            )
         out.append("")
     return "\n".join(out)
 
 
-def _per_round(row: ConfigRow, key: str) -> dict[int, float]:
-    """Round → ``key`` of the metrics rows, mean over the configuration's completed seeds (rounds that have it)."""
+def _per_round(
+    row: ConfigRow, key: str, value: Callable[[object], float | None] = lambda v: None if v is None else float(v)
+) -> dict[int, float]:
+    """Round → ``key`` of the metrics rows (read by ``value``), mean over the configuration's completed seeds
+    (rounds that have it)."""
     values: dict[int, list[float]] = {}
     for job in row.completed:
         for line in (Path(job.summary["run-folder"]) / "metrics.jsonl").read_text().splitlines():
             metrics = json.loads(line)
-            if metrics.get(key) is not None:
-                values.setdefault(metrics["round"], []).append(float(metrics[key]))
+            if (read := value(metrics.get(key))) is not None:
+                values.setdefault(metrics["round"], []).append(read)
     return {r: statistics.fmean(v) for r, v in sorted(values.items())}
 
 

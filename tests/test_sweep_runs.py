@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
+from fl_app.runtime.processes import process_table
 from fl_app.sweeps import report as sweep_report
 from fl_app.sweeps.launches import (
     JOB_MARKER,
@@ -231,6 +232,49 @@ def test_sigterm_to_a_ray_sweep_job_stops_every_process_it_started_and_removes_i
     assert json.loads(record.read_text())["error"] == "stopped by SIGTERM"
 
 
+def _descendants(pid: int) -> set[int]:
+    """Every live process below ``pid``."""
+    table, found, frontier = process_table(), set(), {pid}
+    while frontier:
+        frontier = {child for child, stat in table.items() if stat.ppid in frontier and not stat.zombie} - found
+        found |= frontier
+    return found
+
+
+def _alive(pids: set[int]) -> set[int]:
+    table = process_table()
+    return {pid for pid in pids if pid in table and not table[pid].zombie}
+
+
+@pytest.mark.slow
+def test_sigterm_to_a_parallel_sweep_stops_its_workers(tmp_path):
+    """``hydra/launcher=joblib``: SIGTERM to the sweep while both workers run a job ends it with 128 + 15 and leaves
+    none of its workers (nor anything they started) running."""
+    env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0"}
+    long_jobs = ["dataset=digits", "sim.num_supernodes=2", "train.num_server_rounds=200", "seed=0,1"]
+    parallel = ["hydra/launcher=joblib", "hydra.launcher.n_jobs=2"]
+    command = [sys.executable, "-m", "fl_app.sweep", "-m", *long_jobs, *parallel, f"hydra.sweep.dir={tmp_path}"]
+    workers: set[int] = set()
+    with (tmp_path.parent / "sweep.log").open("wb") as log:
+        sweep = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=log)
+    try:
+        deadline = time.monotonic() + 120
+        while len(list(tmp_path.glob(f"**/{JOB_MARKER}"))) < 2 and sweep.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        workers = _descendants(sweep.pid)
+        assert len(list(tmp_path.glob(f"**/{JOB_MARKER}"))) == 2, (tmp_path.parent / "sweep.log").read_text()
+        sweep.send_signal(signal.SIGTERM)
+        code = sweep.wait(timeout=60)
+        time.sleep(1)
+        left = _alive(workers)
+    finally:
+        sweep.kill()
+        for pid in _alive(workers):
+            os.kill(pid, signal.SIGKILL)
+    assert len(workers) >= 2  # the two loky workers at least
+    assert code == 128 + signal.SIGTERM and not left, (code, left)
+
+
 HOLD = (
     "import sys, time\nfrom pathlib import Path\nfrom fl_app.sweeps.launches import job_marker\n"
     "with job_marker(Path(sys.argv[1])):\n    print('held', flush=True)\n    time.sleep(120)\n"
@@ -341,7 +385,10 @@ def test_the_drift_report_refuses_a_folder_without_the_studys_jobs_and_leaves_ot
         )
         summary = {"final-accuracy": final, "best-accuracy": final, "run-folder": str(study / "run")}
         (study / "run" / "summary.json").write_text(json.dumps(summary))
-        (study / "run" / "metrics.jsonl").write_text(json.dumps({"round": 0, "accuracy": 0.1}) + "\n")
+        moved = [{"round": 1, "client-units-moved-between": {"h0": 0.5, "h1": 0.0}, "units-moved": 0.2}]
+        moved += [{"round": 2, "client-units-moved-between": {"h0": 0.1, "h1": 0.1}, "units-moved": 0.0}]
+        rows = [{"round": 0, "accuracy": 0.1}, *(moved if run == "mlp-pans" else [])]
+        (study / "run" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert drift_report.main([str(tmp_path)]) == 0
     text = (tmp_path / "drift.md").read_text()
     assert (
@@ -349,5 +396,7 @@ def test_the_drift_report_refuses_a_folder_without_the_studys_jobs_and_leaves_ot
         and "| pans | 75.0 (+5.0) |" in text
         and "2 jobs, 0 failed, 0 running." in text
     )
+    # units moved between clients: (25 % + 10 %) / 2 over the rounds, round 1's 25 % apart; the matching's 20 % and 0 %
+    assert "| fedavg | not logged |" in text and "| pans | between 17.5 [25.0], matching 10.0 |" in text
     assert (tmp_path / "drift_heatmap.png").stat().st_size > 0
     assert "1 other jobs in the folder are not the drift study's: left out." in text

@@ -411,13 +411,16 @@ def hydra_main(cfg: DictConfig) -> str:
 def main() -> None:
     """``python -m fl_app.sweep``: refuse an override no chosen algorithm or model has, or a stale
     ``pyproject.toml`` run-config table (as the launcher does), then run Hydra; a stop signal ends it with
-    128 + its number once the job has stopped what it started."""
+    128 + its number once the job has stopped what it started. The signal also stops a parallel launcher's
+    workers: raised while joblib waits for them, it makes joblib kill each worker with the processes it started
+    (without this block the launcher process died alone and its workers trained on)."""
     register_configs()
     problem = unowned_override(sys.argv[1:]) or pyproject_problem()
     if problem is not None:
         refuse(problem)
     try:
-        hydra_main()
+        with stop_signals():  # a job run in this process stops its own processes first (its inner block)
+            hydra_main()
     except Stopped as stop:
         print(f"[alignfl] stopped by {stop}: every process the job started has been stopped", file=sys.stderr)
         raise SystemExit(stop.exit_code) from None
