@@ -50,7 +50,7 @@ RUN --mount=type=secret,id=ca_bundle,required=false,mode=0444 \
     && mkdir -p /app/state /app/alignfl-results /app/.cache/alignfl/data /app/certs
 
 # No telemetry, no update checks, no dependency installation at run time (the image has them): works offline.
-# SuperExecs look for new work every 0.1 s instead of every second (fl_app/runtime/superlink.py: SUPEREXEC_POLL_S).
+# SuperExecs look for new work every 0.1 s instead of every second (alignfl/fl_app/runtime/superlink.py: SUPEREXEC_POLL_S).
 ENV FLWR_TELEMETRY_ENABLED=0 \
     FLWR_DISABLE_UPDATE_CHECK=1 \
     FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1 \

@@ -30,12 +30,12 @@ import torch
 from benchutil import append_jsonl, machine, median, read_jsonl, write_report
 from flwr.app import ConfigRecord, Context, MetricRecord, RecordDict
 
-from core.data import dataset_info
-from core.model_io import build_run_model, federated_state, load_arrays, to_arrays
-from core.rounds.strategy import Reply, ServerStrategy
-from fl_app.config import RunConfig, build_context, parse_run_config
-from models import permute_state, random_permutations
-from strategies import get_strategy, list_strategies
+from alignfl.core.data import dataset_info
+from alignfl.core.model_io import build_run_model, federated_state, load_arrays, to_arrays
+from alignfl.core.rounds.strategy import Reply, ServerStrategy
+from alignfl.fl_app.config import RunConfig, build_context, parse_run_config
+from alignfl.models import permute_state, random_permutations
+from alignfl.strategies import get_strategy, list_strategies
 
 MODEL_FOR = {"mlp": {"psinet": None}, "vgg9": {"psinet": "psi-vgg9"}}
 """Per benchmark model, the strategies that need another model (None: left out)."""

@@ -1,4 +1,5 @@
-"""How long one BBP-MAP matching pass (:func:`core.merging.bbp_model.bbp_matched_average`) takes over K VGG-9 clients.
+"""How long one BBP-MAP matching pass (:func:`alignfl.core.merging.bbp_model.bbp_matched_average`) takes over K VGG-9
+clients.
 
 A pass matches every hidden group of the model, input side first, each until
 its assignment settles (at most ``iterations`` sweeps), and builds the grown
@@ -8,14 +9,14 @@ client Gaussian noise of ``--noise`` times each entry's standard deviation and
 a random permutation of every group (clients that drifted apart from one
 start). Models:
 
-* ``cifar10``: the FedMA paper's CIFAR-10 VGG-9 (``models.vgg.vgg9`` at width
+* ``cifar10``: the FedMA paper's CIFAR-10 VGG-9 (``alignfl.models.vgg.vgg9`` at width
   factor 1: convs 32, 64, 128, 128, 256, 256, FCs 512, 512, 3 x 32 x 32 input);
 * ``mnist``: the narrower variant on 1 x 28 x 28 input, every width times
   ``--mnist-width``.
 
 Reported per setting, medians over ``--repeats``: wall seconds and CPU
 seconds of this process (all torch threads), the latter split into building
-the cost matrices (:func:`core.merging.bbp.extended_cost`), solving them
+the cost matrices (:func:`alignfl.core.merging.bbp.extended_cost`), solving them
 (``scipy.optimize.linear_sum_assignment``) and the rest (unit vectors,
 removing and adding clients, scattering inputs, averaging), measured by
 wrapping both functions; the number of client matches (cost matrices built);
@@ -40,10 +41,10 @@ import scipy.optimize
 import torch
 from torch import Tensor
 
-import core.merging.bbp as bbp
-from core.merging.bbp_model import bbp_matched_average
-from models import PanSettings, build_model, permute_state, random_permutations
-from models.protocol import head_of
+import alignfl.core.merging.bbp as bbp
+from alignfl.core.merging.bbp_model import bbp_matched_average
+from alignfl.models import PanSettings, build_model, permute_state, random_permutations
+from alignfl.models.protocol import head_of
 
 INPUTS = {"cifar10": (3, 32, 32), "mnist": (1, 28, 28)}
 CLASSES = 10
@@ -71,7 +72,7 @@ class CpuClock:
 
 @contextmanager
 def instrumented(clock: CpuClock) -> Iterator[None]:
-    """Time cost building and solving for the duration of the block (core.merging.bbp imports the solver from
+    """Time cost building and solving for the duration of the block (alignfl.core.merging.bbp imports the solver from
     scipy.optimize when it matches, so the solver is replaced there)."""
     cost, solver = bbp.extended_cost, scipy.optimize.linear_sum_assignment
     bbp.extended_cost, scipy.optimize.linear_sum_assignment = clock.wrap("cost", cost), clock.wrap("solve", solver)

@@ -94,15 +94,15 @@ def simulate(
     engine) in this process and, on a Ray of its own, Ray's processes its children, which :class:`TreeSampler`
     reads. Flower deprecated the ``run_simulation`` that starts it; the replacement it recommends, ``flwr run``
     on a SuperLink (the launcher's path), would move the driver into another process beside a SuperLink and a
-    SuperExec and change what these figures mean, so it is read through :mod:`fl_app.patches.seam`.
+    SuperExec and change what these figures mean, so it is read through :mod:`alignfl.fl_app.patches.seam`.
 
     ``ray_cpus`` caps a Ray of its own, so at most ``ray_cpus / client_cpus`` clients run at once (None: every
     core); ``ray_address``: join the running cluster there instead. Flower's backend shuts its Ray down (or
     leaves the cluster) at the end.
     """
-    from fl_app.client_app import build_client_app
-    from fl_app.patches import seam
-    from fl_app.server_app import build_server_app
+    from alignfl.fl_app.client_app import build_client_app
+    from alignfl.fl_app.patches import seam
+    from alignfl.fl_app.server_app import build_server_app
 
     run_simulation = seam.get(RUN_SIMULATION)
     run_simulation(

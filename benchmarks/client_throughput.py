@@ -38,10 +38,10 @@ import torch
 from benchutil import append_jsonl, machine, median, read_jsonl
 from torch import nn
 
-from core.config import RunConfig
-from core.data import load_dataset
-from core.model_io import build_run_model, federated_state
-from core.training.sgd import (
+from alignfl.core.config import RunConfig
+from alignfl.core.data import load_dataset
+from alignfl.core.model_io import build_run_model, federated_state
+from alignfl.core.training.sgd import (
     PlainSGD,
     batch_order,
     evaluate,
@@ -50,10 +50,10 @@ from core.training.sgd import (
     seed_everything,
     seed_torch,
 )
-from core.training.vectorised import ClientSteps, StackedTrainer, stacked_state_names
-from fl_app.client_app import client_data
-from fl_app.config import parse_run_config
-from fl_app.engines.batched import run_batched
+from alignfl.core.training.vectorised import ClientSteps, StackedTrainer, stacked_state_names
+from alignfl.fl_app.client_app import client_data
+from alignfl.fl_app.config import parse_run_config
+from alignfl.fl_app.engines.batched import run_batched
 
 WAYS = ("plain", "batched", "vectorised")
 

@@ -42,14 +42,21 @@ import torch
 from benchutil import RoundCounter, TreeSampler, append_jsonl, machine, median, round_seconds, run_metrics, simulate
 from torch import nn
 
-from core.metrics.calibration import classification_scores
-from core.model_io import build_run_model, federated_state
-from core.training.sgd import evaluate, iterate_batches, round_generator, seed_everything, seed_torch, select_device
-from fl_app.checkpoint import load_checkpoint
-from fl_app.client_app import client_data
-from fl_app.config import RunConfig, parse_run_config
-from fl_app.engines.batched import run_batched
-from fl_app.inprocess import run_in_process
+from alignfl.core.metrics.calibration import classification_scores
+from alignfl.core.model_io import build_run_model, federated_state
+from alignfl.core.training.sgd import (
+    evaluate,
+    iterate_batches,
+    round_generator,
+    seed_everything,
+    seed_torch,
+    select_device,
+)
+from alignfl.fl_app.checkpoint import load_checkpoint
+from alignfl.fl_app.client_app import client_data
+from alignfl.fl_app.config import RunConfig, parse_run_config
+from alignfl.fl_app.engines.batched import run_batched
+from alignfl.fl_app.inprocess import run_in_process
 
 ENGINES = ("ray", "inprocess", "batched", "vectorised", "plain")
 MODELS = ("twocnn", "twonn", "mlp")
@@ -77,7 +84,7 @@ def plain_run(config: RunConfig, num_clients: int) -> list[dict[str, Any]]:
     """The workload without any engine; one row per round (seconds since the last, and the server's accuracy in
     the rounds it evaluates)."""
     device = select_device(config.device)
-    from core.data import load_dataset
+    from alignfl.core.data import load_dataset
 
     dataset = load_dataset(config.dataset)
     sampling = random.Random(config.seed)  # the round runner's stream: train sample, then evaluation sample

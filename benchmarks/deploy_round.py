@@ -5,11 +5,11 @@ Two measurements, each taken for every set-up in turn so that all see the same l
 
 * **Start-up per message**: the CPU-seconds a ClientApp process spends before the ClientApp's first line:
   what ``flwr-clientapp`` imports (its entry point and Flower's ClientApp runner) and what loading the app
-  imports (``fl_app.client_app``). Flower's executor pays them in a fresh interpreter (measured as a child of
+  imports (``alignfl.fl_app.client_app``). Flower's executor pays them in a fresh interpreter (measured as a child of
   this process); the warm executor's child, forked from its warm parent, pays the child's set-up and the app's
   own packages, which it imports afresh from the FAB (it calls the runner its parent imported; measured by the
   parent's ``wait4``).
-* **Rounds**: ``python -m fl_app.deploy --executor E --node-poll P`` (SuperLink, N SuperNodes and their
+* **Rounds**: ``python -m alignfl.fl_app.deploy --executor E --node-poll P`` (SuperLink, N SuperNodes and their
   SuperExecs on 127.0.0.1, the digits MLP) for a few rounds, each round's wall time from ``metrics.jsonl``; the
   runs alternate between the set-ups (``--setups``: Flower's executor and SuperNode, the warm executor with
   Flower's SuperNode, the warm executor with a SuperNode asking every 0.5 s and the SuperLink's state in a
@@ -36,21 +36,21 @@ from typing import Any
 
 from benchutil import append_jsonl, machine, median, read_jsonl, round_seconds, write_report
 
-from fl_app.patches import seam
-from fl_app.patches.polling_supernode import node_poll_interval
+from alignfl.fl_app.patches import seam
+from alignfl.fl_app.patches.polling_supernode import node_poll_interval
 
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = str(ROOT / ".venv" / "bin" / "python") if (ROOT / ".venv" / "bin" / "python").exists() else sys.executable
 EXECUTORS = ("flower", "warm")
 DEFAULT_SETUPS = ("flower/flower", "warm/flower", "warm/0.5/file", "warm/0.5")
-"""``EXECUTOR/NODE-POLL[/file]``: ``python -m fl_app.deploy --executor EXECUTOR --node-poll NODE-POLL`` (with
+"""``EXECUTOR/NODE-POLL[/file]``: ``python -m alignfl.fl_app.deploy --executor EXECUTOR --node-poll NODE-POLL`` (with
 ``/file``: ``--superlink-db`` in the run's folder; else the SuperLink's state in memory, the default)."""
 RUNNER = seam.INTERNALS["flwr.supernode.runtime.run_clientapp.run_clientapp"].module
 ENDED = re.compile(r"ClientApp process pid \d+ ended with code 0 after ([\d.]+) s, ([\d.]+) CPU-s")
 
 
 def valid_setup(setup: str) -> bool:
-    """Whether ``setup`` is ``EXECUTOR/NODE-POLL[/file]`` with values ``fl_app.runtime.deploy`` takes."""
+    """Whether ``setup`` is ``EXECUTOR/NODE-POLL[/file]`` with values ``alignfl.fl_app.runtime.deploy`` takes."""
     executor, _, rest = setup.partition("/")
     poll, _, state = rest.partition("/")
     try:
@@ -65,7 +65,7 @@ def startup_imports(executor: str) -> str:
     (``flwr-clientapp``): the module its console script imports it from, Flower's ClientApp runner and the app
     (``load_app``); ``warm`` (a warm child): the runner (its parent's) and the app. The module names are the
     seam's, found without importing anything."""
-    modules = [RUNNER, "fl_app.client_app"]
+    modules = [RUNNER, "alignfl.fl_app.client_app"]
     if executor == "flower":
         modules.insert(0, seam.flower_command_module("flwr-clientapp"))
     return f"import {', '.join(modules)}"
@@ -98,7 +98,7 @@ def warm_startup_cpu_s(samples: int) -> tuple[list[float], float]:
     """``samples`` children of one warm parent doing the same; their CPU-seconds, and the parent's own
     (paid once per SuperNode)."""
     os.environ.update(environment())
-    from fl_app.patches.warm_executor import WarmExecutor
+    from alignfl.fl_app.patches.warm_executor import WarmExecutor
 
     task_type = seam.get("flwr.supercore.constant.TaskType")
     execution_spec = seam.get("flwr.supercore.superexec.executor.ExecutionSpec")
@@ -147,7 +147,7 @@ def process_table() -> dict[int, tuple[int, float, str]]:
 
 
 def service_kind(command: str, superlink_port: str) -> str:
-    """Which part of the deployment a direct child of ``fl_app.runtime.deploy`` is."""
+    """Which part of the deployment a direct child of ``alignfl.fl_app.runtime.deploy`` is."""
     if "flower-superlink" in command:
         return "SuperLink"
     if "supernode" in command:
@@ -166,7 +166,7 @@ def service_kind(command: str, superlink_port: str) -> str:
 
 def service_cpu_s(deploy_pid: int) -> dict[str, float]:
     """CPU-seconds so far of each kind of service the deployment started (each with every descendant, alive or
-    waited for), and of ``fl_app.runtime.deploy`` itself."""
+    waited for), and of ``alignfl.fl_app.runtime.deploy`` itself."""
     table = process_table()
     children: dict[int, list[int]] = {}
     for pid, (parent, _, _) in table.items():
@@ -203,7 +203,7 @@ def deploy_rounds(
         [
             PYTHON,
             "-m",
-            "fl_app.deploy",
+            "alignfl.fl_app.deploy",
             "--executor",
             executor,
             "--node-poll",

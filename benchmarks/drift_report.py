@@ -1,4 +1,4 @@
-"""The drift study's tables and heatmap from its sweep folder (``python -m fl_app.sweep +experiment=drift``).
+"""The drift study's tables and heatmap from its sweep folder (``python -m alignfl.fl_app.sweep +experiment=drift``).
 
 For each network and method: final test accuracy (mean ± sd over seeds) per local-epoch count E and Dirichlet
 alpha with its gain over FedAvg on the same network in the same cell (Ψ-Net's against FedAvg on plain VGG-9, as
@@ -20,8 +20,8 @@ import statistics
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from core.merging.drift import MOVED_BETWEEN, MOVED_FROM_START
-from fl_app.sweeps.report import ConfigRow, collect
+from alignfl.core.merging.drift import MOVED_BETWEEN, MOVED_FROM_START
+from alignfl.fl_app.sweeps.report import ConfigRow, collect
 
 RUN, EPOCHS, ALPHA, REPAIR = "experiment/drift_run", "experiment/drift_epochs", "data.dirichlet_alpha", "train.repair"
 METRIC, MATCHED = "final-accuracy", "units-moved"
@@ -217,8 +217,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not cells:
         parser.error(
             f"{args.sweep} holds no drift-study job (one whose overrides set {', '.join(AXES)}, as "
-            "`python -m fl_app.sweep +experiment=drift` does); for another sweep's folder use "
-            "`python -m fl_app.sweeps.report`"
+            "`python -m alignfl.fl_app.sweep +experiment=drift` does); for another sweep's folder use "
+            "`python -m alignfl.fl_app.sweeps.report`"
         )
     study = [row for row in rows if is_study_row(row)]
     text = tables(cells) + rounds_table(cells)

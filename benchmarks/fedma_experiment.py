@@ -2,12 +2,12 @@
 
 ``--part merge``: one-shot merges of K differently initialised models (small-mlp, Fashion-MNIST, Dirichlet 0.5,
 ``--merge-epochs`` local epochs each): plain average, one-to-one weight matching, BBP-MAP and the ensemble,
-with BBP-MAP's global width per layer (the merge tool, ``python -m fl_app.analysis merge``).
+with BBP-MAP's global width per layer (the merge tool, ``python -m alignfl.fl_app.analysis merge``).
 
 ``--part federated``: FedAvg, FedMA with BBP-MAP and FedMA with one-to-one weight matching across K clients
 at equal communication: every server round is one exchange, FedMA spends one per layer plus one for the
 output layer, so all run ``--rounds`` rounds (a multiple of FedMA's cycle). Runs go through the real
-ServerApp and ClientApp in one process (:func:`fl_app.inprocess.run_in_process`). Finished runs are
+ServerApp and ClientApp in one process (:func:`alignfl.fl_app.inprocess.run_in_process`). Finished runs are
 skipped; seeds are the outer loop.
 
     python benchmarks/fedma_experiment.py --part merge --seeds 0 1 2
@@ -51,7 +51,7 @@ def mean_std(values: list[float]) -> str:
 
 
 def run_merges(args: argparse.Namespace, out: Path) -> None:
-    from fl_app.analysis.__main__ import main as analysis
+    from alignfl.fl_app.analysis.__main__ import main as analysis
 
     for seed in args.seeds:
         for clients in MERGE_CLIENTS:
@@ -91,7 +91,7 @@ def run_merges(args: argparse.Namespace, out: Path) -> None:
 
 
 def run_federated(args: argparse.Namespace, out: Path) -> None:
-    from fl_app.inprocess import run_in_process
+    from alignfl.fl_app.inprocess import run_in_process
 
     for seed in args.seeds:
         for clients in CLIENTS:

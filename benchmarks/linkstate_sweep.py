@@ -10,7 +10,7 @@ partition query stores one per node, and a round one per sampled node):
   replies come back and the server pulls them).
 
 Flower's state is built by ``tests/flower_state.py``, the tests' helper that reads Flower's internals to build
-what the simulation starts from; the two lookups are swapped through :mod:`fl_app.patches.seam`.
+what the simulation starts from; the two lookups are swapped through :mod:`alignfl.fl_app.patches.seam`.
 
     .venv/bin/python benchmarks/linkstate_sweep.py --nodes 1000 10000 --messages 20 1000
 """
@@ -25,8 +25,8 @@ from pathlib import Path
 
 from flwr.app import Message, MessageType, RecordDict
 
-from fl_app.inprocess import set_task_identity
-from fl_app.patches import flower_runtime, seam
+from alignfl.fl_app.inprocess import set_task_identity
+from alignfl.fl_app.patches import flower_runtime, seam
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from flower_state import simulation_state

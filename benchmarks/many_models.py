@@ -4,10 +4,10 @@ The clients are ``one_shot.py``'s (its :func:`one_shot.run_config`: Fashion-MNIS
 Dirichlet(alpha), E = 20, each client from its own initialisation, trained once per (network, K, seed) cell as round
 1 of a one-shot run trains it). Each cell scores on the test split: the example-weighted average; weight matching
 onto client 0, then averaged; the universe matching of all K models (Crisostomi et al., "C2M3: Cycle-Consistent
-Multi-Model Merging", NeurIPS 2024; :mod:`core.merging.universe`), then averaged; each merge again after REPAIR
+Multi-Model Merging", NeurIPS 2024; :mod:`alignfl.core.merging.universe`), then averaged; each merge again after REPAIR
 (Jordan et al., "REPAIR: REnormalizing Permuted Activations for Interpolation Repair", ICLR 2023;
-:func:`fl_app.analysis.merge.repair_merge`) twice: with each client's model measured on its own training split and
-the merged model on every client's, as ``repair=on`` measures them (``+ REPAIR``), and with every model measured on
+:func:`alignfl.fl_app.analysis.merge.repair_merge`) twice: with each client's model measured on its own training split
+and the merged model on every client's, as ``repair=on`` measures them (``+ REPAIR``), and with every model measured on
 the union of the clients' training splits, as REPAIR's authors measure on one data set (``+ REPAIR pooled``); the
 ensemble (mean softmax) and the best client. It also records the cycle-consistency error that matching
 onto client 0 has (per permutation group) and Frank-Wolfe's iterations and objective.
@@ -34,12 +34,12 @@ from benchutil import append_jsonl, machine, read_jsonl
 from flwr.app import ArrayRecord
 from one_shot import NETWORKS, add_cell_arguments, run_config
 
-from core.merging.alignment import align_and_average, matching_generator
-from core.model_io import build_run_model, load_arrays
-from core.training.sgd import evaluate
-from fl_app.analysis.merge import merge_accuracies, repair_key, repair_merge, train_clients
-from fl_app.analysis.merge_options import OWN, POOLED, REPAIR_DATA, UNIVERSE
-from fl_app.client_app import client_data
+from alignfl.core.merging.alignment import align_and_average, matching_generator
+from alignfl.core.model_io import build_run_model, load_arrays
+from alignfl.core.training.sgd import evaluate
+from alignfl.fl_app.analysis.merge import merge_accuracies, repair_key, repair_merge, train_clients
+from alignfl.fl_app.analysis.merge_options import OWN, POOLED, REPAIR_DATA, UNIVERSE
+from alignfl.fl_app.client_app import client_data
 
 BASES = {"average": "average", "matched-weight": "matched onto client 0", "matched-universe": "universe"}
 SHORT = {"average": "average", "matched-weight": "matched", "matched-universe": "universe"}

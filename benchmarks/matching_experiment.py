@@ -10,7 +10,7 @@ on a finished cycle.
 
 ``--part federated`` runs one experiment on the in-process engine per (seed, K,
 strategy) through :func:`pan_experiment.simulate`; ``--part merge`` runs the
-one-shot merge tool (``python -m fl_app.analysis merge``, differently
+one-shot merge tool (``python -m alignfl.fl_app.analysis merge``, differently
 initialised models) for each (seed, K); ``--part pan`` measures what matching
 does to models trained with PANs on (:func:`pan_measurement`). Finished runs are skipped, so the
 script can be stopped and resumed; seeds are the outer loop, so a stopped run
@@ -39,7 +39,7 @@ sys.path.insert(0, str(HERE))
 from pan_experiment import PAN_SETTINGS, mean_std, simulate  # noqa: E402  (a sibling script, not a package)
 
 if TYPE_CHECKING:
-    from fl_app.config import RunConfig
+    from alignfl.fl_app.config import RunConfig
 
 DEFAULT_OUT = HERE / "runs" / "matching"
 STRATEGIES = ("fedavg", "matched", "fedma")
@@ -52,9 +52,9 @@ BASE = {"model": "small-mlp", "dataset": "fashion-mnist", "partitioner": "dirich
 
 def fedma_cycle(model: str, dataset: str) -> int:
     """Communications per FedMA cycle: one per permutation group plus one for the output layer."""
-    from core.data import dataset_info
-    from models import build_model
-    from models.pan import PanSettings
+    from alignfl.core.data import dataset_info
+    from alignfl.models import build_model
+    from alignfl.models.pan import PanSettings
 
     input_shape, num_classes = dataset_info(dataset)
     return len(build_model(model, input_shape, num_classes, PanSettings()).permutation_spec().groups) + 1
@@ -91,7 +91,7 @@ def run_federated(args: argparse.Namespace, out: Path) -> None:
 
 
 def run_merges(args: argparse.Namespace, out: Path) -> None:
-    from fl_app.analysis.__main__ import main as analysis
+    from alignfl.fl_app.analysis.__main__ import main as analysis
 
     for seed in args.seeds:
         for k in MERGE_CLIENTS:
@@ -137,11 +137,11 @@ def pan_measurement(config: RunConfig, init: str) -> dict[str, Any]:
     """
     import torch
 
-    from core.merging.alignment import find_permutations, matched_average, weighted_average
-    from core.model_io import build_run_model
-    from core.training.sgd import evaluate
-    from fl_app.analysis.merge import train_clients
-    from models import permute_state
+    from alignfl.core.merging.alignment import find_permutations, matched_average, weighted_average
+    from alignfl.core.model_io import build_run_model
+    from alignfl.core.training.sgd import evaluate
+    from alignfl.fl_app.analysis.merge import train_clients
+    from alignfl.models import permute_state
 
     device = torch.device("cpu")
     states, counts, dataset, _ = train_clients(config, PAN_CLIENTS, init == "same", device)
@@ -168,7 +168,7 @@ def pan_measurement(config: RunConfig, init: str) -> dict[str, Any]:
 
 
 def run_pan(args: argparse.Namespace, out: Path) -> None:
-    from fl_app.config import parse_run_config
+    from alignfl.fl_app.config import parse_run_config
 
     for seed in args.seeds:
         for init in ("same", "different"):

@@ -4,12 +4,12 @@ For every model and K, K client states are made from one model (``permuted``:
 each a random permutation of every group plus Gaussian noise of ``--noise``
 times each entry's standard deviation, as if clients had drifted a little;
 ``independent``: K differently initialised models, the hardest case for
-coordinate descent) and :func:`core.merging.alignment.matched_average` aligns them
+coordinate descent) and :func:`alignfl.core.merging.alignment.matched_average` aligns them
 onto the global model and averages them, exactly as one ``matched`` round does
 (``matched-reference=global``, one pass). Reported per setting: the medians over
 ``--repeats`` of the wall time and of the CPU time, the latter split into
 
-* ``cost matrices``: inside :meth:`core.merging.alignment.PairScores.share`
+* ``cost matrices``: inside :meth:`alignfl.core.merging.alignment.PairScores.share`
   (permuting the client's entries and the matrix products / L1 distances),
 * ``solver``: inside ``scipy.optimize.linear_sum_assignment``,
 * ``elsewhere``: the rest (summing shares, checks, permuting and averaging the
@@ -36,9 +36,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-import core.merging.alignment as alignment
-from core.data import dataset_info
-from models import PanSettings, build_model, permute_state, random_permutations
+import alignfl.core.merging.alignment as alignment
+from alignfl.core.data import dataset_info
+from alignfl.models import PanSettings, build_model, permute_state, random_permutations
 
 DATASETS = {"mlp": "fashion-mnist", "vgg9": "cifar10", "resnet20": "cifar10"}
 CLIENTS = (2, 8, 16, 32)

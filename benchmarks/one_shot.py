@@ -2,7 +2,7 @@
 the ensemble and the best client, for K = 2, 4, 8, 16.
 
 Each client trains as round 1 of a one-shot run (``num-server-rounds=1``, ``client-init=independent``) trains it:
-:func:`fl_app.analysis.merge.train_clients`, which a test pins equal to the ServerApp's one-shot runs. Settings
+:func:`alignfl.fl_app.analysis.merge.train_clients`, which a test pins equal to the ServerApp's one-shot runs. Settings
 are the drift study's (``conf/experiment/drift.yaml``): Fashion-MNIST, a fixed 3,200-image subset split by
 Dirichlet(alpha), E = 20, batch 32, lr 0.01, momentum 0.9.
 
@@ -21,12 +21,12 @@ from pathlib import Path
 import torch
 from flwr.app import ArrayRecord
 
-from core.merging.ot_fusion import OTSettings, ot_fuse
-from core.metrics.ensemble import score_models
-from core.model_io import build_run_model, load_arrays
-from core.training.sgd import evaluate
-from fl_app.analysis.merge import merge_accuracies, train_clients
-from fl_app.config import RunConfig, parse_run_config
+from alignfl.core.merging.ot_fusion import OTSettings, ot_fuse
+from alignfl.core.metrics.ensemble import score_models
+from alignfl.core.model_io import build_run_model, load_arrays
+from alignfl.core.training.sgd import evaluate
+from alignfl.fl_app.analysis.merge import merge_accuracies, train_clients
+from alignfl.fl_app.config import RunConfig, parse_run_config
 
 NETWORKS = {
     "mlp": {"model": "small-mlp"},

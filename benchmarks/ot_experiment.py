@@ -72,11 +72,11 @@ def _merge(seed: int, k: int) -> dict[str, Any]:
     """Each of ``k`` clients' accuracy, and each one-shot merge's (Sinkhorn OT's included)."""
     import torch
 
-    from core.merging.ot_fusion import OTSettings, ot_fuse
-    from core.model_io import build_run_model
-    from core.training.sgd import evaluate
-    from fl_app.analysis.merge import merge_accuracies, train_clients
-    from fl_app.config import parse_run_config
+    from alignfl.core.merging.ot_fusion import OTSettings, ot_fuse
+    from alignfl.core.model_io import build_run_model
+    from alignfl.core.training.sgd import evaluate
+    from alignfl.fl_app.analysis.merge import merge_accuracies, train_clients
+    from alignfl.fl_app.config import parse_run_config
 
     config = parse_run_config({**DATA, "seed": seed, "local-epochs": 2, "dirichlet-alpha": 0.5})
     device = torch.device("cpu")
@@ -99,10 +99,10 @@ def run_merge(seeds: list[int], out: Path) -> None:
 
 def _federated(run: dict[str, Any], out: Path, name: str) -> dict[str, Any]:
     """The final accuracy of a federated run named ``name`` (in-process grid)."""
-    from fl_app.client_app import build_client_app
-    from fl_app.config import parse_run_config
-    from fl_app.inprocess import InProcessGrid
-    from fl_app.server_app import run_experiment
+    from alignfl.fl_app.client_app import build_client_app
+    from alignfl.fl_app.config import parse_run_config
+    from alignfl.fl_app.inprocess import InProcessGrid
+    from alignfl.fl_app.server_app import run_experiment
 
     values = {**DATA, **FED, "results-dir": str(out / "runs"), "run-name": name, **run}
     summary = run_experiment(

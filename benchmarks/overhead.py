@@ -49,13 +49,13 @@ from benchutil import (
 )
 from torch import nn
 
-from core.data import load_dataset
-from core.metrics.calibration import classification_scores
-from core.model_io import build_run_model, federated_state
-from core.partitioning.partitions import client_split, partition_dataset
-from core.training.sgd import evaluate, iterate_batches, round_generator, seed_everything, seed_torch
-from fl_app.config import RunConfig, parse_run_config
-from fl_app.engines.batched import run_batched
+from alignfl.core.data import load_dataset
+from alignfl.core.metrics.calibration import classification_scores
+from alignfl.core.model_io import build_run_model, federated_state
+from alignfl.core.partitioning.partitions import client_split, partition_dataset
+from alignfl.core.training.sgd import evaluate, iterate_batches, round_generator, seed_everything, seed_torch
+from alignfl.fl_app.config import RunConfig, parse_run_config
+from alignfl.fl_app.engines.batched import run_batched
 
 EXPERIMENT = {
     "strategy": "fedavg",

@@ -2,7 +2,7 @@
 
 Li et al., "Federated Learning with Position-Aware Neurons", CVPR 2022.
 
-Each run is one experiment on the in-process engine (:func:`fl_app.inprocess.run_in_process`: the ServerApp's
+Each run is one experiment on the in-process engine (:func:`alignfl.fl_app.inprocess.run_in_process`: the ServerApp's
 round runner and the ClientApp that ``flwr run`` runs, clients one after another in this process, no Ray)
 writing its own run folder; accuracy is what is measured here, not Flower's runtime, and the engine gives the
 rows Flower's simulation gives (it samples clients in partition order as every engine does). Finished runs
@@ -105,8 +105,8 @@ def run_name(run: dict[str, Any]) -> str:
 def shuffle_final_model(folder: Path) -> None:
     """The shuffle test of a run's final model (``shuffle.json`` beside it): error on Gaussian inputs and the
     test-accuracy change when every hidden layer is permuted with disorder P_sf (3 draws each)."""
-    from fl_app.analysis.common import load_run_model
-    from fl_app.analysis.shuffle import gaussian_inputs, shuffle_test
+    from alignfl.fl_app.analysis.common import load_run_model
+    from alignfl.fl_app.analysis.shuffle import gaussian_inputs, shuffle_test
 
     loaded = load_run_model(folder)
     data = loaded.dataset
@@ -124,7 +124,7 @@ def simulate(run: dict[str, Any], scale: dict[str, Any], out: Path, name: str | 
     ``run`` holds run-config overrides (keys starting with ``_`` are labels, not sent),
     which win over ``scale``'s; the run folder is ``out / name`` (default: :func:`run_name`).
     """
-    from fl_app.inprocess import run_in_process
+    from alignfl.fl_app.inprocess import run_in_process
 
     overrides = {
         "num-server-rounds": scale["rounds"],

@@ -19,8 +19,8 @@ import tempfile
 import time
 from statistics import median
 
-from core.data import load_dataset
-from core.partitioning import partitions
+from alignfl.core.data import load_dataset
+from alignfl.core.partitioning import partitions
 
 
 def timed(case: str) -> float:

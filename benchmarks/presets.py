@@ -5,7 +5,7 @@ and table a preset's sweep with the figures its paper reports.
     python benchmarks/presets.py run NAME [--out DIR] [OVERRIDE ...]   # the whole preset (3 seeds), timed
     python benchmarks/presets.py table SWEEP_DIR [--metrics KEY ...]   # mean ± std over seeds, per configuration
 
-Every sweep runs as ``nice python -m fl_app.sweep +experiment=NAME sim.ray_cpus=2 sim.torch_threads=1`` (this
+Every sweep runs as ``nice python -m alignfl.fl_app.sweep +experiment=NAME sim.ray_cpus=2 sim.torch_threads=1`` (this
 machine has 2 shared cores), in ``OUT/NAME`` (default ``~/alignfl-results/sweeps/presets``). ``run`` and ``smoke``
 sample ``/proc/loadavg`` every 10 s while the sweep runs and write ``timing.json`` beside ``summary.md``: wall time,
 the 1-minute load average at the start, its mean and maximum over the run (the load includes the sweep itself:
@@ -29,7 +29,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fl_app.sweeps.report import collect  # noqa: E402
+from alignfl.fl_app.sweeps.report import collect  # noqa: E402
 
 DEFAULT_OUT = Path.home() / "alignfl-results" / "sweeps" / "presets"
 MACHINE = ("sim.ray_cpus=2", "sim.torch_threads=1")
@@ -58,7 +58,7 @@ def loadavg() -> float:
 
 
 def run_sweep(name: str, folder: Path, overrides: list[str]) -> dict[str, Any]:
-    """``python -m fl_app.sweep +experiment=name`` under nice, in ``folder``; returns the timing record."""
+    """``python -m alignfl.fl_app.sweep +experiment=name`` under nice, in ``folder``; returns the timing record."""
     if folder.exists() and any(folder.iterdir()):
         raise SystemExit(f"{folder} is not empty: give each sweep its own folder (--out)")
     command = [
@@ -67,7 +67,7 @@ def run_sweep(name: str, folder: Path, overrides: list[str]) -> dict[str, Any]:
         "10",
         sys.executable,
         "-m",
-        "fl_app.sweep",
+        "alignfl.fl_app.sweep",
         f"+experiment={name}",
         *MACHINE,
         *overrides,

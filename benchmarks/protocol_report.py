@@ -1,4 +1,4 @@
-"""FedMA's published protocol from its sweep folder (``python -m fl_app.sweep +experiment=fedma-protocol-cpu``):
+"""FedMA's published protocol from its sweep folder (``python -m alignfl.fl_app.sweep +experiment=fedma-protocol-cpu``):
 the global model's test accuracy against communication rounds (the FedMA paper's own axis), mean ± sd over seeds.
 
 Every method's round 1 trains the clients from their own initialisations; FedAvg's and FedProx's round 2 starts
@@ -19,7 +19,7 @@ import statistics
 from collections.abc import Sequence
 from pathlib import Path
 
-from fl_app.sweeps.report import ConfigRow, collect
+from alignfl.fl_app.sweeps.report import ConfigRow, collect
 
 METHOD = "experiment/protocol_method"
 FROM_START, BETWEEN = "client-units-moved", "client-units-moved-between"
@@ -112,7 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not methods:
         parser.error(
             f"{args.sweep} holds no finished job of the protocol preset (one whose overrides set {METHOD}, as "
-            "`python -m fl_app.sweep +experiment=fedma-protocol-cpu` does)"
+            "`python -m alignfl.fl_app.sweep +experiment=fedma-protocol-cpu` does)"
         )
     curves = {method: curve(row, args.stages if method == "fedma" else 1) for method, row in methods.items()}
     text = table(methods, curves)

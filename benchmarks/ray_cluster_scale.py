@@ -1,9 +1,9 @@
 """Scale on a Ray cluster: 1,000 clients, 1 % per round, on two Ray nodes against the same on one node.
 
-Both clusters are started on this machine (:mod:`fl_app.runtime.local_ray`) with the same total CPUs: one node with
-``2 * cpus`` CPUs, or a head and a second node with ``cpus`` each. The simulation (the product's ServerApp and
+Both clusters are started on this machine (:mod:`alignfl.fl_app.runtime.local_ray`) with the same total CPUs: one node
+with ``2 * cpus`` CPUs, or a head and a second node with ``cpus`` each. The simulation (the product's ServerApp and
 ClientApp on Flower's own simulation engine, :func:`benchutil.simulate`) joins the cluster from this process, so
-the driver measured is the ServerApp and the engine. ``python -m fl_app.sweep sim.backend=ray
+the driver measured is the ServerApp and the engine. ``python -m alignfl.fl_app.sweep sim.backend=ray
 sim.ray_address=...`` runs the same engine through ``flwr run``, whose driver is another process. Per layout: each round's time (``elapsed-s`` differences), where the
 clients trained (``client-ray-nodes``), and the peak memory of each node's processes (GCS, raylet, agents,
 ClientApp workers; PSS, shared pages split among their users) and of this driver process, sampled every second.
@@ -23,8 +23,8 @@ from typing import Any
 
 from benchutil import append_jsonl, machine, round_seconds, run_metrics, simulate, write_report
 
-from fl_app.config import parse_run_config
-from fl_app.runtime.local_ray import local_ray_cluster
+from alignfl.fl_app.config import parse_run_config
+from alignfl.fl_app.runtime.local_ray import local_ray_cluster
 
 EXPERIMENT = {
     "strategy": "fedavg",

@@ -42,8 +42,8 @@ from benchutil import (
     write_report,
 )
 
-from core.partitioning.partitions import partition_dataset
-from fl_app.config import RunConfig, parse_run_config
+from alignfl.core.partitioning.partitions import partition_dataset
+from alignfl.fl_app.config import RunConfig, parse_run_config
 
 EXPERIMENT = {
     "strategy": "fedavg",

@@ -22,12 +22,12 @@ from typing import Any
 import torch
 from flwr.app import ArrayRecord, MetricRecord, RecordDict
 
-from core.model_io import build_model_for, to_arrays
-from core.rounds.replies import METRICS_RECORD, MODEL_RECORD, NUM_EXAMPLES, arrays_problem
-from core.rounds.strategy import Reply, weighted_mean
-from fl_app.checkpoint import Checkpoint, save_checkpoint
-from fl_app.config import parse_run_config
-from fl_app.tracking import Tracking
+from alignfl.core.model_io import build_model_for, to_arrays
+from alignfl.core.rounds.replies import METRICS_RECORD, MODEL_RECORD, NUM_EXAMPLES, arrays_problem
+from alignfl.core.rounds.strategy import Reply, weighted_mean
+from alignfl.fl_app.checkpoint import Checkpoint, save_checkpoint
+from alignfl.fl_app.config import parse_run_config
+from alignfl.fl_app.tracking import Tracking
 
 
 def cpu_seconds(step: Callable[[], Any], repeats: int) -> float:

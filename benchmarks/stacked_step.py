@@ -1,9 +1,9 @@
 """Where a stacked (vectorised) client update stands against one client after another, step for step.
 
 ``K`` clients of one model, each with ``--steps`` batches of ``--batch`` random Fashion-MNIST-shaped images,
-train from the same start: once one client after another (forward, backward, :class:`core.training.sgd.PlainSGD`
+train from the same start: once one client after another (forward, backward, :class:`alignfl.core.training.sgd.PlainSGD`
 with momentum and weight decay: the sequential update's arithmetic), once as one stacked update
-(:class:`core.training.vectorised.StackedTrainer`: batched products for MLP stacks up to its size limit,
+(:class:`alignfl.core.training.vectorised.StackedTrainer`: batched products for MLP stacks up to its size limit,
 ``vmap`` of ``grad`` over the stacked models otherwise). Clients of equal size,
 so every stacked step holds all ``K`` (the best case for stacking; a Dirichlet split's unequal clients leave
 fewer per step). Reported: milliseconds per client-step (median of ``--repeats``), their ratio, and the
@@ -22,10 +22,10 @@ import torch
 from benchutil import machine, median
 from torch import nn
 
-from core.config import RunConfig
-from core.model_io import build_model_for
-from core.training.sgd import PlainSGD
-from core.training.vectorised import ClientSteps, StackedTrainer, stacked_state_names
+from alignfl.core.config import RunConfig
+from alignfl.core.model_io import build_model_for
+from alignfl.core.training.sgd import PlainSGD
+from alignfl.core.training.vectorised import ClientSteps, StackedTrainer, stacked_state_names
 
 LR, MOMENTUM, WEIGHT_DECAY = 0.01, 0.9, 1e-5
 

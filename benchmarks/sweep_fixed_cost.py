@@ -1,6 +1,6 @@
 """A Hydra multirun's fixed cost per job: the same 12-job grid with Ray's simulation engine and in-process.
 
-Each backend runs ``python -m fl_app.sweep -m`` over pan.a × seed (3 × 4 jobs, digits, small-mlp, 4
+Each backend runs ``python -m alignfl.fl_app.sweep -m`` over pan.a × seed (3 × 4 jobs, digits, small-mlp, 4
 clients, 2 rounds) into its own folder; the table gives the grid's wall time, the median, min and max job
 wall time (``job.json``), the load before and after, and whether every job's final accuracy is the same
 under both backends.
@@ -36,7 +36,15 @@ GRID = [
 def run_grid(backend: str, folder: Path) -> dict:
     load_before, started = os.getloadavg()[0], time.time()
     subprocess.run(
-        [sys.executable, "-m", "fl_app.sweep", "-m", *GRID, f"sim.backend={backend}", f"hydra.sweep.dir={folder}"],
+        [
+            sys.executable,
+            "-m",
+            "alignfl.fl_app.sweep",
+            "-m",
+            *GRID,
+            f"sim.backend={backend}",
+            f"hydra.sweep.dir={folder}",
+        ],
         cwd=ROOT,
         check=True,
         capture_output=True,

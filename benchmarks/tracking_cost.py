@@ -1,7 +1,7 @@
 """What tracking costs a round: the ServerApp's tracking calls timed inside a run of the default experiment.
 
 Runs the default run config (FedAvg, MLP, Fashion-MNIST, Dirichlet 0.5, 10 clients) in-process for a few rounds
-with ``tracking`` as asked, and times every call the ServerApp makes to :class:`fl_app.tracking.Tracking`
+with ``tracking`` as asked, and times every call the ServerApp makes to :class:`alignfl.fl_app.tracking.Tracking`
 (opening, each round's ``log_rows``, the end's ``finish`` and ``close``) against the rounds' wall time from
 ``metrics.jsonl``. The target: each round's tracking at most 1 % of the round.
 
@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from fl_app import tracking
-from fl_app.inprocess import run_in_process
+from alignfl.fl_app import tracking
+from alignfl.fl_app.inprocess import run_in_process
 
 
 def timed(calls: dict[str, list[float]], name: str, method: Callable[..., Any]) -> Callable[..., Any]:

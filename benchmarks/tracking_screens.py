@@ -102,7 +102,15 @@ def run_sweep(sweep_dir: Path, uri: str) -> None:
         return
     env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0", "PYTHONPATH": str(ROOT)}
     subprocess.run(
-        [sys.executable, "-m", "fl_app.sweep", "-m", *SWEEP, f"mlflow_uri={uri}", f"hydra.sweep.dir={sweep_dir}"],
+        [
+            sys.executable,
+            "-m",
+            "alignfl.fl_app.sweep",
+            "-m",
+            *SWEEP,
+            f"mlflow_uri={uri}",
+            f"hydra.sweep.dir={sweep_dir}",
+        ],
         cwd=ROOT,
         env=env,
         check=True,

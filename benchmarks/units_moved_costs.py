@@ -29,13 +29,13 @@ from client_throughput import workload
 from scipy.optimize import linear_sum_assignment
 from torch import Tensor, nn
 
-from core.data import load_dataset
-from core.merging.alignment import find_permutations, moved_share
-from core.model_io import build_run_model
-from core.training.sgd import batch_order, round_generator, seed_everything
-from core.training.vectorised import ClientSteps, StackedTrainer, stacked_state_names
-from fl_app.client_app import client_data
-from fl_app.config import parse_run_config
+from alignfl.core.data import load_dataset
+from alignfl.core.merging.alignment import find_permutations, moved_share
+from alignfl.core.model_io import build_run_model
+from alignfl.core.training.sgd import batch_order, round_generator, seed_everything
+from alignfl.core.training.vectorised import ClientSteps, StackedTrainer, stacked_state_names
+from alignfl.fl_app.client_app import client_data
+from alignfl.fl_app.config import parse_run_config
 
 PROBE_IMAGES = 2000
 """Test images the activations are read on."""

@@ -8,13 +8,13 @@ models, where Frank-Wolfe has the most to do; ``trained``: K models trained
 ``--epochs`` on their own Dirichlet shares of the digits from their own
 initialisations, as the merge tool's ``--init different`` trains them, at the
 digits' input shape). Reported per setting: the wall
-and CPU seconds of :func:`core.merging.universe.universe_merge` (what one
+and CPU seconds of :func:`alignfl.core.merging.universe.universe_merge` (what one
 ``matched-reference=universe`` round computes before its diagnostic), split
 into the pairwise start (K - 1 weight matchings onto client 0) and Frank-Wolfe
 (with the projection); the number of Frank-Wolfe steps and the objective at the
 start and at the end; the seconds of the round's cycle-consistency diagnostic
-(:func:`core.merging.universe.cycle_consistency_error`); and, for comparison, the
-seconds of :func:`core.merging.alignment.matched_average` onto the global model
+(:func:`alignfl.core.merging.universe.cycle_consistency_error`); and, for comparison, the
+seconds of :func:`alignfl.core.merging.alignment.matched_average` onto the global model
 (``matched-reference=global``). Run it alone (under the shared lock) with one
 torch thread:
 
@@ -30,10 +30,10 @@ import time
 
 import torch
 
-import core.merging.universe as universe
-from core.data import dataset_info
-from core.merging.alignment import matched_average
-from models import PanSettings, build_model, permute_state, random_permutations
+import alignfl.core.merging.universe as universe
+from alignfl.core.data import dataset_info
+from alignfl.core.merging.alignment import matched_average
+from alignfl.models import PanSettings, build_model, permute_state, random_permutations
 
 CLIENT_MODELS = ("permuted", "independent", "trained")
 
@@ -49,8 +49,8 @@ def _state(name: str, dataset: str, width: float | None, seed: int) -> tuple:
 def client_states(args: argparse.Namespace, kind: str) -> tuple:
     """The spec, the global state and the clients' states (module notes)."""
     if kind == "trained":
-        from fl_app.analysis.merge import train_clients
-        from fl_app.config import parse_run_config
+        from alignfl.fl_app.analysis.merge import train_clients
+        from alignfl.fl_app.config import parse_run_config
 
         options = {} if args.width_factor is None else {"width-factor": args.width_factor}
         config = parse_run_config(

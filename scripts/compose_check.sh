@@ -11,7 +11,7 @@
 #   4. the project image (Dockerfile) on that base: host network, this machine's CA bundle as build secret
 #   5. tests/compose_scenarios.py: plain stack (docker-compose.yml), 3 SuperNodes online, a run of $ROUNDS
 #      rounds on digits (MLP); a run in which one SuperNode's containers are killed after round 1 must still
-#      complete; `down -v`; python -m fl_app.deploy (what ./scripts/deploy.sh runs: the same topology as local
+#      complete; `down -v`; python -m alignfl.fl_app.deploy (what ./scripts/deploy.sh runs: the same topology as local
 #      processes) with the same seed and run config, final accuracies compared; TLS + SuperNode authentication
 #      stack (compose.tls.yml, keys from scripts/make_certs.sh): a SuperNode with an unregistered key is refused, a
 #      run completes; `down -v`. No container, network or volume of the project is left, the daemon is stopped.

@@ -12,4 +12,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
-exec .venv/bin/python -m fl_app.deploy "$@"
+exec .venv/bin/python -m alignfl.fl_app.deploy "$@"

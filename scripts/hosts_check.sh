@@ -2,7 +2,7 @@
 # The deployment across three "hosts" on this machine (as root; not in CI): three network namespaces made here,
 # one for the SuperLink and one per SuperNode machine, joined by veth pairs to a bridge inside the SuperLink's
 # namespace, with addresses from 10.231.7.0/24, used only inside these namespaces. Each host runs its role of
-# `python -m fl_app.deploy` (scripts/deploy.sh): the SuperLink side listens on 10.231.7.1 only (never on
+# `python -m alignfl.fl_app.deploy` (scripts/deploy.sh): the SuperLink side listens on 10.231.7.1 only (never on
 # loopback), with TLS for that address and the name fl-link, and SuperNode authentication; the node hosts dial
 # it by address (host A) and by name (host B, through the namespace's /etc/hosts). The SuperLink side serves
 # (--serve) and this script submits two runs to it from the SuperLink's namespace. Then:
@@ -125,15 +125,15 @@ finish() {
 }
 RESULTS=$WORK/results
 # One experiment submitted to the serving SuperLink side from its namespace through its `flwr` CLI home, as
-# `python -m fl_app.deploy superlink` submits its own (validated first; stops what it started on a stop signal);
+# `python -m alignfl.fl_app.deploy superlink` submits its own (validated first; stops what it started on a stop signal);
 # exits as the launcher does: 0 only for a completed run whose summary was written.
 SUBMIT='
 import sys
 from pathlib import Path
-from fl_app.runtime.flwr_cli import CONNECTION, parse_overrides, submit_and_follow
-from fl_app.runtime.launch import prepare_config, report_outcome
-from fl_app.runtime.processes import Stopped, stop_signals
-from fl_app.runtime.superlink import flower_environment
+from alignfl.fl_app.runtime.flwr_cli import CONNECTION, parse_overrides, submit_and_follow
+from alignfl.fl_app.runtime.launch import prepare_config, report_outcome
+from alignfl.fl_app.runtime.processes import Stopped, stop_signals
+from alignfl.fl_app.runtime.superlink import flower_environment
 link_work, results, name, rounds, extra = sys.argv[1:]
 values = {"dataset": "digits", "model": "small-mlp", "results-dir": results, "run-name": name,
           "num-server-rounds": int(rounds), "fraction-train": 1.0, "round-timeout": 300.0, **parse_overrides(extra)}
@@ -149,10 +149,10 @@ sys.exit(report_outcome(config, status, details))
 # submit NAME ROUNDS 'key=value ...': one run in the background (its log WORK/NAME.log), WAIT_PID to finish it
 submit() { start "$1" "$NS_LINK" "$PY" -c "$SUBMIT" "$WORK/link" "$RESULTS" "$1" "$2" "$3"; }
 
-start link "$NS_LINK" "$PY" -m fl_app.deploy superlink --host "$LINK_IP" --address "$LINK_IP" --address fl-link \
+start link "$NS_LINK" "$PY" -m alignfl.fl_app.deploy superlink --host "$LINK_IP" --address "$LINK_IP" --address fl-link \
   --num-supernodes 2 --tls --certs "$WORK/link/certs" --work-dir "$WORK/link" --serve
 LINK_PID=$WAIT_PID
-start host-a "$NS_A" "$PY" -m fl_app.deploy supernodes --superlink "$LINK_IP:$PORT" --nodes 0 --num-supernodes 2 \
+start host-a "$NS_A" "$PY" -m alignfl.fl_app.deploy supernodes --superlink "$LINK_IP:$PORT" --nodes 0 --num-supernodes 2 \
   --tls --certs "$WORK/host-a/certs" --work-dir "$WORK/host-a"
 
 # Wait for the SuperLink before node B's pre-check (node A's SuperNode retries by itself).
@@ -176,12 +176,12 @@ PIDS+=($!)
 finish $!
 [ "$CODE" = 0 ] || { log "FAILED: the SuperLink did not listen on $LINK_IP:$PORT only"; exit 1; }
 log "the SuperLink listens on $LINK_IP:$PORT only (not on loopback)"
-start host-b "$NS_B" "$PY" -m fl_app.deploy supernodes --superlink "fl-link:$PORT" --nodes 1 --num-supernodes 2 \
+start host-b "$NS_B" "$PY" -m alignfl.fl_app.deploy supernodes --superlink "fl-link:$PORT" --nodes 1 --num-supernodes 2 \
   --tls --certs "$WORK/host-b/certs" --work-dir "$WORK/host-b"
 
 # 4. A SuperNode dialling a name its certificate lacks stops at once (host A).
 began=$(date +%s)
-start wrong-name "$NS_A" "$PY" -m fl_app.deploy supernodes --superlink "wrong-name:$PORT" --nodes 0 \
+start wrong-name "$NS_A" "$PY" -m alignfl.fl_app.deploy supernodes --superlink "wrong-name:$PORT" --nodes 0 \
   --num-supernodes 2 --tls --certs "$WORK/host-a/certs" --work-dir "$WORK/host-a-wrong"
 finish "$WAIT_PID"
 took=$(( $(date +%s) - began ))

@@ -5,4 +5,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
-exec .venv/bin/python -m fl_app.launch "$@"
+exec .venv/bin/python -m alignfl.fl_app.launch "$@"

@@ -234,12 +234,12 @@ export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}   # the compute node runs thi
 export FLWR_TELEMETRY_ENABLED=0
 SWEEP=(dataset=digits "sim.num_supernodes=$CLIENTS" "train.num_server_rounds=$ROUNDS" pan.mode=off,mul pan.a=0.1 seed=0,1)
 step_start=$(date +%s)
-in_background "$WORK/log/sweep-slurm.log" nice -n "$NICE" "$PY" -m fl_app.sweep -m hydra/launcher=slurm \
+in_background "$WORK/log/sweep-slurm.log" nice -n "$NICE" "$PY" -m alignfl.fl_app.sweep -m hydra/launcher=slurm \
   "${SWEEP[@]}" "hydra.sweep.dir=$WORK/sweep-slurm"
 code=$CODE
 slurm_s=$(( $(date +%s) - step_start ))
 step_start=$(date +%s)
-in_background "$WORK/log/sweep-local.log" nice -n "$NICE" "$PY" -m fl_app.sweep -m sim.backend=batched \
+in_background "$WORK/log/sweep-local.log" nice -n "$NICE" "$PY" -m alignfl.fl_app.sweep -m sim.backend=batched \
   "${SWEEP[@]}" "hydra.sweep.dir=$WORK/sweep-local"
 local_code=$CODE
 local_s=$(( $(date +%s) - step_start ))
@@ -281,7 +281,7 @@ fi
 
 # --- 4. jobs of a second sweep cancelled: one while RUNNING, one while PENDING --------------------------------
 step_start=$(date +%s)
-nice -n "$NICE" "$PY" -m fl_app.sweep -m hydra/launcher=slurm dataset=digits "sim.num_supernodes=$CLIENTS" \
+nice -n "$NICE" "$PY" -m alignfl.fl_app.sweep -m hydra/launcher=slurm dataset=digits "sim.num_supernodes=$CLIENTS" \
   "train.num_server_rounds=$ROUNDS" seed=0,1,2,3 "hydra.sweep.dir=$WORK/sweep-cancel" > "$WORK/log/sweep-cancel.log" 2>&1 &
 sweep_pid=$!
 CHILDREN+=($sweep_pid)
@@ -342,7 +342,7 @@ fi
 
 # --- 5. one job with sim.backend=ray: its own Ray on the compute node -------------------------------------------
 step_start=$(date +%s)
-in_background "$WORK/log/sweep-ray.log" nice -n "$NICE" env RAY_TMPDIR="$RAY_TMP" "$PY" -m fl_app.sweep -m \
+in_background "$WORK/log/sweep-ray.log" nice -n "$NICE" env RAY_TMPDIR="$RAY_TMP" "$PY" -m alignfl.fl_app.sweep -m \
   hydra/launcher=slurm dataset=digits "sim.num_supernodes=$CLIENTS" "train.num_server_rounds=$ROUNDS" sim.backend=ray \
   sim.ray_cpus=$(( CPUS < 2 ? CPUS : 2 )) seed=0 "hydra.sweep.dir=$WORK/sweep-ray"
 code=$CODE

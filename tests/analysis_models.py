@@ -1,11 +1,11 @@
-"""What the tests of fl_app/analysis share: a seeded model on the 8x8 digits' shape, multiplicative PANs, and the fixed
-points of a permutation."""
+"""What the tests of alignfl/fl_app/analysis share: a seeded model on the 8x8 digits' shape, multiplicative PANs, and
+the fixed points of a permutation."""
 
 from __future__ import annotations
 
 import torch
 
-from models import PanSettings, build_model
+from alignfl.models import PanSettings, build_model
 
 DIGITS = (1, 8, 8)
 PAN_MUL = PanSettings("mul", 1.0, 0.5)

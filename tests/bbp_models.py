@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from models import PanSettings
-from models.cnn import POOL, PlainConvNet
-from models.mlp import MLP
-from models.protocol import head_of
+from alignfl.models import PanSettings
+from alignfl.models.cnn import POOL, PlainConvNet
+from alignfl.models.mlp import MLP
+from alignfl.models.protocol import head_of
 
 SHAPE = (1, 6, 6)
 CLASSES = 3

@@ -2,13 +2,14 @@
 
 The script sets the machine up (Docker engine, Compose v2, the daemon, the project image) and then runs
 ``tests/compose_scenarios.py``, which drives docker-compose.yml's stacks with the project's own deployment
-code (:mod:`fl_app.runtime.flwr_cli`, :mod:`fl_app.runtime.superlink`, :mod:`fl_app.runtime.topology`):
+code (:mod:`alignfl.fl_app.runtime.flwr_cli`, :mod:`alignfl.fl_app.runtime.superlink`,
+:mod:`alignfl.fl_app.runtime.topology`):
 
 1. plain stack: up, every SuperNode online; a run of ``--rounds`` rounds on digits (MLP), served by SuperNodes
    that poll every 0.5 s and warm ClientApp processes (their logs say so);
 2. a run in which one SuperNode's containers are killed after round 1 must still complete;
 3. ``down -v``: no container, network or volume of the project left;
-4. the same topology as local processes (``python -m fl_app.deploy``, what ``./scripts/deploy.sh`` runs) with
+4. the same topology as local processes (``python -m alignfl.fl_app.deploy``, what ``./scripts/deploy.sh`` runs) with
    the same seed and run config: the final accuracies are compared;
 5. TLS + SuperNode authentication stack (compose.tls.yml, keys from ``scripts/make_certs.sh``): a SuperNode with
    an unregistered key is refused, a run completes (served as in 1); ``down -v``.
@@ -49,7 +50,7 @@ from compose_stack import (
     project_leftovers,
 )
 
-from fl_app.runtime.flwr_cli import (
+from alignfl.fl_app.runtime.flwr_cli import (
     CONNECTION,
     SubmitError,
     flwr_cli,
@@ -58,9 +59,14 @@ from fl_app.runtime.flwr_cli import (
     submit,
     to_toml_pairs,
 )
-from fl_app.runtime.processes import ProcessTree, Stopped, log_tail, start_process, stop_processes, stop_signals
-from fl_app.runtime.superlink import wait_until
-from fl_app.runtime.topology import compose_topology, make_certificates, supernode_command, supernode_entry_point
+from alignfl.fl_app.runtime.processes import ProcessTree, Stopped, log_tail, start_process, stop_processes, stop_signals
+from alignfl.fl_app.runtime.superlink import wait_until
+from alignfl.fl_app.runtime.topology import (
+    compose_topology,
+    make_certificates,
+    supernode_command,
+    supernode_entry_point,
+)
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 """The checkout the tests run in."""
@@ -228,14 +234,14 @@ class ComposeCheck:
         )
 
     def loopback(self) -> str:
-        """The same topology as local processes, with the same run config: ``python -m fl_app.deploy``."""
+        """The same topology as local processes, with the same run config: ``python -m alignfl.fl_app.deploy``."""
         name, results = "loopback-plain", self.work / "results-loopback"
         config = {**run_config(name, NODES, self.settings.rounds, self.settings.seed), "results-dir": str(results)}
         log = self.work / "logs" / "deploy-loopback.log"
         command = [
             sys.executable,
             "-m",
-            "fl_app.deploy",
+            "alignfl.fl_app.deploy",
             "--num-supernodes",
             str(NODES),
             "--work-dir",
@@ -248,11 +254,11 @@ class ComposeCheck:
         try:
             code = deploy.process.wait(timeout=self.settings.run_timeout_s + 300)
         except subprocess.TimeoutExpired:
-            raise StepFailed(f"python -m fl_app.deploy did not end in time (log: {log})") from None
+            raise StepFailed(f"python -m alignfl.fl_app.deploy did not end in time (log: {log})") from None
         finally:
             stop_processes([deploy], grace_s=30.0)
         if code != 0:
-            raise StepFailed(f"python -m fl_app.deploy exited {code} (log: {log}): {log_tail(log, 5)}")
+            raise StepFailed(f"python -m alignfl.fl_app.deploy exited {code} (log: {log}): {log_tail(log, 5)}")
         loopback = final_accuracy(results / name)
         if self.plain_accuracy is None:
             raise StepFailed(f"loopback final accuracy {loopback:.4f}, but the compose run has none to compare")
@@ -346,7 +352,7 @@ class ComposeCheck:
             step("plain stack: down -v", self.stack("plain").down, critical=True)
             if "loopback" not in settings.skip:
                 step(
-                    "loopback python -m fl_app.deploy (./scripts/deploy.sh), same seed and run config: accuracy "
+                    "loopback python -m alignfl.fl_app.deploy (./scripts/deploy.sh), same seed and run config: accuracy "
                     "compared",
                     self.loopback,
                 )

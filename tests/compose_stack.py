@@ -17,10 +17,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fl_app.runtime.flwr_cli import online_supernodes, write_connection
-from fl_app.runtime.processes import Stopped, log_tail
-from fl_app.runtime.superlink import flower_environment, health_url, healthy, trust, wait_until
-from fl_app.runtime.topology import COMPOSE_NUM_SUPERNODES, COMPOSE_SUPERLINK_PORT
+from alignfl.fl_app.runtime.flwr_cli import online_supernodes, write_connection
+from alignfl.fl_app.runtime.processes import Stopped, log_tail
+from alignfl.fl_app.runtime.superlink import flower_environment, health_url, healthy, trust, wait_until
+from alignfl.fl_app.runtime.topology import COMPOSE_NUM_SUPERNODES, COMPOSE_SUPERLINK_PORT
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 """The checkout the tests run in."""

@@ -56,8 +56,8 @@ def _single_thread():
 
 @pytest.fixture(autouse=True)
 def _fresh_seam_warnings():
-    """Each test sees the seam's once-per-process warnings afresh (fl_app/patches/seam.py)."""
-    from fl_app.patches import seam
+    """Each test sees the seam's once-per-process warnings afresh (alignfl/fl_app/patches/seam.py)."""
+    from alignfl.fl_app.patches import seam
 
     seam.warn_once.cache_clear()
 
@@ -66,14 +66,14 @@ def _fresh_seam_warnings():
 def _private_client_state(monkeypatch, tmp_path_factory):
     """In-process nodes keep their client-state snapshots in a folder of the test's own, never in ~/.cache."""
     root = tmp_path_factory.mktemp("client-state")
-    monkeypatch.setattr("fl_app.node_state.default_state_root", lambda: root)
+    monkeypatch.setattr("alignfl.fl_app.node_state.default_state_root", lambda: root)
 
 
 @pytest.fixture
 def private_tensor_cache(tmp_path, monkeypatch):
     """An empty tensor cache of the test's own, and datasets loaded afresh in the test (no test writes to the
     home folder)."""
-    from core import data
+    from alignfl.core import data
 
     folder = tmp_path / "tensors"
     monkeypatch.setattr(data, "TENSOR_CACHE_DIR", str(folder))
@@ -86,7 +86,7 @@ def private_tensor_cache(tmp_path, monkeypatch):
 def private_partition_cache(tmp_path, monkeypatch):
     """An empty disk cache of partitions of the test's own: partitioning really runs, and no test writes to the
     home folder."""
-    from core.partitioning import partitions
+    from alignfl.core.partitioning import partitions
 
     folder = tmp_path / "partitions"
     monkeypatch.setattr(partitions, "PARTITION_CACHE_DIR", str(folder))

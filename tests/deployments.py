@@ -1,6 +1,6 @@
-"""What the deployment tests (tests/test_deploy_*.py) share: the services' commands as fl_app/runtime/topology.py
-builds them, a small run's config, a home folder of the services' own, running a run to its end on a deployment
-and reading its metrics."""
+"""What the deployment tests (tests/test_deploy_*.py) share: the services' commands as
+alignfl/fl_app/runtime/topology.py builds them, a small run's config, a home folder of the services' own, running a run
+to its end on a deployment and reading its metrics."""
 
 import json
 import os
@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from fl_app.runtime.deployment import Deployment
-from fl_app.runtime.launch import prepare_config
-from fl_app.runtime.topology import (
+from alignfl.fl_app.runtime.deployment import Deployment
+from alignfl.fl_app.runtime.launch import prepare_config
+from alignfl.fl_app.runtime.topology import (
     Topology,
     clientapp_executor_command,
     register_command,
@@ -26,7 +26,7 @@ TINY = {"dataset": "digits", "model": "small-mlp", "num-server-rounds": 2}
 
 
 def expected_commands(topology: Topology) -> dict[str, list[str]]:
-    """Every service's argv as fl_app/runtime/topology.py builds it, by compose service name."""
+    """Every service's argv as alignfl/fl_app/runtime/topology.py builds it, by compose service name."""
     commands = {"superlink": superlink_command(topology), "superexec-serverapp": serverapp_executor_command(topology)}
     for node in range(topology.num_supernodes):
         commands[f"supernode-{node}"] = supernode_command(topology, node)

@@ -18,14 +18,14 @@ from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode
 from flwr.simulation import run_simulation
 from flwr.supercore.task_identity import TaskIdentity
 
-from core.rounds.runner import MetricAggregation, RoundRunner
-from core.rounds.strategy import RunContext
-from fl_app.client_app import build_client_app
-from fl_app.config import parse_run_config
-from fl_app.inprocess import InProcessGrid
-from fl_app.server_app import build_server_app, run_experiment
-from models.protocol import ModelHead
-from strategies import get_strategy
+from alignfl.core.rounds.runner import MetricAggregation, RoundRunner
+from alignfl.core.rounds.strategy import RunContext
+from alignfl.fl_app.client_app import build_client_app
+from alignfl.fl_app.config import parse_run_config
+from alignfl.fl_app.inprocess import InProcessGrid
+from alignfl.fl_app.server_app import build_server_app, run_experiment
+from alignfl.models.protocol import ModelHead
+from alignfl.strategies import get_strategy
 
 TINY = {
     "dataset": "digits",

@@ -1,5 +1,5 @@
 """What Flower's simulation starts from, built from Flower's internals for the tests and benchmarks of
-:mod:`fl_app.patches.flower_runtime` (the app itself never builds one: the simulation does)."""
+:mod:`alignfl.fl_app.patches.flower_runtime` (the app itself never builds one: the simulation does)."""
 
 from __future__ import annotations
 

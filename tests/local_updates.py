@@ -11,10 +11,10 @@ import torch
 from flwr.app import ConfigRecord, RecordDict
 from torch import nn
 
-from core.config import RunConfig
-from fl_app.config import parse_run_config
-from models import build_model
-from strategies.base import LocalUpdate
+from alignfl.core.config import RunConfig
+from alignfl.fl_app.config import parse_run_config
+from alignfl.models import build_model
+from alignfl.strategies.base import LocalUpdate
 
 SETTINGS = dict(
     strategy="superfed",

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from fl_app.runtime.local_ray import LocalRayCluster, local_ray_cluster
+from alignfl.fl_app.runtime.local_ray import LocalRayCluster, local_ray_cluster
 
 
 @contextmanager

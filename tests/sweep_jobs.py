@@ -10,7 +10,7 @@ from pathlib import Path
 import yaml
 from hydra import compose, initialize_config_dir
 
-from fl_app.sweeps.sweep import register_configs
+from alignfl.fl_app.sweeps.sweep import register_configs
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -26,7 +26,7 @@ def composed(overrides=()):
 def sweep(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0"}
     return subprocess.run(
-        [sys.executable, "-m", "fl_app.sweep", "-m", *overrides, f"hydra.sweep.dir={tmp_path}"],
+        [sys.executable, "-m", "alignfl.fl_app.sweep", "-m", *overrides, f"hydra.sweep.dir={tmp_path}"],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -36,7 +36,8 @@ def sweep(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
 
 
 def fake_job(folder: Path, overrides: list[str], status: str | None, final: float = 0.0, best: float = 0.0) -> None:
-    """A job folder as fl_app.sweeps.sweep leaves it: Hydra's overrides record, job.json, the run's summary.json."""
+    """A job folder as alignfl.fl_app.sweeps.sweep leaves it: Hydra's overrides record, job.json, the run's
+    summary.json."""
     (folder / ".hydra").mkdir(parents=True)
     (folder / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
     if status is None:  # the job died before writing its record

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from core.merging.alignment import (
+from alignfl.core.merging.alignment import (
     align,
     align_and_average,
     best_assignment,
@@ -15,8 +15,15 @@ from core.merging.alignment import (
     unit_rows,
     weighted_average,
 )
-from models import PanSettings, build_model, invert_permutations, list_models, permute_state, random_permutations
-from models.permutation import permute_axis, unit_view
+from alignfl.models import (
+    PanSettings,
+    build_model,
+    invert_permutations,
+    list_models,
+    permute_state,
+    random_permutations,
+)
+from alignfl.models.permutation import permute_axis, unit_view
 
 ALL_MODELS = list_models()
 COSTS = list_costs()

@@ -1,5 +1,6 @@
-"""The analysis command line (python -m fl_app.analysis): every tool documents itself, runs end to end on run folders
-or fresh models and writes its JSON and plot, and refuses bad input, naming the value, before writing anything."""
+"""The analysis command line (python -m alignfl.fl_app.analysis): every tool documents itself, runs end to end on run
+folders or fresh models and writes its JSON and plot, and refuses bad input, naming the value, before writing
+anything."""
 
 from __future__ import annotations
 
@@ -8,16 +9,16 @@ import json
 import pytest
 import torch
 
-from core.config import RESULTS_ENV
-from core.data import load_dataset
-from core.model_io import federated_state
-from fl_app.analysis import (
+from alignfl.core.config import RESULTS_ENV
+from alignfl.core.data import load_dataset
+from alignfl.core.model_io import federated_state
+from alignfl.fl_app.analysis import (
     weight_divergence,
 )
-from fl_app.analysis.__main__ import SUBCOMMANDS, main
-from fl_app.analysis.common import check_out_dir
-from fl_app.config import parse_run_config
-from models import build_model
+from alignfl.fl_app.analysis.__main__ import SUBCOMMANDS, main
+from alignfl.fl_app.analysis.common import check_out_dir
+from alignfl.fl_app.config import parse_run_config
+from alignfl.models import build_model
 from tests.analysis_models import DIGITS
 
 
@@ -44,7 +45,7 @@ def test_every_tool_documents_itself(tool, capsys):
         main([tool, "--help"])
     assert exit_info.value.code == 0
     text = capsys.readouterr().out
-    assert f"usage: python -m fl_app.analysis {tool}" in text and "--out" in text
+    assert f"usage: python -m alignfl.fl_app.analysis {tool}" in text and "--out" in text
 
 
 def _end_to_end(argv: list[str], out, capsys) -> dict:

@@ -5,12 +5,12 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
-from core.data import ClientData
-from core.rounds.strategy import Reply, weighted_mean
-from fl_app.config import parse_run_config
-from models import build_model, permute_state, random_permutations
-from strategies.base import LocalUpdate
-from strategies.superfed import SuPerFedUpdate, initial_local_model
+from alignfl.core.data import ClientData
+from alignfl.core.rounds.strategy import Reply, weighted_mean
+from alignfl.fl_app.config import parse_run_config
+from alignfl.models import build_model, permute_state, random_permutations
+from alignfl.strategies.base import LocalUpdate
+from alignfl.strategies.superfed import SuPerFedUpdate, initial_local_model
 
 
 @pytest.mark.parametrize(

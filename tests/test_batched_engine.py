@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from core.config import RunConfig
-from fl_app.config import ConfigError, check_run, parse_run_config
-from fl_app.engines import worker as worker_module
-from fl_app.engines.batched import run_batched
-from fl_app.inprocess import run_in_process
-from models.registry import option_names
-from strategies import list_strategies
+from alignfl.core.config import RunConfig
+from alignfl.fl_app.config import ConfigError, check_run, parse_run_config
+from alignfl.fl_app.engines import worker as worker_module
+from alignfl.fl_app.engines.batched import run_batched
+from alignfl.fl_app.inprocess import run_in_process
+from alignfl.models.registry import option_names
+from alignfl.strategies import list_strategies
 
 MODEL_OF = {"psinet": "psi-vgg9"}
 """The model each algorithm is compared on (``small-mlp`` unless it needs another)."""
@@ -84,7 +84,7 @@ def test_a_client_that_raises_is_dropped_with_its_reason_and_the_others_train(ve
 
 @pytest.mark.slow
 def test_ray_workers_give_the_in_process_workers_rows(tmp_path):
-    from fl_app.engines.grid import RayOptions
+    from alignfl.fl_app.engines.grid import RayOptions
 
     values = _values("scaffold", tmp_path, "inprocess")
     run_batched(values, 6, vectorise="off")
@@ -93,7 +93,7 @@ def test_ray_workers_give_the_in_process_workers_rows(tmp_path):
 
 
 def test_sweep_jobs_on_the_batched_engine_give_the_in_process_rows(tmp_path):
-    from fl_app.sweeps.sweep import register_configs, run_job
+    from alignfl.fl_app.sweeps.sweep import register_configs, run_job
     from tests.sweep_jobs import TINY, composed
 
     register_configs()
@@ -109,7 +109,7 @@ def test_sweep_jobs_on_the_batched_engine_give_the_in_process_rows(tmp_path):
 
 
 def test_the_batched_engines_sim_settings_are_checked():
-    from fl_app.sweeps.sim import SimSettings
+    from alignfl.fl_app.sweeps.sim import SimSettings
 
     assert SimSettings.from_config({"backend": "batched", "workers": 2, "vectorise": "off"}).workers == 2
     assert SimSettings.from_config({"workers": 2}).backend == "batched"  # the sweeps' default engine
@@ -122,7 +122,7 @@ def test_the_batched_engines_sim_settings_are_checked():
 
 
 def test_the_launcher_runs_the_batched_engine_without_a_superlink(tmp_path, capsys):
-    from fl_app.runtime import launch
+    from alignfl.fl_app.runtime import launch
 
     overrides = f'dataset="digits" num-server-rounds=1 results-dir="{tmp_path}" run-name="b" tracking="none"'
     assert launch.main(["--backend", "batched", "--num-supernodes", "3", "--run-config", overrides]) == 0

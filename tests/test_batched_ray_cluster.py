@@ -1,8 +1,8 @@
 """The batched engine's Ray workers on a real two-node cluster: both nodes train, and a node lost mid-run drops
 its clients with a reason naming it while the run goes on on the other node.
 
-The cluster is a head and a second raylet on this machine (:mod:`fl_app.runtime.local_ray`), stopped by process id
-when the module is done, also when a test fails.
+The cluster is a head and a second raylet on this machine (:mod:`alignfl.fl_app.runtime.local_ray`), stopped by process
+id when the module is done, also when a test fails.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import json
 
 import pytest
 
-from fl_app.engines.batched import run_batched
-from fl_app.engines.grid import RayOptions
+from alignfl.fl_app.engines.batched import run_batched
+from alignfl.fl_app.engines.grid import RayOptions
 from tests.ray_clusters import cluster_left_clean, kill_node_after_round_1
 
 pytestmark = pytest.mark.slow

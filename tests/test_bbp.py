@@ -1,5 +1,5 @@
-"""BBP-MAP (core/merging/bbp.py; over a model, core/merging/bbp_model.py): the vectorised matching equals a plain
-loop-based one, and it has FedMA's properties.
+"""BBP-MAP (alignfl/core/merging/bbp.py; over a model, alignfl/core/merging/bbp_model.py): the vectorised matching
+equals a plain loop-based one, and it has FedMA's properties.
 
 The reference below writes the paper's cost (PFNM / FedMA, as in the authors'
 ``matching/pfnm.py``) element by element with Python floats and keeps each
@@ -24,9 +24,9 @@ import pytest
 import torch
 from scipy.optimize import linear_sum_assignment
 
-from core.merging.bbp import BBPSettings, extended_cost, match_units
-from core.merging.bbp_model import bbp_matched_average
-from models import permute_state, random_permutations
+from alignfl.core.merging.bbp import BBPSettings, extended_cost, match_units
+from alignfl.core.merging.bbp_model import bbp_matched_average
+from alignfl.models import permute_state, random_permutations
 from tests.bbp_models import CLASSES, head, mlp, prototype_rows, random_state
 
 # --- the plain reference ---------------------------------------------------------------------

@@ -1,5 +1,5 @@
-"""BBP-MAP's properties over a model (core/merging/bbp_model.py), FedMA's: identical clients give the model back without
-growth, a random permutation is recovered exactly, disjoint clients grow a layer up to its cap, a grown model
+"""BBP-MAP's properties over a model (alignfl/core/merging/bbp_model.py), FedMA's: identical clients give the model back
+without growth, a random permutation is recovered exactly, disjoint clients grow a layer up to its cap, a grown model
 computes the matched average, and bad inputs are refused."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from core.merging.bbp import BBPSettings, match_units
-from core.merging.bbp_model import bbp_matched_average, match_group, output_keys
-from models import permute_state, random_permutations
+from alignfl.core.merging.bbp import BBPSettings, match_units
+from alignfl.core.merging.bbp_model import bbp_matched_average, match_group, output_keys
+from alignfl.models import permute_state, random_permutations
 from tests.bbp_models import CLASSES, MODELS, SHAPE, STD, cnn, disjoint_state, head, mlp, random_state
 
 

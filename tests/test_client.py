@@ -6,11 +6,11 @@ import pytest
 import torch
 from flwr.app import ConfigRecord
 
-from core.config import RunConfig
-from core.data import load_dataset
-from core.model_io import build_run_model, load_arrays, to_arrays
-from fl_app.client_app import check_pan_agreement, client_data, node_partition
-from fl_app.config import parse_run_config
+from alignfl.core.config import RunConfig
+from alignfl.core.data import load_dataset
+from alignfl.core.model_io import build_run_model, load_arrays, to_arrays
+from alignfl.fl_app.client_app import check_pan_agreement, client_data, node_partition
+from alignfl.fl_app.config import parse_run_config
 
 
 def test_node_partition_is_read_and_checked():

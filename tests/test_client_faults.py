@@ -24,12 +24,12 @@ from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 
-from core.rounds.nodes import send_and_receive
-from core.rounds.strategy import ServerStrategy
-from fl_app.client_app import build_client_app
-from fl_app.config import parse_run_config
-from fl_app.server_app import run_experiment
-from strategies import list_strategies
+from alignfl.core.rounds.nodes import send_and_receive
+from alignfl.core.rounds.strategy import ServerStrategy
+from alignfl.fl_app.client_app import build_client_app
+from alignfl.fl_app.config import parse_run_config
+from alignfl.fl_app.server_app import run_experiment
+from alignfl.strategies import list_strategies
 from tests.faulty_grids import (
     TINY,
     FaultyGrid,
@@ -266,7 +266,7 @@ class SlowGrid(Grid):
 
 
 def test_replies_are_polled_until_all_came_or_the_timeout(monkeypatch):
-    monkeypatch.setattr("core.rounds.nodes.REPLY_POLL_S", 0.0)
+    monkeypatch.setattr("alignfl.core.rounds.nodes.REPLY_POLL_S", 0.0)
     messages = [Message(RecordDict(), dst_node_id=node, message_type=MessageType.TRAIN) for node in (1, 2, 3)]
     grid = SlowGrid(replies=3)
     replies = send_and_receive(grid, messages, timeout=10.0)

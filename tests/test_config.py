@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from core.config import RunConfig
-from core.data import list_datasets
-from core.partitioning.partitioners import PARTITIONERS, list_partitioners
-from fl_app.config import (
+from alignfl.core.config import RunConfig
+from alignfl.core.data import list_datasets
+from alignfl.core.partitioning.partitioners import PARTITIONERS, list_partitioners
+from alignfl.fl_app.config import (
     ConfigError,
     check_run,
     default_run_config,
@@ -26,17 +26,17 @@ from fl_app.config import (
     tables,
     validate_run,
 )
-from models import list_models
-from models.registry import model_options
-from plugins.options import key_of
-from strategies import get_strategy, list_strategies
-from strategies.fedprox import FedProxSettings
+from alignfl.models import list_models
+from alignfl.models.registry import model_options
+from alignfl.plugins.options import key_of
+from alignfl.strategies import get_strategy, list_strategies
+from alignfl.strategies.fedprox import FedProxSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_pyproject_run_config_is_generated_from_the_settings_classes():
-    """`python -m fl_app.config --write` regenerates it; run it after changing a setting."""
+    """`python -m alignfl.fl_app.config --write` regenerates it; run it after changing a setting."""
     pyproject = (ROOT / "pyproject.toml").read_text()
     assert pyproject_table() in pyproject
     assert tomllib.loads(pyproject)["tool"]["flwr"]["app"]["config"] == default_run_config()
@@ -61,7 +61,7 @@ def test_a_stale_pyproject_table_is_refused_naming_the_keys_and_the_command(tmp_
     stale.write_text(edit((ROOT / "pyproject.toml").read_text()))
     monkeypatch.setattr(tables, "PYPROJECT", stale)
     problem = pyproject_problem()
-    assert problem is not None and fragment in problem and "python -m fl_app.config --write" in problem
+    assert problem is not None and fragment in problem and "python -m alignfl.fl_app.config --write" in problem
     with pytest.raises(ConfigError, match="Regenerate it"):
         validate_run(parse_run_config({"results-dir": str(tmp_path)}))
 
@@ -84,13 +84,14 @@ def test_the_readme_method_table_is_generated_from_the_registry():
 
 
 def test_the_regenerating_command_checks_and_writes_a_copy_of_the_project(tmp_path):
-    """`python -m fl_app.config --check` says which generated file is stale; `--write --root` rewrites a copy."""
+    """`python -m alignfl.fl_app.config --check` says which generated file is stale; `--write --root` rewrites a
+    copy."""
     for name in ("pyproject.toml", "README.md", "docs/configuration.md"):
         (tmp_path / name).parent.mkdir(exist_ok=True)
         (tmp_path / name).write_text((ROOT / name).read_text())
     page = tmp_path / "docs" / "configuration.md"
     page.write_text(page.read_text().replace("| `moon-mu` |", "| `moon-mu (stale)` |"))
-    command = [sys.executable, "-m", "fl_app.config", "--root", str(tmp_path)]
+    command = [sys.executable, "-m", "alignfl.fl_app.config", "--root", str(tmp_path)]
     stale = subprocess.run([*command, "--check"], capture_output=True, text=True, timeout=120)
     assert stale.returncode == 1 and "docs/configuration.md is stale" in stale.stderr, stale.stderr
     assert "README.md" not in stale.stderr and "pyproject.toml" not in stale.stderr

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from fl_app.engines.batched import run_batched
-from fl_app.engines.worker import Worker
+from alignfl.fl_app.engines.batched import run_batched
+from alignfl.fl_app.engines.worker import Worker
 
 pytestmark = [
     pytest.mark.cuda,
@@ -52,7 +52,7 @@ def test_stacked_updates_on_cuda_stay_within_0_2_accuracy_points(tmp_path, monke
 
 @pytest.mark.slow
 def test_ray_workers_share_one_gpu_by_fractions(tmp_path):
-    from fl_app.engines.grid import RayOptions
+    from alignfl.fl_app.engines.grid import RayOptions
 
     options = RayOptions(num_cpus=2, num_gpus=1, worker_gpus=0.5)
     run_batched({**VALUES, "results-dir": str(tmp_path), "run-name": "ray"}, 10, "auto", ray=options)

@@ -1,4 +1,4 @@
-"""Tests for core.data: the dataset registry, the loaders (core.data.sources) and the tensor cache.
+"""Tests for alignfl.core.data: the dataset registry, the loaders (alignfl.core.data.sources) and the tensor cache.
 
 Everything runs offline: real loaders read tiny files written here in
 torchvision's layouts. Partitioning is tests/test_partitioners.py's.
@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 import torch
 
-from core import data
-from core.data import sources
+from alignfl.core import data
+from alignfl.core.data import sources
 
 pytestmark = pytest.mark.usefixtures("private_tensor_cache")
 

@@ -15,15 +15,15 @@ from types import SimpleNamespace
 
 import pytest
 
-from fl_app.checkpoint import config_differences
-from fl_app.config import parse_run_config
-from fl_app.runtime import deploy
-from fl_app.runtime import deployment as deployment_module
-from fl_app.runtime import topology as topology_module
-from fl_app.runtime.deployment import Deployment, partner_of, resume_command, run_logs
-from fl_app.runtime.flwr_cli import parse_overrides
-from fl_app.runtime.launch import prepare_config, report_outcome
-from fl_app.runtime.topology import (
+from alignfl.fl_app.checkpoint import config_differences
+from alignfl.fl_app.config import parse_run_config
+from alignfl.fl_app.runtime import deploy
+from alignfl.fl_app.runtime import deployment as deployment_module
+from alignfl.fl_app.runtime import topology as topology_module
+from alignfl.fl_app.runtime.deployment import Deployment, partner_of, resume_command, run_logs
+from alignfl.fl_app.runtime.flwr_cli import parse_overrides
+from alignfl.fl_app.runtime.launch import prepare_config, report_outcome
+from alignfl.fl_app.runtime.topology import (
     clientapp_executor_command,
     compose_topology,
     loopback_topology,
@@ -110,7 +110,7 @@ def test_the_executor_is_warm_unless_flowers_own_is_asked_for_and_a_resumed_run_
     assert clientapp_executor_command(topology, 1)[:4] == [
         "python",
         "-m",
-        "fl_app.patches.warm_superexec",
+        "alignfl.fl_app.patches.warm_superexec",
         "--runtime-api-address",
     ]
     own = replace(topology, executor="flower")
@@ -130,7 +130,7 @@ def test_supernodes_poll_every_half_second_unless_flowers_own_is_asked_for_and_a
     assert supernode_command(topology, 1)[:5] == [
         "python",
         "-m",
-        "fl_app.patches.polling_supernode",
+        "alignfl.fl_app.patches.polling_supernode",
         "--poll-interval",
         "0.5",
     ]

@@ -1,6 +1,6 @@
 """The compose files against the loopback script (no Docker needed): docker-compose.yml and compose.tls.yml run
-fl_app/runtime/topology.py's commands, with their images, networks, mounts and published ports; the image pins the
-project's Flower; make_certs' certificates and keys."""
+alignfl/fl_app/runtime/topology.py's commands, with their images, networks, mounts and published ports; the image pins
+the project's Flower; make_certs' certificates and keys."""
 
 import re
 import subprocess
@@ -13,7 +13,7 @@ import yaml
 from cryptography import x509
 from cryptography.hazmat.primitives.serialization import load_ssh_private_key, load_ssh_public_key
 
-from fl_app.runtime.topology import compose_topology, make_certificates, supernode_entry_point
+from alignfl.fl_app.runtime.topology import compose_topology, make_certificates, supernode_entry_point
 from tests.deployments import expected_commands
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]

@@ -16,14 +16,14 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from fl_app.checkpoint import CHECKPOINT, run_folder
-from fl_app.config import RunConfig
-from fl_app.provenance import checkout_commit
-from fl_app.runtime import deploy
-from fl_app.runtime.deployment import Deployment, deployment, resume_command
-from fl_app.runtime.launch import report_outcome
-from fl_app.runtime.superlink import wait_until
-from fl_app.runtime.topology import loopback_topology
+from alignfl.fl_app.checkpoint import CHECKPOINT, run_folder
+from alignfl.fl_app.config import RunConfig
+from alignfl.fl_app.provenance import checkout_commit
+from alignfl.fl_app.runtime import deploy
+from alignfl.fl_app.runtime.deployment import Deployment, deployment, resume_command
+from alignfl.fl_app.runtime.launch import report_outcome
+from alignfl.fl_app.runtime.superlink import wait_until
+from alignfl.fl_app.runtime.topology import loopback_topology
 from tests.deployments import (
     RUN_TIMEOUT_S,
     expected_commands,

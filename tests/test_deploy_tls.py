@@ -9,11 +9,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from fl_app.runtime.common import free_port
-from fl_app.runtime.deployment import deployment
-from fl_app.runtime.flwr_cli import online_supernodes
-from fl_app.runtime.superlink import trust
-from fl_app.runtime.topology import loopback_topology, make_certificates, supernode_command
+from alignfl.fl_app.runtime.common import free_port
+from alignfl.fl_app.runtime.deployment import deployment
+from alignfl.fl_app.runtime.flwr_cli import online_supernodes
+from alignfl.fl_app.runtime.superlink import trust
+from alignfl.fl_app.runtime.topology import loopback_topology, make_certificates, supernode_command
 from tests.deployments import RUN_TIMEOUT_S, private_home, rows, run_config, run_to_end
 
 

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from fl_app.config import parse_run_config
-from fl_app.runtime.flwr_cli import parse_overrides
+from alignfl.fl_app.config import parse_run_config
+from alignfl.fl_app.runtime.flwr_cli import parse_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -265,7 +265,7 @@ RESULTS_SAMPLE = """# Results
 
 ```
 # not a heading: a comment in a command block, long enough to shift every offset after it if code were cut out
-python -m fl_app.launch
+python -m alignfl.fl_app.launch
 ```
 
 | run | final accuracy |

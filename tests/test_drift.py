@@ -7,11 +7,11 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, MetricRecord, RecordDict
 
-from core.merging.drift import MOVED_BETWEEN, MOVED_FROM_START, units_moved, units_moved_row
-from core.rounds.strategy import Reply, ServerStrategy
-from fl_app.config import ConfigError, build_context, check_run, parse_run_config
-from models import build_model, permute_state, random_permutations
-from strategies import get_strategy
+from alignfl.core.merging.drift import MOVED_BETWEEN, MOVED_FROM_START, units_moved, units_moved_row
+from alignfl.core.rounds.strategy import Reply, ServerStrategy
+from alignfl.fl_app.config import ConfigError, build_context, check_run, parse_run_config
+from alignfl.models import build_model, permute_state, random_permutations
+from alignfl.strategies import get_strategy
 from tests.faulty_grids import scripted_runner
 
 

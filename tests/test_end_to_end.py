@@ -8,11 +8,11 @@ import torch
 from flwr.simulation import run_simulation
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from fl_app.client_app import build_client_app
-from fl_app.inprocess import run_in_process
-from fl_app.runtime import launch
-from fl_app.server_app import build_server_app
-from models import build_model
+from alignfl.fl_app.client_app import build_client_app
+from alignfl.fl_app.inprocess import run_in_process
+from alignfl.fl_app.runtime import launch
+from alignfl.fl_app.server_app import build_server_app
+from alignfl.models import build_model
 
 pytestmark = pytest.mark.slow
 
@@ -21,7 +21,7 @@ BACKEND = {"client_resources": {"num_cpus": 1, "num_gpus": 0.0}}
 
 @pytest.fixture(autouse=True)
 def _own_home(tmp_path_factory, monkeypatch):
-    """Clients keep their state under ~/.cache/alignfl (fl_app.node_state): these runs keep it in a folder of
+    """Clients keep their state under ~/.cache/alignfl (alignfl.fl_app.node_state): these runs keep it in a folder of
     the test's own, which the Flower processes the launcher starts inherit."""
     monkeypatch.setenv("HOME", str(tmp_path_factory.mktemp("home")))
 

@@ -11,18 +11,18 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 from torch import nn
 
-from core.merging.bbp import BBPSettings
-from core.merging.bbp_model import match_group, patch_clients, scatter_group
-from core.merging.layerwise import completion_plan, frozen_at, per_class_average
-from core.model_io import federated_state, load_arrays
-from core.rounds.strategy import Reply
-from fl_app.config import ConfigError, build_context, check_run, parse_run_config
-from fl_app.inprocess import run_in_process
-from models import PermutationSpec, build_model, list_models, permute_state, random_permutations
-from models.protocol import head_of
-from models.registry import option_names
-from strategies import fedma, get_strategy
-from strategies.fedma import CLASS_COUNTS, STAGE, FedMA, FedMAUpdate
+from alignfl.core.merging.bbp import BBPSettings
+from alignfl.core.merging.bbp_model import match_group, patch_clients, scatter_group
+from alignfl.core.merging.layerwise import completion_plan, frozen_at, per_class_average
+from alignfl.core.model_io import federated_state, load_arrays
+from alignfl.core.rounds.strategy import Reply
+from alignfl.fl_app.config import ConfigError, build_context, check_run, parse_run_config
+from alignfl.fl_app.inprocess import run_in_process
+from alignfl.models import PermutationSpec, build_model, list_models, permute_state, random_permutations
+from alignfl.models.protocol import head_of
+from alignfl.models.registry import option_names
+from alignfl.strategies import fedma, get_strategy
+from alignfl.strategies.fedma import CLASS_COUNTS, STAGE, FedMA, FedMAUpdate
 from tests.model_checks import randomise
 
 NUM_CLASSES = 10

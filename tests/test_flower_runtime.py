@@ -16,11 +16,11 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.simulation import run_simulation
 from flwr.supercore.task_identity import TaskIdentity
 
-from core.rounds.nodes import send_and_receive, wait_for_nodes
-from fl_app import server_app
-from fl_app.client_app import build_client_app
-from fl_app.inprocess import InProcessGrid
-from fl_app.patches import flower_runtime, seam
+from alignfl.core.rounds.nodes import send_and_receive, wait_for_nodes
+from alignfl.fl_app import server_app
+from alignfl.fl_app.client_app import build_client_app
+from alignfl.fl_app.inprocess import InProcessGrid
+from alignfl.fl_app.patches import flower_runtime, seam
 
 FLOWER_LOOKUP = seam.get(flower_runtime.LOOKUP)
 
@@ -142,7 +142,7 @@ def test_a_server_app_loads_flowers_simulation_state_only_in_a_simulation() -> N
     import subprocess
     import sys
 
-    code = "import sys, fl_app.server_app; print('flwr.server.superlink.linkstate' in sys.modules)"
+    code = "import sys, alignfl.fl_app.server_app; print('flwr.server.superlink.linkstate' in sys.modules)"
     assert (
         subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
         == "False"

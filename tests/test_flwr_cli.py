@@ -8,9 +8,9 @@ from pathlib import Path
 
 from flwr.cli.build import build_fab_from_disk
 
-from fl_app.locations import shipped
-from fl_app.runtime import flwr_cli
-from fl_app.runtime.flwr_cli import app_files, staged_app
+from alignfl.fl_app.locations import shipped
+from alignfl.fl_app.runtime import flwr_cli
+from alignfl.fl_app.runtime.flwr_cli import app_files, staged_app
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 """The checkout the tests run in."""

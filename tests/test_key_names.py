@@ -8,15 +8,15 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from core.merging.bbp import BBPSettings
-from core.rounds.strategy import ServerStep, ServerStrategy
-from fl_app.checkpoint import CHECKPOINT
-from fl_app.config import ConfigError, default_run_config, parse_run_config, rename_old_keys
-from fl_app.inprocess import run_in_process
-from plugins.options import option, option_from, prefix_problems, settings_fields
-from strategies import get_strategy, list_strategies
-from strategies.base import LocalUpdate
-from strategies.registry import Algorithm
+from alignfl.core.merging.bbp import BBPSettings
+from alignfl.core.rounds.strategy import ServerStep, ServerStrategy
+from alignfl.fl_app.checkpoint import CHECKPOINT
+from alignfl.fl_app.config import ConfigError, default_run_config, parse_run_config, rename_old_keys
+from alignfl.fl_app.inprocess import run_in_process
+from alignfl.plugins.options import option, option_from, prefix_problems, settings_fields
+from alignfl.strategies import get_strategy, list_strategies
+from alignfl.strategies.base import LocalUpdate
+from alignfl.strategies.registry import Algorithm
 
 RENAMED = [(name, old, new) for name in list_strategies() for old, new in get_strategy(name).renamed.items()]
 

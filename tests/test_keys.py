@@ -1,5 +1,6 @@
 """Private keys stay out of git: make_certs.sh's default folder is outside the checkout, keys are mode 0600, a
-folder git would commit is refused, and :func:`fl_app.runtime.keys.exposed_private_keys` finds keys git would commit."""
+folder git would commit is refused, and :func:`alignfl.fl_app.runtime.keys.exposed_private_keys` finds keys git would
+commit."""
 
 import os
 import stat
@@ -8,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from fl_app.runtime import deploy
-from fl_app.runtime.keys import default_certs, exposed_private_keys, refuse_exposed_keys
-from plugins.options import ConfigError
+from alignfl.fl_app.runtime import deploy
+from alignfl.fl_app.runtime.keys import default_certs, exposed_private_keys, refuse_exposed_keys
+from alignfl.plugins.options import ConfigError
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 MAKE_CERTS = PROJECT_ROOT / "scripts" / "make_certs.sh"
@@ -153,7 +154,7 @@ def test_deploy_refuses_a_certs_folder_git_would_commit_with_that_refusal_alone(
 
 
 def test_make_certificates_turns_the_scripts_refusal_into_a_config_error(tmp_path):
-    from fl_app.runtime.topology import make_certificates
+    from alignfl.fl_app.runtime.topology import make_certificates
 
     repo = git_repo(tmp_path / "checkout")
     with pytest.raises(ConfigError, match=r"make_certs.sh: '.*/keys' is inside the git work tree"):

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from core.config import RunConfig
-from core.data.label_noise import noisy_labels
-from fl_app.client_app import client_data
-from fl_app.config import ConfigError, parse_run_config
+from alignfl.core.config import RunConfig
+from alignfl.core.data.label_noise import noisy_labels
+from alignfl.fl_app.client_app import client_data
+from alignfl.fl_app.config import ConfigError, parse_run_config
 
 
 @pytest.mark.parametrize("kind", ["pair", "symmetric"])

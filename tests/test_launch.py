@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from core.config import RESULTS_ENV, results_root
-from fl_app.checkpoint import run_folder
-from fl_app.config import ConfigError, parse_run_config
-from fl_app.runtime import launch, processes
-from fl_app.runtime.flwr_cli import never_give_up, parse_overrides, to_toml_pairs
-from fl_app.runtime.launch import check_client_resources, prepare_config
+from alignfl.core.config import RESULTS_ENV, results_root
+from alignfl.fl_app.checkpoint import run_folder
+from alignfl.fl_app.config import ConfigError, parse_run_config
+from alignfl.fl_app.runtime import launch, processes
+from alignfl.fl_app.runtime.flwr_cli import never_give_up, parse_overrides, to_toml_pairs
+from alignfl.fl_app.runtime.launch import check_client_resources, prepare_config
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 """The checkout the tests run in."""
@@ -207,7 +207,7 @@ def test_the_batched_engines_workers_must_be_positive_before_anything_starts(wor
 @pytest.mark.parametrize("workers", [None, 1, 4, 0, -1, True, 2.0])
 def test_the_launcher_and_the_sweep_accept_the_same_worker_counts(workers):
     """One check (the batched engine's) decides for ``--workers`` and for ``sim.workers``."""
-    from fl_app.sweeps.sim import SimSettings
+    from alignfl.fl_app.sweeps.sim import SimSettings
 
     def refused(check) -> bool:
         try:
@@ -363,7 +363,7 @@ def test_sigterm_mid_run_stops_every_process_the_launcher_started(tmp_path, fres
             [
                 sys.executable,
                 "-m",
-                "fl_app.launch",
+                "alignfl.fl_app.launch",
                 "--num-supernodes",
                 "1",  # one Ray actor: what is tested is that every process goes, not how many
                 "--run-config",

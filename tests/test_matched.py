@@ -11,12 +11,12 @@ import torch
 from flwr.app import ArrayRecord, MetricRecord, RecordDict
 from torch import nn
 
-import models.registry as model_registry
-from core.rounds.strategy import Reply, ServerStrategy
-from fl_app.config import ConfigError, build_context, check_run, parse_run_config
-from fl_app.inprocess import run_in_process
-from models import PanSettings, build_model, permute_state, random_permutations
-from strategies import get_strategy
+import alignfl.models.registry as model_registry
+from alignfl.core.rounds.strategy import Reply, ServerStrategy
+from alignfl.fl_app.config import ConfigError, build_context, check_run, parse_run_config
+from alignfl.fl_app.inprocess import run_in_process
+from alignfl.models import PanSettings, build_model, permute_state, random_permutations
+from alignfl.strategies import get_strategy
 
 PAN_ON = {"pan-mode": "mul", "pan-t": 1.0, "pan-a": 0.5}
 

@@ -1,4 +1,4 @@
-"""``python -m fl_app.analysis merge``: one-shot merging of K locally trained models."""
+"""``python -m alignfl.fl_app.analysis merge``: one-shot merging of K locally trained models."""
 
 from __future__ import annotations
 
@@ -8,15 +8,15 @@ import json
 import pytest
 import torch
 
-from core.data import ImageDataset, load_dataset
-from core.merging.bbp import BBPSettings
-from fl_app.analysis.__main__ import main
-from fl_app.analysis.common import AnalysisError
-from fl_app.analysis.merge import merge_accuracies
-from fl_app.analysis.merge_options import MERGE_COSTS, UNIVERSE_COSTS, costs
-from fl_app.client_app import client_data
-from fl_app.config import parse_run_config
-from models import build_model, permute_state, random_permutations
+from alignfl.core.data import ImageDataset, load_dataset
+from alignfl.core.merging.bbp import BBPSettings
+from alignfl.fl_app.analysis.__main__ import main
+from alignfl.fl_app.analysis.common import AnalysisError
+from alignfl.fl_app.analysis.merge import merge_accuracies
+from alignfl.fl_app.analysis.merge_options import MERGE_COSTS, UNIVERSE_COSTS, costs
+from alignfl.fl_app.client_app import client_data
+from alignfl.fl_app.config import parse_run_config
+from alignfl.models import build_model, permute_state, random_permutations
 
 
 def model_and_permuted_copy() -> tuple[ImageDataset, torch.nn.Module, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -126,7 +126,7 @@ def test_the_bbp_merge_reports_its_accuracy_and_global_widths(tmp_path, capsys):
     )
     assert code == 0
     payload = json.loads((tmp_path / "merge.json").read_text())
-    # every BBP-MAP setting is an option (declared once, in core.merging.bbp.BBPSettings) and recorded
+    # every BBP-MAP setting is an option (declared once, in alignfl.core.merging.bbp.BBPSettings) and recorded
     assert payload["bbp"] == {**dataclasses.asdict(BBPSettings()), "include_classifier": True, "iterations": 2}
     assert {"matched-bbp", "matched-weight", "average", "ensemble"} <= set(payload["merged-accuracy"])
     widths = payload["bbp-global-width"]

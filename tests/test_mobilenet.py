@@ -1,4 +1,4 @@
-"""MobileNetV1 and its Ψ-Net form (models/mobilenet.py): shapes, permutation symmetry, PANs, group isolation."""
+"""MobileNetV1 and its Ψ-Net form (alignfl/models/mobilenet.py): shapes, permutation symmetry, PANs, group isolation."""
 
 from __future__ import annotations
 
@@ -9,9 +9,16 @@ import torch
 from model_checks import randomise
 from torch import nn
 
-from models import PanSettings, PermutationSpec, PositionEncoding, build_model, permute_state, random_permutations
-from models.mobilenet import GroupedDepthwise, PsiMobileNet, stride_plan
-from models.psinet import GroupedConv2d, GroupedNorm, group_layout
+from alignfl.models import (
+    PanSettings,
+    PermutationSpec,
+    PositionEncoding,
+    build_model,
+    permute_state,
+    random_permutations,
+)
+from alignfl.models.mobilenet import GroupedDepthwise, PsiMobileNet, stride_plan
+from alignfl.models.psinet import GroupedConv2d, GroupedNorm, group_layout
 
 SHAPES = [(1, 28, 28), (3, 32, 32)]
 NARROW = {"width_factor": 0.25}  # widths 8 ... 256: fast on a 2-core CPU

@@ -1,4 +1,4 @@
-"""Tests for models/: registry, shapes, permutation symmetry and position-aware neurons."""
+"""Tests for alignfl/models/: registry, shapes, permutation symmetry and position-aware neurons."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import torch
 from model_checks import randomise
 from torch import nn
 
-import models.registry as registry
-from models import (
+import alignfl.models.registry as registry
+from alignfl.models import (
     AxisRef,
     PanSettings,
     Permutable,
@@ -392,9 +392,9 @@ def test_bad_pan_settings_name_the_field(field, kwargs):
 
 
 def test_he_init_redraws_every_layer_and_default_keeps_the_builders():
-    from core.data import load_dataset
-    from core.model_io import build_run_model
-    from fl_app.config import ConfigError, parse_run_config
+    from alignfl.core.data import load_dataset
+    from alignfl.core.model_io import build_run_model
+    from alignfl.fl_app.config import ConfigError, parse_run_config
 
     digits = load_dataset("digits")
 

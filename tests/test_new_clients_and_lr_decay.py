@@ -9,14 +9,14 @@ import math
 import pytest
 from flwr.app import Message, MessageType, MetricRecord, RecordDict
 
-from core.rounds.runner import MetricAggregation, RoundRunner
-from fl_app.client_app import build_client_app
-from fl_app.config import ConfigError, build_context, parse_run_config
-from fl_app.inprocess import InProcessGrid
-from fl_app.results import RoundRecorder
-from strategies import get_strategy
-from strategies.base import LocalUpdate
-from strategies.superfed import (
+from alignfl.core.rounds.runner import MetricAggregation, RoundRunner
+from alignfl.fl_app.client_app import build_client_app
+from alignfl.fl_app.config import ConfigError, build_context, parse_run_config
+from alignfl.fl_app.inprocess import InProcessGrid
+from alignfl.fl_app.results import RoundRecorder
+from alignfl.strategies import get_strategy
+from alignfl.strategies.base import LocalUpdate
+from alignfl.strategies.superfed import (
     SuPerFedUpdate,
 )
 from tests.local_updates import (
@@ -141,8 +141,8 @@ def test_a_decayed_round_trains_exactly_like_the_decayed_learning_rate():
 
 
 def test_every_optimizer_override_uses_the_decayed_learning_rate():
-    from strategies.ditto import _PersonalStep
-    from strategies.psinet import PsiNetUpdate
+    from alignfl.strategies.ditto import _PersonalStep
+    from alignfl.strategies.psinet import PsiNetUpdate
 
     config = superfed_config(lr_decay=0.5, superfed_start=0.0)
     expected = 0.05 * 0.5**2

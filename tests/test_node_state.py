@@ -1,7 +1,7 @@
 """Client state on the node's disk: what strategies keep in ``context.state`` survives a resume, so a run stopped
 after round 2 and resumed on fresh nodes (new SuperNode processes, empty contexts) equals the uninterrupted run.
 
-The runs are the real ServerApp and ClientApp in one process (:class:`fl_app.inprocess.InProcessGrid`); the
+The runs are the real ServerApp and ClientApp in one process (:class:`alignfl.fl_app.inprocess.InProcessGrid`); the
 nodes' ``state-dir`` is a temporary folder. The slow test runs Flower's simulation."""
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord, RecordDict
 from flwr.simulation import run_simulation
 
-from fl_app.client_app import build_client_app
-from fl_app.config import parse_run_config
-from fl_app.inprocess import InProcessGrid
-from fl_app.node_state import MARKER, STATE_DIR_KEY, StateStore, begin_message, end_train, state_store
-from fl_app.server_app import build_server_app, run_experiment
+from alignfl.fl_app.client_app import build_client_app
+from alignfl.fl_app.config import parse_run_config
+from alignfl.fl_app.inprocess import InProcessGrid
+from alignfl.fl_app.node_state import MARKER, STATE_DIR_KEY, StateStore, begin_message, end_train, state_store
+from alignfl.fl_app.server_app import build_server_app, run_experiment
 
 TINY = {"dataset": "digits", "model": "small-mlp", "batch-size": 32, "device": "cpu", "fraction-train": 0.5}
 STATEFUL = {"scaffold": {}, "superfed": {"superfed-start": 0.0}, "moon": {}, "fedper": {}, "ditto": {}}

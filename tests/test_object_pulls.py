@@ -1,4 +1,5 @@
-"""Flower's object pulls retry after 0.05 s in the processes that ask for it (fl_app/patches/object_pulls.py)."""
+"""Flower's object pulls retry after 0.05 s in the processes that ask for it
+(alignfl/fl_app/patches/object_pulls.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ import sys
 import pytest
 from flwr.supercore.constant import PULL_INITIAL_BACKOFF
 
-from fl_app import server_app
-from fl_app.patches import object_pulls, seam
+from alignfl.fl_app import server_app
+from alignfl.fl_app.patches import object_pulls, seam
 
 PULLS = importlib.import_module("flwr.supercore.inflatable.inflatable_utils")
 

@@ -10,19 +10,19 @@ import pytest
 import torch
 from flwr.app import ArrayRecord
 
-from core.data import dataset_info
-from core.merging.alignment import align_and_average, matching_generator, weighted_average
-from core.merging.ot_fusion import ot_fuse
-from core.metrics.ensemble import score_models
-from core.model_io import build_model_for, build_run_model, federated_state, independent_start
-from core.rounds.strategy import ServerStrategy, build_context
-from core.training.sgd import seed_everything
-from fl_app.analysis.merge import train_clients
-from fl_app.config import ConfigError, check_run, parse_run_config
-from fl_app.engines.batched import run_batched
-from fl_app.inprocess import run_in_process
-from models import build_model
-from models.pan import PanSettings
+from alignfl.core.data import dataset_info
+from alignfl.core.merging.alignment import align_and_average, matching_generator, weighted_average
+from alignfl.core.merging.ot_fusion import ot_fuse
+from alignfl.core.metrics.ensemble import score_models
+from alignfl.core.model_io import build_model_for, build_run_model, federated_state, independent_start
+from alignfl.core.rounds.strategy import ServerStrategy, build_context
+from alignfl.core.training.sgd import seed_everything
+from alignfl.fl_app.analysis.merge import train_clients
+from alignfl.fl_app.config import ConfigError, check_run, parse_run_config
+from alignfl.fl_app.engines.batched import run_batched
+from alignfl.fl_app.inprocess import run_in_process
+from alignfl.models import build_model
+from alignfl.models.pan import PanSettings
 
 CLIENTS = 3
 ONE_SHOT = {

@@ -1,4 +1,4 @@
-"""Settings declared once (plugins/options.py): run-config sections that carry a lower layer's settings borrow
+"""Settings declared once (alignfl/plugins/options.py): run-config sections that carry a lower layer's settings borrow
 its fields (``option_from``), so the run config and the engine cannot disagree on a default, a help text or a
 check; and the engine's own settings objects check their fields with the same checks."""
 
@@ -8,14 +8,14 @@ import dataclasses
 
 import pytest
 
-from core.config import SECTIONS, PanSection, RunConfig
-from core.merging.bbp import BBPSettings
-from fl_app.config import ConfigError, parse_run_config
-from models import PanSettings, list_models
-from models.registry import model_options
-from plugins.options import check_fields, option, option_from, settings_fields, source_settings
-from strategies import get_strategy, list_strategies
-from strategies.fedma import FedMASettings
+from alignfl.core.config import SECTIONS, PanSection, RunConfig
+from alignfl.core.merging.bbp import BBPSettings
+from alignfl.fl_app.config import ConfigError, parse_run_config
+from alignfl.models import PanSettings, list_models
+from alignfl.models.registry import model_options
+from alignfl.plugins.options import check_fields, option, option_from, settings_fields, source_settings
+from alignfl.strategies import get_strategy, list_strategies
+from alignfl.strategies.fedma import FedMASettings
 
 
 def _run_config_classes() -> list[type]:

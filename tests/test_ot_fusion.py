@@ -1,5 +1,5 @@
-"""The OT fusion engine (core/merging/ot_fusion.py): permuted copies, agreement with the Hungarian matcher, Sinkhorn's
-approach to exact OT, and fusion across widths."""
+"""The OT fusion engine (alignfl/core/merging/ot_fusion.py): permuted copies, agreement with the Hungarian matcher,
+Sinkhorn's approach to exact OT, and fusion across widths."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import dataclasses
 import pytest
 import torch
 
-from core.merging.alignment import find_permutations, inner_products, solve_group
-from core.merging.ot_fusion import (
+from alignfl.core.merging.alignment import find_permutations, inner_products, solve_group
+from alignfl.core.merging.ot_fusion import (
     OTSettings,
     Transport,
     align_onto,
@@ -18,7 +18,7 @@ from core.merging.ot_fusion import (
     ot_fuse,
     transport_maps,
 )
-from models import build_model, invert_permutations, permute_state, random_permutations
+from alignfl.models import build_model, invert_permutations, permute_state, random_permutations
 
 # (model, input shape, options): every family with a permutation description
 MODELS = [

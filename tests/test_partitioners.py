@@ -1,5 +1,5 @@
-"""core/partitioning: the partitioners with their settings and limits, the partition cache, each client's split;
-and SuPerFed's fixed-pair split (core/partitioning/fixed_pairs.py) on a small synthetic dataset.
+"""alignfl/core/partitioning: the partitioners with their settings and limits, the partition cache, each client's split;
+and SuPerFed's fixed-pair split (alignfl/core/partitioning/fixed_pairs.py) on a small synthetic dataset.
 
 Partitioning is tested mostly on scikit-learn's digits (1,437 training samples), with private caches.
 """
@@ -14,18 +14,18 @@ import pytest
 from datasets import Dataset
 from flwr_datasets.partitioner import Partitioner
 
-from core.data import DATASETS, load_dataset
-from core.partitioning import partitions
-from core.partitioning.fixed_pairs import FixedPairPartitioner, fixed_pair
-from core.partitioning.partitioners import (
+from alignfl.core.data import DATASETS, load_dataset
+from alignfl.core.partitioning import partitions
+from alignfl.core.partitioning.fixed_pairs import FixedPairPartitioner, fixed_pair
+from alignfl.core.partitioning.partitioners import (
     DIRICHLET_MIN_PARTITION_SIZE,
     FixedPairsSettings,
     Split,
     check_partitioning,
     list_partitioners,
 )
-from core.partitioning.partitions import client_split, partition_dataset
-from fl_app.runtime import launch
+from alignfl.core.partitioning.partitions import client_split, partition_dataset
+from alignfl.fl_app.runtime import launch
 
 pytestmark = [
     pytest.mark.usefixtures("private_tensor_cache", "private_partition_cache"),
@@ -110,8 +110,8 @@ def digest(parts: tuple[np.ndarray, ...]) -> str:
 def test_partitions_are_those_computed_before_partitioning_moved(
     partitioner, num_partitions, seed, options, expected, sizes, first
 ) -> None:
-    """Pinned: the digests, sizes and first indices were computed by core/data.py's partitioning before it moved
-    to core/partitioning (and its settings became settings classes)."""
+    """Pinned: the digests, sizes and first indices were computed by alignfl/core/data.py's partitioning before it moved
+    to alignfl/core/partitioning (and its settings became settings classes)."""
     parts = partition_dataset("digits", None, partitioner, num_partitions, seed, **options)
     assert [len(part) for part in parts[:4]] == sizes and parts[0][:3].tolist() == first
     assert digest(parts) == expected

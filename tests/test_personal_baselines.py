@@ -7,13 +7,13 @@ import pytest
 import torch
 from torch import nn
 
-from core.data import ClientData
-from strategies.base import LocalUpdate
+from alignfl.core.data import ClientData
+from alignfl.strategies.base import LocalUpdate
 from tests.local_updates import assert_same_state, data, fresh_model, make_context, received, run, superfed_config
 
 
 def test_fedper_keeps_its_head_and_sends_only_the_body_trained():
-    from strategies.fedper import PERSONAL_HEAD, FedPerUpdate
+    from alignfl.strategies.fedper import PERSONAL_HEAD, FedPerUpdate
 
     config = superfed_config(strategy="fedper")
     context, (x, y), (tx, ty) = make_context(), data(), data(40, seed=2)
@@ -37,7 +37,7 @@ def test_fedper_keeps_its_head_and_sends_only_the_body_trained():
 
 
 def test_ditto_sends_fedavgs_update_and_keeps_a_personal_model_pulled_to_the_global_one():
-    from strategies.ditto import PERSONAL_MODEL, DittoUpdate, _PersonalStep
+    from alignfl.strategies.ditto import PERSONAL_MODEL, DittoUpdate, _PersonalStep
 
     config = superfed_config(strategy="ditto", ditto_lambda=0.5)
     context, (x, y) = make_context(), data()

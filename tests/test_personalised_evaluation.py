@@ -10,11 +10,11 @@ import pytest
 import torch
 from flwr.app import MetricRecord, RecordDict
 
-from core.data import ClientData
-from core.metrics.calibration import calibration_errors
-from fl_app.results import RoundRecorder
-from strategies.base import LocalUpdate
-from strategies.superfed import (
+from alignfl.core.data import ClientData
+from alignfl.core.metrics.calibration import calibration_errors
+from alignfl.fl_app.results import RoundRecorder
+from alignfl.strategies.base import LocalUpdate
+from alignfl.strategies.superfed import (
     LAMBDA_GRID,
     SuPerFedUpdate,
 )

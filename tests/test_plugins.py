@@ -7,15 +7,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.data import dataset_info
-from core.model_io import build_model_for
-from core.rounds.runner import MetricAggregation, RoundRunner
-from fl_app.client_app import build_client_app
-from fl_app.config import ConfigError, build_context, check_run, parse_run_config
-from fl_app.inprocess import InProcessGrid, run_in_process
-from models import list_models
-from models.registry import option_names
-from strategies import get_strategy, list_strategies
+from alignfl.core.data import dataset_info
+from alignfl.core.model_io import build_model_for
+from alignfl.core.rounds.runner import MetricAggregation, RoundRunner
+from alignfl.fl_app.client_app import build_client_app
+from alignfl.fl_app.config import ConfigError, build_context, check_run, parse_run_config
+from alignfl.fl_app.inprocess import InProcessGrid, run_in_process
+from alignfl.models import list_models
+from alignfl.models.registry import option_names
+from alignfl.strategies import get_strategy, list_strategies
 
 BASELINE = Path(__file__).parent / "data" / "strategy_baseline.json"
 RELATIVE = 1e-5

@@ -1,4 +1,4 @@
-"""The SuperNode that asks for messages every --poll-interval seconds (fl_app/patches/polling_supernode.py)."""
+"""The SuperNode that asks for messages every --poll-interval seconds (alignfl/fl_app/patches/polling_supernode.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import logging
 
 import pytest
 
-from fl_app.patches import polling_supernode, seam
-from fl_app.patches.polling_supernode import DEFAULT_NODE_POLL_S, PULL_STEP
+from alignfl.fl_app.patches import polling_supernode, seam
+from alignfl.fl_app.patches.polling_supernode import DEFAULT_NODE_POLL_S, PULL_STEP
 
 STEP = seam.INTERNALS[PULL_STEP].name
 """The pull step's name in Flower's SuperNode loop module."""

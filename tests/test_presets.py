@@ -17,9 +17,9 @@ import yaml
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from core.data import DatasetMissingError
-from fl_app.sweeps import sweep
-from fl_app.sweeps.sweep import register_configs, sweep_job_overrides, validate_sweep
+from alignfl.core.data import DatasetMissingError
+from alignfl.fl_app.sweeps import sweep
+from alignfl.fl_app.sweeps.sweep import register_configs, sweep_job_overrides, validate_sweep
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -262,7 +262,7 @@ def test_a_preset_file_says_which_paper_table_it_follows():
     for name in PRESETS:
         text = (EXPERIMENTS / f"{name}.yaml").read_text()
         assert text.startswith("# @package _global_\n"), name
-        assert "python -m fl_app.sweep +experiment=" + name in text, f"{name}: its command is in its header"
+        assert "python -m alignfl.fl_app.sweep +experiment=" + name in text, f"{name}: its command is in its header"
         cited = any(paper in text for paper in PAPERS)
         assert cited or name.endswith("-cpu"), f"{name}: cites its paper by authors and venue ({PAPERS})"
         yaml.safe_load(text)
@@ -284,7 +284,7 @@ def test_a_preset_whose_data_are_missing_refuses_before_any_job(name, validated)
 def _sweep(tmp_path: Path, *overrides: str, extra_env=None) -> subprocess.CompletedProcess:
     env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0", **(extra_env or {})}
     return subprocess.run(
-        [sys.executable, "-m", "fl_app.sweep", *overrides, f"hydra.sweep.dir={tmp_path}"],
+        [sys.executable, "-m", "alignfl.fl_app.sweep", *overrides, f"hydra.sweep.dir={tmp_path}"],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -294,7 +294,7 @@ def _sweep(tmp_path: Path, *overrides: str, extra_env=None) -> subprocess.Comple
 
 
 def test_the_cifar10_preset_exits_with_the_data_message_before_any_job(tmp_path):
-    """The command line itself: `python -m fl_app.sweep +experiment=pans-table1` with an empty data root."""
+    """The command line itself: `python -m alignfl.fl_app.sweep +experiment=pans-table1` with an empty data root."""
     empty = tmp_path / "data"
     empty.mkdir()
     proxy = "http://127.0.0.1:9"

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from fl_app.sweeps.configs import register_configs
-from fl_app.sweeps.fixed import fixed_key_problem
-from fl_app.sweeps.sweep import job_settings, sweep_job_overrides
+from alignfl.fl_app.sweeps.configs import register_configs
+from alignfl.fl_app.sweeps.fixed import fixed_key_problem
+from alignfl.fl_app.sweeps.sweep import job_settings, sweep_job_overrides
 from tests.sweep_jobs import CONF, composed, fake_job, sweep
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))

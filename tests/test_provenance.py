@@ -1,13 +1,13 @@
-"""Where a run came from (fl_app/provenance.py): the commit, also where the code runs from an installed FAB, and the
-machine."""
+"""Where a run came from (alignfl/fl_app/provenance.py): the commit, also where the code runs from an installed FAB, and
+the machine."""
 
 from __future__ import annotations
 
 import subprocess
 from pathlib import Path
 
-from fl_app import provenance
-from fl_app.runtime.superlink import flower_environment
+from alignfl.fl_app import provenance
+from alignfl.fl_app.runtime.superlink import flower_environment
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 """The checkout the tests run in."""

@@ -1,4 +1,4 @@
-"""Ψ-Net models (models/psinet.py) and grouped Ψ-Net averaging (strategies/psinet.py)."""
+"""Ψ-Net models (alignfl/models/psinet.py) and grouped Ψ-Net averaging (alignfl/strategies/psinet.py)."""
 
 from __future__ import annotations
 
@@ -13,18 +13,18 @@ import torch
 from flwr.app import ArrayRecord, MetricRecord, RecordDict
 from torch import nn
 
-from core.config import RunConfig
-from core.model_io import build_run_model, federated_state
-from core.rounds.strategy import Reply, RunContext
-from fl_app.config import ConfigError, check_run, parse_run_config
-from fl_app.inprocess import run_in_process
-from models import PanSettings, build_model
-from models.options import WidthOptions
-from models.protocol import ModelHead
-from models.psinet import GroupedNorm, PsiNet, PsiOptions, contiguous_class_groups, group_layout, held_groups
-from models.registry import model_options, option_names
-from strategies import get_strategy
-from strategies.psinet import HELD_KEY, HELD_RECORD, PsiNetStrategy, PsiNetUpdate, masked_average
+from alignfl.core.config import RunConfig
+from alignfl.core.model_io import build_run_model, federated_state
+from alignfl.core.rounds.strategy import Reply, RunContext
+from alignfl.fl_app.config import ConfigError, check_run, parse_run_config
+from alignfl.fl_app.inprocess import run_in_process
+from alignfl.models import PanSettings, build_model
+from alignfl.models.options import WidthOptions
+from alignfl.models.protocol import ModelHead
+from alignfl.models.psinet import GroupedNorm, PsiNet, PsiOptions, contiguous_class_groups, group_layout, held_groups
+from alignfl.models.registry import model_options, option_names
+from alignfl.strategies import get_strategy
+from alignfl.strategies.psinet import HELD_KEY, HELD_RECORD, PsiNetStrategy, PsiNetUpdate, masked_average
 
 DIGITS = (1, 8, 8)
 PAN_ON = PanSettings(mode="mul", period=1.0, amplitude=0.5)
@@ -80,7 +80,7 @@ def test_layout_splits_every_federated_key_once():
 
 @pytest.mark.parametrize("depth", [0, 5, 8])
 def test_permutations_stay_inside_groups_and_preserve_the_function(depth):
-    from models import permute_state, random_permutations
+    from alignfl.models import permute_state, random_permutations
 
     torch.manual_seed(0)
     model = build_model("psi-vgg9", DIGITS, 6, psi_groups=3, psi_depth=depth).eval()
@@ -350,7 +350,7 @@ def test_psinet_on_digits_pathological(tmp_path: Path):
 
 
 def test_total_variance_of_constructed_preferences():
-    from fl_app.analysis.depth import total_variance
+    from alignfl.fl_app.analysis.depth import total_variance
 
     preferences = {
         "specialised": torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.0, 0.0]]),  # the dead third unit is left out
@@ -362,8 +362,8 @@ def test_total_variance_of_constructed_preferences():
 
 
 def test_suggested_depth_is_the_largest_rise():
-    from fl_app.analysis.common import AnalysisError
-    from fl_app.analysis.depth import suggest_depth
+    from alignfl.fl_app.analysis.common import AnalysisError
+    from alignfl.fl_app.analysis.depth import suggest_depth
 
     assert suggest_depth([0.1, 0.2, 0.6, 0.65, 0.3]) == 2
     with pytest.raises(AnalysisError, match="at least two layers"):
@@ -371,7 +371,7 @@ def test_suggested_depth_is_the_largest_rise():
 
 
 def test_depth_command_writes_json_and_plot(tmp_path: Path):
-    from fl_app.analysis.__main__ import main
+    from alignfl.fl_app.analysis.__main__ import main
 
     assert (
         main(["depth", "--model", "twocnn", "--dataset", "digits", "--samples-per-class", "3", "--out", str(tmp_path)])

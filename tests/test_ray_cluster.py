@@ -1,7 +1,7 @@
 """Simulations on a running Ray cluster: the address checked first, where clients ran, a node lost mid-run.
 
-The slow tests start a real two-node cluster on this machine (:mod:`fl_app.runtime.local_ray`: a head and a second
-raylet joined to it, each with its own custom resource, own temp dir and free ports) and stop exactly its
+The slow tests start a real two-node cluster on this machine (:mod:`alignfl.fl_app.runtime.local_ray`: a head and a
+second raylet joined to it, each with its own custom resource, own temp dir and free ports) and stop exactly its
 processes, by pid, when the module is done, also when a test fails.
 """
 
@@ -15,15 +15,15 @@ from pathlib import Path
 import pytest
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 
-from fl_app.client_app import build_client_app
-from fl_app.config import ConfigError, parse_run_config
-from fl_app.inprocess import InProcessGrid
-from fl_app.results import RAY_NODE_RECORD, _ray_nodes
-from fl_app.runtime import launch
-from fl_app.runtime.common import free_port
-from fl_app.runtime.ray_cluster import RayNode, check_client_fits, check_ray_address
-from fl_app.sweeps.sim import SimSettings
-from fl_app.sweeps.sweep import register_configs, run_job
+from alignfl.fl_app.client_app import build_client_app
+from alignfl.fl_app.config import ConfigError, parse_run_config
+from alignfl.fl_app.inprocess import InProcessGrid
+from alignfl.fl_app.results import RAY_NODE_RECORD, _ray_nodes
+from alignfl.fl_app.runtime import launch
+from alignfl.fl_app.runtime.common import free_port
+from alignfl.fl_app.runtime.ray_cluster import RayNode, check_client_fits, check_ray_address
+from alignfl.fl_app.sweeps.sim import SimSettings
+from alignfl.fl_app.sweeps.sweep import register_configs, run_job
 from tests.ray_clusters import cluster_left_clean, kill_node_after_round_1
 from tests.sweep_jobs import composed, sweep
 from tests.test_data import write_mnist_raw
@@ -91,7 +91,7 @@ def test_attached_jobs_pass_the_address_and_no_resource_counts_to_ray():
 
 
 def test_a_client_lacking_the_data_set_names_its_node_and_the_missing_files(tmp_path, monkeypatch):
-    monkeypatch.setattr("fl_app.client_app.where_this_runs", lambda: " on Ray node 3f2a (10.0.0.7)")
+    monkeypatch.setattr("alignfl.fl_app.client_app.where_this_runs", lambda: " on Ray node 3f2a (10.0.0.7)")
     values = {"dataset": "mnist", "data-root": str(tmp_path), "num-server-rounds": 1}
     config = parse_run_config(values)
     grid = InProcessGrid(build_client_app(values), 2)
@@ -226,8 +226,8 @@ def test_a_node_lost_mid_run_drops_its_messages_naming_it_and_the_next_rounds_tr
 
 
 class _FakePool:
-    """What :mod:`fl_app.patches.ray_pool` uses of Flower's ``BasicActorPool``: the idle actors, their count, the
-    resources per client, and adding actors."""
+    """What :mod:`alignfl.fl_app.patches.ray_pool` uses of Flower's ``BasicActorPool``: the idle actors, their count,
+    the resources per client, and adding actors."""
 
     def __init__(self, actors: list[str]) -> None:
         self.pool = list(actors)
@@ -242,7 +242,7 @@ class _FakePool:
 
 
 def test_a_lost_actor_and_the_idle_ones_on_its_node_leave_the_pool_and_replacements_fill_the_room(monkeypatch):
-    from fl_app.patches import ray_pool
+    from alignfl.fl_app.patches import ray_pool
 
     nodes = {"a1": ("ALIVE", "node-a"), "a2": ("ALIVE", "node-a"), "b1": ("DEAD", "node-b"), "b2": ("ALIVE", "node-b")}
     monkeypatch.setattr(ray_pool, "actor_node", lambda actor: (*nodes[actor], "10.0.0.2"))
@@ -257,7 +257,7 @@ def test_a_lost_actor_and_the_idle_ones_on_its_node_leave_the_pool_and_replaceme
 
 
 def test_a_message_waits_for_an_idle_actor_and_fails_at_once_when_none_is_left():
-    from fl_app.patches import ray_pool
+    from alignfl.fl_app.patches import ray_pool
 
     pool = _FakePool([])
     pool.num_actors = 1  # one actor, busy

@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 import ray
 
-from fl_app.engines import ray_workers
-from fl_app.engines.batched import run_batched
-from fl_app.engines.grid import RayOptions
-from fl_app.engines.worker import Worker
+from alignfl.fl_app.engines import ray_workers
+from alignfl.fl_app.engines.batched import run_batched
+from alignfl.fl_app.engines.grid import RayOptions
+from alignfl.fl_app.engines.worker import Worker
 
 NODE = {"node-id": "4e0de1", "address": "10.231.9.4"}
 LOST = {"node-id": "dead0c", "address": "10.231.9.5"}

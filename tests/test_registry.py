@@ -1,4 +1,4 @@
-"""plugins/registry.py: the one registry every kind of part (algorithm, model, data set, partitioner) uses."""
+"""alignfl/plugins/registry.py: the one registry every kind of part (algorithm, model, data set, partitioner) uses."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from core.data import DATASETS
-from core.partitioning.partitioners import PARTITIONERS
-from models.registry import MODELS
-from plugins.registry import Registry
-from strategies.registry import STRATEGIES
+from alignfl.core.data import DATASETS
+from alignfl.core.partitioning.partitioners import PARTITIONERS
+from alignfl.models.registry import MODELS
+from alignfl.plugins.registry import Registry
+from alignfl.strategies.registry import STRATEGIES
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,7 @@ def test_a_module_dropped_into_a_package_of_parts_registers_itself(tmp_path, mon
     package = tmp_path / "toyparts"
     package.mkdir()
     (package / "__init__.py").write_text(
-        "from plugins.registry import Registry, import_modules\n"
+        "from alignfl.plugins.registry import Registry, import_modules\n"
         "PARTS = Registry('part')\n"
         "IMPORTED = import_modules(__name__, __path__)\n"
     )
@@ -84,8 +84,7 @@ def test_a_module_dropped_into_a_package_of_parts_registers_itself(tmp_path, mon
 
 
 def test_every_module_of_strategies_and_models_is_imported():
-    import models
-    import strategies
+    from alignfl import models, strategies
 
     for package in (models, strategies):
         modules = [name for name in sys.modules if name.startswith(f"{package.__name__}.")]
@@ -93,17 +92,19 @@ def test_every_module_of_strategies_and_models_is_imported():
         assert set(files) <= set(modules)
 
 
-@pytest.mark.parametrize("first", ["models.cnn", "models.registry", "strategies.fedma", "strategies.registry"])
+@pytest.mark.parametrize(
+    "first",
+    ["alignfl.models.cnn", "alignfl.models.registry", "alignfl.strategies.fedma", "alignfl.strategies.registry"],
+)
 def test_whichever_module_is_imported_first_every_part_registers(first):
     """A package's ``__init__`` runs before any of its modules and imports them all last, after the names they
     import from it: no import order leaves a part unregistered or meets a half-made package."""
     code = (
         f"import {first}\nimport models, strategies\n"
-        "print(len(models.list_models()), len(strategies.list_strategies()))"
+        "print(len(alignfl.models.list_models()), len(alignfl.strategies.list_strategies()))"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
-    import models
-    import strategies
+    from alignfl import models, strategies
 
     assert result.stdout.split() == [str(len(models.list_models())), str(len(strategies.list_strategies()))]

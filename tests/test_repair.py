@@ -17,21 +17,28 @@ from flwr.app import Error, Message, MessageType
 from flwr.common.constant import ErrorCode
 from flwr.supercore.task_identity import TaskIdentity
 
-from core.data import load_dataset
-from core.merging.alignment import align_and_average, matching_generator, weighted_average
-from core.merging.repair import UnitStats, averaged, carry_statistics, find_sites, repair_in_order, unit_statistics
-from core.model_io import build_run_model
-from core.rounds.repair_round import QUERY_KEY, REPAIR_QUERY
-from fl_app import server_app
-from fl_app.analysis.merge import repair_merge, train_clients
-from fl_app.checkpoint import load_checkpoint, save_checkpoint
-from fl_app.client_app import build_client_app, client_data
-from fl_app.config import ConfigError, check_run, parse_run_config
-from fl_app.engines.batched import run_batched
-from fl_app.inprocess import InProcessGrid, run_in_process
-from fl_app.server_app import run_experiment
-from models import PanSettings, build_model
-from models.registry import option_names
+from alignfl.core.data import load_dataset
+from alignfl.core.merging.alignment import align_and_average, matching_generator, weighted_average
+from alignfl.core.merging.repair import (
+    UnitStats,
+    averaged,
+    carry_statistics,
+    find_sites,
+    repair_in_order,
+    unit_statistics,
+)
+from alignfl.core.model_io import build_run_model
+from alignfl.core.rounds.repair_round import QUERY_KEY, REPAIR_QUERY
+from alignfl.fl_app import server_app
+from alignfl.fl_app.analysis.merge import repair_merge, train_clients
+from alignfl.fl_app.checkpoint import load_checkpoint, save_checkpoint
+from alignfl.fl_app.client_app import build_client_app, client_data
+from alignfl.fl_app.config import ConfigError, check_run, parse_run_config
+from alignfl.fl_app.engines.batched import run_batched
+from alignfl.fl_app.inprocess import InProcessGrid, run_in_process
+from alignfl.fl_app.server_app import run_experiment
+from alignfl.models import PanSettings, build_model
+from alignfl.models.registry import option_names
 
 CPU = torch.device("cpu")
 RUN = {

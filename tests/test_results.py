@@ -7,8 +7,8 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, MetricRecord, RecordDict
 
-from core.rounds.runner import Participation
-from fl_app.results import RoundRecorder, plot_accuracy
+from alignfl.core.rounds.runner import Participation
+from alignfl.fl_app.results import RoundRecorder, plot_accuracy
 
 
 def _train_record(value: float, examples: int) -> RecordDict:

@@ -18,17 +18,17 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
-from core.config import RunConfig
-from core.rounds.strategy import Reply, RunContext, ServerStrategy
-from fl_app import checkpoint as checkpoint_module
-from fl_app import server_app
-from fl_app.checkpoint import CHECKPOINT, capture, load_checkpoint, save_checkpoint
-from fl_app.client_app import build_client_app
-from fl_app.config import ConfigError, default_run_config, parse_run_config
-from fl_app.inprocess import InProcessGrid
-from fl_app.server_app import run_experiment
-from models.protocol import ModelHead
-from strategies import get_strategy
+from alignfl.core.config import RunConfig
+from alignfl.core.rounds.strategy import Reply, RunContext, ServerStrategy
+from alignfl.fl_app import checkpoint as checkpoint_module
+from alignfl.fl_app import server_app
+from alignfl.fl_app.checkpoint import CHECKPOINT, capture, load_checkpoint, save_checkpoint
+from alignfl.fl_app.client_app import build_client_app
+from alignfl.fl_app.config import ConfigError, default_run_config, parse_run_config
+from alignfl.fl_app.inprocess import InProcessGrid
+from alignfl.fl_app.server_app import run_experiment
+from alignfl.models.protocol import ModelHead
+from alignfl.strategies import get_strategy
 from tests.faulty_grids import (
     TINY,
     final_model,

@@ -14,11 +14,11 @@ import time
 
 import pytest
 
-from fl_app.checkpoint import run_folder
-from fl_app.runtime import deploy, roles
-from fl_app.runtime.common import free_port
-from fl_app.runtime.reach import Unreachable, listen_host, tls_problem, wait_for_superlink
-from fl_app.runtime.roles import (
+from alignfl.fl_app.checkpoint import run_folder
+from alignfl.fl_app.runtime import deploy, roles
+from alignfl.fl_app.runtime.common import free_port
+from alignfl.fl_app.runtime.reach import Unreachable, listen_host, tls_problem, wait_for_superlink
+from alignfl.fl_app.runtime.roles import (
     RefusedKeys,
     certificate_names,
     parser_for,
@@ -26,7 +26,7 @@ from fl_app.runtime.roles import (
     superlink_certificates,
     supernodes_topology,
 )
-from fl_app.runtime.topology import make_certificates
+from alignfl.fl_app.runtime.topology import make_certificates
 
 
 def test_the_superlink_certificate_names_every_address_the_nodes_dial(tmp_path):

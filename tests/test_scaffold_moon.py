@@ -15,20 +15,20 @@ from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 from torch import nn
 
-from core.config import RunConfig
-from core.model_io import to_arrays
-from core.rounds.nodes import NodeDirectory
-from core.rounds.replies import reply_problem
-from core.rounds.strategy import Reply, RunContext
-from fl_app.config import parse_run_config
-from fl_app.inprocess import run_in_process
-from models import build_model
-from models.protocol import ModelHead
-from strategies import get_strategy
-from strategies.moon import STATE_KEY as MOON_STATE
-from strategies.moon import MoonUpdate, contrastive_loss
-from strategies.scaffold import CONTROL, Scaffold, ScaffoldUpdate, momentum_step_sum
-from strategies.scaffold import STATE_KEY as SCAFFOLD_STATE
+from alignfl.core.config import RunConfig
+from alignfl.core.model_io import to_arrays
+from alignfl.core.rounds.nodes import NodeDirectory
+from alignfl.core.rounds.replies import reply_problem
+from alignfl.core.rounds.strategy import Reply, RunContext
+from alignfl.fl_app.config import parse_run_config
+from alignfl.fl_app.inprocess import run_in_process
+from alignfl.models import build_model
+from alignfl.models.protocol import ModelHead
+from alignfl.strategies import get_strategy
+from alignfl.strategies.moon import STATE_KEY as MOON_STATE
+from alignfl.strategies.moon import MoonUpdate, contrastive_loss
+from alignfl.strategies.scaffold import CONTROL, Scaffold, ScaffoldUpdate, momentum_step_sum
+from alignfl.strategies.scaffold import STATE_KEY as SCAFFOLD_STATE
 
 CPU = torch.device("cpu")
 

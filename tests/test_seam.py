@@ -1,6 +1,6 @@
-"""The one seam for Flower's and Ray's internals (fl_app/patches/seam.py): it lists every internal alignfl touches,
-each resolves on the installed Flower, nothing else (the benchmarks included) imports one, and where a release is
-unknown or an internal has moved, the launcher, a SuperNode and a SuperExec still start, each with its warning."""
+"""The one seam for Flower's and Ray's internals (alignfl/fl_app/patches/seam.py): it lists every internal alignfl
+touches, each resolves on the installed Flower, nothing else (the benchmarks included) imports one, and where a release
+is unknown or an internal has moved, the launcher, a SuperNode and a SuperExec still start, each with its warning."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from fl_app.patches import seam
-from fl_app.runtime.common import free_port
+from alignfl.fl_app.patches import seam
+from alignfl.fl_app.runtime.common import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 PUBLIC_FLOWER = ("flwr.common", "flwr.app", "flwr.serverapp", "flwr.clientapp")
@@ -215,7 +215,7 @@ FAULTS = {
     ),
     "moved": (
         "import dataclasses\n"
-        "from fl_app.patches import seam\n"
+        "from alignfl.fl_app.patches import seam\n"
         "for key, internal in list(seam.INTERNALS.items()):\n"
         "    if key != 'flwr.supercore.task_identity.TaskIdentity':  # the in-process grid cannot do without it\n"
         "        seam.INTERNALS[key] = dataclasses.replace(internal, module=internal.module + '_moved')\n",
@@ -260,7 +260,7 @@ def started(command: list[str], env: dict[str, str], log: Path, expected: list[s
 
 @pytest.mark.parametrize("fault", sorted(FAULTS))
 def test_a_supernode_starts_as_flowers_own_with_the_warning(tmp_path, fault):
-    command = [sys.executable, "-m", "fl_app.patches.polling_supernode", "--insecure", "--isolation", "process"]
+    command = [sys.executable, "-m", "alignfl.fl_app.patches.polling_supernode", "--insecure", "--isolation", "process"]
     command += ["--superlink", f"127.0.0.1:{free_port()}", "--port", str(free_port())]
     lost = "the SuperNode polls every 3 s as Flower's own does"
     started(
@@ -270,7 +270,7 @@ def test_a_supernode_starts_as_flowers_own_with_the_warning(tmp_path, fault):
 
 @pytest.mark.parametrize("fault", sorted(FAULTS))
 def test_a_superexec_starts_as_flowers_own_with_the_warning(tmp_path, fault):
-    command = [sys.executable, "-m", "fl_app.patches.warm_superexec", "--insecure"]
+    command = [sys.executable, "-m", "alignfl.fl_app.patches.warm_superexec", "--insecure"]
     command += ["--runtime-api-address", f"127.0.0.1:{free_port()}"]
     output = started(
         command,
@@ -288,7 +288,7 @@ def test_the_launcher_runs_a_simulation_with_flowers_own_runtime_and_the_warning
     refused, which the SuperNode's and SuperExec's tests above check in their processes for both faults."""
     run_config = f'dataset="digits" num-server-rounds=1 results-dir="{tmp_path}" run-name="run"'
     done = subprocess.run(
-        [sys.executable, "-m", "fl_app.launch", "--num-supernodes", "2", "--run-config", run_config],
+        [sys.executable, "-m", "alignfl.fl_app.launch", "--num-supernodes", "2", "--run-config", run_config],
         env=faulty_environment(tmp_path, fault),
         cwd=ROOT,
         capture_output=True,

@@ -1,5 +1,5 @@
-"""The shuffle test (fl_app/analysis): Algorithm 1's permutations (disorder grows with p_sf, a window bounds how far a
-unit moves) and the shuffle error of every model, float noise without PANs and growing with a, faster for
+"""The shuffle test (alignfl/fl_app/analysis): Algorithm 1's permutations (disorder grows with p_sf, a window bounds how
+far a unit moves) and the shuffle error of every model, float noise without PANs and growing with a, faster for
 multiplicative PANs."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import functools
 import pytest
 import torch
 
-from fl_app.analysis import (
+from alignfl.fl_app.analysis import (
     AnalysisError,
     kept_ratio,
     shuffle_permutation,
@@ -17,8 +17,8 @@ from fl_app.analysis import (
     shuffle_sweep,
     shuffle_test,
 )
-from fl_app.analysis.shuffle import gaussian_inputs
-from models import list_models
+from alignfl.fl_app.analysis.shuffle import gaussian_inputs
+from alignfl.models import list_models
 from tests.analysis_models import DIGITS, PAN_MUL, fixed_points, seeded_model
 
 # --- Algorithm 1 ----------------------------------------------------------------------

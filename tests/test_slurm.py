@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import csv
 
-from fl_app.sweeps import report as sweep_report
-from fl_app.sweeps.slurm import SlurmJob, job_cpus, job_gpus, read_jobs_record, set_backend, write_jobs_record
+from alignfl.fl_app.sweeps import report as sweep_report
+from alignfl.fl_app.sweeps.slurm import SlurmJob, job_cpus, job_gpus, read_jobs_record, set_backend, write_jobs_record
 from tests.sweep_jobs import composed, fake_job
 
 

@@ -11,17 +11,17 @@ from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordD
 from flwr.clientapp import ClientApp
 from torch import nn
 
-from core.rounds.replies import array_values, reply_problem
-from core.rounds.runner import MetricAggregation, Participation, RoundRunner
-from core.rounds.strategy import Reply, RunContext, ServerStrategy
-from fl_app.config import parse_run_config
-from fl_app.inprocess import InProcessGrid
-from models.protocol import ModelHead
-from strategies import get_strategy, list_strategies
-from strategies.base import LocalUpdate
-from strategies.fedavgm import FedAvgM
-from strategies.fedprox import FedProxSettings, FedProxUpdate
-from strategies.registry import STRATEGIES, Algorithm
+from alignfl.core.rounds.replies import array_values, reply_problem
+from alignfl.core.rounds.runner import MetricAggregation, Participation, RoundRunner
+from alignfl.core.rounds.strategy import Reply, RunContext, ServerStrategy
+from alignfl.fl_app.config import parse_run_config
+from alignfl.fl_app.inprocess import InProcessGrid
+from alignfl.models.protocol import ModelHead
+from alignfl.strategies import get_strategy, list_strategies
+from alignfl.strategies.base import LocalUpdate
+from alignfl.strategies.fedavgm import FedAvgM
+from alignfl.strategies.fedprox import FedProxSettings, FedProxUpdate
+from alignfl.strategies.registry import STRATEGIES, Algorithm
 
 
 def test_registry_lists_the_core_algorithms():

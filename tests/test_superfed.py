@@ -11,13 +11,13 @@ import pytest
 import torch
 from torch import nn
 
-from core.data import ClientData
-from fl_app.client_app import client_data
-from fl_app.config import parse_run_config
-from fl_app.inprocess import run_in_process
-from strategies import get_strategy
-from strategies.base import LocalUpdate
-from strategies.superfed import (
+from alignfl.core.data import ClientData
+from alignfl.fl_app.client_app import client_data
+from alignfl.fl_app.config import parse_run_config
+from alignfl.fl_app.inprocess import run_in_process
+from alignfl.strategies import get_strategy
+from alignfl.strategies.base import LocalUpdate
+from alignfl.strategies.superfed import (
     LOCAL_MODEL,
     SuPerFedUpdate,
     initial_local_model,
@@ -172,7 +172,7 @@ def test_local_model_persists_across_rounds_in_context_state_and_is_never_sent()
 
 
 def test_batchnorm_statistics_are_re_estimated_for_mixed_points_but_not_for_the_global_model():
-    from strategies.superfed import recalibrate_batchnorm
+    from alignfl.strategies.superfed import recalibrate_batchnorm
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Flatten(), nn.Linear(64, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 10))
@@ -200,9 +200,9 @@ def test_batchnorm_statistics_are_re_estimated_for_mixed_points_but_not_for_the_
 
 
 def test_two_rounds_keep_each_local_model_across_rounds_and_report_personalised_accuracy(tmp_path):
-    from core.data import load_dataset
-    from core.model_io import build_run_model
-    from core.training.sgd import evaluate
+    from alignfl.core.data import load_dataset
+    from alignfl.core.model_io import build_run_model
+    from alignfl.core.training.sgd import evaluate
 
     config = {
         "strategy": "superfed",

@@ -10,13 +10,13 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import open_dict
 
-from core.config import RESULTS_ENV, default_results_root
-from fl_app.config import ConfigError, default_run_config, parse_run_config
-from fl_app.sweeps.configs import SET_PER_JOB
-from fl_app.sweeps.overrides import unowned_override
-from fl_app.sweeps.resolvers import composition_problem, interpolation_problem
-from fl_app.sweeps.slurm import slurm_problem
-from fl_app.sweeps.sweep import (
+from alignfl.core.config import RESULTS_ENV, default_results_root
+from alignfl.fl_app.config import ConfigError, default_run_config, parse_run_config
+from alignfl.fl_app.sweeps.configs import SET_PER_JOB
+from alignfl.fl_app.sweeps.overrides import unowned_override
+from alignfl.fl_app.sweeps.resolvers import composition_problem, interpolation_problem
+from alignfl.fl_app.sweeps.slurm import slurm_problem
+from alignfl.fl_app.sweeps.sweep import (
     GROUPS,
     JOB_RECORD,
     ValidateSweep,
@@ -26,8 +26,8 @@ from fl_app.sweeps.sweep import (
     run_job,
     validate_sweep,
 )
-from models import list_models
-from strategies import list_strategies
+from alignfl.models import list_models
+from alignfl.strategies import list_strategies
 from tests.sweep_jobs import CONF, ROOT, TINY, composed, sweep
 
 
@@ -171,7 +171,7 @@ def test_jobs_that_differ_in_the_seed_alone_are_composed_as_hydra_composes_them(
     Hydra's composition of each job (the hydra section aside), and a bad seed is still refused."""
     from hydra.core.global_hydra import GlobalHydra
 
-    from fl_app.sweeps.sweep import composed_jobs, sweep_job_overrides
+    from alignfl.fl_app.sweeps.sweep import composed_jobs, sweep_job_overrides
 
     register_configs()
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
@@ -246,7 +246,7 @@ def test_a_run_or_sweep_refuses_in_one_line_what_the_launcher_refuses_before_any
         env.update(fake_slurm(tmp_path / path, "Slurmctld(primary) at h1 is DOWN", 1))
     folder = "hydra.sweep.dir" if "-m" in arguments else "hydra.run.dir"
     result = subprocess.run(
-        [sys.executable, "-m", "fl_app.sweep", *arguments, *TINY, f"{folder}={tmp_path / 'out'}"],
+        [sys.executable, "-m", "alignfl.fl_app.sweep", *arguments, *TINY, f"{folder}={tmp_path / 'out'}"],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -431,7 +431,7 @@ def test_invalid_sweep_exits_before_any_job_starts(tmp_path):
 def test_a_single_run_with_a_bad_value_is_refused_like_a_sweep_before_its_folder_is_made(tmp_path):
     env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0"}
     result = subprocess.run(
-        [sys.executable, "-m", "fl_app.sweep", *TINY, "pan.a=-1", f"hydra.run.dir={tmp_path / 'job'}"],
+        [sys.executable, "-m", "alignfl.fl_app.sweep", *TINY, "pan.a=-1", f"hydra.run.dir={tmp_path / 'job'}"],
         cwd=ROOT,
         env=env,
         capture_output=True,

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from fl_app.runtime.processes import process_table
-from fl_app.sweeps import report as sweep_report
-from fl_app.sweeps.launches import (
+from alignfl.fl_app.runtime.processes import process_table
+from alignfl.fl_app.sweeps import report as sweep_report
+from alignfl.fl_app.sweeps.launches import (
     JOB_MARKER,
     LAUNCH_KEY,
     JobBusy,
@@ -26,7 +26,7 @@ from fl_app.sweeps.launches import (
     launch_progress,
     start_launch,
 )
-from fl_app.sweeps.sweep import JOB_RECORD, run_job
+from alignfl.fl_app.sweeps.sweep import JOB_RECORD, run_job
 from tests.sweep_jobs import ROOT, TINY, composed, fake_job, sweep
 
 
@@ -155,7 +155,7 @@ def test_an_in_process_job_gives_the_metrics_of_a_ray_job(tmp_path):
 
 def _flower_home(temp: Path) -> str | None:
     """The job's private Flower home in ``temp``, once it is made."""
-    from fl_app.runtime.launch import FLWR_HOME_PREFIX
+    from alignfl.fl_app.runtime.launch import FLWR_HOME_PREFIX
 
     return next((str(home) for home in temp.glob(f"{FLWR_HOME_PREFIX}*")), None)
 
@@ -197,12 +197,20 @@ def test_sigterm_to_a_ray_sweep_job_stops_every_process_it_started_and_removes_i
     """``timeout`` sends SIGTERM: once the job's private SuperLink has started the run (``flwr-simulation`` runs),
     the job exits with 128 + 15 and leaves no process of its own (SuperLink, SuperExec, flwr-simulation, Ray)
     nor its temporary Flower home behind."""
-    from fl_app.runtime import processes
+    from alignfl.fl_app.runtime import processes
 
     temp = tmp_path / "tmp"
     temp.mkdir()
     env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0", "TMPDIR": str(temp)}
-    command = [sys.executable, "-m", "fl_app.sweep", *TINY, "model=small-mlp", "sim.backend=ray", "sim.ray_cpus=1"]
+    command = [
+        sys.executable,
+        "-m",
+        "alignfl.fl_app.sweep",
+        *TINY,
+        "model=small-mlp",
+        "sim.backend=ray",
+        "sim.ray_cpus=1",
+    ]
     with (tmp_path / "job.log").open("wb") as log:
         job = processes.start_process(
             [*command, f"hydra.run.dir={tmp_path / 'job'}"], env, ROOT, stdout=log, stderr=log
@@ -253,7 +261,7 @@ def test_sigterm_to_a_parallel_sweep_stops_its_workers(tmp_path):
     env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0"}
     long_jobs = ["dataset=digits", "sim.num_supernodes=2", "train.num_server_rounds=200", "seed=0,1"]
     parallel = ["hydra/launcher=joblib", "hydra.launcher.n_jobs=2"]
-    command = [sys.executable, "-m", "fl_app.sweep", "-m", *long_jobs, *parallel, f"hydra.sweep.dir={tmp_path}"]
+    command = [sys.executable, "-m", "alignfl.fl_app.sweep", "-m", *long_jobs, *parallel, f"hydra.sweep.dir={tmp_path}"]
     workers: set[int] = set()
     with (tmp_path.parent / "sweep.log").open("wb") as log:
         sweep = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=log)
@@ -276,7 +284,7 @@ def test_sigterm_to_a_parallel_sweep_stops_its_workers(tmp_path):
 
 
 HOLD = (
-    "import sys, time\nfrom pathlib import Path\nfrom fl_app.sweeps.launches import job_marker\n"
+    "import sys, time\nfrom pathlib import Path\nfrom alignfl.fl_app.sweeps.launches import job_marker\n"
     "with job_marker(Path(sys.argv[1])):\n    print('held', flush=True)\n    time.sleep(120)\n"
 )
 

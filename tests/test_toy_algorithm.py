@@ -1,9 +1,9 @@
 """Adding an algorithm is one file: :data:`TOY`, a toy algorithm with one setting, registered by its last line.
 
-Fast: loaded as the module ``strategies.halfway``, it runs through the run config `flwr run` passes, a Hydra
+Fast: loaded as the module ``alignfl.strategies.halfway``, it runs through the run config `flwr run` passes, a Hydra
 override and an in-process simulation, and the launcher, deploy and the sweep refuse it, naming its key, until
-``pyproject.toml`` has that key. Slow: the file is dropped into ``strategies/`` of a copy of the project (the
-checkout stays as it is), ``python -m fl_app.config --write`` regenerates the copy's ``pyproject.toml``, README
+``pyproject.toml`` has that key. Slow: the file is dropped into ``alignfl/strategies/`` of a copy of the project (the
+checkout stays as it is), ``python -m alignfl.fl_app.config --write`` regenerates the copy's ``pyproject.toml``, README
 method table and ``docs/configuration.md``, and the copy's launcher, deploy and a sweep run it."""
 
 import importlib.util
@@ -17,13 +17,13 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from fl_app.config import REGENERATE, ConfigError, default_run_config, parse_run_config, tables, write_pyproject
-from fl_app.inprocess import run_in_process
-from fl_app.runtime import deploy, launch
-from fl_app.runtime.launch import prepare_config
-from fl_app.sweeps import sweep
-from fl_app.sweeps.sweep import hydra_to_run_config, register_configs
-from strategies.registry import STRATEGIES
+from alignfl.fl_app.config import REGENERATE, ConfigError, default_run_config, parse_run_config, tables, write_pyproject
+from alignfl.fl_app.inprocess import run_in_process
+from alignfl.fl_app.runtime import deploy, launch
+from alignfl.fl_app.runtime.launch import prepare_config
+from alignfl.fl_app.sweeps import sweep
+from alignfl.fl_app.sweeps.sweep import hydra_to_run_config, register_configs
+from alignfl.strategies.registry import STRATEGIES
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -35,10 +35,10 @@ from dataclasses import dataclass
 import numpy as np
 from flwr.app import Array, ArrayRecord
 
-from core.rounds.strategy import Reply, ServerStrategy, weighted_mean
-from plugins.options import option, unit_interval
-from strategies.base import LocalUpdate
-from strategies.registry import STRATEGIES, Algorithm
+from alignfl.core.rounds.strategy import Reply, ServerStrategy, weighted_mean
+from alignfl.plugins.options import option, unit_interval
+from alignfl.strategies.base import LocalUpdate
+from alignfl.strategies.registry import STRATEGIES, Algorithm
 
 
 @dataclass(frozen=True)
@@ -60,16 +60,16 @@ class Halfway(ServerStrategy):
 
 STRATEGIES.register(Algorithm("halfway", Halfway, LocalUpdate, "FedAvg, half a step", HalfwaySettings))
 '''
-"""``strategies/halfway.py``: the one file."""
+"""``alignfl/strategies/halfway.py``: the one file."""
 
 
 @pytest.fixture()
 def halfway(tmp_path):
-    """:data:`TOY` imported as ``strategies.halfway`` for the test only, so the shipped registry (and
+    """:data:`TOY` imported as ``alignfl.strategies.halfway`` for the test only, so the shipped registry (and
     pyproject.toml's keys) stay as they are; returns the module."""
     path = tmp_path / "halfway.py"
     path.write_text(TOY)
-    spec = importlib.util.spec_from_file_location("strategies.halfway", path)
+    spec = importlib.util.spec_from_file_location("alignfl.strategies.halfway", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
@@ -111,7 +111,7 @@ def test_an_in_process_simulation_runs_it(tmp_path, halfway):
 
 
 RUN_CONFIG = 'strategy="halfway" halfway-step=0.25 dataset="digits"'
-SWEEP_ARGS = ["fl_app.sweep", "strategy=halfway", "strategy.halfway_step=0.25"]
+SWEEP_ARGS = ["alignfl.fl_app.sweep", "strategy=halfway", "strategy.halfway_step=0.25"]
 
 
 @pytest.fixture()
@@ -150,7 +150,7 @@ def test_every_entry_point_refuses_it_until_pyproject_has_its_key(
 def test_the_entry_points_take_it_once_pyproject_has_its_key(halfway, nothing_starts, tmp_path, monkeypatch):
     pyproject = tmp_path / "pyproject.toml"
     pyproject.write_text(tables.PYPROJECT.read_text())
-    assert write_pyproject(pyproject)  # what `python -m fl_app.config --write` does to the real one
+    assert write_pyproject(pyproject)  # what `python -m alignfl.fl_app.config --write` does to the real one
     assert "halfway-step = 0.5" in pyproject.read_text()
     monkeypatch.setattr(tables, "PYPROJECT", pyproject)
     config = prepare_config(
@@ -170,13 +170,13 @@ OWN_RUN = 'strategy="halfway" halfway-step=0.5 dataset="digits" model="small-mlp
 
 @pytest.fixture(scope="module")
 def project(tmp_path_factory) -> Path:
-    """A copy of the project with :data:`TOY` as ``strategies/halfway.py`` and its tables regenerated."""
+    """A copy of the project with :data:`TOY` as ``alignfl/strategies/halfway.py`` and its tables regenerated."""
     before = {name: (ROOT / name).read_text() for name in GENERATED}
     copy = tmp_path_factory.mktemp("project") / "alignfl"
     caches = shutil.ignore_patterns(".git", ".venv", "__pycache__", "*_cache", "results", "outputs", "multirun")
     shutil.copytree(ROOT, copy, ignore=caches)
     (copy / "strategies" / "halfway.py").write_text(TOY)
-    written = _python(copy, "-m", "fl_app.config", "--write")
+    written = _python(copy, "-m", "alignfl.fl_app.config", "--write")
     assert written.returncode == 0, written.stderr
     assert all(f"{name} updated" in written.stdout for name in GENERATED), written.stdout
     assert {name: (ROOT / name).read_text() for name in GENERATED} == before  # the checkout stays as it was
@@ -206,7 +206,7 @@ def test_regenerating_adds_its_key_and_row_everywhere(project):
     page = (project / "docs" / "configuration.md").read_text()
     assert "`strategy=halfway`:" in page and "| `halfway-step` | `0.5` |" in page and "`halfway`" in page
     assert "halfway-step" not in (ROOT / "pyproject.toml").read_text()
-    assert _python(project, "-m", "fl_app.config", "--check").returncode == 0
+    assert _python(project, "-m", "alignfl.fl_app.config", "--check").returncode == 0
 
 
 @pytest.mark.slow
@@ -214,7 +214,7 @@ def test_the_launcher_runs_it(project, tmp_path):
     """On the batched engine in the launcher's process: Flower's runtime loading the file from the project's FAB is
     the deployment's test below."""
     results = f'results-dir="{tmp_path}" run-name="launch"'
-    launch = ["-m", "fl_app.launch", "--backend", "batched", "--num-supernodes", "2"]
+    launch = ["-m", "alignfl.fl_app.launch", "--backend", "batched", "--num-supernodes", "2"]
     run = _python(project, *launch, "--run-config", f"{OWN_RUN} {results}", home=tmp_path)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert _summary(tmp_path / "launch")["rounds"] == 1
@@ -224,7 +224,14 @@ def test_the_launcher_runs_it(project, tmp_path):
 def test_a_deployment_runs_it(project, tmp_path):
     results = f'results-dir="{tmp_path}" run-name="deploy"'
     run = _python(
-        project, "-m", "fl_app.deploy", "--num-supernodes", "2", "--run-config", f"{OWN_RUN} {results}", home=tmp_path
+        project,
+        "-m",
+        "alignfl.fl_app.deploy",
+        "--num-supernodes",
+        "2",
+        "--run-config",
+        f"{OWN_RUN} {results}",
+        home=tmp_path,
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert _summary(tmp_path / "deploy")["rounds"] == 1
@@ -234,6 +241,6 @@ def test_a_deployment_runs_it(project, tmp_path):
 def test_a_sweep_runs_it(project, tmp_path):
     overrides = ["strategy=halfway", "strategy.halfway_step=0.5", "dataset=digits", "model=small-mlp"]
     sim = ["train.num_server_rounds=1", "sim.num_supernodes=2", "sim.backend=inprocess", f"hydra.run.dir={tmp_path}"]
-    run = _python(project, "-m", "fl_app.sweep", *overrides, *sim, home=tmp_path)
+    run = _python(project, "-m", "alignfl.fl_app.sweep", *overrides, *sim, home=tmp_path)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert _summary(tmp_path / "run")["rounds"] == 1

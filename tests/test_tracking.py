@@ -18,12 +18,12 @@ from mlflow import MlflowClient
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.hparams import plugin_data_pb2
 
-from fl_app.config import ConfigError, parse_run_config, validate_run
-from fl_app.inprocess import run_in_process
-from fl_app.progress import RoundProgress, duration, sweep_progress
-from fl_app.provenance import machine
-from fl_app.sweeps.tracking import write_hparams
-from fl_app.tracking import TRACKING_FILE, Tracking, scalars
+from alignfl.fl_app.config import ConfigError, parse_run_config, validate_run
+from alignfl.fl_app.inprocess import run_in_process
+from alignfl.fl_app.progress import RoundProgress, duration, sweep_progress
+from alignfl.fl_app.provenance import machine
+from alignfl.fl_app.sweeps.tracking import write_hparams
+from alignfl.fl_app.tracking import TRACKING_FILE, Tracking, scalars
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = {
@@ -275,7 +275,7 @@ def test_a_sweep_on_a_real_mlflow_server_is_a_parent_with_a_child_per_job(tmp_pa
             [
                 sys.executable,
                 "-m",
-                "fl_app.sweep",
+                "alignfl.fl_app.sweep",
                 "-m",
                 "dataset=digits",
                 "model=small-mlp",

@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from core.training import sgd
-from core.training.sgd import evaluate, iterate_batches, round_generator, select_device
+from alignfl.core.training import sgd
+from alignfl.core.training.sgd import evaluate, iterate_batches, round_generator, select_device
 
 
 @pytest.fixture
@@ -98,7 +98,7 @@ def test_plain_sgd_does_not_import_torch_dynamo():
     import sys
 
     code = (
-        "import sys, torch; from core.training.sgd import PlainSGD; m = torch.nn.Linear(2, 2); "
+        "import sys, torch; from alignfl.core.training.sgd import PlainSGD; m = torch.nn.Linear(2, 2); "
         "o = PlainSGD(m.parameters(), 0.1, 0.9, 1e-4); m(torch.ones(1, 2)).sum().backward(); o.step(); "
         "print('torch._dynamo' in sys.modules)"
     )

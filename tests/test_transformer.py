@@ -8,11 +8,11 @@ import pytest
 import torch
 from torch import nn
 
-from core.data import load_dataset, tokens
-from core.merging.alignment import find_permutations, list_costs
-from fl_app.inprocess import run_in_process
-from models import PanSettings, PermutationSpec, invert_permutations, permute_state, random_permutations
-from models.transformer import Transformer1, sinusoid_table
+from alignfl.core.data import load_dataset, tokens
+from alignfl.core.merging.alignment import find_permutations, list_costs
+from alignfl.fl_app.inprocess import run_in_process
+from alignfl.models import PanSettings, PermutationSpec, invert_permutations, permute_state, random_permutations
+from alignfl.models.transformer import Transformer1, sinusoid_table
 
 SHAPE = (1, tokens.LENGTH, tokens.VOCABULARY)
 

@@ -1,5 +1,5 @@
-"""Analyses of hidden units on data (fl_app/analysis): where activations are read (after PAN and ReLU, every group of
-every model), the matching ratio between two models, and preference vectors."""
+"""Analyses of hidden units on data (alignfl/fl_app/analysis): where activations are read (after PAN and ReLU, every
+group of every model), the matching ratio between two models, and preference vectors."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from core.data import load_dataset
-from fl_app.analysis import (
+from alignfl.core.data import load_dataset
+from alignfl.fl_app.analysis import (
     AnalysisError,
     capture_units,
     compare_preferences,
@@ -20,8 +20,8 @@ from fl_app.analysis import (
     preference_vectors,
     shuffle_permutations,
 )
-from models import PermutationSpec, list_models
-from models.permutation import inputs_of, outputs_of
+from alignfl.models import PermutationSpec, list_models
+from alignfl.models.permutation import inputs_of, outputs_of
 from tests.analysis_models import DIGITS, PAN_MUL, fixed_points, seeded_model
 
 

@@ -13,9 +13,9 @@ import torch
 from flwr.app import ArrayRecord, MetricRecord, RecordDict
 from torch import nn
 
-from core.merging.alignment import find_permutations, weighted_average
-from core.merging.relaxed import best_step, dense, line_polynomial
-from core.merging.universe import (
+from alignfl.core.merging.alignment import find_permutations, weighted_average
+from alignfl.core.merging.relaxed import best_step, dense, line_polynomial
+from alignfl.core.merging.universe import (
     UniverseSettings,
     _gradients,
     _objective,
@@ -24,15 +24,15 @@ from core.merging.universe import (
     universe_matching,
     universe_merge,
 )
-from core.model_io import federated_state
-from core.rounds.strategy import Reply
-from fl_app.analysis.__main__ import main
-from fl_app.config import ConfigError, build_context, parse_run_config
-from fl_app.inprocess import run_in_process
-from models import build_model, invert_permutations, list_models, permute_state, random_permutations
-from models.registry import model_options
-from strategies import get_strategy
-from strategies.fedma import CLASS_COUNTS
+from alignfl.core.model_io import federated_state
+from alignfl.core.rounds.strategy import Reply
+from alignfl.fl_app.analysis.__main__ import main
+from alignfl.fl_app.config import ConfigError, build_context, parse_run_config
+from alignfl.fl_app.inprocess import run_in_process
+from alignfl.models import build_model, invert_permutations, list_models, permute_state, random_permutations
+from alignfl.models.registry import model_options
+from alignfl.strategies import get_strategy
+from alignfl.strategies.fedma import CLASS_COUNTS
 
 SHAPE = (1, 8, 8)
 NARROW = {"width_factor": 0.25}
@@ -111,7 +111,8 @@ def test_permuted_copies_are_matched_into_one_universe_exactly(name):
 
 @pytest.mark.parametrize("name", ["small-mlp", "twocnn", "resnet20", "transformer-1", "vgg9-bn"])
 def test_two_models_match_as_pairwise_weight_matching(name):
-    """N = 2 unrelated models: the universe map from model 1 to model 0 is core.merging.alignment's weight matching."""
+    """N = 2 unrelated models: the universe map from model 1 to model 0 is alignfl.core.merging.alignment's weight
+    matching."""
     spec, first = _state(name, seed=1)
     _, second = _state(name, seed=2)
     match = universe_matching([first, second], spec, generator=torch.Generator().manual_seed(5))

@@ -12,22 +12,22 @@ import pytest
 import torch
 from flwr.app import Array, ArrayRecord, Context, Message, MessageType, RecordDict
 
-from core.data import ClientData, load_dataset
-from core.model_io import build_run_model, load_arrays
-from core.training import vectorised
-from core.training.sgd import PlainSGD, round_generator
-from core.training.vectorised import ClientSteps, StackedTrainer, unsupported
-from fl_app.client_app import TrainJob, finish_train
-from fl_app.config import build_context, parse_run_config
-from fl_app.engines.batched import run_batched
-from fl_app.engines.grid import vectorise_choice
-from fl_app.engines.worker import stack_start, train_stacked
-from fl_app.inprocess import set_task_identity
-from models.cnn import PlainConvNet
-from models.mlp import MLP
-from models.pan import PanSettings
-from strategies import get_strategy, list_strategies
-from strategies.base import LocalUpdate
+from alignfl.core.data import ClientData, load_dataset
+from alignfl.core.model_io import build_run_model, load_arrays
+from alignfl.core.training import vectorised
+from alignfl.core.training.sgd import PlainSGD, round_generator
+from alignfl.core.training.vectorised import ClientSteps, StackedTrainer, unsupported
+from alignfl.fl_app.client_app import TrainJob, finish_train
+from alignfl.fl_app.config import build_context, parse_run_config
+from alignfl.fl_app.engines.batched import run_batched
+from alignfl.fl_app.engines.grid import vectorise_choice
+from alignfl.fl_app.engines.worker import stack_start, train_stacked
+from alignfl.fl_app.inprocess import set_task_identity
+from alignfl.models.cnn import PlainConvNet
+from alignfl.models.mlp import MLP
+from alignfl.models.pan import PanSettings
+from alignfl.strategies import get_strategy, list_strategies
+from alignfl.strategies.base import LocalUpdate
 
 VECTORISED = [name for name in list_strategies() if get_strategy(name).client.not_vectorised is None]
 SIZES = (37, 16, 5, 50)
@@ -285,7 +285,7 @@ def test_a_run_with_vectorise_auto_on_a_cpu_trains_one_after_another(tmp_path, m
 
 def _count_stacked(monkeypatch) -> list[int]:
     """Each stacked update the batched engine's workers train, by its number of clients."""
-    from fl_app.engines import worker
+    from alignfl.fl_app.engines import worker
 
     calls: list[int] = []
     original = worker.train_stacked

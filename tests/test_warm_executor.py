@@ -17,9 +17,9 @@ import pytest
 from flwr.supercore.constant import TaskType
 from flwr.supercore.superexec.executor import ExecutionSpec, LaunchResult, LaunchResultStatus
 
-from fl_app.config import default_run_config
-from fl_app.patches import seam, warm_superexec
-from fl_app.patches.warm_executor import WarmExecutor
+from alignfl.fl_app.config import default_run_config
+from alignfl.fl_app.patches import seam, warm_superexec
+from alignfl.fl_app.patches.warm_executor import WarmExecutor
 
 TIMEOUT_S = 120.0
 MESSAGE_TIMEOUT_S = 6.0
@@ -57,7 +57,7 @@ def wait_for(executor: WarmExecutor, condition, what: str, timeout_s: float = TI
 
 @pytest.fixture(scope="module")
 def executor() -> Iterator[WarmExecutor]:
-    """One warm parent (the default app, fl_app.client_app: torch, Flower and the project's dependencies) whose
+    """One warm parent (the default app, alignfl.fl_app.client_app: torch, Flower and the project's dependencies) whose
     children run tests/warm_targets.py; the parent-killing test goes last."""
     running = WarmExecutor(["--target", "tests.warm_targets:act", "--message-timeout", str(MESSAGE_TIMEOUT_S)])
     try:
@@ -166,7 +166,7 @@ def test_the_entry_point_installs_the_warm_executor_and_passes_flowers_arguments
     assert calls == [["flower-superexec", "--runtime-api-address", "127.0.0.1:9094", "--insecure"]]
     installed = loop.get_executor
     assert isinstance(installed, functools.partial) and installed.func is warm_superexec.warm_get_executor
-    assert installed.args[1] == ["--app", "fl_app.client_app", "--message-timeout", "60.0"]
+    assert installed.args[1] == ["--app", "alignfl.fl_app.client_app", "--message-timeout", "60.0"]
 
 
 @pytest.mark.parametrize(

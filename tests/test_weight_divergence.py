@@ -1,5 +1,5 @@
-"""Weight divergence (fl_app/analysis): zero for identical states, a hand-computed case, inputs left alone, mismatched
-inputs refused."""
+"""Weight divergence (alignfl/fl_app/analysis): zero for identical states, a hand-computed case, inputs left alone,
+mismatched inputs refused."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import copy
 import pytest
 import torch
 
-from core.model_io import federated_state
-from fl_app.analysis import (
+from alignfl.core.model_io import federated_state
+from alignfl.fl_app.analysis import (
     divergence_by_layer,
     weight_divergence,
 )
@@ -50,7 +50,7 @@ def test_divergence_leaves_inputs_alone_and_takes_numpy():
 
 
 def test_divergence_refuses_mismatched_inputs():
-    """weight_divergence lives in core/ (the server logs it every round), so it raises ValueError; the command
+    """weight_divergence lives in alignfl/core/ (the server logs it every round), so it raises ValueError; the command
     line turns that into its own error (test_cli_weight_divergence_refuses_models_of_other_networks)."""
     a = {"w": torch.zeros(2)}
     with pytest.raises(ValueError, match=r"state 1 differs from state 0: missing keys \['w'\], extra keys \['v'\]"):

@@ -23,11 +23,11 @@ from pathlib import Path
 
 import pytest
 
-from fl_app import cli, locations
-from fl_app.config import ConfigError, parse_run_config
-from fl_app.runtime import deployment
-from fl_app.runtime.deployment import resume_command
-from fl_app.runtime.launch import prepare_config
+from alignfl.fl_app import cli, locations
+from alignfl.fl_app.config import ConfigError, parse_run_config
+from alignfl.fl_app.runtime import deployment
+from alignfl.fl_app.runtime.deployment import resume_command
+from alignfl.fl_app.runtime.launch import prepare_config
 
 ROOT = Path(__file__).resolve().parents[1]
 ALLOWED_TOP_LEVEL = {"alignfl", "hydra_plugins", "fl_app", "strategies", "core", "models", "plugins"}

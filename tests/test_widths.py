@@ -1,4 +1,4 @@
-"""Clients of different widths (core/widths.py) and the two strategies that take them: otfusion and heterofl."""
+"""Clients of different widths (alignfl/core/widths.py) and the two strategies that take them: otfusion and heterofl."""
 
 from __future__ import annotations
 
@@ -12,17 +12,17 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
-from core.rounds.strategy import Reply
-from core.rounds.sub_models import first_units
-from core.widths import WIDTH_RATE, client_widths, global_width, unused_widths, width_of
-from fl_app.checkpoint import load_checkpoint
-from fl_app.client_app import build_client_app
-from fl_app.config import ConfigError, build_context, check_run, parse_run_config, validate_run
-from fl_app.inprocess import InProcessGrid
-from fl_app.server_app import run_experiment
-from models import build_model, permute_state, random_permutations
-from strategies import get_strategy, list_strategies
-from strategies.heterofl import HeteroFLUpdate, hidden_layers, nested_mean
+from alignfl.core.rounds.strategy import Reply
+from alignfl.core.rounds.sub_models import first_units
+from alignfl.core.widths import WIDTH_RATE, client_widths, global_width, unused_widths, width_of
+from alignfl.fl_app.checkpoint import load_checkpoint
+from alignfl.fl_app.client_app import build_client_app
+from alignfl.fl_app.config import ConfigError, build_context, check_run, parse_run_config, validate_run
+from alignfl.fl_app.inprocess import InProcessGrid
+from alignfl.fl_app.server_app import run_experiment
+from alignfl.models import build_model, permute_state, random_permutations
+from alignfl.strategies import get_strategy, list_strategies
+from alignfl.strategies.heterofl import HeteroFLUpdate, hidden_layers, nested_mean
 
 WIDTH_STRATEGIES = {"otfusion", "heterofl"}
 MIXED = {"dataset": "digits", "model": "small-mlp", "client-widths": "0.5,1"}
@@ -195,7 +195,7 @@ def test_widths_no_client_gets_are_refused_before_anything_starts_where_they_set
     tmp_path, capsys, monkeypatch
 ):
     """``client-widths="0.25,0.5,1"`` on 2 clients: width 1 would be the global width, yet no client trains it."""
-    from fl_app.runtime import launch
+    from alignfl.fl_app.runtime import launch
 
     values = {**MIXED, "strategy": "otfusion", "client-widths": "0.25,0.5,1", "results-dir": str(tmp_path)}
     message = (

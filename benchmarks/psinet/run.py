@@ -83,7 +83,7 @@ def prepare_data(out: Path, test_per_class: int) -> str:
     """
     if test_per_class == 0:
         return ""
-    from core.data.sources import DEBIAN_FASHION_MNIST_DIR, _read_idx
+    from alignfl.core.data.sources import DEBIAN_FASHION_MNIST_DIR, _read_idx
 
     raw = out / f"data-test{test_per_class}" / "FashionMNIST" / "raw"
     raw.mkdir(parents=True, exist_ok=True)
@@ -153,16 +153,16 @@ def finished(folder: Path, config: dict[str, Any]) -> bool:
 def simulate(config: dict[str, Any], clients: int, backend: str) -> None:
     """One run with the product's ServerApp and ClientApp, in this process or on Ray.
 
-    ``inprocess`` (the default) is :func:`fl_app.inprocess.run_in_process`, clients one after another. Why
+    ``inprocess`` (the default) is :func:`alignfl.fl_app.inprocess.run_in_process`, clients one after another. Why
     not Ray by default: every run starts fresh actor processes that import torch and Flower and load the
     data again, about two minutes per run on this loaded 2-core machine (measured: round 1 took 123-151 s,
     round 2 9-23 s), which is more than the training. ``ray`` is Flower's simulation runtime on a private
     local SuperLink, as the launcher and the sweep run it. Accuracy is what is measured, and both run the same
     apps and round runner (which samples clients in partition order on every engine).
     """
-    from fl_app.config import parse_run_config
-    from fl_app.sweeps.sim import SimSettings
-    from fl_app.sweeps.sweep import simulate as run_simulation
+    from alignfl.fl_app.config import parse_run_config
+    from alignfl.fl_app.sweeps.sim import SimSettings
+    from alignfl.fl_app.sweeps.sweep import simulate as run_simulation
 
     run_simulation(parse_run_config(config), SimSettings(backend=backend, num_supernodes=clients))
 

@@ -1,8 +1,8 @@
 """Hydra instantiates launchers only from classes defined in the ``hydra_plugins`` namespace package: alignfl's
-SLURM launcher (:class:`fl_app.sweeps.slurm.SlurmLauncher`), as Hydra finds it."""
+SLURM launcher (:class:`alignfl.fl_app.sweeps.slurm.SlurmLauncher`), as Hydra finds it."""
 
-from fl_app.sweeps import slurm
+from alignfl.fl_app.sweeps import slurm
 
 
 class SlurmLauncher(slurm.SlurmLauncher):
-    """:class:`fl_app.sweeps.slurm.SlurmLauncher` under the name Hydra accepts."""
+    """:class:`alignfl.fl_app.sweeps.slurm.SlurmLauncher` under the name Hydra accepts."""

@@ -1,3 +1,0 @@
-"""What is measured of trained models beyond their loss and accuracy: calibration (ECE, MCE;
-:mod:`~core.metrics.calibration`), several models scored alone and as an ensemble (:mod:`~core.metrics.ensemble`)
-and how far the clients' models spread around their mean (:mod:`~core.metrics.divergence`)."""

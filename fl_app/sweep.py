@@ -1,9 +1,0 @@
-"""``python -m fl_app.sweep``: the Hydra sweep's command, where people's notes and scripts have it.
-
-The sweep is :mod:`fl_app.sweeps.sweep`; import its names from there.
-"""
-
-from fl_app.sweeps.sweep import main
-
-if __name__ == "__main__":
-    main()
