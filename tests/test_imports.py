@@ -1,12 +1,18 @@
 """The project's import graph: no circle anywhere (the layers, and the wings of fl_app and core, are
-pyproject.toml's import-linter contracts, run by tests/test_config.py)."""
+pyproject.toml's import-linter contracts, run by tests/test_config.py), and every import of the project's own
+modules goes through its one namespace, ``alignfl``."""
 
+import ast
 from pathlib import Path
 
 import grimp
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("plugins", "models", "core", "strategies", "fl_app")
+PACKAGES = ("alignfl",)
+BARE = ("fl_app", "strategies", "models", "core", "plugins")
+"""The sub-packages' names as top-level modules, as they were before ``alignfl``: generic names (a user's own
+``models`` or ``core``) that an import of them would pick up instead."""
+SCANNED = ("alignfl", "tests", "benchmarks", "hydra_plugins", "scripts")
 
 
 def project_roots() -> list[str]:
@@ -64,3 +70,34 @@ def test_a_circle_is_found():
     for importer, imported in [("a.x", "a.y"), ("a.y", "a.x"), ("a.y", "a.z")]:
         graph.add_import(importer=importer, imported=imported)
     assert circles(graph) == [["a.x", "a.y"]]
+
+
+def bare_imports(path: Path) -> list[str]:
+    """The imports in ``path`` of a module named as one of :data:`BARE` (``import models``, ``from core.x import y``)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 0:
+            modules = [node.module or ""]
+        elif isinstance(node, ast.Import):
+            modules = [alias.name for alias in node.names]
+        else:
+            continue
+        found += [f"{path}:{node.lineno}: {module}" for module in modules if module.partition(".")[0] in BARE]
+    return found
+
+
+def test_nothing_imports_a_sub_package_by_its_bare_name():
+    sources = [path for folder in SCANNED for path in sorted((ROOT / folder).rglob("*.py"))]
+    assert len(sources) > 200, sources
+    found = [line for path in sources for line in bare_imports(path)]
+    assert not found, found
+
+
+def test_the_bare_import_scan_sees_one(tmp_path):
+    """The check itself: bare imports are found, those through ``alignfl`` and relative ones are not."""
+    source = tmp_path / "x.py"
+    source.write_text(
+        "import models\nfrom core.merging import bbp\nimport alignfl.core\nfrom alignfl import models\n"
+        "from . import core\ndef f():\n    import strategies.fedma as fedma\n"
+    )
+    assert [line.split(": ")[1] for line in bare_imports(source)] == ["models", "core.merging", "strategies.fedma"]

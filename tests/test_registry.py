@@ -100,8 +100,8 @@ def test_whichever_module_is_imported_first_every_part_registers(first):
     """A package's ``__init__`` runs before any of its modules and imports them all last, after the names they
     import from it: no import order leaves a part unregistered or meets a half-made package."""
     code = (
-        f"import {first}\nimport models, strategies\n"
-        "print(len(alignfl.models.list_models()), len(alignfl.strategies.list_strategies()))"
+        f"import {first}\nfrom alignfl import models, strategies\n"
+        "print(len(models.list_models()), len(strategies.list_strategies()))"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr

@@ -70,9 +70,9 @@ def test_summary_reads_final_best_and_last_five(tmp_path):
 
 def lost_node(node_id: str, address: str, remaining: int) -> str:
     """The reason the round runner gives for a client whose Ray node was lost (Flower's error text around
-    fl_app.ray_pool's RayNodeLost)."""
+    alignfl.fl_app.patches.ray_pool's RayNodeLost)."""
     return (
-        "the client failed (error code 0): <class 'fl_app.ray_pool.RayNodeLost'>:<'the client's actor was lost "
+        "the client failed (error code 0): <class 'alignfl.fl_app.patches.ray_pool.RayNodeLost'>:<'the client's actor was lost "
         f"with Ray node {node_id} ({address}) (ActorDiedError); it left the actor pool, {remaining} actor(s) "
         "remain and the next rounds train on them'>"
     )

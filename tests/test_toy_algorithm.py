@@ -175,7 +175,7 @@ def project(tmp_path_factory) -> Path:
     copy = tmp_path_factory.mktemp("project") / "alignfl"
     caches = shutil.ignore_patterns(".git", ".venv", "__pycache__", "*_cache", "results", "outputs", "multirun")
     shutil.copytree(ROOT, copy, ignore=caches)
-    (copy / "strategies" / "halfway.py").write_text(TOY)
+    (copy / "alignfl" / "strategies" / "halfway.py").write_text(TOY)
     written = _python(copy, "-m", "alignfl.fl_app.config", "--write")
     assert written.returncode == 0, written.stderr
     assert all(f"{name} updated" in written.stdout for name in GENERATED), written.stdout

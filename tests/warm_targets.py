@@ -22,7 +22,7 @@ def act(spec: dict[str, Any]) -> None:
             "ppid": os.getppid(),
             "torch": torch.rand(3).tolist(),
             "numpy": numpy.random.random_sample(3).tolist(),
-            "project": sorted(name for name in sys.modules if name.partition(".")[0] in ("fl_app", "core")),
+            "project": sorted(name for name in sys.modules if name.partition(".")[0] == "alignfl"),
             "torch-imported": "torch" in sys.modules,
         }
         with open(argument, "w") as stream:

@@ -61,9 +61,9 @@ class Registry(Generic[E]):
 def import_modules(package: str, path: Iterable[str]) -> list[str]:
     """Import every module of ``package`` (found on its ``__path__``), so each registers what it declares.
 
-    A package of parts (``strategies``, ``models``) calls this at the end of its ``__init__``, after the
-    names its modules import from it, so a module dropped into the package registers itself with no other
-    line to edit. Modules whose name starts with ``_`` are left out (drafts, private helpers).
+    A package of parts (``alignfl.strategies``, ``alignfl.models``) calls this at the end of its ``__init__``,
+    after the names its modules import from it, so a module dropped into the package registers itself with no
+    other line to edit. Modules whose name starts with ``_`` are left out (drafts, private helpers).
 
     Parameters
     ----------
