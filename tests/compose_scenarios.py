@@ -352,8 +352,8 @@ class ComposeCheck:
             step("plain stack: down -v", self.stack("plain").down, critical=True)
             if "loopback" not in settings.skip:
                 step(
-                    "loopback python -m alignfl.fl_app.deploy (./scripts/deploy.sh), same seed and run config: accuracy "
-                    "compared",
+                    "loopback python -m alignfl.fl_app.deploy (./scripts/deploy.sh), same seed and run config: "
+                    "accuracy compared",
                     self.loopback,
                 )
             if "tls" not in settings.skip:

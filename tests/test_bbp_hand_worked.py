@@ -14,7 +14,8 @@ from alignfl.core.merging.bbp import BBPSettings, extended_cost, match_units
 # Two clients with two small units each (weights of about 0.1, where the other BBP-MAP tests use a standard
 # deviation of 2): client 0 has a1 = (0.1, -0.2), a2 = (0.0, 0.1); client 1 has b1 = (0.0, 0.12) ~ a2 and
 # b2 = (0.12, -0.2) ~ a1.
-# The scores below are the authors' formulas (module notes of alignfl/core/merging/bbp.py) worked out with plain numbers:
+# The scores below are the authors' formulas (module notes of alignfl/core/merging/bbp.py) worked out with plain
+# numbers:
 #   atom i (natural N_i, count c, P = 1/sigma0 + c/sigma):  ||x/sigma + N_i||^2 / (P + 1/sigma) - ||N_i||^2 / P
 #                                                           + log(c / (K - c))       (K = 2, c = 1: log 1 = 0)
 #   t-th new atom (mu0 = 0):  ||x/sigma||^2 / (1/sigma0 + 1/sigma) + 2 log(gamma / K) - 2 log t
