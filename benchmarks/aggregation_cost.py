@@ -107,9 +107,9 @@ def aggregation_seconds(config: RunConfig, clients: int, repeats: int) -> list[f
         server = get_strategy(config.strategy).server(build_context(config, model))
         answers = replies(config, server, model, states)
         started = time.perf_counter()
-        arrays = server.aggregate(1, answers, to_arrays(model))
+        merge = server.aggregate(1, answers, to_arrays(model))
         seconds.append(time.perf_counter() - started)
-        if arrays is None:
+        if merge is None:
             raise RuntimeError(f"strategy {config.strategy} aggregated nothing from {clients} synthetic replies")
     return seconds
 

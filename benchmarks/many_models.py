@@ -34,10 +34,16 @@ from benchutil import append_jsonl, machine, read_jsonl
 from flwr.app import ArrayRecord
 from one_shot import NETWORKS, add_cell_arguments, run_config
 
-from alignfl.core.merging.alignment import align_and_average, matching_generator
 from alignfl.core.model_io import build_run_model, load_arrays
 from alignfl.core.training.sgd import evaluate
-from alignfl.fl_app.analysis.merge import merge_accuracies, repair_key, repair_merge, train_clients
+from alignfl.fl_app.analysis.merge import (
+    matched_keys,
+    merge_accuracies,
+    repair_key,
+    repair_merge,
+    strategy_merge,
+    train_clients,
+)
 from alignfl.fl_app.analysis.merge_options import OWN, POOLED, REPAIR_DATA, UNIVERSE
 from alignfl.fl_app.client_app import client_data
 
@@ -68,6 +74,7 @@ def one_cell(network: str, clients: int, seed: int, epochs: int, alpha: float, t
     inputs = [client_data(config, k, clients).train_x for k in range(clients)]
     diagnostics: dict[str, Any] = {}
     singles, accuracy, _ = merge_accuracies(
+        config,
         model,
         states,
         counts,
@@ -78,19 +85,17 @@ def one_cell(network: str, clients: int, seed: int, epochs: int, alpha: float, t
         CPU,
         classes,
         reference=UNIVERSE,
-        seed=seed,
         diagnostics=diagnostics,
         repair_data=inputs,
         repair_on=REPAIR_DATA,
     )
     # Matching onto client 0 as merge_accuracies' reference=0 merges it, without scoring the rest a second time.
-    matched, permutations = align_and_average(
-        states[0], states, counts, model.permutation_spec(), "weight", 1, matching_generator(seed, 1)
-    )
+    merge = strategy_merge(config, model, "matched", matched_keys("weight", 1), states, counts, states[0])
+    matched = merge.arrays.to_torch_state_dict()
     scored = {"matched-weight": matched}
     for on in REPAIR_DATA:
         scored[repair_key("matched-weight", on)] = repair_merge(
-            model, matched, states, permutations, inputs, counts, CPU, on
+            model, matched, states, merge.unit_maps, inputs, counts, CPU, on
         )
     for key, state in scored.items():
         load_arrays(model, ArrayRecord(state))

@@ -137,10 +137,10 @@ def pan_measurement(config: RunConfig, init: str) -> dict[str, Any]:
     """
     import torch
 
-    from alignfl.core.merging.alignment import find_permutations, matched_average, weighted_average
+    from alignfl.core.merging.alignment import find_permutations
     from alignfl.core.model_io import build_run_model
     from alignfl.core.training.sgd import evaluate
-    from alignfl.fl_app.analysis.merge import train_clients
+    from alignfl.fl_app.analysis.merge import matched_keys, strategy_merge, train_clients
     from alignfl.models import permute_state
 
     device = torch.device("cpu")
@@ -152,6 +152,11 @@ def pan_measurement(config: RunConfig, init: str) -> dict[str, Any]:
         model.load_state_dict(state)
         return evaluate(model, dataset.test_x, dataset.test_y, device)[1]
 
+    def merged(strategy: str, keys: dict[str, Any]) -> float:
+        """The accuracy of ``strategy``'s own merge onto client 0, as round 1 of a run merges."""
+        merge = strategy_merge(config, model, strategy, keys, states, counts, states[0])
+        return accuracy(merge.arrays.to_torch_state_dict())
+
     perms = [find_permutations(states[0], state, spec) for state in states[1:]]
     moved = [sum(int((p != torch.arange(len(p))).sum()) for p in found.values()) for found in perms]
     units = sum(len(p) for p in perms[0].values())
@@ -162,8 +167,8 @@ def pan_measurement(config: RunConfig, init: str) -> dict[str, Any]:
         "seed": config.seed,
         "moved": statistics.mean(moved) / units,
         "aligned-client-change": statistics.mean(change),
-        "average": accuracy(weighted_average(states, counts)),
-        "matched-weight": accuracy(matched_average(states[0], states, counts, spec, "weight")),
+        "average": merged("fedavg", {}),
+        "matched-weight": merged("matched", matched_keys("weight", 1)),
     }
 
 

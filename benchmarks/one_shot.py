@@ -21,11 +21,10 @@ from pathlib import Path
 import torch
 from flwr.app import ArrayRecord
 
-from alignfl.core.merging.ot_fusion import OTSettings, ot_fuse
 from alignfl.core.metrics.ensemble import score_models
 from alignfl.core.model_io import build_run_model, load_arrays
 from alignfl.core.training.sgd import evaluate
-from alignfl.fl_app.analysis.merge import merge_accuracies, train_clients
+from alignfl.fl_app.analysis.merge import merge_accuracies, strategy_merge, train_clients
 from alignfl.fl_app.config import RunConfig, parse_run_config
 
 NETWORKS = {
@@ -64,19 +63,10 @@ def one_cell(network: str, clients: int, seed: int, epochs: int, alpha: float, t
     trained = time.perf_counter()
     model = build_run_model(config, dataset)
     singles, merged, _ = merge_accuracies(
-        model,
-        states,
-        counts,
-        dataset.test_x,
-        dataset.test_y,
-        ("weight", "bbp", "ot"),
-        1,
-        device,
-        classes,
-        seed=seed,
+        config, model, states, counts, dataset.test_x, dataset.test_y, ("weight", "bbp", "ot"), 1, device, classes
     )
-    sinkhorn = ot_fuse(states[0], states, counts, model.permutation_spec(), OTSettings(exact=False))[0]
-    load_arrays(model, ArrayRecord(sinkhorn))
+    sinkhorn = strategy_merge(config, model, "otfusion", {"otfusion-exact": False}, states, counts, states[0])
+    load_arrays(model, sinkhorn.arrays)
     merged["ot-sinkhorn"] = evaluate(model, dataset.test_x, dataset.test_y, device)[1]
     merged["best-client"] = max(singles)
     ensemble = score_models(model, [ArrayRecord(s) for s in states], dataset.test_x, dataset.test_y, device)

@@ -72,10 +72,9 @@ def _merge(seed: int, k: int) -> dict[str, Any]:
     """Each of ``k`` clients' accuracy, and each one-shot merge's (Sinkhorn OT's included)."""
     import torch
 
-    from alignfl.core.merging.ot_fusion import OTSettings, ot_fuse
     from alignfl.core.model_io import build_run_model
     from alignfl.core.training.sgd import evaluate
-    from alignfl.fl_app.analysis.merge import merge_accuracies, train_clients
+    from alignfl.fl_app.analysis.merge import merge_accuracies, strategy_merge, train_clients
     from alignfl.fl_app.config import parse_run_config
 
     config = parse_run_config({**DATA, "seed": seed, "local-epochs": 2, "dirichlet-alpha": 0.5})
@@ -83,9 +82,9 @@ def _merge(seed: int, k: int) -> dict[str, Any]:
     states, counts, dataset, classes = train_clients(config, k, same_init=False, device=device)
     model = build_run_model(config, dataset)
     x, y = dataset.test_x, dataset.test_y
-    clients, merged, _ = merge_accuracies(model, states, counts, x, y, MERGE_COSTS, 1, device, classes, reference=0)
-    soft, _ = ot_fuse(states[0], states, counts, model.permutation_spec(), OTSettings(exact=False))
-    model.load_state_dict(soft)
+    clients, merged, _ = merge_accuracies(config, model, states, counts, x, y, MERGE_COSTS, 1, device, classes)
+    soft = strategy_merge(config, model, "otfusion", {"otfusion-exact": False}, states, counts, states[0])
+    model.load_state_dict(soft.arrays.to_torch_state_dict())
     merged["matched-ot-sinkhorn"] = evaluate(model, x, y, device)[1]
     return {"clients": clients, "merged": merged}
 

@@ -25,7 +25,7 @@ from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 
 from alignfl.core.rounds.nodes import send_and_receive
-from alignfl.core.rounds.strategy import ServerStrategy
+from alignfl.core.rounds.strategy import Merge, ServerStrategy
 from alignfl.fl_app.client_app import build_client_app
 from alignfl.fl_app.config import parse_run_config
 from alignfl.fl_app.server_app import run_experiment
@@ -137,7 +137,7 @@ class _NanAggregate(ServerStrategy):
     """A server side whose aggregation is broken: the round runner must refuse what it returns."""
 
     def aggregate(self, server_round, replies, reference):
-        return ArrayRecord({"w": torch.full((2,), math.nan)})
+        return Merge(ArrayRecord({"w": torch.full((2,), math.nan)}))
 
 
 def test_the_round_runner_refuses_an_aggregate_that_is_not_finite():

@@ -103,8 +103,8 @@ def test_a_client_reference_aligns_every_client_onto_that_clients_unit_order():
     run = parse_run_config(
         {"model": "small-mlp", "dataset": "digits", "strategy": "matched", "matched-reference": "client"}
     )
-    aggregate = get_strategy("matched").server(build_context(run, model)).aggregate(1, replies, replies[0].arrays)
-    merged = aggregate.to_torch_state_dict()
+    merge = get_strategy("matched").server(build_context(run, model)).aggregate(1, replies, replies[0].arrays)
+    merged = merge.arrays.to_torch_state_dict()
     assert all(torch.allclose(merged[k], moved[k], atol=1e-6) for k in moved)
     assert not torch.allclose(moved["hidden.0.weight"], state["hidden.0.weight"])  # the test can fail
 

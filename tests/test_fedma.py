@@ -97,12 +97,12 @@ def test_a_cycle_matches_a_permuted_client_back_layer_by_layer(cost, reference):
     counts = {1: torch.arange(NUM_CLASSES), 2: torch.arange(NUM_CLASSES).flip(0)}
     strategy = _strategy(model, **{"fedma-matching": cost, "fedma-reference": reference})
 
-    arrays = strategy.aggregate(1, [_reply(state, 1, counts[1]), _reply(permuted, 2, counts[2])], _record(state))
+    arrays = strategy.aggregate(1, [_reply(state, 1, counts[1]), _reply(permuted, 2, counts[2])], _record(state)).arrays
     assert strategy.stage == 1
     for stage in range(1, 5):  # clients that do not train send back the models they are sent
         assert strategy.stage == stage and sorted(strategy.client_models) == [1, 2]
         replies = [_reply(model, node, counts[node]) for node, model in strategy.client_models.items()]
-        arrays = strategy.aggregate(stage + 1, replies, arrays)
+        arrays = strategy.aggregate(stage + 1, replies, arrays).arrays
     assert strategy.stage == 0 and not strategy.client_models
     final = arrays.to_torch_state_dict()
     assert all(torch.allclose(final[k], state[k], rtol=1e-5, atol=1e-6) for k in state)
@@ -120,16 +120,17 @@ def test_bbp_matches_a_permuted_client_onto_the_same_units_without_growth():
     permuted = permute_state(spec, state, perms)
     counts = torch.ones(NUM_CLASSES, dtype=torch.long)
     strategy = _strategy(model)
-    arrays = strategy.aggregate(1, [_reply(state, 1, counts), _reply(permuted, 2, counts)], _record(state))
+    merge = strategy.aggregate(1, [_reply(state, 1, counts), _reply(permuted, 2, counts)], _record(state))
     group = next(iter(spec.groups))
-    assert strategy.widths == spec.group_sizes(state)  # nothing new opened
-    assert strategy.moved[group] == pytest.approx(
+    assert merge.metrics["global-width"] == spec.group_sizes(state)  # nothing new opened
+    assert merge.groups == {group} and len(merge.unit_maps) == 2
+    assert merge.metrics["units-moved"][group] == pytest.approx(
         0.5 * (perms[group] != torch.arange(len(perms[group]))).double().mean()
     )
     aligned = strategy.client_models[2]  # the permuted client, moved back onto the global units
     expected = strategy.client_models[1]["hidden.1.weight"].index_select(0, perms["hidden.1"])  # rows: not matched yet
     torch.testing.assert_close(aligned["hidden.1.weight"], expected)
-    assert set(arrays.keys()) == set(state)
+    assert set(merge.arrays.keys()) == set(state)
 
 
 def test_a_bbp_stage_may_grow_the_layer_and_the_next_layers_inputs():
@@ -141,11 +142,11 @@ def test_a_bbp_stage_may_grow_the_layer_and_the_next_layers_inputs():
     counts = torch.ones(NUM_CLASSES, dtype=torch.long)
     strategy = _strategy(first)
     a, b = federated_state(first), federated_state(second)
-    arrays = strategy.aggregate(1, [_reply(a, 1, counts), _reply(b, 2, counts)], _record(a))
-    grown = arrays.to_torch_state_dict()
+    merge = strategy.aggregate(1, [_reply(a, 1, counts), _reply(b, 2, counts)], _record(a))
+    grown = merge.arrays.to_torch_state_dict()
     width = grown["hidden.0.weight"].shape[0]
     assert a["hidden.0.weight"].shape[0] < width <= 2 * a["hidden.0.weight"].shape[0]
-    assert grown["hidden.1.weight"].shape[1] == width == strategy.widths["hidden.0"]
+    assert grown["hidden.1.weight"].shape[1] == width == merge.metrics["global-width"]["hidden.0"]
     assert all(m["hidden.1.weight"].shape[1] == width for m in strategy.client_models.values())
 
 
@@ -165,10 +166,10 @@ def test_the_last_hidden_layer_is_matched_without_the_classifier_unless_asked(mo
     strategy = _strategy(model, **{"bbp-include-classifier": include})
     counts = torch.ones(NUM_CLASSES, dtype=torch.long)
     state = federated_state(model)
-    arrays = strategy.aggregate(1, [_reply(state, 1, counts), _reply(state, 2, counts)], _record(state))
+    arrays = strategy.aggregate(1, [_reply(state, 1, counts), _reply(state, 2, counts)], _record(state)).arrays
     for stage in range(1, 4):
         replies = [_reply(client, node, counts) for node, client in strategy.client_models.items()]
-        arrays = strategy.aggregate(stage + 1, replies, arrays)
+        arrays = strategy.aggregate(stage + 1, replies, arrays).arrays
     assert seen["hidden.0"] == ["hidden.0.weight", "hidden.0.bias"]
     assert seen["hidden.2"] == ["hidden.2.weight", "hidden.2.bias"]
     assert seen["hidden.3"] == ["hidden.3.weight", "hidden.3.bias"] + (["classifier.weight"] if include else [])

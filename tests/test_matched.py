@@ -63,9 +63,9 @@ def test_a_permuted_copy_of_a_client_is_averaged_back_to_the_model(cost, referen
     replies = [_reply(state, 10, node=1), _reply(permuted, 30, node=2)]
 
     strategy = _server(model, "matched", **{"matched-cost": cost, "matched-reference": reference, **pan})
-    assert _close(strategy.aggregate(1, replies, _record(state)), state)
+    assert _close(strategy.aggregate(1, replies, _record(state)).arrays, state)
 
-    plain = _server(model, "fedavg", **pan).aggregate(1, replies, _record(state))
+    plain = _server(model, "fedavg", **pan).aggregate(1, replies, _record(state)).arrays
     assert not _close(plain, state)  # the test can fail: plain averaging mixes unrelated units
 
 
@@ -74,7 +74,27 @@ def test_clients_are_aligned_onto_the_global_model_they_started_from():
     model, spec, state = _model_state()
     permuted = permute_state(spec, state, random_permutations(spec, state, torch.Generator().manual_seed(3)))
     replies = [_reply(permuted, 5, 1), _reply(permuted, 7, 2)]
-    assert _close(_server(model, "matched").aggregate(1, replies, _record(state)), state)
+    assert _close(_server(model, "matched").aggregate(1, replies, _record(state)).arrays, state)
+
+
+@pytest.mark.parametrize("reference", ["global", "universe"])
+def test_the_merge_returns_its_unit_maps_and_metrics_and_leaves_nothing_on_the_strategy(reference):
+    """What REPAIR, the round's row and the merge tool read comes back in the Merge: each reply's map carries its
+    units onto the merged ones, and the units-moved share counts the units it moved."""
+    model, spec, state = _model_state()
+    perms = random_permutations(spec, state, torch.Generator().manual_seed(5))
+    permuted = permute_state(spec, state, perms)
+    strategy = _server(model, "matched", **{"matched-reference": reference})
+    before = dict(vars(strategy))
+    merge = strategy.aggregate(1, [_reply(state, 1, 1), _reply(permuted, 3, 2)], _record(state))
+    assert vars(strategy).keys() == before.keys()  # the strategy keeps nothing of the round for others to read
+    assert _close(merge.arrays, state) and merge.groups is None
+    aligned = [permute_state(spec, s, maps) for s, maps in zip((state, permuted), merge.unit_maps, strict=True)]
+    assert all(_close(_record(a), state) for a in aligned)  # the maps carry each reply onto the merged units
+    moved = {g: float((perms[g] != torch.arange(len(perms[g]))).double().mean()) / 2 for g in spec.groups}
+    assert merge.metrics["units-moved"] == pytest.approx(moved)  # one of the two replies moved
+    assert merge.metrics["global-width"] == spec.group_sizes(state)
+    assert ("cycle-consistency-error" in merge.metrics) == (reference == "universe")
 
 
 def test_a_reply_that_does_not_fit_is_refused_and_the_others_are_matched():
@@ -86,7 +106,7 @@ def test_a_reply_that_does_not_fit_is_refused_and_the_others_are_matched():
     problem = strategy.reply_problem(_reply(bad, 5, 2).content, _record(state))
     assert problem is not None and "'hidden.0.bias'" in problem and "shape (7,)" in problem
     assert strategy.reply_problem(_reply(state, 5, 1).content, _record(state)) is None
-    assert _close(strategy.aggregate(1, [_reply(state, 5, 1)], _record(state)), state)
+    assert _close(strategy.aggregate(1, [_reply(state, 5, 1)], _record(state)).arrays, state)
 
 
 class _PlainLinear(nn.Module):

@@ -18,6 +18,9 @@ from alignfl.fl_app.client_app import client_data
 from alignfl.fl_app.config import parse_run_config
 from alignfl.models import build_model, permute_state, random_permutations
 
+DIGITS_MLP = parse_run_config({"dataset": "digits", "model": "small-mlp"})
+"""The clients' settings the merges take (the strategies' seed)."""
+
 
 def model_and_permuted_copy() -> tuple[ImageDataset, torch.nn.Module, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """The digits, a small MLP, its state, and that state with every group's units randomly permuted."""
@@ -32,7 +35,15 @@ def model_and_permuted_copy() -> tuple[ImageDataset, torch.nn.Module, dict[str, 
 def test_a_model_merged_with_its_permuted_copy_scores_like_the_model():
     digits, model, state, permuted = model_and_permuted_copy()
     clients, merged, _ = merge_accuracies(
-        model, [state, permuted], [1.0, 2.0], digits.test_x, digits.test_y, ["weight", "l1"], 1, torch.device("cpu")
+        DIGITS_MLP,
+        model,
+        [state, permuted],
+        [1.0, 2.0],
+        digits.test_x,
+        digits.test_y,
+        ["weight", "l1"],
+        1,
+        torch.device("cpu"),
     )
     assert clients[0] == clients[1]
     assert set(merged) == {"average", "matched-weight", "matched-l1", "ensemble"}
@@ -138,11 +149,12 @@ def test_the_bbp_merge_reports_its_accuracy_and_global_widths(tmp_path, capsys):
 def test_ot_fusion_merges_a_permuted_copy_back_and_models_of_different_widths_into_the_references():
     digits, model, state, permuted = model_and_permuted_copy()
     clients, merged, _ = merge_accuracies(
-        model, [state, permuted], [1.0, 2.0], digits.test_x, digits.test_y, ["ot"], 1, torch.device("cpu")
+        DIGITS_MLP, model, [state, permuted], [1.0, 2.0], digits.test_x, digits.test_y, ["ot"], 1, torch.device("cpu")
     )
     assert merged["matched-ot"] == merged["ensemble"] == clients[0]
     narrow = build_model("small-mlp", (1, 8, 8), 10, width_factor=0.5).state_dict()
     _, merged, widths = merge_accuracies(
+        DIGITS_MLP,
         model,
         [narrow, state],
         [1.0, 1.0],

@@ -11,13 +11,12 @@ import torch
 from flwr.app import ArrayRecord
 
 from alignfl.core.data import dataset_info
-from alignfl.core.merging.alignment import align_and_average, matching_generator, weighted_average
-from alignfl.core.merging.ot_fusion import ot_fuse
+from alignfl.core.merging.alignment import weighted_average
 from alignfl.core.metrics.ensemble import score_models
 from alignfl.core.model_io import build_model_for, build_run_model, federated_state, independent_start
 from alignfl.core.rounds.strategy import ServerStrategy, build_context
 from alignfl.core.training.sgd import seed_everything
-from alignfl.fl_app.analysis.merge import train_clients
+from alignfl.fl_app.analysis.merge import strategy_merge, train_clients
 from alignfl.fl_app.config import ConfigError, check_run, parse_run_config
 from alignfl.fl_app.engines.batched import run_batched
 from alignfl.fl_app.inprocess import run_in_process
@@ -91,13 +90,9 @@ def test_a_one_shot_run_merges_as_the_merge_tool_does(tmp_path, strategy):
     run_in_process({**ONE_SHOT, "strategy": strategy, "results-dir": str(tmp_path), "run-name": "run"}, CLIENTS)
     config = _config(strategy=strategy)
     states, counts, dataset, _ = train_clients(config, CLIENTS, same_init=False, device=torch.device("cpu"))
-    spec = build_run_model(config, dataset).permutation_spec()
-    if strategy == "matched":
-        expected = align_and_average(states[0], states, counts, spec, "weight", 1, matching_generator(config.seed, 1))[
-            0
-        ]
-    else:
-        expected = ot_fuse(states[0], states, counts, spec, config.settings.transport())[0]
+    model = build_run_model(config, dataset)
+    merge = strategy_merge(config, model, strategy, {}, states, counts, states[0])  # the merge tool's
+    expected = merge.arrays.to_torch_state_dict()
     merged = torch.load(tmp_path / "run" / "model.pt")
     assert merged.keys() == expected.keys()
     assert all(torch.equal(merged[k], expected[k]) for k in expected)

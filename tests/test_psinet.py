@@ -263,7 +263,7 @@ def test_shared_over_all_groups_over_holders_absent_group_keeps_its_value():
     replies = [_reply([0], 1.0, 1, node=1), _reply([0, 1], 2.0, 3, node=2), _reply([1], 4.0, 2, node=3)]
     strategy = _strategy()
     assert all(strategy.reply_problem(reply.content, _reference()) is None for reply in replies)
-    arrays = strategy.aggregate(1, replies, _reference())
+    arrays = strategy.aggregate(1, replies, _reference()).arrays
     np.testing.assert_allclose(arrays[SHARED].numpy(), np.full((2, 2), (1 + 6 + 8) / 6), rtol=1e-6)
     for key in GROUPED:
         np.testing.assert_allclose(arrays[key.format(0)].numpy(), np.full(3, (1 + 6) / 4), rtol=1e-6)

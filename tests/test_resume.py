@@ -203,7 +203,7 @@ def _server_after_rounds(name: str, rounds: int) -> tuple[ServerStrategy, ArrayR
     if name == "scaffold":  # plan_train sets c to zeros in round 1
         server.plan_train(1, reference, ConfigRecord(), lambda: [], SimpleNamespace(trainable=lambda: [1, 2]))
     for round_ in range(1, rounds + 1):
-        reference = server.aggregate(round_, _replies(name, float(round_)), reference)
+        reference = server.aggregate(round_, _replies(name, float(round_)), reference).arrays
     return server, reference
 
 
@@ -228,8 +228,8 @@ def test_server_state_survives_a_checkpoint_file(tmp_path, name):
     save_checkpoint(tmp_path, capture(2, server.context.config, reference, runner, recorder))
     fresh, _ = _server_after_rounds(name, 0)
     fresh.load_state_dict(load_checkpoint(tmp_path).strategy_state)
-    expected = server.aggregate(3, _replies(name, 7.0), reference)
-    got = fresh.aggregate(3, _replies(name, 7.0), reference)
+    expected = server.aggregate(3, _replies(name, 7.0), reference).arrays
+    got = fresh.aggregate(3, _replies(name, 7.0), reference).arrays
     np.testing.assert_array_equal(got["w"].numpy(), expected["w"].numpy())
 
 

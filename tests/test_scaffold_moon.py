@@ -206,7 +206,7 @@ def test_scaffold_server_moves_c_by_the_mean_update_over_all_nodes_and_applies_s
     # the round runner drops these two: they never reach aggregate
     assert "got ['arrays']" in strategy.reply_problem(no_control.content, reference)
     assert "'control' holds NaN" in strategy.reply_problem(nan_control.content, reference)
-    model = strategy.aggregate(1, usable, reference)
+    model = strategy.aggregate(1, usable, reference).arrays
     # ȳ = (1·2 + 3·6)/4 = 5; x + 0.5·(ȳ − x) = 2.5 (the control records are not averaged into the model)
     np.testing.assert_allclose(model["w"].numpy(), np.full((2, 3), 2.5))
     np.testing.assert_allclose(model["b"].numpy(), np.ones(2))

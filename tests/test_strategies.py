@@ -13,7 +13,7 @@ from torch import nn
 
 from alignfl.core.rounds.replies import array_values, reply_problem
 from alignfl.core.rounds.runner import MetricAggregation, Participation, RoundRunner
-from alignfl.core.rounds.strategy import Reply, RunContext, ServerStrategy
+from alignfl.core.rounds.strategy import Merge, Reply, RunContext, ServerStrategy
 from alignfl.fl_app.config import parse_run_config
 from alignfl.fl_app.inprocess import InProcessGrid
 from alignfl.models.protocol import ModelHead
@@ -141,7 +141,7 @@ class _Recording(ServerStrategy):
         super().__init__(context)
         self.calls: list[str] = []
 
-    def aggregate(self, server_round: int, replies: list[Reply], reference: ArrayRecord) -> ArrayRecord | None:
+    def aggregate(self, server_round: int, replies: list[Reply], reference: ArrayRecord) -> Merge | None:
         self.calls.append("aggregate")
         return super().aggregate(server_round, replies, reference)
 
@@ -203,9 +203,9 @@ def test_no_usable_reply_keeps_the_global_model():
 class _Widening(ServerStrategy):
     """Returns the clients' mean with one more unit in ``b``, as BBP-MAP's new global units do."""
 
-    def aggregate(self, server_round: int, replies: list[Reply], reference: ArrayRecord) -> ArrayRecord | None:
-        mean = super().aggregate(server_round, replies, reference)
-        return _arrays({"w": mean["w"].numpy(), "b": np.append(mean["b"].numpy(), 0.0)})
+    def aggregate(self, server_round: int, replies: list[Reply], reference: ArrayRecord) -> Merge | None:
+        mean = super().aggregate(server_round, replies, reference).arrays
+        return Merge(_arrays({"w": mean["w"].numpy(), "b": np.append(mean["b"].numpy(), 0.0)}))
 
 
 class _DeclaredWidening(_Widening):
@@ -253,16 +253,18 @@ def _replies(*models: tuple[float, int]) -> list[Reply]:
 
 def test_fedavgm_with_unit_lr_and_no_momentum_equals_fedavg():
     replies = _replies((1.0, 2), (0.0, 2))
-    arrays = _fedavgm(0.0).aggregate(1, replies, _arrays(GLOBAL))
+    arrays = _fedavgm(0.0).aggregate(1, replies, _arrays(GLOBAL)).arrays
     np.testing.assert_allclose(arrays["w"].numpy(), np.full((2, 3), 0.5))
     fedavg = ServerStrategy(RunContext(parse_run_config(), _arrays(GLOBAL), None, ModelHead((), 2)))
-    np.testing.assert_array_equal(arrays["w"].numpy(), fedavg.aggregate(1, replies, _arrays(GLOBAL))["w"].numpy())
+    np.testing.assert_array_equal(
+        arrays["w"].numpy(), fedavg.aggregate(1, replies, _arrays(GLOBAL)).arrays["w"].numpy()
+    )
 
 
 def test_fedavgm_momentum_accumulates_the_pseudo_gradient():
     strategy = _fedavgm(0.5)
-    first = strategy.aggregate(1, _replies((1.0, 1)), _arrays(GLOBAL))  # global 0 → 1: pseudo-gradient −1
+    first = strategy.aggregate(1, _replies((1.0, 1)), _arrays(GLOBAL)).arrays  # global 0 → 1: pseudo-gradient −1
     np.testing.assert_allclose(first["w"].numpy(), np.ones((2, 3)))
-    second = strategy.aggregate(2, _replies((2.0, 1)), first)
+    second = strategy.aggregate(2, _replies((2.0, 1)), first).arrays
     # pseudo-gradient −1 again, momentum buffer 0.5·(−1) + (−1) = −1.5 → global 1 + 1.5
     np.testing.assert_allclose(second["w"].numpy(), np.full((2, 3), 2.5))

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 from flwr.app import Array, ArrayRecord
 
-from alignfl.core.rounds.strategy import Reply, ServerStrategy, weighted_mean
+from alignfl.core.rounds.strategy import Merge, Reply, ServerStrategy, weighted_mean
 from alignfl.plugins.options import option, unit_interval
 from alignfl.strategies.base import LocalUpdate
 from alignfl.strategies.registry import STRATEGIES, Algorithm
@@ -51,11 +51,10 @@ class HalfwaySettings:
 class Halfway(ServerStrategy):
     """FedAvg that moves the global model only ``halfway-step`` of the way to the clients' mean."""
 
-    def aggregate(self, server_round: int, replies: list[Reply], reference: ArrayRecord) -> ArrayRecord | None:
+    def aggregate(self, server_round: int, replies: list[Reply], reference: ArrayRecord) -> Merge:
         mean, step = weighted_mean(replies), self.settings.halfway_step
-        return ArrayRecord(
-            {key: Array(np.asarray(x.numpy() + step * (mean[key].numpy() - x.numpy()))) for key, x in reference.items()}
-        )
+        moved = {key: x.numpy() + step * (mean[key].numpy() - x.numpy()) for key, x in reference.items()}
+        return Merge(ArrayRecord({key: Array(np.asarray(value)) for key, value in moved.items()}))
 
 
 STRATEGIES.register(Algorithm("halfway", Halfway, LocalUpdate, "FedAvg, half a step", HalfwaySettings))

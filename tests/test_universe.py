@@ -295,9 +295,9 @@ def test_matched_universe_merges_permuted_clients_back_and_records_its_diagnosti
     strategy = get_strategy("matched").server(build_context(run, model))
     torch.manual_seed(4)  # a global model unrelated to the clients: the unit order is the first client's
     other = federated_state(build_model("small-mlp", SHAPE, 10))
-    arrays = strategy.aggregate(1, [_reply(c, node) for node, c in enumerate(copies)], ArrayRecord(other))
-    assert _equal(arrays.to_torch_state_dict(), state, exact=False)
-    metrics = strategy.round_metrics()
+    merge = strategy.aggregate(1, [_reply(c, node) for node, c in enumerate(copies)], ArrayRecord(other))
+    assert _equal(merge.arrays.to_torch_state_dict(), state, exact=False)
+    metrics = merge.metrics
     assert metrics["universe-objective"] and set(metrics["cycle-consistency-error"]) == set(spec.groups)
     assert set(metrics["units-moved"]) == set(spec.groups)
 
@@ -311,20 +311,18 @@ def test_a_fedma_cycle_matches_permuted_clients_into_one_universe_layer_by_layer
     run = parse_run_config({"strategy": "fedma", "model": "small-mlp", "dataset": "digits", **config})
     strategy = get_strategy("fedma").server(build_context(run, model))
     counts = torch.ones(10, dtype=torch.long)
-    arrays = strategy.aggregate(
-        1, [_reply(c, node, counts=counts) for node, c in enumerate(copies)], ArrayRecord(state)
-    )
-    assert strategy.round_metrics()["cycle-consistency-error"] == {"hidden.0": 0.0}
+    merge = strategy.aggregate(1, [_reply(c, node, counts=counts) for node, c in enumerate(copies)], ArrayRecord(state))
+    assert merge.metrics["cycle-consistency-error"] == {"hidden.0": 0.0}
     resumed = get_strategy("fedma").server(build_context(run, model))  # the carried reference is checkpointed
     resumed.load_state_dict(strategy.state_dict())
     assert _equal(resumed.universe_reference, strategy.universe_reference)
     for stage in range(1, 5):  # clients that do not train send back the models they are sent
         assert strategy.stage == stage
-        assert strategy.round_metrics()["universe-objective"]
+        assert merge.metrics["universe-objective"]
         replies = [_reply(m, node, counts=counts) for node, m in strategy.client_models.items()]
-        arrays = strategy.aggregate(stage + 1, replies, arrays)
+        merge = strategy.aggregate(stage + 1, replies, merge.arrays)
     assert strategy.stage == 0
-    assert _equal(arrays.to_torch_state_dict(), state, exact=False)
+    assert _equal(merge.arrays.to_torch_state_dict(), state, exact=False)
     assert "universe-reference" in strategy.state_dict()
 
 

@@ -66,7 +66,13 @@ def test_the_console_script_lists_every_command_and_hands_the_rest_to_it(capsys,
     with pytest.raises(SystemExit) as helped:
         cli.main(["merge", "--help"])
     assert helped.value.code == 0
-    assert f"usage: {cli.COMMANDS['merge'].python_m()}" in capsys.readouterr().out  # the merge tool's own help
+    assert "usage: alignfl merge [-h]" in capsys.readouterr().out  # the merge tool's own help, as it was called
+    for name in ("run", "deploy", "report", "config", "analysis"):
+        with pytest.raises(SystemExit):
+            cli.main([name, "--help"])
+        assert f"usage: alignfl {name} " in capsys.readouterr().out
+    monkeypatch.setattr(sys, "argv", ["launch.py"])
+    assert locations.program("alignfl.fl_app.launch") == "python -m alignfl.fl_app.launch"  # the python -m form
 
 
 def test_an_installed_deployment_names_the_console_script_to_resume_with(tmp_path, monkeypatch):
@@ -182,7 +188,7 @@ def test_the_installed_alignfl_runs_from_an_empty_folder_and_writes_only_there(i
         work,
         env,
     )
-    assert f"usage: {cli.COMMANDS['merge'].python_m()}" in run([alignfl, "merge", "--help"], work, env).stdout
+    assert "usage: alignfl merge [-h]" in run([alignfl, "merge", "--help"], work, env).stdout
 
     assert (work / "results" / "round" / "summary.json").is_file()
     assert (work / "sweep-job" / "run" / "summary.json").is_file()

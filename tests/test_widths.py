@@ -117,7 +117,7 @@ def test_heterofl_averages_each_entry_over_the_clients_that_hold_it():
         {k: 3 * torch.ones_like(v) for k, v in model.state_dict().items()},
         _plan(server, model, {1: 0})[1]["arrays"].to_torch_state_dict(),
     )
-    out = server.aggregate(1, [_reply(half, 1, 0), _reply(full, 3, 1)], ArrayRecord(full)).to_torch_state_dict()
+    out = server.aggregate(1, [_reply(half, 1, 0), _reply(full, 3, 1)], ArrayRecord(full)).arrays.to_torch_state_dict()
     assert torch.all(out["hidden.0.weight"][:10] == 1.5) and torch.all(out["hidden.0.weight"][10:] == 1.0)
     assert torch.all(out["hidden.1.weight"][:50, :10] == 1.5) and torch.all(out["hidden.1.weight"][:, 10:] == 1.0)
     held = nested_mean({"w": torch.zeros(4)}, [{"w": torch.ones(2)}], [2.0])["w"]
@@ -129,9 +129,10 @@ def test_otfusion_fuses_a_permuted_copy_back_into_the_model():
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     spec = model.permutation_spec()
     copy = permute_state(spec, state, random_permutations(spec, state, torch.Generator().manual_seed(2)))
-    out = server.aggregate(1, [_reply(copy, 2, 0), _reply(state, 1, 1)], ArrayRecord(state)).to_torch_state_dict()
+    merge = server.aggregate(1, [_reply(copy, 2, 0), _reply(state, 1, 1)], ArrayRecord(state))
+    out = merge.arrays.to_torch_state_dict()
     assert all(torch.allclose(out[k], state[k], atol=1e-5) for k in state)
-    shares = server.round_metrics()["transport-off-diagonal"]  # the copy's units all moved, the model's none
+    shares = merge.metrics["transport-off-diagonal"]  # the copy's units all moved, the model's none
     assert set(shares) == set(spec.groups) and all(0.3 < share <= 0.5 for share in shares.values())
 
 

@@ -31,6 +31,12 @@ class Command:
         """The same command as ``python -m ...``."""
         return " ".join(["python -m", self.module.removesuffix(".__main__"), *self.prefix])
 
+    def called_as(self, name: str) -> str:
+        """What the command's ``main`` finds as its program name (``sys.argv[0]``) under the console script:
+        ``alignfl <name>``, or ``alignfl`` where the prefix is a sub-command of that ``main``'s parser that adds
+        the name itself (``merge``)."""
+        return "alignfl" if self.prefix else f"alignfl {name}"
+
 
 COMMANDS = {
     "run": Command(
@@ -74,7 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the named command with the rest of the line as its own arguments; its exit code."""
     args = build_parser().parse_args(argv)
     command = COMMANDS[args.command]
-    sys.argv = [f"alignfl {args.command}", *command.prefix, *args.arguments]  # what each main() parses
+    sys.argv = [command.called_as(args.command), *command.prefix, *args.arguments]  # what each main() parses
     return importlib.import_module(command.module).main() or 0  # the sweep's main returns None when it succeeds
 
 

@@ -74,3 +74,11 @@ def own_folder_problem(path: Path) -> str | None:
     if not inside:
         return None
     return f"{resolved} lies inside {inside[0]}, where Python's packages or alignfl's own code are installed"
+
+
+def program(module: str, *rest: str) -> str:
+    """A command's program name for its ``--help`` usage, as the user called it: ``alignfl <command>`` from the
+    console script (:func:`alignfl.fl_app.cli.main` sets ``sys.argv[0]`` so), else ``python -m <module>``;
+    ``rest`` follows it (a deployment role)."""
+    called = sys.argv[0] if sys.argv and sys.argv[0].startswith("alignfl") else f"python -m {module}"
+    return " ".join([called, *rest])

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord
 
-from alignfl.core.rounds.strategy import Reply, RunContext, ServerStep, ServerStrategy, weighted_mean
+from alignfl.core.rounds.strategy import Merge, Reply, RunContext, ServerStep, ServerStrategy, weighted_mean
 from alignfl.plugins.options import option, option_from
 from alignfl.strategies.base import LocalUpdate
 from alignfl.strategies.registry import STRATEGIES, Algorithm
@@ -39,16 +39,16 @@ class FedAvgM(ServerStrategy):
         super().__init__(context)
         self.momentum: dict[str, np.ndarray] | None = None
 
-    def aggregate(self, server_round: int, replies: list[Reply], reference: ArrayRecord) -> ArrayRecord | None:
+    def aggregate(self, server_round: int, replies: list[Reply], reference: ArrayRecord) -> Merge:
         average = weighted_mean(replies)
         lr, beta = self.settings.fedavgm_server_lr, self.settings.fedavgm_server_momentum
         if lr == 1.0 and beta == 0.0:
-            return average
+            return Merge(average)
         step = {key: reference[key].numpy() - average[key].numpy() for key in average}
         if beta > 0.0:
             self.momentum = step if self.momentum is None else {k: beta * self.momentum[k] + step[k] for k in step}
             step = self.momentum
-        return ArrayRecord({key: Array(np.asarray(reference[key].numpy() - lr * step[key])) for key in average})
+        return Merge(ArrayRecord({key: Array(np.asarray(reference[key].numpy() - lr * step[key])) for key in average}))
 
     def state_dict(self) -> dict[str, Any]:
         return {} if self.momentum is None else {"momentum": {k: torch.from_numpy(v) for k, v in self.momentum.items()}}

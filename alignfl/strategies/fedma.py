@@ -98,7 +98,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from logging import INFO, WARNING
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, RecordDict
@@ -118,11 +118,16 @@ from alignfl.core.merging.bbp_model import growth_problem, match_group, patch_cl
 from alignfl.core.merging.layerwise import completion_plan, frozen_at, per_class_average
 from alignfl.core.merging.reference import CLIENT, UNIVERSE, Reference, refuse_universe_cost
 from alignfl.core.merging.repair import assignment_coupling
-from alignfl.core.merging.universe import cycle_consistency_error, pairwise_matching, universe_matching
+from alignfl.core.merging.universe import (
+    cycle_consistency_error,
+    pairwise_matching,
+    universe_diagnostics,
+    universe_matching,
+)
 from alignfl.core.model_io import federated_state
 from alignfl.core.rounds.nodes import NodeDirectory
 from alignfl.core.rounds.replies import CONFIG_RECORD, MODEL_RECORD
-from alignfl.core.rounds.strategy import Reply, RunContext, ServerStrategy, states_and_weights
+from alignfl.core.rounds.strategy import Merge, Reply, RunContext, ServerStrategy, states_and_weights
 from alignfl.models import permute_state
 from alignfl.models.protocol import head_of
 from alignfl.plugins.options import choice, option, option_from, refuse, source_settings
@@ -136,6 +141,17 @@ CLASS_COUNTS = "class-counts"
 
 FEDMA_MATCHINGS = ("bbp", *list_costs())
 State = dict[str, Tensor]
+
+
+class StageMerge(NamedTuple):
+    """What a stage's matching of one group made: the global model, each client's model aligned to it, how each
+    client's units of the group land on the global ones (:attr:`alignfl.core.rounds.strategy.Merge.unit_maps`), and
+    the stage's metrics."""
+
+    target: State
+    clients: list[State]
+    unit_maps: list[dict[str, Tensor]]
+    metrics: dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -215,15 +231,12 @@ class FedMA(ServerStrategy):
         self.changes_shapes = self.bbp  # BBP-MAP may open new global units: the round runner allows new widths
         self.score = None if self.bbp else get_cost(self.settings.fedma_matching).score
         self.groups = list(self.spec.groups)
-        self.moved: dict[str, float] = {}
         self.stage = 0
         self.cycle_start: dict[str, Tensor] = {}
         self.client_models: dict[int, dict[str, Tensor]] = {}  # node id → its aligned model, this cycle
         self.client_partitions: dict[int, int | None] = {}  # node id → its partition, this cycle
-        self.widths = self.spec.group_sizes(context.initial_arrays.to_torch_state_dict())
         self._restored_models: dict[int, dict[str, Tensor]] = {}  # partition id → model, from a checkpoint
         self.universe_reference: dict[str, Tensor] | None = None  # the cycle's start in the clients' unit order
-        self.universe_metrics: dict[str, Any] = {}
 
     def describe(self) -> str:
         if self.bbp:
@@ -233,11 +246,6 @@ class FedMA(ServerStrategy):
         else:
             matching = f"one-to-one '{self.settings.fedma_matching}', {self.settings.passes} pass(es)"
         return f"{super().describe()}: {len(self.groups)} groups + output layer per cycle, {matching}"
-
-    def round_metrics(self) -> dict[str, Any]:
-        """The share of units the stage's matching moved (mean over clients) and the global width per group; with
-        ``fedma-reference=universe`` also the objective and cycle-consistency error (module notes)."""
-        return {"units-moved": self.moved, "global-width": self.widths, **self.universe_metrics}
 
     def plan_train(
         self,
@@ -320,30 +328,33 @@ class FedMA(ServerStrategy):
         """A stage without usable replies ends the cycle."""
         self.stage, self.client_models = 0, {}
 
-    def aggregate(self, server_round: int, replies: list[Reply], reference: ArrayRecord) -> ArrayRecord | None:
+    def aggregate(self, server_round: int, replies: list[Reply], reference: ArrayRecord) -> Merge:
+        """The stage's merge, with the share of units its matching moved (mean over clients) and the global width
+        per group; with ``fedma-reference=universe`` also the objective and cycle-consistency error (module
+        notes)."""
         states, weights = states_and_weights(replies)
         plan = completion_plan(self.spec, states[0], self.head)
         started = time.perf_counter()
-        self.moved, self.universe_metrics = {}, {}
-        self.unit_maps, self.repair_groups = None, frozenset()  # the output-layer stage matches no units
         if self.stage == 0:
             self.cycle_start = reference.to_torch_state_dict()  # a client's model when clients started apart
             self.universe_reference = dict(self.cycle_start) if self.universe else None
         if self.stage < len(self.groups):
             match = self._bbp_stage if self.bbp else self._universe_stage if self.universe else self._match_stage
-            self.repair_groups = frozenset({self.groups[self.stage]})
-            merged, clients = match(server_round, states, weights)
+            stage = match(server_round, states, weights)
+            merged = stage.target
             self.client_models = {  # each client's aligned model, the entries the stage completed at global values
                 reply.node: {**client, **{key: merged[key] for key in plan[self.stage]}}
-                for reply, client in zip(replies, clients)
+                for reply, client in zip(replies, stage.clients)
             }
             self.client_partitions = {reply.node: reply.partition for reply in replies}
+            unit_maps, groups, metrics = stage.unit_maps, frozenset({self.groups[self.stage]}), stage.metrics
             self.stage += 1
         else:
             counts = torch.stack([torch.from_numpy(r.content[CLASS_COUNTS]["counts"].numpy()) for r in replies])
             merged = {**states[0], **per_class_average(states, counts, weights, plan[-1])}
             self.stage, self.client_models = 0, {}
-        self.widths = self.spec.group_sizes(merged)
+            unit_maps, groups, metrics = None, frozenset(), {"units-moved": {}}  # the output layer: no unit matched
+        widths = self.spec.group_sizes(merged)
         log(
             INFO,
             "round %d: FedMA stage %s done for %d clients in %.2f s; global widths %s",
@@ -351,11 +362,11 @@ class FedMA(ServerStrategy):
             self.groups[self.stage - 1] if self.stage else "output layer",
             len(replies),
             time.perf_counter() - started,
-            self.widths,
+            widths,
         )
-        return ArrayRecord(merged)
+        return Merge(ArrayRecord(merged), unit_maps, groups, {**metrics, "global-width": widths})
 
-    def _bbp_stage(self, server_round: int, states: list[State], weights: list[float]) -> tuple[State, list[State]]:
+    def _bbp_stage(self, server_round: int, states: list[State], weights: list[float]) -> StageMerge:
         """BBP-MAP of the current group (its layer may grow): the global model, and each client's with the group's
         global entries and its own other entries of the group moved onto the global units (zeros for units it
         lacks), so the next stage's inputs are in global indexing."""
@@ -366,11 +377,11 @@ class FedMA(ServerStrategy):
         )
         entries, clients = patch_clients(states, self.spec, group, match)
         target = {**weighted_average(clients, weights), **entries}
-        self.moved = moved_share([{group: assignment} for assignment in match.assignments])
-        self.unit_maps = [{group: assignment_coupling(assignment, match.width)} for assignment in match.assignments]
-        return target, clients
+        moved = moved_share([{group: assignment} for assignment in match.assignments])
+        maps = [{group: assignment_coupling(assignment, match.width)} for assignment in match.assignments]
+        return StageMerge(target, clients, maps, {"units-moved": moved})
 
-    def _match_stage(self, server_round: int, states: list[State], weights: list[float]) -> tuple[State, list[State]]:
+    def _match_stage(self, server_round: int, states: list[State], weights: list[float]) -> StageMerge:
         """One-to-one matching of the current group: the global model and each client's aligned one."""
         group = self.groups[self.stage]
         sizes = self.spec.group_sizes(self.cycle_start)
@@ -382,15 +393,11 @@ class FedMA(ServerStrategy):
             ]
             aligned = [permute_state(self.spec, state, perms) for state, perms in zip(states, permutations)]
             target = weighted_average(aligned, weights)
-        self.moved = moved_share(permutations)
-        self.unit_maps = permutations
-        return dict(target), aligned
+        return StageMerge(dict(target), aligned, permutations, {"units-moved": moved_share(permutations)})
 
-    def _universe_stage(
-        self, server_round: int, states: list[State], weights: list[float]
-    ) -> tuple[State, list[State]]:
+    def _universe_stage(self, server_round: int, states: list[State], weights: list[float]) -> StageMerge:
         """The current group matched jointly over the clients (earlier groups fixed): the global model and each
-        client's aligned one; records the diagnostics."""
+        client's aligned one, with the diagnostics."""
         group, fixed = self.groups[self.stage], self.groups[: self.stage]
         seed = self.context.config.seed
         settings = self.settings.reference.universe_settings()
@@ -407,10 +414,8 @@ class FedMA(ServerStrategy):
             # the group's universe order is the first client's: carry the reference into it for the next stages
             carry = pairwise_matching(states[0], reference, self.spec, [group], fixed, generator)
             self.universe_reference = permute_state(self.spec, reference, carry)
-        self.moved = moved_share(match.permutations)
-        self.unit_maps = list(match.permutations)
-        self.universe_metrics = {"universe-objective": match.objective, "cycle-consistency-error": cycle}
-        return dict(target), aligned
+        metrics = {"units-moved": moved_share(match.permutations), **universe_diagnostics(match, cycle)}
+        return StageMerge(dict(target), aligned, list(match.permutations), metrics)
 
     def on_repaired(self, arrays: ArrayRecord) -> None:
         """The next stage's clients freeze the entries the stage just matched completed: at their repaired values

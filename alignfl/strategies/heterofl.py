@@ -34,7 +34,7 @@ from flwr.app import ArrayRecord
 from torch import Tensor, nn
 
 from alignfl.core.rounds.replies import CONFIG_RECORD
-from alignfl.core.rounds.strategy import Reply, RunContext, ServerStrategy, states_and_weights
+from alignfl.core.rounds.strategy import Merge, Reply, RunContext, ServerStrategy, states_and_weights
 from alignfl.core.rounds.sub_models import ClientWidths
 from alignfl.core.widths import WIDTH_RATE
 from alignfl.plugins.options import option
@@ -75,8 +75,9 @@ class HeteroFL(ServerStrategy):
             context.config, context.spec, context.initial_arrays.to_torch_state_dict(), nested=True
         )  # sub-models: the first units (ServerStrategy.narrow)
 
-    def aggregate(self, server_round: int, replies: list[Reply], reference: ArrayRecord) -> ArrayRecord | None:
-        return ArrayRecord(nested_mean(reference.to_torch_state_dict(), *states_and_weights(replies)))
+    def aggregate(self, server_round: int, replies: list[Reply], reference: ArrayRecord) -> Merge:
+        """The nested mean: a narrower reply's units are the first ones, so no unit moves."""
+        return Merge(ArrayRecord(nested_mean(reference.to_torch_state_dict(), *states_and_weights(replies))))
 
 
 def hidden_layers(model: nn.Module) -> list[nn.Module]:

@@ -70,10 +70,10 @@ from typing import Any
 from flwr.app import ArrayRecord
 from flwr.common.logger import log
 
-from alignfl.core.merging.alignment import align_and_average, list_costs, matching_generator, moved_share
+from alignfl.core.merging.alignment import align_and_average, list_costs, matching_generator, mean_share, moved_share
 from alignfl.core.merging.reference import UNIVERSE, Reference, refuse_universe_cost
-from alignfl.core.merging.universe import cycle_consistency_error, universe_merge
-from alignfl.core.rounds.strategy import Reply, RunContext, ServerStrategy, states_and_weights
+from alignfl.core.merging.universe import cycle_consistency_error, universe_diagnostics, universe_merge
+from alignfl.core.rounds.strategy import Merge, Reply, RunContext, ServerStrategy, states_and_weights
 from alignfl.plugins.options import choice, option_from, source_settings
 from alignfl.strategies.base import LocalUpdate
 from alignfl.strategies.registry import STRATEGIES, Algorithm
@@ -117,21 +117,15 @@ class Matched(ServerStrategy):
         universe = ("matched-reference", UNIVERSE) if self.reference.universe else None
         self.spec = context.required_spec("matched", universe)
         self.aligns_onto_client = self.reference.from_client
-        self.moved: dict[str, float] = {}
-        self.universe_metrics: dict[str, Any] = {}
 
-    def round_metrics(self) -> dict[str, Any]:
-        """The share of units the matching moved per group (mean over clients) and the global width per group;
-        with the ``universe`` reference also Frank-Wolfe's objective per iteration and the cycle-consistency
-        error of aligning onto the global model (module notes)."""
-        sizes = self.spec.group_sizes(self.context.initial_arrays.to_torch_state_dict())
-        return {"units-moved": self.moved, "global-width": sizes, **self.universe_metrics}
-
-    def aggregate(self, server_round: int, replies: list[Reply], reference: ArrayRecord) -> ArrayRecord | None:
+    def aggregate(self, server_round: int, replies: list[Reply], reference: ArrayRecord) -> Merge:
+        """The matched average, with the share of units the matching moved per group (mean over clients) and the
+        global width per group; with the ``universe`` reference also Frank-Wolfe's objective per iteration and the
+        cycle-consistency error of aligning onto ``reference`` (module notes)."""
         started = time.perf_counter()
         states, weights = states_and_weights(replies)
         if self.reference.universe:
-            return ArrayRecord(self._universe(server_round, states, weights, reference, started))
+            return self._universe(server_round, states, weights, reference, started)
         matched, permutations = align_and_average(
             reference.to_torch_state_dict(),
             states,
@@ -141,8 +135,7 @@ class Matched(ServerStrategy):
             self.settings.passes,
             matching_generator(self.context.config.seed, server_round),
         )
-        self.moved = moved_share(permutations)
-        self.unit_maps = permutations
+        moved = moved_share(permutations)
         log(
             INFO,
             "round %d: matched %d client models (%s cost, %d pass(es)) in %.2f s; %.1f %% of units moved",
@@ -151,14 +144,14 @@ class Matched(ServerStrategy):
             self.settings.matched_cost,
             self.settings.passes,
             time.perf_counter() - started,
-            100 * sum(self.moved.values()) / max(len(self.moved), 1),
+            100 * mean_share(moved),
         )
-        return ArrayRecord(matched)
+        return Merge(ArrayRecord(matched), permutations, metrics=self._metrics(moved))
 
     def _universe(
         self, server_round: int, states: list[dict], weights: list[float], reference: ArrayRecord, started: float
-    ) -> dict:
-        """The universe merge of the round's clients, and its diagnostics for :meth:`round_metrics`."""
+    ) -> Merge:
+        """The universe merge of the round's clients, with its diagnostics."""
         seed = self.context.config.seed
         merged, match = universe_merge(
             states, weights, self.spec, self.reference.universe_settings(), matching_generator(seed, server_round)
@@ -167,13 +160,11 @@ class Matched(ServerStrategy):
         cycle = cycle_consistency_error(
             reference.to_torch_state_dict(), states, self.spec, generator=matching_generator(seed, server_round)
         )
-        self.moved = moved_share(match.permutations)
-        self.unit_maps = list(match.permutations)
-        self.universe_metrics = {"universe-objective": match.objective, "cycle-consistency-error": cycle}
+        moved = moved_share(match.permutations)
         log(
             INFO,
             "round %d: matched %d client models into one universe in %.2f s (%d Frank-Wolfe step(s), objective "
-            "%.4g -> %.4g); %.1f %% of units moved; aligning onto the global model would disagree on %.1f %% of "
+            "%.4g -> %.4g); %.1f %% of units moved; aligning onto the reference would disagree on %.1f %% of "
             "units between client pairs (%.2f s)",
             server_round,
             len(states),
@@ -181,11 +172,16 @@ class Matched(ServerStrategy):
             len(match.objective) - 1,
             match.objective[0],
             match.projected,
-            100 * sum(self.moved.values()) / max(len(self.moved), 1),
-            100 * sum(cycle.values()) / max(len(cycle), 1),
+            100 * mean_share(moved),
+            100 * mean_share(cycle),
             time.perf_counter() - matched_at,
         )
-        return merged
+        metrics = {**self._metrics(moved), **universe_diagnostics(match, cycle)}
+        return Merge(ArrayRecord(merged), list(match.permutations), metrics=metrics)
+
+    def _metrics(self, moved: dict[str, float]) -> dict[str, Any]:
+        sizes = self.spec.group_sizes(self.context.initial_arrays.to_torch_state_dict())
+        return {"units-moved": moved, "global-width": sizes}
 
 
 STRATEGIES.register(

@@ -33,7 +33,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from logging import INFO
-from typing import Any
 
 from flwr.app import ArrayRecord
 from flwr.common.logger import log
@@ -41,7 +40,7 @@ from torch import Tensor
 
 from alignfl.core.merging.ot_fusion import OTSettings, align_onto, ot_fuse
 from alignfl.core.merging.reference import CLIENT, STARTS
-from alignfl.core.rounds.strategy import Reply, RunContext, ServerStrategy, states_and_weights
+from alignfl.core.rounds.strategy import Merge, Reply, RunContext, ServerStrategy, states_and_weights
 from alignfl.core.rounds.sub_models import ClientWidths, first_units
 from alignfl.core.widths import mixed_widths
 from alignfl.plugins.options import ConfigError, choice, option_from, refuse, source_settings
@@ -112,7 +111,6 @@ class OTFusion(ServerStrategy):
                 "choose 'global'",
             )
         self.aligns_onto_client = self.settings.otfusion_reference == CLIENT
-        self.off_diagonal: dict[str, float] = {}
 
     def narrow(self, state: dict[str, Tensor], template: dict[str, Tensor]) -> dict[str, Tensor]:
         """The global ``state`` at ``template``'s widths: its first units, or fused onto them by OT."""
@@ -121,19 +119,14 @@ class OTFusion(ServerStrategy):
             return reference
         return align_onto(reference, state, self.spec, self.ot)[0]
 
-    def round_metrics(self) -> dict[str, Any]:
-        """Per group, the share of transported mass off the diagonal (mean over the clients of the global width;
-        0: no unit moved), and the global width per group."""
-        sizes = self.spec.group_sizes(self.context.initial_arrays.to_torch_state_dict())
-        return {"transport-off-diagonal": self.off_diagonal, "global-width": sizes}
-
-    def aggregate(self, server_round: int, replies: list[Reply], reference: ArrayRecord) -> ArrayRecord | None:
+    def aggregate(self, server_round: int, replies: list[Reply], reference: ArrayRecord) -> Merge:
+        """The fused average, with per group the share of transported mass off the diagonal (mean over the clients
+        of the global width; 0: no unit moved) and the global width per group."""
         started = time.perf_counter()
         fused, maps = ot_fuse(reference.to_torch_state_dict(), *states_and_weights(replies), self.spec, self.ot)
-        self.unit_maps = [dict(transport.couplings) for transport in maps]
         shares = [transport.off_diagonal() for transport in maps]
         groups = {group for share in shares for group in share}
-        self.off_diagonal = {
+        off_diagonal = {
             group: sum(s[group] for s in shares if group in s) / sum(group in s for s in shares) for group in groups
         }
         log(
@@ -144,7 +137,12 @@ class OTFusion(ServerStrategy):
             "exact" if self.ot.exact else f"Sinkhorn (reg {self.ot.reg})",
             time.perf_counter() - started,
         )
-        return ArrayRecord(fused)
+        sizes = self.spec.group_sizes(self.context.initial_arrays.to_torch_state_dict())
+        return Merge(
+            ArrayRecord(fused),
+            [dict(transport.couplings) for transport in maps],
+            metrics={"transport-off-diagonal": off_diagonal, "global-width": sizes},
+        )
 
 
 STRATEGIES.register(

@@ -42,7 +42,7 @@ from torch import nn
 
 from alignfl.core.model_io import federated_state
 from alignfl.core.rounds.replies import reply_problem
-from alignfl.core.rounds.strategy import Reply, RunContext, ServerStrategy
+from alignfl.core.rounds.strategy import Merge, Reply, RunContext, ServerStrategy
 from alignfl.core.training.sgd import PlainSGD
 from alignfl.models.psinet import GroupLayout, held_groups
 from alignfl.plugins.options import ConfigError
@@ -153,8 +153,10 @@ class PsiNetStrategy(ServerStrategy):
             content, reference
         )
 
-    def aggregate(self, server_round: int, replies: list[Reply], reference: ArrayRecord) -> ArrayRecord | None:
-        return masked_average(reference, [reply.arrays for reply in replies], [reply.weight for reply in replies])
+    def aggregate(self, server_round: int, replies: list[Reply], reference: ArrayRecord) -> Merge:
+        """Each key averaged over the replies that carry it: unit ``i`` of a group is unit ``i`` for every holder,
+        so no unit moves."""
+        return Merge(masked_average(reference, [r.arrays for r in replies], [r.weight for r in replies]))
 
 
 STRATEGIES.register(

@@ -47,7 +47,7 @@ from torch import nn
 from alignfl.core.model_io import arrays_mismatch, federated_state
 from alignfl.core.rounds.nodes import NodeDirectory
 from alignfl.core.rounds.replies import arrays_problem
-from alignfl.core.rounds.strategy import Reply, RunContext, ServerStep, ServerStrategy, weighted_mean
+from alignfl.core.rounds.strategy import Merge, Reply, RunContext, ServerStep, ServerStrategy, weighted_mean
 from alignfl.plugins.options import option_from
 from alignfl.strategies.base import LocalUpdate
 from alignfl.strategies.registry import STRATEGIES, Algorithm
@@ -116,7 +116,7 @@ class Scaffold(ServerStrategy):
         self.check_state(state)
         self.control = ArrayRecord(dict(state["control"])) if "control" in state else ArrayRecord()
 
-    def aggregate(self, server_round: int, replies: list[Reply], reference: ArrayRecord) -> ArrayRecord | None:
+    def aggregate(self, server_round: int, replies: list[Reply], reference: ArrayRecord) -> Merge:
         average = weighted_mean(replies)
         updates = [reply.content[CONTROL] for reply in replies]
         clients = max(self.num_nodes, len(updates))
@@ -127,11 +127,13 @@ class Scaffold(ServerStrategy):
             }
         )
         lr = self.settings.scaffold_server_lr
-        return ArrayRecord(
-            {
-                key: Array(np.asarray(x.numpy() + lr * (average[key].numpy() - x.numpy())))
-                for key, x in reference.items()
-            }
+        return Merge(
+            ArrayRecord(
+                {
+                    key: Array(np.asarray(x.numpy() + lr * (average[key].numpy() - x.numpy())))
+                    for key, x in reference.items()
+                }
+            )
         )
 
 

@@ -453,6 +453,11 @@ def moved_share(permutations: Sequence[Mapping[str, Tensor]]) -> dict[str, float
     }
 
 
+def mean_share(shares: Mapping[str, float]) -> float:
+    """The mean over groups of a per-group share (:func:`moved_share`), 0 for none: the log's one figure."""
+    return sum(shares.values()) / max(len(shares), 1)
+
+
 def align_and_average(
     reference: StateDict,
     states: Sequence[StateDict],

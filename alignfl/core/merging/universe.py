@@ -100,6 +100,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -164,6 +165,17 @@ class UniverseMatch:
     permutations: list[dict[str, Tensor]]
     objective: list[float]
     projected: float
+
+
+def universe_diagnostics(match: UniverseMatch, cycle: Mapping[str, float]) -> dict[str, Any]:
+    """What a universe merge records of itself: Frank-Wolfe's objective per iteration (``universe-objective``),
+    that of the returned permutations (``universe-projected``) and, per group, the ``cycle-consistency-error``
+    that aligning onto a reference would have had (:func:`cycle_consistency_error`)."""
+    return {
+        "universe-objective": match.objective,
+        "universe-projected": match.projected,
+        "cycle-consistency-error": dict(cycle),
+    }
 
 
 class _Problem:

@@ -4,7 +4,7 @@ With ``repair=on`` a training round of a repairable strategy
 (:attr:`alignfl.core.rounds.strategy.ServerStrategy.repairable`) goes on after its merge. Its training replies carried,
 beside the model, the clients' per-unit statistics of their own trained models on their own training data
 (:data:`alignfl.core.merging.repair.REPAIR_RECORD`); the server carries each client's statistics onto the merged model's
-units (the strategy's :attr:`~alignfl.core.rounds.strategy.ServerStrategy.unit_maps`) and then corrects the merged
+units (the unit maps of the strategy's :class:`~alignfl.core.rounds.strategy.Merge`) and then corrects the merged
 model's layers in order from the input, one QUERY message per layer: the message carries the model with the layers
 before it already corrected, its config asks for REPAIR statistics of that layer (:data:`QUERY_KEY` =
 :data:`REPAIR_QUERY`, :data:`SITE_KEY`), every client of the round replies with that model's statistics on its training
@@ -57,7 +57,7 @@ from alignfl.core.merging.repair import (
 )
 from alignfl.core.rounds.nodes import NodeDirectory
 from alignfl.core.rounds.replies import CONFIG_RECORD, METRICS_RECORD, MODEL_RECORD, NUM_EXAMPLES, metric_record_problem
-from alignfl.core.rounds.strategy import Reply, ServerStrategy
+from alignfl.core.rounds.strategy import Merge, Reply, ServerStrategy
 from alignfl.plugins.options import is_number
 
 QUERY_KEY = "query"
@@ -122,17 +122,18 @@ class PendingRepair:
 
 
 class Runner(Protocol):
-    """What REPAIR uses of the round runner (:class:`alignfl.core.rounds.runner.RoundRunner`): its strategy, nodes and
-    metric callbacks, how it sends a message to nodes, checks the replies and builds a round's config."""
+    """What REPAIR uses of the round runner (:class:`alignfl.core.rounds.runner.RoundRunner`), its public side only:
+    its strategy, nodes and metric callbacks, how it sends a message to nodes, checks the replies and builds a
+    round's config."""
 
     strategy: ServerStrategy
     nodes: NodeDirectory
     metrics: Any
     on_merged: Callable[[int, ArrayRecord, PendingRepair], None] | None
 
-    def _send(self, contents: dict[int, RecordDict], message_type: str) -> tuple[list[Message], dict[str, int]]: ...
+    def send(self, contents: dict[int, RecordDict], message_type: str) -> tuple[list[Message], dict[str, int]]: ...
 
-    def _checked(
+    def checked(
         self,
         replies: list[Message],
         destinations: dict[str, int],
@@ -140,7 +141,7 @@ class Runner(Protocol):
         dropped: dict[str, str],
     ) -> list[Reply]: ...
 
-    def _config(self, server_round: int) -> ConfigRecord: ...
+    def round_config(self, server_round: int) -> ConfigRecord: ...
 
 
 def _shapes(arrays: ArrayRecord) -> dict[str, tuple[int, ...]]:
@@ -154,9 +155,9 @@ class RepairStep:
         self.runner = runner
         self.strategy = runner.strategy
 
-    def sites(self) -> list[Site]:
-        """The sites to correct this round: those of the groups the aggregate merged, in forward order."""
-        groups = self.strategy.repair_groups
+    def sites(self, groups: frozenset[str] | None) -> list[Site]:
+        """The sites to correct this round: those of the permutation ``groups`` the merge merged (None: every
+        group), in forward order."""
         sites = self.strategy.context.sites
         return [s for s in sites if groups is None or all(piece.group in groups for piece in s.pieces)]
 
@@ -165,16 +166,15 @@ class RepairStep:
         names = set(next(iter(pending.clients.values())))
         return [site for site in self.strategy.context.sites if site.name in names]
 
-    def prepare(
-        self, server_round: int, replies: list[Reply], merged: ArrayRecord, sent: ArrayRecord
-    ) -> PendingRepair | str:
-        """The round's state before its first query: each reply's statistics carried onto the merged units
-        (``sent``: the global model the clients got, whose widths stand for the layers a reply leaves out); or why
-        there is nothing to repair."""
-        sites = self.sites()
+    def prepare(self, server_round: int, replies: list[Reply], merge: Merge, sent: ArrayRecord) -> PendingRepair | str:
+        """The round's state before its first query: each reply's statistics carried onto the merged units by the
+        merge's unit maps (``sent``: the global model the clients got, whose widths stand for the layers a reply
+        leaves out); or why there is nothing to repair."""
+        sites = self.sites(merge.groups)
         if not sites:
             return "this round merged no hidden layer's units"
-        maps = self.strategy.unit_maps or [{} for _ in replies]
+        maps = merge.unit_maps or [{} for _ in replies]
+        merged = merge.arrays
         merged_shapes = _shapes(merged)
         clients, examples = {}, {}
         for reply, unit_maps in zip(replies, maps, strict=True):
@@ -187,12 +187,12 @@ class RepairStep:
             examples[name] = float(reply.content[METRICS_RECORD][NUM_EXAMPLES])
         return PendingRepair(server_round, merged, merged, clients, examples)
 
-    def run(self, server_round: int, replies: list[Reply], merged: ArrayRecord, sent: ArrayRecord) -> ArrayRecord:
+    def run(self, server_round: int, replies: list[Reply], merge: Merge, sent: ArrayRecord) -> ArrayRecord:
         """REPAIR of a round's merge (module notes); ``sent``: the global model the round started from."""
-        pending = self.prepare(server_round, replies, merged, sent)
+        pending = self.prepare(server_round, replies, merge, sent)
         if isinstance(pending, str):
             self._skip(server_round, pending, {})
-            return merged
+            return merge.arrays
         return self.finish(pending, sent)
 
     def finish(self, pending: PendingRepair, start: ArrayRecord) -> ArrayRecord:
@@ -244,14 +244,14 @@ class RepairStep:
         ``dropped``."""
         runner, server_round = self.runner, pending.server_round
         nodes = self._recipients(pending, dropped)
-        config = ConfigRecord({**runner._config(server_round), QUERY_KEY: REPAIR_QUERY, SITE_KEY: site.name})
+        config = ConfigRecord({**runner.round_config(server_round), QUERY_KEY: REPAIR_QUERY, SITE_KEY: site.name})
         content = RecordDict({MODEL_RECORD: pending.current, CONFIG_RECORD: config})
-        replies, destinations = runner._send(dict.fromkeys(nodes, content), MessageType.QUERY)
+        replies, destinations = runner.send(dict.fromkeys(nodes, content), MessageType.QUERY)
         answered = {destinations.get(m.metadata.reply_to_message_id, m.metadata.src_node_id) for m in replies}
         late = {runner.nodes.name(node): "no reply within the round's timeout" for node in set(nodes) - answered}
         expected = statistics_shapes([site], _shapes(pending.current))
         new: dict[str, str] = dict(late)
-        kept = runner._checked(replies, destinations, lambda content: _query_problem(content, expected), new)
+        kept = runner.checked(replies, destinations, lambda content: _query_problem(content, expected), new)
         for client, reason in new.items():
             log(WARNING, "round %d: REPAIR dropped client %s: %s", server_round, client, reason)
         dropped.update(new)

@@ -152,10 +152,11 @@ class RoundRunner:
     def _sample(self, nodes: list[int], fraction: float) -> list[int]:
         return self.sampling.sample(nodes, max(int(len(nodes) * fraction), 1)) if nodes else []
 
-    def _config(self, server_round: int) -> ConfigRecord:
+    def round_config(self, server_round: int) -> ConfigRecord:
+        """The config record every message of round ``server_round`` carries."""
         return ConfigRecord({**self.config.pan_signature(), "server-round": server_round})
 
-    def _send(self, contents: dict[int, RecordDict], message_type: str) -> tuple[list[Message], dict[str, int]]:
+    def send(self, contents: dict[int, RecordDict], message_type: str) -> tuple[list[Message], dict[str, int]]:
         """Send one message per node and wait for the replies; also returns message id → node, since an
         error the SuperLink makes for a node that went away comes from the SuperLink's own node id."""
         messages = [Message(content, dst_node_id=node, message_type=message_type) for node, content in contents.items()]
@@ -164,7 +165,7 @@ class RoundRunner:
         replies = send_and_receive(self.grid, messages, self.config.round_timeout)
         return replies, {m.metadata.message_id: m.metadata.dst_node_id for m in messages if m.metadata.message_id}
 
-    def _checked(
+    def checked(
         self,
         replies: list[Message],
         destinations: dict[str, int],
@@ -203,17 +204,17 @@ class RoundRunner:
         contents = self.strategy.plan_train(
             server_round,
             arrays,
-            self._config(server_round),
+            self.round_config(server_round),
             lambda: self._sample(self.nodes.trainable(), self.config.fraction_train),
             self.nodes,
         )
         log(INFO, "configure_train: %d nodes", len(contents))
-        replies, destinations = self._send(contents, MessageType.TRAIN)
+        replies, destinations = self.send(contents, MessageType.TRAIN)
         answered = {destinations.get(m.metadata.reply_to_message_id, m.metadata.src_node_id) for m in replies}
         dropped = {
             self.nodes.name(node): "no reply within the round's timeout" for node in contents if node not in answered
         }
-        usable = self._checked(replies, destinations, lambda c: self.strategy.reply_problem(c, arrays), dropped)
+        usable = self.checked(replies, destinations, lambda c: self.strategy.reply_problem(c, arrays), dropped)
         for client, reason in dropped.items():
             log(WARNING, "round %d: dropped client %s: %s", server_round, client, reason)
         if self.metrics.participation is not None:
@@ -223,14 +224,12 @@ class RoundRunner:
             self.strategy.on_empty_round(server_round)
             return arrays
         self.metrics.train([r.content for r in usable], NUM_EXAMPLES)
-        aggregated = self.strategy.aggregate(
-            server_round, usable, self._alignment_reference(server_round, usable, arrays)
-        )
-        if self.metrics.round_metrics is not None:
-            self.metrics.round_metrics(server_round, self.strategy.round_metrics())
-        if aggregated is None:
+        merge = self.strategy.aggregate(server_round, usable, self._alignment_reference(server_round, usable, arrays))
+        if merge is None:
             return arrays
-        problem = self._aggregate_problem(aggregated, arrays)
+        if self.metrics.round_metrics is not None:
+            self.metrics.round_metrics(server_round, merge.metrics)
+        problem = self._aggregate_problem(merge.arrays, arrays)
         if problem is not None:
             log(
                 WARNING,
@@ -240,8 +239,8 @@ class RoundRunner:
             )
             return arrays
         if self.repair is not None:
-            return self.repair.run(server_round, usable, aggregated, arrays)
-        return aggregated
+            return self.repair.run(server_round, usable, merge, arrays)
+        return merge.arrays
 
     def _alignment_reference(self, server_round: int, usable: list[Reply], arrays: ArrayRecord) -> ArrayRecord:
         """What an aligning strategy aligns onto: the global model, except in the first round of independently
@@ -273,10 +272,10 @@ class RoundRunner:
     def evaluate_round(self, server_round: int, arrays: ArrayRecord) -> None:
         """Every sampled node (held-out ones too) scores the global model on its local test split."""
         nodes = self._sample(self.nodes.connected(), self.config.fraction_evaluate)
-        content = RecordDict({MODEL_RECORD: arrays, CONFIG_RECORD: self._config(server_round)})
-        replies, destinations = self._send(dict.fromkeys(nodes, content), MessageType.EVALUATE)
+        content = RecordDict({MODEL_RECORD: arrays, CONFIG_RECORD: self.round_config(server_round)})
+        replies, destinations = self.send(dict.fromkeys(nodes, content), MessageType.EVALUATE)
         dropped: dict[str, str] = {}
-        kept = self._checked(replies, destinations, evaluate_reply_problem, dropped)
+        kept = self.checked(replies, destinations, evaluate_reply_problem, dropped)
         for client, reason in dropped.items():
             log(WARNING, "round %d: left out the evaluate reply of client %s: %s", server_round, client, reason)
         if kept:

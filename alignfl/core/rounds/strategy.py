@@ -3,7 +3,8 @@
 A :class:`ServerStrategy` may add records to the training messages
 (:meth:`ServerStrategy.plan_train`), check the contents of its own extra reply records
 (:meth:`ServerStrategy.reply_problem`), and folds the checked replies into the next global
-model (:meth:`ServerStrategy.aggregate`, FedAvg's weighted mean by default). It is built
+model (:meth:`ServerStrategy.aggregate`, FedAvg's weighted mean by default), returning what it made as a
+:class:`Merge`. It is built
 from the :class:`RunContext` the ServerApp made (:func:`build_context`); the rounds themselves are
 :class:`alignfl.core.rounds.runner.RoundRunner`'s, the same for every algorithm.
 """
@@ -11,7 +12,7 @@ from the :class:`RunContext` the ServerApp made (:func:`build_context`); the rou
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
@@ -113,6 +114,15 @@ class Reply:
         return self.content[MODEL_RECORD]
 
 
+def offline_replies(states: Sequence[Mapping[str, Tensor]], weights: Sequence[float]) -> list[Reply]:
+    """Models trained outside a run as the checked training replies of one round (model ``k``: node and partition
+    ``k``), for :meth:`ServerStrategy.aggregate`."""
+    return [
+        Reply(k, k, RecordDict({MODEL_RECORD: ArrayRecord(dict(state))}), float(weight))
+        for k, (state, weight) in enumerate(zip(states, weights, strict=True))
+    ]
+
+
 def weighted_mean(replies: Sequence[Reply]) -> ArrayRecord:
     """FedAvg: the models weighted by :attr:`Reply.weight`, summed in the order given with the arithmetic of
     Flower's FedAvg (each array times its share of the total weight, added up)."""
@@ -138,6 +148,23 @@ class ServerStep:
     )
 
 
+@dataclass(frozen=True)
+class Merge:
+    """What a strategy's :meth:`ServerStrategy.aggregate` made of a round's replies: the next global model, and
+    what REPAIR, the round's row and offline tools read of the merge, returned rather than left on the strategy.
+
+    ``unit_maps``: per reply (in the order given), per permutation group, how the reply's units land on the merged
+    model's: a permutation (merged unit ``i`` is the reply's unit ``map[i]``) or a coupling (reply units x merged
+    units); a group without a map keeps its order (a narrower reply's units are the first ones); None: no reply's
+    units moved. ``groups``: the permutation groups whose units this merge merged (FedMA's stage merges one); None:
+    every group. ``metrics``: the entries the round adds to ``metrics.jsonl``."""
+
+    arrays: ArrayRecord
+    unit_maps: list[dict[str, Tensor]] | None = None
+    groups: frozenset[str] | None = None
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
 def states_and_weights(replies: Sequence[Reply]) -> tuple[list[dict[str, Tensor]], list[float]]:
     """The replies' models as state dicts and their :attr:`Reply.weight`, in the order given: what an algorithm
     that aligns, fuses or slices the models before averaging them takes."""
@@ -149,11 +176,11 @@ class ServerStrategy:
 
     Subclasses override :meth:`aggregate` and, where the algorithm needs them, :meth:`plan_train` (extra
     records, or other recipients), :meth:`reply_problem` (their extra reply records, named in
-    :attr:`extra_reply_arrays`), :meth:`narrow` (with :attr:`client_widths`), :meth:`on_empty_round`, :meth:`round_metrics`, :meth:`describe`,
+    :attr:`extra_reply_arrays`), :meth:`narrow` (with :attr:`client_widths`), :meth:`on_empty_round`, :meth:`describe`,
     :attr:`changes_shapes` and :meth:`state_dict` / :meth:`load_state_dict` (what they carry from round to
-    round, named in :attr:`state_keys`); an algorithm that merges aligned units sets :attr:`repairable` (and
-    :attr:`unit_maps`, :attr:`repair_groups`, :meth:`on_repaired` where ``repair=on`` needs them). These are all
-    the round runner and the checkpoint read.
+    round, named in :attr:`state_keys`); an algorithm that merges aligned units sets :attr:`repairable` (its
+    :class:`Merge` then carries the unit maps and groups REPAIR follows, and :meth:`on_repaired` takes the
+    repaired model where it keeps parts of the merge). These are all the round runner and the checkpoint read.
     ``context`` is what the ServerApp built; ``settings`` the algorithm's own settings.
     """
 
@@ -186,14 +213,6 @@ class ServerStrategy:
     """Whether :meth:`aggregate` merges the clients' units aligned (matched, fused, or sliced so that unit ``i``
     is unit ``i`` everywhere), so that ``repair=on`` may renormalise the merged units
     (:mod:`alignfl.core.merging.repair`)."""
-    unit_maps: list[dict[str, Tensor]] | None = None
-    """Set by :meth:`aggregate` of a repairable strategy that reorders units: per reply (in the order given), per
-    permutation group, how the reply's units land on the aggregate's: a permutation (aggregate unit ``i`` is the
-    reply's unit ``map[i]``) or a coupling (reply units × aggregate units). A group without a map keeps its order
-    (a narrower reply's units are the first ones)."""
-    repair_groups: frozenset[str] | None = None
-    """Set by :meth:`aggregate` when it merged only some groups' units this round (FedMA's stages): REPAIR then
-    rescales only the layers of those groups. None: every group."""
 
     def __init__(self, context: RunContext) -> None:
         self.context = context
@@ -280,16 +299,14 @@ class ServerStrategy:
         :attr:`client_widths`); by default its first units (HeteroFL's sub-model)."""
         return first_units(state, template)
 
-    def aggregate(self, server_round: int, replies: list[Reply], reference: ArrayRecord) -> ArrayRecord | None:
-        """The next global model from the checked replies (in partition order), or None to keep ``reference``."""
-        return weighted_mean(replies)
+    def aggregate(self, server_round: int, replies: list[Reply], reference: ArrayRecord) -> Merge | None:
+        """The merge of the checked replies (in partition order) into the next global model, or None to keep
+        ``reference``. The round runner calls it, and so do the offline tools that merge models trained outside a
+        run (:func:`offline_replies`), so that a merge is written once."""
+        return Merge(weighted_mean(replies))
 
     def on_empty_round(self, server_round: int) -> None:
         """Called instead of :meth:`aggregate` when a training round has no usable reply."""
-
-    def round_metrics(self) -> dict[str, Any]:
-        """Entries this round adds to ``metrics.jsonl`` (read after :meth:`aggregate`)."""
-        return {}
 
     def state_dict(self) -> dict[str, Any]:
         """What the server side carries from one round to the next, as tensors and plain values (a checkpoint

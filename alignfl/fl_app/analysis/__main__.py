@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from alignfl.fl_app.analysis import depth, divergence, matching, merge, preference, shuffle
 from alignfl.fl_app.analysis.common import AnalysisError, Subcommand, check_out_dir
+from alignfl.fl_app.locations import program
 
 SUBCOMMANDS: dict[str, Subcommand] = {
     command.name: command
@@ -29,7 +30,7 @@ SUBCOMMANDS: dict[str, Subcommand] = {
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m alignfl.fl_app.analysis",
+        prog=program("alignfl.fl_app.analysis"),
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

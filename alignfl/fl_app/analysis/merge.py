@@ -5,11 +5,13 @@ Each of ``--clients`` models trains ``--epochs`` of the project's local SGD
 training split (``--partitioner``, Dirichlet by default) less its local test
 split, exactly as round 1 of a federated run trains it, starting from the
 server's initial model (``--init same``) or from the client's own
-initialisation (``--init different``: ``client-init=independent``). A one-shot
-run (``num-server-rounds=1``, ``client-init=independent``) of ``fedavg``,
-``matched`` or ``otfusion`` with the same settings gives the same merged model
-as ``average``, ``matched-<cost>`` and ``matched-ot`` here. Then, on the
-dataset's test split, it reports the accuracy of
+initialisation (``--init different``: ``client-init=independent``). The
+merges ``average``, ``matched-<cost>`` and ``matched-ot`` are those of the
+``fedavg``, ``matched`` and ``otfusion`` strategies, whose ``aggregate`` gets
+the trained models as round 1 of a run gets the replies (:func:`strategy_merge`),
+so a one-shot run (``num-server-rounds=1``, ``client-init=independent``) with the
+same settings gives the same merged model. Then, on the dataset's test split,
+it reports the accuracy of
 
 * every client model on its own;
 * ``average``: the coordinate-wise average, weighted by example counts (one-shot FedAvg);
@@ -73,10 +75,9 @@ from flwr.app import ArrayRecord
 from torch import Tensor, nn
 
 from alignfl.core.data import ImageDataset, dataset_info, load_dataset
-from alignfl.core.merging.alignment import align_and_average, matching_generator, weighted_average
 from alignfl.core.merging.bbp import BBPSettings
 from alignfl.core.merging.bbp_model import bbp_matched_average, growth_problem
-from alignfl.core.merging.ot_fusion import OTSettings, ot_fuse
+from alignfl.core.merging.ot_fusion import OTSettings
 from alignfl.core.merging.repair import (
     Site,
     UnitStats,
@@ -86,9 +87,10 @@ from alignfl.core.merging.repair import (
     sites_of,
     unit_statistics,
 )
-from alignfl.core.merging.universe import UniverseSettings, cycle_consistency_error, universe_merge
+from alignfl.core.merging.universe import UniverseSettings
 from alignfl.core.metrics.ensemble import score_models
 from alignfl.core.model_io import build_model_at, build_run_model, federated_state, independent_start, load_arrays
+from alignfl.core.rounds.strategy import Merge, build_context, offline_replies
 from alignfl.core.training.sgd import evaluate, round_generator, seed_everything, seed_torch, select_device
 from alignfl.core.widths import width_of
 from alignfl.fl_app.analysis import merge_options as options
@@ -104,9 +106,11 @@ from alignfl.fl_app.analysis.common import (
 )
 from alignfl.fl_app.analysis.merge_options import BBP, OT, OWN, POOLED, REPAIR_DATA, UNIVERSE
 from alignfl.fl_app.client_app import client_data
-from alignfl.fl_app.config import ConfigError, RunConfig
+from alignfl.fl_app.config import ConfigError, RunConfig, parse_run_config
 from alignfl.models import Permutable
 from alignfl.models.protocol import head_of
+from alignfl.plugins.options import settings_fields
+from alignfl.strategies import get_strategy
 from alignfl.strategies.base import LocalUpdate
 
 
@@ -139,7 +143,49 @@ def train_clients(
     return states, counts, dataset, torch.stack(classes)
 
 
+def strategy_merge(
+    config: RunConfig,
+    model: nn.Module,
+    strategy: str,
+    keys: Mapping[str, Any],
+    states: Sequence[Mapping[str, Tensor]],
+    weights: Sequence[float],
+    reference: Mapping[str, Tensor],
+) -> Merge:
+    """``states`` merged by ``strategy``'s own server side with its run-config ``keys``, as round 1 of a federated
+    run of ``config`` (the clients' training settings) merges such replies onto ``reference``: one merge, written
+    once, for runs and offline tools alike. ``model``: the run's model (its permutation description and head)."""
+    values = {**config.to_run_config(), "client-widths": "", "strategy": strategy, **keys}
+    try:
+        run = parse_run_config(values)
+        server = get_strategy(strategy).server(build_context(run, model))
+    except ConfigError as error:
+        raise AnalysisError(f"strategy '{strategy}' cannot merge these models: {error}") from None
+    merge = server.aggregate(1, offline_replies(states, weights), ArrayRecord(dict(reference)))
+    if merge is None:
+        raise AnalysisError(f"strategy '{strategy}' made no merge of {len(states)} models")
+    return merge
+
+
+def prefixed(prefix: str, settings: Any) -> dict[str, Any]:
+    """A settings object's fields as the run-config keys ``<prefix><key>`` that a strategy borrows them under."""
+    return {f"{prefix}{s.key}": getattr(settings, s.name) for s in settings_fields(type(settings))}
+
+
+def matched_keys(cost: str, iterations: int) -> dict[str, Any]:
+    """``matched``'s keys for aligning onto the reference client, then ``iterations - 1`` times onto the mean."""
+    if iterations == 1:
+        return {"matched-cost": cost, "matched-reference": "client"}
+    return {
+        "matched-cost": cost,
+        "matched-reference": "iterative",
+        "matched-iterative-start": "client",
+        "matched-iterations": iterations,
+    }
+
+
 def merge_accuracies(
+    config: RunConfig,
     model: nn.Module,
     states: Sequence[Mapping[str, Tensor]],
     weights: Sequence[float],
@@ -152,17 +198,17 @@ def merge_accuracies(
     bbp: BBPSettings | None = None,
     ot: OTSettings | None = None,
     reference: int | str = 0,
-    seed: int = 0,
     universe: UniverseSettings | None = None,
     diagnostics: dict[str, Any] | None = None,
     repair_data: Sequence[Tensor] | None = None,
     repair_on: Sequence[str] = (OWN,),
 ) -> tuple[list[float], dict[str, float], dict[str, int]]:
     """Test accuracy of each state and of every merge (``average``, ``matched-<cost>``, ``ensemble``), and the
-    global width per layer of the BBP-MAP merge (the reference's without ``bbp`` among ``costs``). States of
-    different widths are merged by ``ot`` only (and ensembled). ``seed``: the run's, for the matching's order
-    (:func:`alignfl.core.merging.alignment.matching_generator`, round 1 as a one-shot run). ``repair_data``: each
-    state's client's training inputs; every merge is then also scored after REPAIR (:func:`repair_merge`) with its
+    global width per layer of the BBP-MAP merge (the reference's without ``bbp`` among ``costs``). The merges are
+    the strategies' own (:func:`strategy_merge`: ``fedavg``, ``matched``, ``otfusion`` as round 1 of a run of
+    ``config`` merges them, the matching's order seeded by its seed); ``bbp`` is FedMA's BBP-MAP of every layer at
+    once. States of different widths are merged by ``ot`` only (and ensembled). ``repair_data``: each state's
+    client's training inputs; every merge is then also scored after REPAIR (:func:`repair_merge`) with its
     statistics taken as each of ``repair_on`` says (:data:`~alignfl.fl_app.analysis.merge_options.REPAIR_DATA`):
     ``<merge>+repair`` (own) and ``<merge>+repair-pooled`` (pooled).
 
@@ -182,17 +228,19 @@ def merge_accuracies(
         load_arrays(model, ArrayRecord({k: v for k, v in state.items() if v.is_floating_point()}))
         return evaluate(model, x, y, device)[1]
 
+    def merged_by(strategy: str, keys: Mapping[str, Any]) -> Merge:
+        return strategy_merge(config, model, strategy, keys, states, weights, states[reference])
+
     clients = [accuracy(state) for state in states]
     sizes = [spec.group_sizes(state) for state in states]
     equal = all(size == sizes[reference] for size in sizes)
-    merges: dict[str, tuple[Mapping[str, Tensor], list[dict[str, Tensor]]]] = {}
+    merges: dict[str, Merge] = {}
     if equal:
-        merges["average"] = weighted_average(states, weights), [{} for _ in states]
+        merges["average"] = merged_by("fedavg", {})
     widths: dict[str, int] = {}
     for cost in costs:
         if cost == OT:
-            fused, maps = ot_fuse(states[reference], states, weights, spec, ot or OTSettings())
-            merges[f"matched-{cost}"] = fused, [dict(transport.couplings) for transport in maps]
+            merges[f"matched-{cost}"] = merged_by("otfusion", prefixed("otfusion-", ot or OTSettings()))
         elif not equal:
             continue
         elif cost == BBP:
@@ -204,23 +252,20 @@ def merge_accuracies(
                 {group: assignment_coupling(result.assignments[group][k], width) for group, width in widths.items()}
                 for k in range(len(states))
             ]
-            merges[f"matched-{cost}"] = result.state, couplings
+            merges[f"matched-{cost}"] = Merge(ArrayRecord(result.state), couplings)
         elif joint:
-            state, match = universe_merge(states, weights, spec, universe, matching_generator(seed, 1))
-            merges["matched-universe"] = state, list(match.permutations)
+            keys = {"matched-reference": UNIVERSE, **prefixed("matched-universe-", universe or UniverseSettings())}
+            merges["matched-universe"] = merged_by("matched", keys)
             if diagnostics is not None:
-                diagnostics["universe-objective"] = match.objective
-                diagnostics["universe-projected"] = match.projected
-                diagnostics["cycle-consistency-error"] = cycle_consistency_error(
-                    states[0], states, spec, generator=matching_generator(seed, 1)
-                )
+                universe_keys = ("universe-objective", "universe-projected", "cycle-consistency-error")
+                diagnostics.update({key: merges["matched-universe"].metrics[key] for key in universe_keys})
         else:
-            merges[f"matched-{cost}"] = align_and_average(
-                states[reference], states, weights, spec, cost, iterations, matching_generator(seed, 1)
-            )
+            merges[f"matched-{cost}"] = merged_by("matched", matched_keys(cost, iterations))
     merged: dict[str, float] = {}
-    for name, (state, maps) in merges.items():
+    for name, merge in merges.items():
+        state = merge.arrays.to_torch_state_dict()
         merged[name] = accuracy(state)
+        maps = merge.unit_maps or [{} for _ in states]
         for on in repair_on if repair_data is not None else ():
             repaired = repair_merge(model, state, states, maps, repair_data, weights, device, on)
             merged[repair_key(name, on)] = accuracy(repaired)
@@ -313,6 +358,7 @@ def run(args: argparse.Namespace, out: Path) -> list[Path]:
     diagnostics: dict[str, Any] = {}
     repair_data = [client_data(config, k, args.clients).train_x for k in range(args.clients)] if repair_on else None
     clients, merged, widths_out = merge_accuracies(
+        config,
         model,
         states,
         counts,
@@ -325,7 +371,6 @@ def run(args: argparse.Namespace, out: Path) -> list[Path]:
         bbp,
         ot,
         reference,
-        args.seed,
         universe,
         diagnostics,
         repair_data,

@@ -8,11 +8,12 @@ import sys
 from pathlib import Path
 
 from alignfl.fl_app.config.tables import ROOT, pyproject_table, stale_files, write_all
+from alignfl.fl_app.locations import program
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m alignfl.fl_app.config",
+        prog=program("alignfl.fl_app.config"),
         description="Print pyproject.toml's generated [tool.flwr.app.config], or write (or check) every generated "
         "part: that table, the README's method table, docs/configuration.md's key tables and registered names.",
     )

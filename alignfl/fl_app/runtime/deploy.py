@@ -33,7 +33,7 @@ from pathlib import Path
 
 from alignfl.core.data import DatasetMissingError
 from alignfl.fl_app.config import ConfigError, RunConfig
-from alignfl.fl_app.locations import checkout_root
+from alignfl.fl_app.locations import checkout_root, program
 from alignfl.fl_app.patches.polling_supernode import FLOWER_NODE_POLL_S
 from alignfl.fl_app.runtime import register
 from alignfl.fl_app.runtime.common import check_folder, made_folder, work_folder
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         return register.main(argv[1:])
     if argv[:1] in (["superlink"], ["supernodes"]):
         return role_main(argv[0], argv[1:])
-    parser = argparse.ArgumentParser(prog="python -m alignfl.fl_app.deploy", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog=program("alignfl.fl_app.deploy"), description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--num-supernodes",
         type=int,

@@ -33,7 +33,7 @@ from alignfl.fl_app.checkpoint import checkpointed_round, resume_checkpoint, run
 from alignfl.fl_app.config import ConfigError, RunConfig, parse_run_config, validate_run
 from alignfl.fl_app.engines.batched import ray_options, run_batched, workers_allowed
 from alignfl.fl_app.engines.grid import VECTORISE_CHOICES, RayOptions
-from alignfl.fl_app.locations import checkout_root
+from alignfl.fl_app.locations import checkout_root, program
 from alignfl.fl_app.runtime.common import scratch_folder
 from alignfl.fl_app.runtime.flwr_cli import parse_overrides, submit_and_follow
 from alignfl.fl_app.runtime.keys import refuse_exposed_keys
@@ -134,7 +134,7 @@ def check_workers(workers: int | None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m alignfl.fl_app.launch", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog=program("alignfl.fl_app.launch"), description=__doc__.split("\n\n")[0])
     parser.add_argument("--run-config", default="", help="'key=value ...' overrides of [tool.flwr.app.config]")
     parser.add_argument("--num-supernodes", type=int, default=10, help="number of simulated clients (default 10)")
     parser.add_argument("--num-cpus", type=int, default=1, help="CPU cores reserved per simulated client")

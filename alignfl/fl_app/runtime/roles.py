@@ -42,7 +42,7 @@ from cryptography import x509
 
 from alignfl.core.data import DatasetMissingError
 from alignfl.fl_app.config import ConfigError, RunConfig
-from alignfl.fl_app.locations import checkout_root
+from alignfl.fl_app.locations import checkout_root, program
 from alignfl.fl_app.patches.polling_supernode import FLOWER_NODE_POLL_S
 from alignfl.fl_app.runtime.common import check_folder, free_port, made_folder, work_folder
 from alignfl.fl_app.runtime.deployment import Deployment, run_logs
@@ -152,9 +152,7 @@ def node_files_missing(certs: Certificates, nodes: list[int]) -> list[str]:
 
 
 def parser_for(role: str) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog=f"python -m alignfl.fl_app.deploy {role}", description=__doc__.split("\n\n")[0]
-    )
+    parser = argparse.ArgumentParser(prog=program("alignfl.fl_app.deploy", role), description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--num-supernodes",
         type=int,

@@ -29,6 +29,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from alignfl.fl_app.locations import program
 from alignfl.fl_app.sweeps.launches import own_launch, running
 from alignfl.fl_app.sweeps.slurm import read_jobs_record
 from alignfl.fl_app.sweeps.sweep import COMPLETED, JOB_RECORD
@@ -392,9 +393,7 @@ class ReportSweep(Callback):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m alignfl.fl_app.sweeps.report", description=__doc__.split("\n\n")[0]
-    )
+    parser = argparse.ArgumentParser(prog=program("alignfl.fl_app.sweeps.report"), description=__doc__.split("\n\n")[0])
     parser.add_argument("sweep_dir", type=Path, help="the multirun's folder (hydra.sweep.dir)")
     parser.add_argument("--x", default="pan.a", help="heatmap columns: a swept key (default: pan.a)")
     parser.add_argument("--y", default="pan.t", help="heatmap rows: a swept key (default: pan.t)")
