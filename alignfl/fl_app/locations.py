@@ -20,12 +20,11 @@ IMPORT_ROOT = Path(__file__).resolve().parents[__name__.count(".")]
 """The folder on ``sys.path`` holding alignfl's top-level packages: a checkout's root, or site-packages. The one
 path alignfl's packages compute from a module's own file; it holds however deep this module sits."""
 PACKAGE_FOLDER = IMPORT_ROOT / __name__.split(".")[0]
-"""The top-level package this module belongs to."""
-PACKAGE_DATA = IMPORT_ROOT / "alignfl"
-"""Where the wheel puts the checkout's files an installed alignfl reads (:data:`SHIPPED`)."""
+"""The ``alignfl`` package's folder; the wheel also puts there the checkout's files an installed alignfl reads
+(:data:`SHIPPED`)."""
 SHIPPED = ("conf", "pyproject.toml", "scripts/make_certs.sh")
 """The checkout's files the commands read, relative to its root: Hydra's configs, the Flower app's manifest,
-the script that makes a TLS deployment's keys. The wheel ships each under :data:`PACKAGE_DATA`."""
+the script that makes a TLS deployment's keys. The wheel ships each under :data:`PACKAGE_FOLDER`."""
 
 
 def checkout_root() -> Path | None:
@@ -41,7 +40,7 @@ def shipped(relative: str) -> Path:
     if relative not in SHIPPED:
         raise ValueError(f"{relative!r} is not among the files the wheel ships {SHIPPED}")
     root = checkout_root()
-    return (root if root is not None else PACKAGE_DATA) / relative
+    return (root if root is not None else PACKAGE_FOLDER) / relative
 
 
 def process_folder() -> Path:

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from alignfl.core.merging.bbp import BBPSettings, GroupMatch, as_generator, check_weights, match_units
+from alignfl.core.merging.layerwise import class_shares
 from alignfl.models.permutation import AxisRef, PermutationSpec, unit_view
 
 StateDict = Mapping[str, Tensor]
@@ -228,9 +229,7 @@ def _output_mixes(
         raise ValueError(
             f"class_counts has {counts.shape[1]} classes, but no output entry ({sorted(outputs)}) has that many rows"
         )
-    totals = counts.sum(0)
-    mix = torch.where(totals > 0, counts / totals.clamp(min=1e-300), share[:, None])
-    return dict.fromkeys(keys, mix)
+    return dict.fromkeys(keys, class_shares(counts, share))
 
 
 def _averaged(clients: Sequence[StateDict], share: Tensor, mixes: Mapping[str, Tensor]) -> dict[str, Tensor]:

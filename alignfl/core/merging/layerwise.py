@@ -40,6 +40,14 @@ def frozen_at(spec: PermutationSpec, keys: Iterable[str], head: Collection[str],
     return set().union(*completion_plan(spec, keys, head)[:stage])
 
 
+def class_shares(counts: Tensor, fallback: Tensor) -> Tensor:
+    """``K x C``: each of ``K`` clients' share of class ``c``'s examples (``counts``: ``K x C``), its ``fallback``
+    share (``K``) for a class no client holds: how FedMA averages the output layer's row of a class."""
+    counts = counts.double()
+    totals = counts.sum(dim=0)
+    return torch.where(totals > 0, counts / totals.clamp(min=1e-300), fallback[:, None])
+
+
 def per_class_average(
     states: Sequence[Mapping[str, Tensor]], counts: Tensor, weights: Sequence[float], keys: Collection[str]
 ) -> dict[str, Tensor]:
@@ -51,9 +59,7 @@ def per_class_average(
     """
     examples = torch.tensor(weights, dtype=torch.float64)
     examples = examples / examples.sum()
-    counts = counts.double()
-    totals = counts.sum(dim=0)
-    by_class = torch.where(totals > 0, counts / totals.clamp(min=1), examples[:, None])
+    by_class = class_shares(counts, examples)
     averaged = {}
     for key in keys:
         stacked = torch.stack([state[key].double() for state in states])
