@@ -12,7 +12,7 @@ from alignfl.core.data import ImageDataset, load_dataset
 from alignfl.core.merging.bbp import BBPSettings
 from alignfl.fl_app.analysis.__main__ import main
 from alignfl.fl_app.analysis.common import AnalysisError
-from alignfl.fl_app.analysis.merge import merge_accuracies
+from alignfl.fl_app.analysis.merge import merge_accuracies, strategy_merge
 from alignfl.fl_app.analysis.merge_options import MERGE_COSTS, UNIVERSE_COSTS, costs
 from alignfl.fl_app.client_app import client_data
 from alignfl.fl_app.config import parse_run_config
@@ -48,6 +48,15 @@ def test_a_model_merged_with_its_permuted_copy_scores_like_the_model():
     assert clients[0] == clients[1]
     assert set(merged) == {"average", "matched-weight", "matched-l1", "ensemble"}
     assert merged["matched-weight"] == merged["matched-l1"] == merged["ensemble"] == clients[0]
+
+
+def test_a_strategys_merge_takes_only_its_own_keys_and_refuses_anothers():
+    digits, model, state, permuted = model_and_permuted_copy()
+    clients = parse_run_config({"dataset": "digits", "model": "small-mlp", "strategy": "matched", "matched-cost": "l1"})
+    merge = strategy_merge(clients, model, "fedavg", {}, [state, permuted], [1.0, 1.0], state)  # matched-cost left out
+    assert merge.unit_maps is None and merge.metrics == {}
+    with pytest.raises(AnalysisError, match="matched-cost"):
+        strategy_merge(DIGITS_MLP, model, "otfusion", {"matched-cost": "l1"}, [state, permuted], [1.0, 1.0], state)
 
 
 def test_the_command_trains_merges_and_writes_json_and_plot(tmp_path, capsys):

@@ -154,8 +154,11 @@ def strategy_merge(
 ) -> Merge:
     """``states`` merged by ``strategy``'s own server side with its run-config ``keys``, as round 1 of a federated
     run of ``config`` (the clients' training settings) merges such replies onto ``reference``: one merge, written
-    once, for runs and offline tools alike. ``model``: the run's model (its permutation description and head)."""
-    values = {**config.to_run_config(), "client-widths": "", "strategy": strategy, **keys}
+    once, for runs and offline tools alike. ``model``: the run's model (its permutation description and head).
+    ``config``'s own algorithm's keys are left out: only ``keys`` set ``strategy``'s."""
+    own = {setting.key for setting in settings_fields(type(config.settings))}
+    common = {key: value for key, value in config.to_run_config().items() if key not in own}
+    values = {**common, "client-widths": "", "strategy": strategy, **keys}
     try:
         run = parse_run_config(values)
         server = get_strategy(strategy).server(build_context(run, model))
