@@ -117,6 +117,8 @@ class Matched(ServerStrategy):
         universe = ("matched-reference", UNIVERSE) if self.reference.universe else None
         self.spec = context.required_spec("matched", universe)
         self.aligns_onto_client = self.reference.from_client
+        self.global_width = self.spec.group_sizes(context.initial_arrays.to_torch_state_dict())
+        """Units per permutation group: the merge keeps the global model's widths, so they are the run's."""
 
     def aggregate(self, server_round: int, replies: list[Reply], reference: ArrayRecord) -> Merge:
         """The matched average, with the share of units the matching moved per group (mean over clients) and the
@@ -180,8 +182,7 @@ class Matched(ServerStrategy):
         return Merge(ArrayRecord(merged), list(match.permutations), metrics=metrics)
 
     def _metrics(self, moved: dict[str, float]) -> dict[str, Any]:
-        sizes = self.spec.group_sizes(self.context.initial_arrays.to_torch_state_dict())
-        return {"units-moved": moved, "global-width": sizes}
+        return {"units-moved": moved, "global-width": dict(self.global_width)}
 
 
 STRATEGIES.register(

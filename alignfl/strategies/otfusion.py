@@ -111,6 +111,8 @@ class OTFusion(ServerStrategy):
                 "choose 'global'",
             )
         self.aligns_onto_client = self.settings.otfusion_reference == CLIENT
+        self.global_width = self.spec.group_sizes(context.initial_arrays.to_torch_state_dict())
+        """Units per permutation group: the fused model keeps the global model's widths, so they are the run's."""
 
     def narrow(self, state: dict[str, Tensor], template: dict[str, Tensor]) -> dict[str, Tensor]:
         """The global ``state`` at ``template``'s widths: its first units, or fused onto them by OT."""
@@ -137,11 +139,10 @@ class OTFusion(ServerStrategy):
             "exact" if self.ot.exact else f"Sinkhorn (reg {self.ot.reg})",
             time.perf_counter() - started,
         )
-        sizes = self.spec.group_sizes(self.context.initial_arrays.to_torch_state_dict())
         return Merge(
             ArrayRecord(fused),
             [dict(transport.couplings) for transport in maps],
-            metrics={"transport-off-diagonal": off_diagonal, "global-width": sizes},
+            metrics={"transport-off-diagonal": off_diagonal, "global-width": dict(self.global_width)},
         )
 
 
