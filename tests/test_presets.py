@@ -61,6 +61,19 @@ def _one_seed(jobs):
     return [job for job in jobs if "seed=0" in job]
 
 
+def _checked(name: str, jobs: list[list[str]]) -> list[list[str]]:
+    """The jobs whose configurations a test composes and validates: seed 0's; of a study (80 configurations,
+    a third of a second each to compose), one job of each choice of config groups (every method row with every
+    E), taking the plain values it sweeps (the Dirichlet alpha) in turn, so that each is checked too."""
+    seed_zero = _one_seed(jobs)
+    if name not in STUDIES:
+        return seed_zero
+    by_groups: dict[tuple[str, ...], list[list[str]]] = {}
+    for job in seed_zero:
+        by_groups.setdefault(tuple(o for o in job if "/" in o.split("=")[0]), []).append(job)
+    return [variants[turn % len(variants)] for turn, variants in enumerate(by_groups.values())]
+
+
 #: What a -cpu preset keeps from its full twin: the papers' effects live in long local training, partial
 #: participation and the heterogeneity of the split, so a -cpu preset shrinks width, data, clients and rounds instead.
 REGIME = (
@@ -122,7 +135,7 @@ def _validate(name: str, folder: Path) -> Validated:
         patch.setattr(sweep, "job_settings", settings)
         with composed([f"+experiment={name}", f"hydra.sweep.dir={sweep_dir}", f"data.root={data_root}"]) as cfg:
             jobs = sweep_job_overrides(cfg)
-            patch.setattr(sweep, "sweep_job_overrides", lambda config: _one_seed(jobs))
+            patch.setattr(sweep, "sweep_job_overrides", lambda config: _checked(name, jobs))
             try:
                 validate_sweep(cfg)
                 error = None
@@ -130,7 +143,7 @@ def _validate(name: str, folder: Path) -> Validated:
                 error = raised
             first = real_settings(cfg, cfg.hydra.runtime.choices, folder)
             mode = str(cfg.hydra.mode)
-    overrides = [_settings([o for o in job if not o.startswith("data.root=")]) for job in _one_seed(jobs)]
+    overrides = [_settings([o for o in job if not o.startswith("data.root=")]) for job in _checked(name, jobs)]
     return Validated(mode, jobs, list(zip(overrides, validated)), needs, error, first, sweep_dir)
 
 
@@ -239,7 +252,11 @@ def test_every_job_of_a_preset_composes_and_validates(name, validated):
     assert sorted(set(seeds)) == expected and len(preset.jobs) == len(expected) * seeds.count("seed=0")
     others = {tuple(o for o in job if not o.startswith("seed=")) for job in preset.jobs}
     assert len(others) == seeds.count("seed=0"), "the other seeds' jobs differ from seed 0's in the seed alone"
-    assert len(preset.validated) == seeds.count("seed=0"), "every configuration passed the schema"
+    assert len(preset.validated) == len(_checked(name, preset.jobs)), "every configuration checked passed the schema"
+    if name in STUDIES:  # every method row and every E, and every plain value swept, in the configurations checked
+        for key in ("experiment/drift_run", "experiment/drift_epochs", "data.dirichlet_alpha"):
+            swept = {o for job in preset.jobs for o in job if o.startswith(f"{key}=")}
+            assert swept and swept == {f"{key}={settings[key]}" for settings, _ in preset.validated}
     assert preset.needs, "the sweep checks its data sets"
     first, sim = preset.first  # the preset's own defaults: one job too
     assert first.device == "auto"
