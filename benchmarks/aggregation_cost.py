@@ -30,7 +30,7 @@ import torch
 from benchutil import append_jsonl, machine, median, read_jsonl, write_report
 from flwr.app import ConfigRecord, Context, MetricRecord, RecordDict
 
-from alignfl.core.data import dataset_info
+from alignfl.core.data import ClientData, dataset_info
 from alignfl.core.model_io import build_run_model, federated_state, load_arrays, to_arrays
 from alignfl.core.rounds.strategy import Reply, ServerStrategy
 from alignfl.fl_app.config import RunConfig, build_context, parse_run_config
@@ -91,7 +91,7 @@ def replies(config: RunConfig, server: ServerStrategy, model: torch.nn.Module, s
         reply = RecordDict(
             {
                 "arrays": update.model_record(model),
-                **update.reply_records(),
+                **update.reply_records(ClientData(x, y, x, y)),
                 "metrics": MetricRecord({**metrics, "num-examples": 100 + index, "partition-id": index}),
             }
         )

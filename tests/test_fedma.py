@@ -11,6 +11,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 from torch import nn
 
+from alignfl.core.data import ClientData
 from alignfl.core.merging.bbp import BBPSettings
 from alignfl.core.merging.bbp_model import match_group, patch_clients, scatter_group
 from alignfl.core.merging.layerwise import completion_plan, frozen_at, per_class_average
@@ -214,7 +215,7 @@ def test_the_client_trains_only_what_is_not_matched_yet(name, stage):
     moved = {k for k in before if not torch.equal(after[k], before[k])}
     assert moved and moved.isdisjoint(frozen)
     assert all(p.requires_grad for p in model.parameters())
-    counts = update.reply_records()[CLASS_COUNTS]["counts"].numpy()
+    counts = update.reply_records(ClientData(x, y, x, y))[CLASS_COUNTS]["counts"].numpy()
     assert counts.tolist() == torch.bincount(y, minlength=NUM_CLASSES).tolist()
 
 

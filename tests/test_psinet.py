@@ -14,6 +14,7 @@ from flwr.app import ArrayRecord, MetricRecord, RecordDict
 from torch import nn
 
 from alignfl.core.config import RunConfig
+from alignfl.core.data import ClientData
 from alignfl.core.model_io import build_run_model, federated_state
 from alignfl.core.rounds.strategy import Reply, RunContext
 from alignfl.fl_app.config import ConfigError, check_run, parse_run_config
@@ -198,7 +199,7 @@ def test_client_trains_and_sends_only_shared_and_held_groups():
     sent = update.model_record(model)
     assert list(sent.keys()) == list(layout.keys_for([0, 2]))
     assert not set(sent) & set(layout.groups[1])
-    assert update.reply_records()[HELD_RECORD][HELD_KEY].numpy().tolist() == [0, 2]
+    assert update.reply_records(ClientData(x, y, x, y))[HELD_RECORD][HELD_KEY].numpy().tolist() == [0, 2]
 
     after = federated_state(model)
     assert all(torch.equal(after[k], before[k]) for k in layout.groups[1])  # trimmed: untouched, even by decay

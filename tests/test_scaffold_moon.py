@@ -16,6 +16,7 @@ from flwr.supercore.task_identity import TaskIdentity
 from torch import nn
 
 from alignfl.core.config import RunConfig
+from alignfl.core.data import ClientData
 from alignfl.core.model_io import to_arrays
 from alignfl.core.rounds.nodes import NodeDirectory
 from alignfl.core.rounds.replies import reply_problem
@@ -91,7 +92,7 @@ def test_scaffold_client_corrects_gradients_and_updates_its_control_variate():
         torch.testing.assert_close(model.state_dict()[k], w[k].detach())
 
     stored = context.state[SCAFFOLD_STATE].to_torch_state_dict()
-    sent = update.reply_records()[CONTROL].to_torch_state_dict()
+    sent = update.reply_records(ClientData(x, y, x, y))[CONTROL].to_torch_state_dict()
     for k in w:
         expected = c_i[k] - c[k] + (start[k] - w[k].detach()) / (steps * lr)  # option II
         torch.testing.assert_close(stored[k], expected)
@@ -129,9 +130,10 @@ def test_scaffold_first_round_starts_from_zero_and_keeps_buffers_at_zero():
     zeros = ArrayRecord({k: torch.zeros_like(v) for k, v in to_arrays(model).to_torch_state_dict().items()})
     context = _context()
     update = ScaffoldUpdate(config, context, RecordDict({CONTROL: zeros}))
-    metrics = update.train(model, torch.randn(8, 1, 8, 8), torch.randint(0, 10, (8,)), torch.Generator(), CPU)
+    x, y = torch.randn(8, 1, 8, 8), torch.randint(0, 10, (8,))
+    metrics = update.train(model, x, y, torch.Generator(), CPU)
     assert metrics["control-norm-start"] == 0.0 and metrics["control-norm-end"] > 0.0
-    sent = update.reply_records()[CONTROL]
+    sent = update.reply_records(ClientData(x, y, x, y))[CONTROL]
     assert set(sent) == set(zeros)  # the same keys as the model: the server checks them against it
     assert not sent["stem_bn.running_mean"].numpy().any()  # statistics have no gradient: no control variate
     assert sent["stem_conv.weight"].numpy().any()

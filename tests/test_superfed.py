@@ -162,7 +162,7 @@ def test_local_model_persists_across_rounds_in_context_state_and_is_never_sent()
     model = fresh_model()
     first_update = SuPerFedUpdate(config, context, received(1))
     first = run(first_update, model, x, y)
-    assert first_update.reply_records() == {}
+    assert first_update.reply_records(ClientData(x, y, x, y)) == {}
     second = run(SuPerFedUpdate(config, context, received(2)), model, x, y)
     assert (first["superfed-local-rounds"], second["superfed-local-rounds"]) == (1, 2)
     assert second["superfed-local-norm-in"] == first["superfed-local-norm-out"] != first["superfed-local-norm-in"]

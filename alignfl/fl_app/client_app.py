@@ -202,7 +202,7 @@ def finish_train(job: TrainJob, metrics: Mapping[str, Any]) -> Message:
     reply = RecordDict(
         {
             MODEL_RECORD: job.update.model_record(job.model),
-            **job.update.reply_records(),
+            **job.update.reply_records(job.data),
             METRICS_RECORD: MetricRecord(
                 {**metrics, NUM_EXAMPLES: len(job.data.train_y), "partition-id": job.partition_id}
             ),

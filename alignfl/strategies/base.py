@@ -80,6 +80,15 @@ class LocalUpdate:
             else:
                 p.grad.add_(correction[name])
 
+    def frozen(self, model: nn.Module) -> frozenset[str]:
+        """Names of the parameters this round's update leaves as received (after :meth:`begin`); the others train.
+        FedMA's later stages freeze the layers matched so far."""
+        return frozenset()
+
+    def local_epochs(self) -> int:
+        """This round's number of epochs over the client's training split (after :meth:`begin`)."""
+        return self.config.local_epochs
+
     def learning_rate(self) -> float:
         """This round's client learning rate: lr · lr-decay^(r − 1) (SuPerFed's per-round decay), times
         min(1, r / lr-warmup-rounds) during a linear warm-up (the PANs authors' code); r is the training
@@ -102,8 +111,10 @@ class LocalUpdate:
         return PlainSGD(params, self.learning_rate(), self.config.momentum, self.config.weight_decay)
 
     def optimizer(self, model: nn.Module) -> PlainSGD:
-        """What trains: SGD over the model's parameters (algorithms that train others override it)."""
-        return self.sgd(model.parameters())
+        """What trains: SGD over the model's parameters but the :meth:`frozen` ones (algorithms that train
+        others override it)."""
+        frozen = self.frozen(model)
+        return self.sgd(p for name, p in model.named_parameters() if name not in frozen)
 
     def train(
         self,
@@ -116,17 +127,25 @@ class LocalUpdate:
         """Run the local epochs; returns the mean training loss."""
         self.begin(model)
         optimizer = self.optimizer(model)
+        names = self.frozen(model)
+        frozen = [p for name, p in model.named_parameters() if name in names]
+        for p in frozen:  # no gradient computed for what does not train
+            p.requires_grad_(False)
         model.train()
         total, self.steps = 0.0, 0
-        for _ in range(self.config.local_epochs):
-            for xb, yb in iterate_batches(x, y, self.config.batch_size, generator):
-                xb, yb = xb.to(device, non_blocking=True), yb.to(device, non_blocking=True)
-                optimizer.zero_grad()
-                loss = self.loss(model, xb, yb)
-                loss.backward()
-                self.after_backward(model)
-                optimizer.step()
-                total, self.steps = total + loss.item(), self.steps + 1
+        try:
+            for _ in range(self.local_epochs()):
+                for xb, yb in iterate_batches(x, y, self.config.batch_size, generator):
+                    xb, yb = xb.to(device, non_blocking=True), yb.to(device, non_blocking=True)
+                    optimizer.zero_grad()
+                    loss = self.loss(model, xb, yb)
+                    loss.backward()
+                    self.after_backward(model)
+                    optimizer.step()
+                    total, self.steps = total + loss.item(), self.steps + 1
+        finally:
+            for p in frozen:  # a client process reuses its model for the next message
+                p.requires_grad_(True)
         return self.end(model, total)
 
     def end(self, model: nn.Module, total_loss: float) -> dict[str, float]:
@@ -148,6 +167,7 @@ class LocalUpdate:
         overrides this to send only the shared layers and the groups it trained)."""
         return to_arrays(model)
 
-    def reply_records(self) -> dict[str, ArrayRecord]:
-        """ArrayRecords to send beside the model's ``"arrays"`` and the metrics; read after :meth:`train`."""
+    def reply_records(self, data: ClientData) -> dict[str, ArrayRecord]:
+        """ArrayRecords to send beside the model's ``"arrays"`` and the metrics; read after :meth:`train` (``data``:
+        the client's data)."""
         return {}

@@ -93,7 +93,6 @@ Where this differs from IBM/FedMA:
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -105,6 +104,7 @@ from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 from flwr.common.logger import log
 from torch import Tensor, nn
 
+from alignfl.core.data import ClientData
 from alignfl.core.merging.alignment import (
     get_cost,
     list_costs,
@@ -427,41 +427,31 @@ class FedMA(ServerStrategy):
 
 
 class FedMAUpdate(LocalUpdate):
-    """Train the entries not yet matched in this cycle; report class counts for the output layer's average."""
+    """Train the entries not yet matched in this cycle (stage 0: ``local-epochs``, later stages:
+    ``fedma-retrain-epochs``); report class counts for the output layer's average. Every client of a stage holds the
+    same shapes (BBP-MAP patches them to the global widths) and freezes the same entries, so a stage's clients
+    train as one stacked update."""
 
-    not_vectorised = "each stage freezes other entries, and matching gives every client other widths"
+    def begin(self, model: nn.Module) -> None:
+        self.stage = int(self.received[CONFIG_RECORD][STAGE])
+        state, head = federated_state(model), head_of(model)
+        frozen = frozen_at(model.permutation_spec(), state, head.keys, self.stage)
+        self.kept = {key: state[key].detach().clone() for key in frozen}
+        self.num_classes = head.num_classes
 
-    def train(
-        self,
-        model: nn.Module,
-        x: Tensor,
-        y: Tensor,
-        generator: torch.Generator,
-        device: torch.device,
-    ) -> dict[str, float]:
-        stage = int(self.received[CONFIG_RECORD][STAGE])
-        state = federated_state(model)
-        head = head_of(model)
-        frozen = frozen_at(model.permutation_spec(), state, head.keys, stage)
-        kept = {key: state[key].detach().clone() for key in frozen}
-        if stage > 0:
-            self.config = dataclasses.replace(self.config, local_epochs=self.settings.fedma_retrain_epochs)
-        trainable = [p for name, p in model.named_parameters() if name not in frozen]
-        for p in model.parameters():
-            p.requires_grad_(False)
-        for p in trainable:
-            p.requires_grad_(True)
-        try:
-            metrics = super().train(model, x, y, generator, device)
-        finally:
-            for p in model.parameters():  # the client process reuses this model for the next message
-                p.requires_grad_(True)
-        model.load_state_dict(kept, strict=False)  # frozen buffers (BatchNorm statistics) too
-        self.class_counts = torch.bincount(y.cpu(), minlength=head.num_classes)
-        return metrics
+    def frozen(self, model: nn.Module) -> frozenset[str]:
+        return frozenset(name for name, _ in model.named_parameters() if name in self.kept)
 
-    def reply_records(self) -> dict[str, ArrayRecord]:
-        return {CLASS_COUNTS: ArrayRecord({"counts": self.class_counts})}
+    def local_epochs(self) -> int:
+        return self.settings.fedma_retrain_epochs if self.stage > 0 else self.config.local_epochs
+
+    def end(self, model: nn.Module, total_loss: float) -> dict[str, float]:
+        model.load_state_dict(self.kept, strict=False)  # frozen buffers (BatchNorm statistics) too
+        return super().end(model, total_loss)
+
+    def reply_records(self, data: ClientData) -> dict[str, ArrayRecord]:
+        counts = torch.bincount(data.train_y.cpu(), minlength=self.num_classes)
+        return {CLASS_COUNTS: ArrayRecord({"counts": counts})}
 
 
 STRATEGIES.register(

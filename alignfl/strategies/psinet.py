@@ -40,6 +40,7 @@ import torch
 from flwr.app import Array, ArrayRecord, RecordDict
 from torch import nn
 
+from alignfl.core.data import ClientData
 from alignfl.core.model_io import federated_state
 from alignfl.core.rounds.replies import reply_problem
 from alignfl.core.rounds.strategy import Merge, Reply, RunContext, ServerStrategy
@@ -93,7 +94,7 @@ class PsiNetUpdate(LocalUpdate):
         state = federated_state(model)
         return ArrayRecord({key: state[key].detach().cpu() for key in self._keys})
 
-    def reply_records(self) -> dict[str, ArrayRecord]:
+    def reply_records(self, data: ClientData) -> dict[str, ArrayRecord]:
         return {HELD_RECORD: ArrayRecord({HELD_KEY: torch.tensor(self.held, dtype=torch.int64)})}
 
 

@@ -44,6 +44,7 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 from torch import nn
 
+from alignfl.core.data import ClientData
 from alignfl.core.model_io import arrays_mismatch, federated_state
 from alignfl.core.rounds.nodes import NodeDirectory
 from alignfl.core.rounds.replies import arrays_problem
@@ -198,7 +199,7 @@ class ScaffoldUpdate(LocalUpdate):
             "control-norm-end": _norm(updated),
         }
 
-    def reply_records(self) -> dict[str, ArrayRecord]:
+    def reply_records(self, data: ClientData) -> dict[str, ArrayRecord]:
         return {CONTROL: self.control_update}
 
 

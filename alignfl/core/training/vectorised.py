@@ -18,7 +18,7 @@ padded with examples of weight 0, exact since no layer mixes examples), so the c
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -112,6 +112,8 @@ class StackedTrainer:
         :class:`alignfl.core.training.sgd.PlainSGD`'s settings, the same for every client.
     penalty : Penalty or None
         A loss term added to cross-entropy, of each client's parameters and its starting parameters.
+    frozen : collection of str
+        Parameters no client trains (they keep their starting values; FedMA's matched layers).
     """
 
     def __init__(
@@ -122,8 +124,10 @@ class StackedTrainer:
         momentum: float = 0.0,
         weight_decay: float = 0.0,
         penalty: Penalty | None = None,
+        frozen: Collection[str] = (),
     ) -> None:
         self.model = model
+        self.frozen = frozenset(frozen)
         self.param_names, self.buffer_names = stacked_state_names(model)
         self.params = {n: torch.stack([s[n].detach() for s in starts]) for n in self.param_names}
         self.buffers = {n: torch.stack([s[n].detach() for s in starts]) for n in self.buffer_names}
@@ -229,7 +233,9 @@ class StackedTrainer:
         losses, momentum = [], None
         for count in active.tolist():
             if count not in leaves:
-                leaves[count] = [self.params[n][:count].detach().requires_grad_() for n in self.param_names]
+                leaves[count] = [
+                    self.params[n][:count].detach().requires_grad_(n not in self.frozen) for n in self.param_names
+                ]
             rows = table[len(losses), :count].view(-1)
             xb = all_x.index_select(0, rows).unflatten(0, (count, -1))
             yb = all_y.index_select(0, rows).view(count, -1)
@@ -257,8 +263,9 @@ class StackedTrainer:
             if self.stacked_penalty is not None:
                 anchor = [self.anchor[n][: len(xb)] for n in self.param_names]
                 loss = loss + self.stacked_penalty(leaves, anchor)
-            grads = torch.autograd.grad(loss.sum(), leaves)
-        return list(grads), loss.detach()
+            trained = [leaf for leaf in leaves if leaf.requires_grad]
+            grads = iter(torch.autograd.grad(loss.sum(), trained))
+        return [next(grads) if leaf.requires_grad else torch.zeros(0) for leaf in leaves], loss.detach()
 
     @torch.no_grad()
     def _padded_update(
@@ -274,6 +281,8 @@ class StackedTrainer:
         tensor itself (β·buffer + direction, accumulated into it), so a parameter costs two operations."""
         rows = slice(0, len(leaves[0]))
         for index, (leaf, direction) in enumerate(zip(leaves, grads, strict=True)):
+            if self.param_names[index] in self.frozen:
+                continue
             if corrections is not None:
                 direction.add_(corrections[self.param_names[index]][rows])
             if self.weight_decay != 0:
@@ -317,6 +326,8 @@ class StackedTrainer:
         before the next: a stacked parameter stays in the cache between them."""
         buffers = self._momentum_rows(rows) if self.momentum != 0 else None
         for index, (param, direction) in enumerate(zip(params, grads, strict=True)):
+            if self.param_names[index] in self.frozen:
+                continue
             if corrections is not None:
                 direction = direction.add_(corrections[self.param_names[index]][rows])
             if self.weight_decay != 0:

@@ -107,7 +107,8 @@ class Worker:
 
     def _train_stacked(self, jobs: Sequence[Job]) -> list[Message | None]:
         """Replies of training messages trained as stacked updates, grouped by what must be equal within one
-        (configuration, learning rate, state shapes); None for a message left to the sequential path."""
+        (configuration, learning rate, epochs, frozen parameters, state shapes); None for a message left to the
+        sequential path."""
         replies: list[Message | None] = [None] * len(jobs)
         groups: dict[tuple[Any, ...], list[tuple[int, TrainJob, dict[str, torch.Tensor]]]] = {}
         for index, (message, context) in enumerate(jobs):
@@ -120,7 +121,15 @@ class Worker:
                 replies[index] = error_reply(message, error)
                 continue
             shapes = tuple((n, tuple(t.shape)) for n, t in start.items())
-            key = (job.config, type(job.update), job.update.learning_rate(), shapes)
+            update = job.update
+            key = (
+                job.config,
+                type(update),
+                update.learning_rate(),
+                update.local_epochs(),
+                update.frozen(job.model),
+                shapes,
+            )
             groups.setdefault(key, []).append((index, job, start))
         for members in groups.values():
             if len(members) < 2:
@@ -175,10 +184,18 @@ def train_stacked(
     first = jobs[0]
     config, update = first.config, first.update
     penalty = update.penalty if type(update).penalty is not LocalUpdate.penalty else None
-    trainer = StackedTrainer(first.model, starts, update.learning_rate(), config.momentum, config.weight_decay, penalty)
+    trainer = StackedTrainer(
+        first.model,
+        starts,
+        update.learning_rate(),
+        config.momentum,
+        config.weight_decay,
+        penalty,
+        update.frozen(first.model),
+    )
     clients = []
     for job, (x, y) in zip(jobs, data, strict=True):
-        epochs = range(config.local_epochs)
+        epochs = range(update.local_epochs())
         batches = [batch for _ in epochs for batch in batch_order(len(y), config.batch_size, job.generator)]
         clients.append(ClientSteps(x, y, batches, job.update.gradient_correction()))
     result = trainer.run(clients)
