@@ -36,8 +36,9 @@ class LocalUpdate:
     not_vectorised: ClassVar[str | None] = None
     """Why this update cannot train many clients at once (:mod:`alignfl.core.training.vectorised`), or None when it can:
     its steps are then cross-entropy plus :meth:`penalty`, the gradient plus :meth:`gradient_correction`, and
-    SGD over every parameter. A subclass that overrides a hook the stacked update does not call
-    (:data:`SEQUENTIAL_HOOKS`) and does not set this itself is marked as not vectorised."""
+    SGD over every parameter but the :meth:`frozen` ones, for :meth:`local_epochs`. A subclass that overrides a
+    hook the stacked update does not call (:data:`SEQUENTIAL_HOOKS`) and does not set this itself is marked as not
+    vectorised."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
