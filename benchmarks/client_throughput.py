@@ -16,10 +16,13 @@ A measurement is the wall time of one round (the plain loop's training and mean;
 the same in all three. The ways run interleaved (each repeat in a rotated order) after one untimed warm-up of
 each; reported are the medians of ``--repeats`` and their ratios to the plain loop, with the final accuracy of
 each (the plain loop's and the batched engine's are equal; the vectorised one's within float32 rounding).
+``--strategy fedprox`` trains FedProx's clients instead (μ = ``--mu``; the plain loop adds the same proximal term
+to its loss): its stacked update adds the term's gradient analytically.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/client_throughput.py --epochs 20 --repeats 3
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/client_throughput.py --dataset digits --epochs 2 --repeats 1
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/client_throughput.py --alphas 0.1 --rounding-check
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/client_throughput.py --strategy fedprox --epochs 5
 """
 
 from __future__ import annotations
@@ -58,10 +61,15 @@ from alignfl.fl_app.engines.batched import run_batched
 WAYS = ("plain", "batched", "vectorised")
 
 
-def workload(dataset: str, alpha: float, clients: int, epochs: int) -> dict[str, Any]:
-    """The run config of one FedAvg round of the drift study's MLP on full data."""
+STRATEGIES = {"fedavg": {}, "fedprox": {"fedprox-mu": 0.01}}
+"""The algorithms this benchmark trains, with the settings the drift study gives them."""
+
+
+def workload(dataset: str, alpha: float, clients: int, epochs: int, strategy: str = "fedavg") -> dict[str, Any]:
+    """The run config of one round of ``strategy`` (FedAvg or FedProx) on the drift study's MLP on full data."""
     return {
-        "strategy": "fedavg",
+        "strategy": strategy,
+        **STRATEGIES[strategy],
         "model": "small-mlp",
         "dataset": dataset,
         "partitioner": "dirichlet",
@@ -88,7 +96,9 @@ def steps_of(config: RunConfig, clients: int) -> int:
 
 
 def plain_round(config: RunConfig, clients: int) -> float:
-    """One round as a plain PyTorch loop (the ClientApp's seeds and batches); the global model's accuracy."""
+    """One round as a plain PyTorch loop (the ClientApp's seeds and batches; FedProx's proximal term where the
+    config has one); the global model's accuracy."""
+    mu = float(config.settings.fedprox_mu) if config.strategy == "fedprox" else 0.0
     dataset = load_dataset(config.dataset)
     seed_everything(config.seed)
     model = build_run_model(config, dataset)
@@ -105,7 +115,10 @@ def plain_round(config: RunConfig, clients: int) -> float:
         for _ in range(config.local_epochs):
             for xb, yb in iterate_batches(split.train_x, split.train_y, config.batch_size, generator):
                 optimizer.zero_grad(set_to_none=True)
-                nn.functional.cross_entropy(model(xb), yb).backward()
+                loss = nn.functional.cross_entropy(model(xb), yb)
+                if mu:
+                    loss = loss + 0.5 * mu * sum((p - start[n]).pow(2).sum() for n, p in model.named_parameters())
+                loss.backward()
                 optimizer.step()
         for key, value in federated_state(model).items():
             summed[key] += value * (len(split.train_y) / total)
@@ -128,7 +141,7 @@ def timed(run: Callable[[], float]) -> tuple[float, float]:
 
 def ways_of(args: argparse.Namespace, alpha: float, epochs: int) -> dict[str, Callable[[], float]]:
     """The three ways of one α at ``epochs`` local epochs, each a call returning the global model's accuracy."""
-    values = workload(args.dataset, alpha, args.clients, epochs)
+    values = workload(args.dataset, alpha, args.clients, epochs, args.strategy)
     config = parse_run_config(values)
     return {
         "plain": lambda: plain_round(config, args.clients),
@@ -226,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--ways", default=",".join(WAYS), help=f"comma-separated, of {list(WAYS)}")
     parser.add_argument("--dataset", default="fashion-mnist", help="fashion-mnist, or digits for a smoke test")
+    parser.add_argument("--strategy", default="fedavg", choices=sorted(STRATEGIES), help="whose clients train")
     parser.add_argument("--out", type=Path, default=None, help="folder for rows.jsonl and report.md")
     parser.add_argument(
         "--rounding-check",
@@ -246,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     out = (args.out or Path.home() / "alignfl-results" / f"throughput-{datetime.now(UTC):%Y%m%d-%H%M%S}").resolve()
     out.mkdir(parents=True, exist_ok=True)
     setup = (
-        f"small-mlp, {args.dataset}, {args.clients} clients (Dirichlet {args.alphas}), batch 32, lr 0.01, "
+        f"{args.strategy}, small-mlp, {args.dataset}, {args.clients} clients (Dirichlet {args.alphas}), batch 32, lr 0.01, "
         f"momentum 0.9, E = {args.epochs}; {machine()}; load before {os.getloadavg()}"
     )
     print(f"[throughput] {setup}; results in {out}", flush=True)

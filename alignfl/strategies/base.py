@@ -35,7 +35,7 @@ class LocalUpdate:
 
     not_vectorised: ClassVar[str | None] = None
     """Why this update cannot train many clients at once (:mod:`alignfl.core.training.vectorised`), or None when it can:
-    its steps are then cross-entropy plus :meth:`penalty`, the gradient plus :meth:`gradient_correction`, and
+    its steps are then cross-entropy plus :meth:`proximal_mu`'s term, the gradient plus :meth:`gradient_correction`, and
     SGD over every parameter but the :meth:`frozen` ones, for :meth:`local_epochs`. A subclass that overrides a
     hook the stacked update does not call (:data:`SEQUENTIAL_HOOKS`) and does not set this itself is marked as not
     vectorised."""
@@ -60,10 +60,11 @@ class LocalUpdate:
         """The objective of one mini-batch."""
         return nn.functional.cross_entropy(model(x), y)
 
-    def penalty(self, params: list[torch.Tensor], start: list[torch.Tensor]) -> torch.Tensor | None:
-        """A loss term of the parameters alone (``start``: the parameters after :meth:`begin`), or None; the
-        stacked update calls it under ``vmap`` with one client's tensors."""
-        return None
+    def proximal_mu(self) -> float:
+        """μ of a proximal term μ/2·‖w − w_start‖² in the loss (``w_start``: the parameters after :meth:`begin`),
+        0 for none. A subclass that returns μ > 0 adds the term in its :meth:`loss` (one client's steps, through
+        autograd); the stacked update adds the term's gradient μ(w − w_start) itself."""
+        return 0.0
 
     def gradient_correction(self) -> dict[str, torch.Tensor] | None:
         """Parameter name → a tensor added to every step's gradient (set by :meth:`begin`), or None."""

@@ -27,19 +27,19 @@ class FedProxSettings:
 class FedProxUpdate(LocalUpdate):
     """Local SGD pulled towards the round's global model by ``fedprox-mu``.
 
-    It vectorises: the proximal term depends on the parameters alone (:meth:`penalty`)."""
+    It vectorises: the proximal term depends on the parameters alone (:meth:`proximal_mu`)."""
 
     not_vectorised = None
 
     def begin(self, model: nn.Module) -> None:
         self.global_params = [p.detach().clone() for p in model.parameters()]
 
-    def penalty(self, params: list[torch.Tensor], start: list[torch.Tensor]) -> torch.Tensor:
-        proximal = sum((p - g).pow(2).sum() for p, g in zip(params, start))
-        return 0.5 * self.settings.fedprox_mu * proximal
+    def proximal_mu(self) -> float:
+        return self.settings.fedprox_mu
 
     def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return super().loss(model, x, y) + self.penalty(list(model.parameters()), self.global_params)
+        proximal = sum((p - g).pow(2).sum() for p, g in zip(model.parameters(), self.global_params, strict=True))
+        return super().loss(model, x, y) + 0.5 * self.proximal_mu() * proximal
 
 
 STRATEGIES.register(

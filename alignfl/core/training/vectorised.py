@@ -18,7 +18,7 @@ padded with examples of weight 0, exact since no layer mixes examples), so the c
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -27,7 +27,6 @@ from torch.func import functional_call, grad_and_value, vmap
 
 from alignfl.core.training.stacked_forward import StackedForward, stacked_forward
 
-Penalty = Callable[[list[torch.Tensor], list[torch.Tensor]], torch.Tensor]
 """A loss term of the parameters alone: (parameters, the parameters the client started from) → scalar."""
 
 
@@ -110,8 +109,10 @@ class StackedTrainer:
         Each client's starting state (from :func:`stacked_state_names`' entries of its ``state_dict``).
     lr, momentum, weight_decay : float
         :class:`alignfl.core.training.sgd.PlainSGD`'s settings, the same for every client.
-    penalty : Penalty or None
-        A loss term added to cross-entropy, of each client's parameters and its starting parameters.
+    proximal : float
+        μ of a proximal term μ/2·‖w − w_start‖² added to each client's cross-entropy (FedProx's), 0 for none. Its
+        gradient μ(w − w_start) is added analytically, as weight decay is, and its value under ``no_grad``: the
+        same loss and update as autograd through the term, without tracing it every step.
     frozen : collection of str
         Parameters no client trains (they keep their starting values; FedMA's matched layers).
     """
@@ -123,7 +124,7 @@ class StackedTrainer:
         lr: float,
         momentum: float = 0.0,
         weight_decay: float = 0.0,
-        penalty: Penalty | None = None,
+        proximal: float = 0.0,
         frozen: Collection[str] = (),
     ) -> None:
         self.model = model
@@ -131,27 +132,30 @@ class StackedTrainer:
         self.param_names, self.buffer_names = stacked_state_names(model)
         self.params = {n: torch.stack([s[n].detach() for s in starts]) for n in self.param_names}
         self.buffers = {n: torch.stack([s[n].detach() for s in starts]) for n in self.buffer_names}
-        self.anchor = {n: t.clone() for n, t in self.params.items()} if penalty is not None else {}
-        self.lr, self.momentum, self.weight_decay, self.penalty = lr, momentum, weight_decay, penalty
+        self.anchor = {n: t.clone() for n, t in self.params.items()} if proximal != 0 else {}
+        self.lr, self.momentum, self.weight_decay, self.proximal = lr, momentum, weight_decay, proximal
         self.momentum_buffers: dict[str, torch.Tensor] = {}
         self.momentum_rows: dict[tuple[int, int], list[torch.Tensor]] = {}
         self.step_of_client = vmap(grad_and_value(self._loss), randomness="error")
         self.forward = stacked_forward(model) if _has_stacked_forward(model, len(starts)) else None
-        self.stacked_penalty = vmap(penalty) if penalty is not None else None
 
     def _loss(
-        self,
-        params: dict[str, torch.Tensor],
-        buffers: dict[str, torch.Tensor],
-        anchor: dict[str, torch.Tensor],
-        x: torch.Tensor,
-        y: torch.Tensor,
+        self, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor
     ) -> torch.Tensor:
-        loss = nn.functional.cross_entropy(functional_call(self.model, (params, buffers), (x,)), y)
-        if self.penalty is None:
-            return loss
-        names = self.param_names
-        return loss + self.penalty([params[n] for n in names], [anchor[n] for n in names])
+        return nn.functional.cross_entropy(functional_call(self.model, (params, buffers), (x,)), y)
+
+    @torch.no_grad()
+    def _proximal_terms(self, params: Sequence[torch.Tensor], rows: slice) -> torch.Tensor:
+        """μ/2·‖w − w_start‖² of each client in ``rows`` (``params``: their rows, in :attr:`param_names`' order)."""
+        squares = [
+            (param - self.anchor[name][rows]).flatten(1).pow(2).sum(1)
+            for name, param in zip(self.param_names, params, strict=True)
+        ]
+        return torch.stack(squares).sum(0).mul_(0.5 * self.proximal)
+
+    def _pull(self, direction: torch.Tensor, param: torch.Tensor, name: str, rows: slice) -> torch.Tensor:
+        """``direction`` plus the proximal term's gradient μ(w − w_start), in place."""
+        return direction.add_(param, alpha=self.proximal).sub_(self.anchor[name][rows], alpha=self.proximal)
 
     def run(self, clients: Sequence[ClientSteps]) -> StackedResult:
         """Every client's steps. The clients are ordered by decreasing number of steps, then decreasing size of
@@ -260,12 +264,12 @@ class StackedTrainer:
             logits = forward(dict(zip(self.param_names, leaves, strict=True)), xb)
             each = nn.functional.cross_entropy(logits.flatten(0, 1), yb.flatten(), reduction="none")
             loss = (each.view_as(weights) * weights).sum(1)
-            if self.stacked_penalty is not None:
-                anchor = [self.anchor[n][: len(xb)] for n in self.param_names]
-                loss = loss + self.stacked_penalty(leaves, anchor)
             trained = [leaf for leaf in leaves if leaf.requires_grad]
             grads = iter(torch.autograd.grad(loss.sum(), trained))
-        return [next(grads) if leaf.requires_grad else torch.zeros(0) for leaf in leaves], loss.detach()
+        loss = loss.detach()
+        if self.proximal != 0:
+            loss = loss + self._proximal_terms(leaves, slice(0, len(xb)))
+        return [next(grads) if leaf.requires_grad else torch.zeros(0) for leaf in leaves], loss
 
     @torch.no_grad()
     def _padded_update(
@@ -287,6 +291,8 @@ class StackedTrainer:
                 direction.add_(corrections[self.param_names[index]][rows])
             if self.weight_decay != 0:
                 direction.add_(leaf, alpha=self.weight_decay)
+            if self.proximal != 0:
+                self._pull(direction, leaf, self.param_names[index], rows)
             if momentum is not None and self.momentum != 0:
                 direction.add_(momentum[index][rows], alpha=self.momentum)
             leaf.add_(direction, alpha=-self.lr)
@@ -307,8 +313,10 @@ class StackedTrainer:
         statistics are updated in place under ``vmap``); returns their losses."""
         params = {n: t[rows] for n, t in self.params.items()}
         buffers = {n: t[rows] for n, t in self.buffers.items()}
-        grads, loss = self.step_of_client(params, buffers, {n: t[rows] for n, t in self.anchor.items()}, xb, yb)
+        grads, loss = self.step_of_client(params, buffers, xb, yb)
         names = self.param_names
+        if self.proximal != 0:
+            loss = loss + self._proximal_terms([params[n] for n in names], rows)
         self._update(step, rows, [params[n] for n in names], [grads[n] for n in names], corrections)
         return loss.detach()
 
@@ -332,6 +340,8 @@ class StackedTrainer:
                 direction = direction.add_(corrections[self.param_names[index]][rows])
             if self.weight_decay != 0:
                 direction = direction.add_(param, alpha=self.weight_decay)
+            if self.proximal != 0:
+                direction = self._pull(direction, param, self.param_names[index], rows)
             if buffers is not None:
                 if step == 0:  # PlainSGD's buffer starts as the first direction; every client's first step is 0
                     direction = buffers[index].copy_(direction)

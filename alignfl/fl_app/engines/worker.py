@@ -35,7 +35,6 @@ from alignfl.fl_app.client_app import (
     train_message,
 )
 from alignfl.fl_app.inprocess import flower_error
-from alignfl.strategies.base import LocalUpdate
 
 Job = tuple[Message, Context]
 
@@ -183,14 +182,13 @@ def train_stacked(
     with its model holding the client's trained state). A job whose ending raises gets an error reply."""
     first = jobs[0]
     config, update = first.config, first.update
-    penalty = update.penalty if type(update).penalty is not LocalUpdate.penalty else None
     trainer = StackedTrainer(
         first.model,
         starts,
         update.learning_rate(),
         config.momentum,
         config.weight_decay,
-        penalty,
+        update.proximal_mu(),
         update.frozen(first.model),
     )
     clients = []
