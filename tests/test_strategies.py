@@ -11,7 +11,8 @@ from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordD
 from flwr.clientapp import ClientApp
 from torch import nn
 
-from alignfl.core.rounds.replies import array_values, reply_problem
+from alignfl.core.model_io import array_values, arrays_of, npy_array, tensors_of
+from alignfl.core.rounds.replies import reply_problem
 from alignfl.core.rounds.runner import MetricAggregation, Participation, RoundRunner
 from alignfl.core.rounds.strategy import Merge, Reply, RunContext, ServerStrategy
 from alignfl.fl_app.config import parse_run_config
@@ -91,21 +92,54 @@ def test_well_formed_reply_has_no_problem():
     assert reply_problem(_content(GLOBAL, 3), _arrays(GLOBAL)) is None
 
 
-@pytest.mark.parametrize(
-    "values",
-    [
-        np.arange(6, dtype=np.float32).reshape(2, 3),
-        np.asfortranarray(np.random.default_rng(0).random((3, 5))),
-        np.array(3.0, dtype=np.float64),
-        np.zeros((0, 4), np.float16),
-        np.arange(5, dtype=np.int64),
-    ],
-)
+ARRAYS = [
+    np.arange(6, dtype=np.float32).reshape(2, 3),
+    np.asfortranarray(np.random.default_rng(0).random((3, 5))),
+    np.arange(24, dtype=np.float32).reshape(4, 6)[:, ::2],  # neither C- nor Fortran-contiguous
+    np.array(3.0, dtype=np.float64),
+    np.zeros((0, 4), np.float16),
+    np.arange(5, dtype=np.int64),
+    np.array([True, False]),
+]
+
+
+@pytest.mark.parametrize("values", ARRAYS)
 def test_array_values_are_what_flowers_reading_gives(values):
     array = Array(values)
     read = array_values(array)
     assert read.dtype == array.numpy().dtype and read.shape == array.numpy().shape
     assert np.array_equal(read, array.numpy())
+
+
+@pytest.mark.parametrize("values", ARRAYS)
+def test_an_array_made_with_its_header_reused_is_flowers_byte_for_byte(values):
+    expected = Array(values)
+    for _ in range(2):  # the header made, then taken from the cache
+        made = npy_array(values)
+        assert (made.dtype, made.shape, made.stype, made.data) == (
+            expected.dtype,
+            expected.shape,
+            expected.stype,
+            expected.data,
+        )
+    changed = np.asarray(values + 1 if values.dtype != bool else ~values)  # same header, other data
+    assert npy_array(changed).data == Array(changed).data
+
+
+def test_a_records_tensors_are_flowers_and_writable():
+    record = ArrayRecord({f"a{i}": Array(values) for i, values in enumerate(ARRAYS)})
+    expected, got = record.to_torch_state_dict(), tensors_of(record)
+    assert list(got) == list(expected)
+    for name, tensor in expected.items():
+        assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor)
+        got[name].add_(1) if tensor.dtype != torch.bool else got[name].logical_not_()  # not a read-only view
+
+
+def test_a_state_dict_becomes_flowers_arrayrecord_byte_for_byte():
+    state = {"w": torch.randn(3, 4), "b": torch.zeros(4, dtype=torch.float64), "steps": torch.tensor(7)}
+    made, expected = arrays_of(state), ArrayRecord(state)
+    assert list(made) == list(expected)
+    assert all(made[k].data == expected[k].data and made[k].shape == expected[k].shape for k in state)
 
 
 def test_a_reply_whose_array_bytes_do_not_match_their_header_is_described():

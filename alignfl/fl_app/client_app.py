@@ -21,7 +21,7 @@ from alignfl.core.config import RunConfig
 from alignfl.core.data import ClientData, DatasetMissingError, load_dataset
 from alignfl.core.data.label_noise import noisy_labels
 from alignfl.core.merging.repair import REPAIR_RECORD, sites_of, unit_statistics
-from alignfl.core.model_io import build_run_model, independent_start, load_arrays
+from alignfl.core.model_io import build_run_model, independent_start, load_arrays, tensors_of
 from alignfl.core.partitioning.partitions import client_split, partition_dataset
 from alignfl.core.rounds.nodes import is_holdout
 from alignfl.core.rounds.repair_round import QUERY_KEY, REPAIR_QUERY, SITE_KEY
@@ -118,7 +118,7 @@ class Sources:
     a worker that runs many messages may keep them."""
 
     data: Callable[[RunConfig, int, int], ClientData] = client_data
-    arrays: Callable[[ArrayRecord], dict[str, torch.Tensor]] = ArrayRecord.to_torch_state_dict
+    arrays: Callable[[ArrayRecord], dict[str, torch.Tensor]] = tensors_of
 
 
 PER_MESSAGE = Sources()

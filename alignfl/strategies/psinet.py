@@ -41,7 +41,7 @@ from flwr.app import Array, ArrayRecord, RecordDict
 from torch import nn
 
 from alignfl.core.data import ClientData
-from alignfl.core.model_io import federated_state
+from alignfl.core.model_io import arrays_of, federated_state
 from alignfl.core.rounds.replies import reply_problem
 from alignfl.core.rounds.strategy import Merge, Reply, RunContext, ServerStrategy
 from alignfl.core.training.sgd import PlainSGD
@@ -92,7 +92,7 @@ class PsiNetUpdate(LocalUpdate):
 
     def model_record(self, model: nn.Module) -> ArrayRecord:
         state = federated_state(model)
-        return ArrayRecord({key: state[key].detach().cpu() for key in self._keys})
+        return arrays_of({key: state[key] for key in self._keys})
 
     def reply_records(self, data: ClientData) -> dict[str, ArrayRecord]:
         return {HELD_RECORD: ArrayRecord({HELD_KEY: torch.tensor(self.held, dtype=torch.int64)})}

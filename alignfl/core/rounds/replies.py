@@ -9,15 +9,14 @@ reasons by cause (:func:`drop_cause`); ``metrics.jsonl`` keeps each reason whole
 
 from __future__ import annotations
 
-import io
-import math
 import re
 from collections import Counter
 from collections.abc import Sequence
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, RecordDict
+from flwr.app import ArrayRecord, RecordDict
 
+from alignfl.core.model_io import array_values
 from alignfl.plugins.options import is_number
 
 NUM_EXAMPLES = "num-examples"
@@ -29,40 +28,6 @@ METRICS_RECORD = "metrics"
 """The record that carries a reply's metrics."""
 CONFIG_RECORD = "config"
 """The record that carries the round's settings to the clients (``server-round`` and the PAN signature)."""
-
-
-_NPY_HEADERS: dict[bytes, tuple[np.dtype, tuple[int, ...], bool]] = {}
-"""Parsed ``.npy`` headers by their bytes: a round's replies share a few (one per array shape)."""
-
-
-def array_values(array: Array) -> np.ndarray:
-    """An Array's values without a copy: a read-only view of its ``.npy`` bytes. What ``Array.numpy()`` gives
-    (``np.load``, which parses each header with Python's parser and copies the data), at a fraction of the cost
-    for the server, which reads every reply's arrays to check and to aggregate them. Object arrays are refused
-    as ``np.load`` without pickles refuses them; data whose length differs from its header's is refused."""
-    data = array.data
-    if array.stype != "numpy.ndarray" or len(data) < 10 or data[6] not in (1, 2):
-        return array.numpy()  # other formats: Flower's own reading (and its errors)
-    prefix = 10 if data[6] == 1 else 12
-    offset = prefix + int.from_bytes(data[8:prefix], "little")
-    header = bytes(data[:offset])
-    if header not in _NPY_HEADERS:
-        stream = io.BytesIO(header)
-        read = np.lib.format.read_array_header_1_0 if np.lib.format.read_magic(stream)[0] == 1 else None
-        shape, fortran_order, dtype = (read or np.lib.format.read_array_header_2_0)(stream)
-        if dtype.hasobject:
-            raise ValueError("an array of Python objects cannot be read without pickles")
-        if len(_NPY_HEADERS) < 1024:
-            _NPY_HEADERS[header] = (dtype, shape, fortran_order)
-    else:
-        dtype, shape, fortran_order = _NPY_HEADERS[header]
-    count = math.prod(shape)
-    if len(data) - offset != count * dtype.itemsize:
-        raise ValueError(
-            f"array data holds {len(data) - offset} bytes, its header {shape} of {dtype} needs {count * dtype.itemsize}"
-        )
-    values = np.frombuffer(data, dtype=dtype, count=count, offset=offset)
-    return values.reshape(shape[::-1]).T if fortran_order else values.reshape(shape)
 
 
 def arrays_problem(arrays: ArrayRecord, reference: ArrayRecord, name: str = MODEL_RECORD) -> str | None:

@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 from torch import Tensor, nn
 
 from alignfl.core.config import RunConfig
@@ -28,9 +28,9 @@ from alignfl.core.merging.repair import (
     statistics_problem,
     statistics_shapes,
 )
-from alignfl.core.model_io import to_arrays
+from alignfl.core.model_io import array_values, npy_array, to_arrays
 from alignfl.core.rounds.nodes import NodeDirectory
-from alignfl.core.rounds.replies import CONFIG_RECORD, MODEL_RECORD, array_values, reply_problem
+from alignfl.core.rounds.replies import CONFIG_RECORD, MODEL_RECORD, reply_problem
 from alignfl.core.rounds.sub_models import ClientWidths, first_units
 from alignfl.core.widths import refuse_mixed_widths
 from alignfl.models import PermutationSpec
@@ -135,7 +135,7 @@ def weighted_mean(replies: Sequence[Reply]) -> ArrayRecord:
                 sums[key] += array_values(array) * factor
             else:
                 sums[key] = array_values(array) * factor
-    return ArrayRecord({key: Array(value) for key, value in sums.items()})
+    return ArrayRecord({key: npy_array(value) for key, value in sums.items()})
 
 
 @dataclass(frozen=True)

@@ -27,8 +27,6 @@ from torch.func import functional_call, grad_and_value, vmap
 
 from alignfl.core.training.stacked_forward import StackedForward, stacked_forward
 
-"""A loss term of the parameters alone: (parameters, the parameters the client started from) → scalar."""
-
 
 @dataclass(frozen=True)
 class ClientSteps:

@@ -22,6 +22,7 @@ from flwr.common.logger import log
 
 from alignfl.core.config import RunConfig
 from alignfl.core.data import ClientData
+from alignfl.core.model_io import tensors_of
 from alignfl.core.training.sgd import batch_order
 from alignfl.core.training.vectorised import ClientSteps, StackedTrainer, stacked_state_names
 from alignfl.fl_app.client_app import (
@@ -67,7 +68,7 @@ class Worker:
     def arrays(self, record: ArrayRecord) -> dict[str, torch.Tensor]:
         """A received ArrayRecord's tensors, deserialised once per :meth:`run` (a round's messages share one)."""
         if id(record) not in self._received:
-            self._received[id(record)] = (record, record.to_torch_state_dict())
+            self._received[id(record)] = (record, tensors_of(record))
         return self._received[id(record)][1]
 
     def run(self, jobs: Sequence[Job]) -> list[Message]:
