@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ from alignfl.fl_app.client_app import TrainJob, finish_train
 from alignfl.fl_app.config import build_context, parse_run_config
 from alignfl.fl_app.engines.batched import run_batched
 from alignfl.fl_app.engines.grid import vectorise_choice
-from alignfl.fl_app.engines.worker import stack_start, train_stacked
+from alignfl.fl_app.engines.worker import stack_start, stacks_of, train_stacked
 from alignfl.fl_app.inprocess import set_task_identity
 from alignfl.models.cnn import PlainConvNet
 from alignfl.models.mlp import MLP
@@ -32,7 +33,7 @@ from alignfl.strategies.base import LocalUpdate
 VECTORISED = [name for name in list_strategies() if get_strategy(name).client.not_vectorised is None]
 SIZES = (37, 16, 5, 50)
 """Training examples per client: with batch 16, last batches of 5, 16, 5 and 2 examples, and a one-batch client."""
-BATCHED = "batched products up to 32 MiB of stacked parameters, torch.func beyond"
+BATCHED = "batched products, at most 316 clients a stack (32 MiB of parameters)"
 MODELS = {
     "pan-mlp": {"model": "small-mlp", "pan-mode": "mul", "pan-a": 0.2, "pan-t": 1.0},  # batched products
     "batchnorm": {"model": "vgg9-bn", "width-factor": 0.125},
@@ -221,9 +222,29 @@ def test_an_mlp_steps_through_its_stacked_forward_each_client_exactly_its_own_ba
     for other in (Reversed((1, 4, 3), 4, (5,), PanSettings()), bn):
         assert StackedTrainer(other, [other.state_dict()] * 2, 0.1).forward is None
     size = sum(p.numel() * p.element_size() for p in model.parameters())
-    monkeypatch.setattr(vectorised, "STACKED_FORWARD_BYTES", 3 * size)
-    assert StackedTrainer(model, [start] * 3, 0.1).forward is not None
-    assert StackedTrainer(model, [start] * 4, 0.1).forward is None
+    monkeypatch.setattr(vectorised, "STACKED_FORWARD_BYTES", 8 * size)
+    assert StackedTrainer(model, [start] * 8, 0.1).forward is not None
+    assert StackedTrainer(model, [start] * 9, 0.1).forward is None
+
+
+def test_a_round_of_more_clients_than_fit_one_stack_trains_as_several_stacks_of_equal_size(monkeypatch):
+    """Clients of a model with a stacked forward pass beyond :data:`STACKED_FORWARD_BYTES` train as several
+    stacks that each fit (not under ``vmap``), as equal in size as can be, every client in one of them."""
+    model = MLP((1, 4, 3), 4, (5, 3), PanSettings())
+    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    monkeypatch.setattr(vectorised, "STACKED_FORWARD_BYTES", 8 * size)
+    assert vectorised.clients_per_stack(model) == 8
+    members = [(index, SimpleNamespace(model=model), {}) for index in range(17)]
+    stacks = stacks_of(members)
+    assert sorted(len(stack) for stack in stacks) == [5, 6, 6]
+    assert sorted(index for stack in stacks for index, _, _ in stack) == list(range(17))
+    monkeypatch.setattr(vectorised, "STACKED_FORWARD_BYTES", 7 * size)  # too few a stack: vmap, one stack
+    assert vectorised.clients_per_stack(model) is None and stacks_of(members) == [members]
+    bn = PlainConvNet((1, 4, 3), 4, (2,), (), 3, PanSettings(), norm="bn")  # vmap: one stack of any size
+    assert vectorised.clients_per_stack(bn) is None
+    assert stacks_of([(index, SimpleNamespace(model=bn), {}) for index in range(5)]) == [
+        [(index, SimpleNamespace(model=bn), {}) for index in range(5)]
+    ]
 
 
 def test_every_strategy_says_whether_it_vectorises_and_why_not():

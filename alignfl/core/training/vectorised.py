@@ -11,9 +11,10 @@ BatchNorm's batch statistics are never diluted by padding. Results equal the seq
 floating-point rounding (``vmap`` batches the matrix products).
 
 Models with a forward pass over stacked clients (:func:`alignfl.core.training.stacked_forward.stacked_forward`: the
-MLPs), while the stack is at most :data:`STACKED_FORWARD_BYTES`, take a faster path: no ``vmap``, one batched product
-per layer and the plain autograd engine; each step trains every client that still has a batch (a shorter last batch is
-padded with examples of weight 0, exact since no layer mixes examples), so the clients that have run out cost nothing.
+MLPs) take a faster path, in stacks of at most :data:`STACKED_FORWARD_BYTES` (:func:`clients_per_stack`): no ``vmap``,
+one batched product per layer and the plain autograd engine; each step trains every client that still has a batch (a
+shorter last batch is padded with examples of weight 0, exact since no layer mixes examples), so the clients that have
+run out cost nothing.
 """
 
 from __future__ import annotations
@@ -73,26 +74,45 @@ def unsupported(model: nn.Module) -> str | None:
 
 
 STACKED_FORWARD_BYTES = 32 * 2**20
-"""The largest stack of parameters (all clients') trained through a stacked forward pass; larger stacks take
-the ``vmap`` path, which was faster there: on ``benchmarks/cross_device.py`` 50 clients of the 1024-wide MLP
-(a 580 MB stack) took 2.6 x the CPU time through batched products (benchmarks/RESULTS.md). A likely cause,
-not verified: each step's gradients are then blocks over glibc's mapping threshold (at most 32 MiB), mapped
-and faulted in anew every step."""
+"""The largest stack of parameters (all clients') trained through a stacked forward pass; more clients train as
+several stacks (:func:`clients_per_stack`). One stack of all was slower: on ``benchmarks/cross_device.py`` 50
+clients of the 1024-wide MLP (a 580 MB stack) took 2.6 x the CPU time through batched products
+(benchmarks/RESULTS.md). A likely cause, not verified: each step's gradients are then blocks over glibc's
+mapping threshold (at most 32 MiB), mapped and faulted in anew every step."""
+
+
+MIN_CLIENTS_PER_STACK = 8
+"""Fewer clients than this a stack (models of over 4 MiB of parameters) train under ``vmap`` instead: on
+``benchmarks/cross_device.py`` 50 clients of the 1024-wide MLP (11.6 MB each) as stacks of 2 took 3.7 x the
+plain loop's time against 2.1-2.3 x under ``vmap``; the 2NN (0.8 MB) as two stacks of 25, 1.04 x against
+1.1-1.4 x (benchmarks/RESULTS.md). Wide layers leave little per-step overhead for a stack to save."""
+
+
+def clients_per_stack(model: nn.Module) -> int | None:
+    """How many copies of ``model`` at most train through its stacked forward pass (their stack at most
+    :data:`STACKED_FORWARD_BYTES`), or None where ``vmap`` trains them, any number at once: the model has no
+    forward pass over stacked clients, has persistent buffers (BatchNorm's statistics are per batch), or fewer
+    than :data:`MIN_CLIENTS_PER_STACK` copies fit. A round's clients beyond it train as several stacked updates
+    (the engines' workers split them)."""
+    _, buffers = stacked_state_names(model)
+    if stacked_forward(model) is None or buffers:
+        return None
+    most = STACKED_FORWARD_BYTES // sum(p.numel() * p.element_size() for p in model.parameters())
+    return most if most >= MIN_CLIENTS_PER_STACK else None
 
 
 def _has_stacked_forward(model: nn.Module, clients: int) -> bool:
-    """Whether ``clients`` copies of ``model`` train through its stacked forward pass: it has one, no
-    persistent buffers (BatchNorm's statistics are per batch) and the stack is small enough."""
-    params, buffers = stacked_state_names(model)
-    size = sum(p.numel() * p.element_size() for p in model.parameters()) * clients
-    return stacked_forward(model) is not None and not buffers and size <= STACKED_FORWARD_BYTES
+    """Whether ``clients`` copies of ``model`` train through its stacked forward pass."""
+    most = clients_per_stack(model)
+    return most is not None and clients <= most
 
 
 def stacked_method(model: nn.Module) -> str:
-    """How a stacked update trains ``model``: by its forward pass over stacked clients (while the stack is at
-    most :data:`STACKED_FORWARD_BYTES`), or under ``vmap``."""
-    if _has_stacked_forward(model, 1):
-        return f"batched products up to {STACKED_FORWARD_BYTES // 2**20} MiB of stacked parameters, torch.func beyond"
+    """How a stacked update trains ``model``: by its forward pass over stacked clients (stacks of at most
+    :data:`STACKED_FORWARD_BYTES`), or under ``vmap``."""
+    most = clients_per_stack(model)
+    if most is not None:
+        return f"batched products, at most {most} clients a stack ({STACKED_FORWARD_BYTES // 2**20} MiB of parameters)"
     return "torch.func"
 
 

@@ -24,7 +24,7 @@ from alignfl.core.config import RunConfig
 from alignfl.core.data import ClientData
 from alignfl.core.model_io import tensors_of
 from alignfl.core.training.sgd import batch_order
-from alignfl.core.training.vectorised import ClientSteps, StackedTrainer, stacked_state_names
+from alignfl.core.training.vectorised import ClientSteps, StackedTrainer, clients_per_stack, stacked_state_names
 from alignfl.fl_app.client_app import (
     Sources,
     TrainJob,
@@ -38,6 +38,8 @@ from alignfl.fl_app.client_app import (
 from alignfl.fl_app.inprocess import flower_error
 
 Job = tuple[Message, Context]
+Member = tuple[int, TrainJob, dict[str, torch.Tensor]]
+"""A training message of a stacked group: its index in the batch of messages, its job, its starting state."""
 
 
 def error_reply(message: Message, error: BaseException) -> Message:
@@ -110,7 +112,7 @@ class Worker:
         (configuration, learning rate, epochs, frozen parameters, state shapes); None for a message left to the
         sequential path."""
         replies: list[Message | None] = [None] * len(jobs)
-        groups: dict[tuple[Any, ...], list[tuple[int, TrainJob, dict[str, torch.Tensor]]]] = {}
+        groups: dict[tuple[Any, ...], list[Member]] = {}
         for index, (message, context) in enumerate(jobs):
             try:
                 job = begin_train(message, context, self.overrides, self.sources)
@@ -131,7 +133,7 @@ class Worker:
                 shapes,
             )
             groups.setdefault(key, []).append((index, job, start))
-        for members in groups.values():
+        for members in (chunk for group in groups.values() for chunk in stacks_of(group)):
             if len(members) < 2:
                 continue  # one client: the sequential path is the same work
             try:
@@ -150,7 +152,7 @@ class Worker:
                 replies[index] = reply
         return replies
 
-    def _stack(self, members: list[tuple[int, TrainJob, dict[str, torch.Tensor]]]) -> dict[int, Message]:
+    def _stack(self, members: list[Member]) -> dict[int, Message]:
         jobs = [job for _, job, _ in members]
         replies = train_stacked(jobs, [start for _, _, start in members], [self._on_device(job) for job in jobs])
         return {index: reply for (index, _, _), reply in zip(members, replies, strict=True)}
@@ -161,6 +163,14 @@ class Worker:
         if key not in self._device_data:
             self._device_data[key] = (job.data.train_x.to(job.device), job.data.train_y.to(job.device))
         return self._device_data[key]
+
+
+def stacks_of(group: list[Member]) -> list[list[Member]]:
+    """A group's clients as stacked updates of at most :func:`clients_per_stack` clients each, of as equal sizes as
+    can be (one stacked update where the model has no limit)."""
+    most = clients_per_stack(group[0][1].model) or len(group)
+    count = -(-len(group) // most)
+    return [group[index::count] for index in range(count)]
 
 
 def stack_start(job: TrainJob) -> dict[str, torch.Tensor]:
