@@ -16,8 +16,8 @@ A measurement is the wall time of one round (the plain loop's training and mean;
 the same in all three. The ways run interleaved (each repeat in a rotated order) after one untimed warm-up of
 each; reported are the medians of ``--repeats`` and their ratios to the plain loop, with the final accuracy of
 each (the plain loop's and the batched engine's are equal; the vectorised one's within float32 rounding).
-``--strategy fedprox`` trains FedProx's clients instead (μ = ``--mu``; the plain loop adds the same proximal term
-to its loss): its stacked update adds the term's gradient analytically.
+``--strategy fedprox`` trains FedProx's clients instead (μ = 0.01, the drift study's; the plain loop adds the same
+proximal term to its loss): its stacked update adds the term's gradient analytically.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/client_throughput.py --epochs 20 --repeats 3
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/client_throughput.py --dataset digits --epochs 2 --repeats 1
