@@ -26,6 +26,7 @@ from alignfl.fl_app.config import (
     tables,
     validate_run,
 )
+from alignfl.fl_app.config.__main__ import main as config_command
 from alignfl.models import list_models
 from alignfl.models.registry import model_options
 from alignfl.plugins.options import key_of
@@ -83,22 +84,24 @@ def test_the_readme_method_table_is_generated_from_the_registry():
         assert algorithm.paper, f"strategy '{name}' names no paper"
 
 
-def test_the_regenerating_command_checks_and_writes_a_copy_of_the_project(tmp_path):
+def test_the_regenerating_command_checks_and_writes_a_copy_of_the_project(tmp_path, capsys):
     """`python -m alignfl.fl_app.config --check` says which generated file is stale; `--write --root` rewrites a
-    copy."""
+    copy. In this process: the command line itself runs in tests/test_toy_algorithm.py's copy of the project."""
     for name in ("pyproject.toml", "README.md", "docs/configuration.md"):
         (tmp_path / name).parent.mkdir(exist_ok=True)
         (tmp_path / name).write_text((ROOT / name).read_text())
     page = tmp_path / "docs" / "configuration.md"
     page.write_text(page.read_text().replace("| `moon-mu` |", "| `moon-mu (stale)` |"))
-    command = [sys.executable, "-m", "alignfl.fl_app.config", "--root", str(tmp_path)]
-    stale = subprocess.run([*command, "--check"], capture_output=True, text=True, timeout=120)
-    assert stale.returncode == 1 and "docs/configuration.md is stale" in stale.stderr, stale.stderr
-    assert "README.md" not in stale.stderr and "pyproject.toml" not in stale.stderr
-    written = subprocess.run([*command, "--write"], capture_output=True, text=True, timeout=120)
-    assert "docs/configuration.md updated" in written.stdout and "README.md already current" in written.stdout
+    root = ["--root", str(tmp_path)]
+    assert config_command([*root, "--check"]) == 1
+    stale = capsys.readouterr().err
+    assert "docs/configuration.md is stale" in stale
+    assert "README.md" not in stale and "pyproject.toml" not in stale
+    assert config_command([*root, "--write"]) == 0
+    written = capsys.readouterr().out
+    assert "docs/configuration.md updated" in written and "README.md already current" in written
     assert page.read_text() == (ROOT / "docs" / "configuration.md").read_text()
-    assert subprocess.run([*command, "--check"], timeout=120).returncode == 0
+    assert config_command([*root, "--check"]) == 0
 
 
 def test_a_missing_marker_is_refused_naming_it(tmp_path):

@@ -13,7 +13,7 @@ from hydra import compose, initialize_config_dir
 from alignfl.fl_app.sweeps.configs import register_configs
 from alignfl.fl_app.sweeps.fixed import fixed_key_problem
 from alignfl.fl_app.sweeps.sweep import job_settings, sweep_job_overrides
-from tests.sweep_jobs import CONF, composed, fake_job, sweep
+from tests.sweep_jobs import CONF, command_in_process, composed, fake_job
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import protocol_report
@@ -58,8 +58,8 @@ def test_an_override_that_contradicts_the_protocol_is_named(override):
     assert fixed_key_problem(composed([override])) is None  # no preset, nothing fixed
 
 
-def test_the_sweep_refuses_such_an_override_in_one_line_before_any_job(tmp_path):
-    result = sweep(tmp_path, PRESET, "train.client_init=global")
+def test_the_sweep_refuses_such_an_override_in_one_line_before_any_job(tmp_path, capfd):
+    result = command_in_process(capfd, "-m", PRESET, "train.client_init=global", f"hydra.sweep.dir={tmp_path}")
     assert result.returncode == 2 and "Traceback" not in result.stderr
     lines = [line for line in result.stderr.splitlines() if "refused" in line]
     assert len(lines) == 1 and "train.client_init=global contradicts preset 'fedma-protocol-cpu'" in lines[0]

@@ -156,21 +156,6 @@ def _without(rows: list[dict], *keys: str) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_clients_run_on_both_nodes_with_the_accuracy_of_one_node(cluster, tmp_path):
-    nodes = cluster.nodes()
-    record, rows = _job(cluster, tmp_path, "cluster", "train.num_server_rounds=2", f"sim.ray_address={cluster.address}")
-    assert record["status"] == "completed", record["error"]
-    placed = [row["client-ray-nodes"] for row in rows[1:]]
-    assert all(set(p) == {"0", "1", "2", "3"} for p in placed)
-    used = {client["node-id"] for p in placed for client in p.values()}
-    assert used == {nodes["node0"].node_id, nodes["node1"].node_id}  # read from the metrics: both nodes ran clients
-    # The same seed on one node: the in-process backend, which gives a one-node Ray job's rows
-    # (tests/test_sweep.py::test_an_in_process_job_gives_the_metrics_of_a_ray_job).
-    _, alone = _job(cluster, tmp_path, "one-node", "train.num_server_rounds=2", "sim.backend=inprocess")
-    assert _without(rows, "elapsed-s", "client-ray-nodes") == _without(alone, "elapsed-s")
-
-
-@pytest.mark.slow
 def test_a_node_lacking_the_data_set_fails_its_clients_naming_it_and_the_round_goes_on(cluster, mnist_root, tmp_path):
     lacking = cluster.nodes()["node1"]
     record, rows = _job(
@@ -196,10 +181,14 @@ def test_a_node_lacking_the_data_set_fails_its_clients_naming_it_and_the_round_g
 
 
 @pytest.mark.slow
-def test_a_node_lost_mid_run_drops_its_messages_naming_it_and_the_next_rounds_train_every_client(cluster, tmp_path):
-    """The second node's raylet is killed once round 1 is written: the messages on it are dropped with a reason
-    that names it, its actors leave Flower's pool, and every later round trains all four clients on the head."""
-    lost = cluster.nodes()["node1"]
+def test_clients_run_on_both_nodes_and_a_node_lost_mid_run_drops_its_messages_naming_it(cluster, tmp_path):
+    """Round 1 trains on both nodes and gives the rows of one node (the in-process engine, which gives a one-node
+    Ray job's rows: tests/test_sweep_runs.py::test_an_in_process_job_gives_the_metrics_of_a_ray_job). Then the
+    second node's raylet is killed: the messages on it are dropped with a reason that names it, its actors leave
+    Flower's pool, and every later round trains all four clients on the head. One job checks both (each job starts
+    a ClientApp actor on each node)."""
+    nodes = cluster.nodes()
+    lost = nodes["node1"]
     metrics = tmp_path / "lost" / "run" / "metrics.jsonl"
     killer, killed = kill_node_after_round_1(cluster, metrics)
     started = time.monotonic()
@@ -208,6 +197,11 @@ def test_a_node_lost_mid_run_drops_its_messages_naming_it_and_the_next_rounds_tr
     assert killed, "round 1 never finished"
     assert record["status"] == "completed", record["error"]
     assert [row["round"] for row in rows] == [0, 1, 2, 3, 4] and time.monotonic() - started < 300
+    placed = rows[1]["client-ray-nodes"]
+    assert set(placed) == {"0", "1", "2", "3"}
+    assert {client["node-id"] for client in placed.values()} == {nodes["node0"].node_id, lost.node_id}
+    _, alone = _job(cluster, tmp_path, "one-node", "train.num_server_rounds=4", "sim.backend=inprocess")
+    assert _without(rows[:2], "elapsed-s", "client-ray-nodes") == _without(alone[:2], "elapsed-s")
     losing = [row for row in rows[2:] if row["clients-dropped"]]
     assert len(losing) == 1, [row["clients-dropped-reasons"] for row in rows]
     (loss,) = losing

@@ -281,11 +281,13 @@ def test_a_superexec_starts_as_flowers_own_with_the_warning(tmp_path, fault):
     assert "warm ClientApp parent" not in output
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("fault", ["release", pytest.param("moved", marks=pytest.mark.long)])
+@pytest.mark.long
+@pytest.mark.parametrize("fault", sorted(FAULTS))
 def test_the_launcher_runs_a_simulation_with_flowers_own_runtime_and_the_warnings(tmp_path, fault):
-    """An unknown release, the likelier fault, in CI; moved internals (long) take the same path once a patch is
-    refused, which the SuperNode's and SuperExec's tests above check in their processes for both faults."""
+    """The whole launcher on a faulty Flower (long: a SuperLink, Ray and a simulation for each fault). Cheaper tests
+    cover its parts in CI: the simulation's patch refused with its warning and every node asked instead
+    (tests/test_flower_runtime.py, both faults), the SuperNode and SuperExec above in their own processes, and the
+    round runner asking every node in every deployment (tests/test_deploy_loopback.py)."""
     run_config = f'dataset="digits" num-server-rounds=1 results-dir="{tmp_path}" run-name="run"'
     done = subprocess.run(
         [sys.executable, "-m", "alignfl.fl_app.launch", "--num-supernodes", "2", "--run-config", run_config],

@@ -2,7 +2,6 @@
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -28,7 +27,7 @@ from alignfl.fl_app.sweeps.sweep import (
 )
 from alignfl.models import list_models
 from alignfl.strategies import list_strategies
-from tests.sweep_jobs import CONF, ROOT, TINY, composed, sweep
+from tests.sweep_jobs import CONF, TINY, command_in_process, composed, sweep
 
 
 def test_hydra_configs_are_generated_with_the_schema_defaults_and_cover_every_key():
@@ -196,6 +195,7 @@ def test_jobs_that_differ_in_the_seed_alone_are_composed_as_hydra_composes_them(
 def test_a_sweep_job_resuming_an_unreadable_checkpoint_is_refused_before_any_job(tmp_path):
     (tmp_path / "old").mkdir()
     (tmp_path / "old" / "checkpoint.pt").write_text("not a checkpoint")
+    register_configs()
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose("config", overrides=TINY, return_hydra_config=True)
         with open_dict(cfg):
@@ -234,25 +234,17 @@ def test_slurm_is_checked_before_a_sweep_submits_to_it(tmp_path, monkeypatch):
     ids=["ray-address", "corrupt-checkpoint", "no-sbatch", "no-controller"],
 )
 def test_a_run_or_sweep_refuses_in_one_line_what_the_launcher_refuses_before_any_folder(
-    tmp_path, arguments, path, fragment
+    tmp_path, monkeypatch, capfd, arguments, path, fragment
 ):
     (tmp_path / "old").mkdir()
     (tmp_path / "old" / "checkpoint.pt").write_text("not a checkpoint")
     arguments = [argument.replace("OLD", str(tmp_path / "old")) for argument in arguments]
-    env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0"}
     if path == "":  # python itself, and no sbatch
-        env["PATH"] = str(Path(sys.executable).parent)
+        monkeypatch.setenv("PATH", str(Path(sys.executable).parent))
     elif path:
-        env.update(fake_slurm(tmp_path / path, "Slurmctld(primary) at h1 is DOWN", 1))
+        monkeypatch.setenv("PATH", fake_slurm(tmp_path / path, "Slurmctld(primary) at h1 is DOWN", 1)["PATH"])
     folder = "hydra.sweep.dir" if "-m" in arguments else "hydra.run.dir"
-    result = subprocess.run(
-        [sys.executable, "-m", "alignfl.fl_app.sweep", *arguments, *TINY, f"{folder}={tmp_path / 'out'}"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = command_in_process(capfd, *arguments, *TINY, f"{folder}={tmp_path / 'out'}")
     fragment = fragment.replace("OLD", str(tmp_path / "old"))
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines() == [result.stderr.strip().splitlines()[-1]], result.stderr
@@ -394,8 +386,8 @@ def test_a_job_of_a_list_that_cannot_be_composed_or_resolved_is_the_schemas_erro
     ],
     ids=["resolver", "unknown-row"],
 )
-def test_a_presets_sweep_with_a_bad_value_exits_in_one_line(tmp_path, arguments, fragments):
-    result = sweep(tmp_path, *arguments, "data.dirichlet_alpha=0.5")
+def test_a_presets_sweep_with_a_bad_value_exits_in_one_line(tmp_path, capfd, arguments, fragments):
+    result = command_in_process(capfd, "-m", *arguments, "data.dirichlet_alpha=0.5", f"hydra.sweep.dir={tmp_path}")
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2 and len(lines) == 1, result.stderr
     assert lines[0].startswith("[alignfl] refused before starting: invalid sweep, no job was started: sweep job ")
@@ -412,13 +404,16 @@ def test_hydras_other_composition_errors_are_one_line():
     assert composition_problem(other) == "Could not override 'train.nope'. To append use +train.nope=1"
 
 
-def test_an_unowned_override_exits_with_the_owner_and_no_traceback(tmp_path):
-    result = sweep(tmp_path, "strategy.fedprox_mu=0.1")
+def test_an_unowned_override_exits_with_the_owner_and_no_traceback(tmp_path, capfd):
+    result = command_in_process(capfd, "-m", "strategy.fedprox_mu=0.1", f"hydra.sweep.dir={tmp_path}")
     assert result.returncode == 2
     assert "set strategy=fedprox" in result.stderr and "Traceback" not in result.stderr
 
 
 def test_invalid_sweep_exits_before_any_job_starts(tmp_path):
+    """The one refusal run as the command line itself, ``python -m alignfl.fl_app.sweep`` in a process of its own:
+    the module's entry point and the interpreter's exit status, end to end. The other refusals run the same
+    command in the test's process (command_in_process), without a second interpreter's imports."""
     result = sweep(tmp_path, *TINY, "pan.a=0,-1")
     assert result.returncode == 2
     with pytest.raises(ConfigError) as schema:
@@ -428,16 +423,8 @@ def test_invalid_sweep_exits_before_any_job_starts(tmp_path):
     assert not list(tmp_path.glob("**/.hydra")) and not list(tmp_path.glob("**/run"))
 
 
-def test_a_single_run_with_a_bad_value_is_refused_like_a_sweep_before_its_folder_is_made(tmp_path):
-    env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0"}
-    result = subprocess.run(
-        [sys.executable, "-m", "alignfl.fl_app.sweep", *TINY, "pan.a=-1", f"hydra.run.dir={tmp_path / 'job'}"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+def test_a_single_run_with_a_bad_value_is_refused_like_a_sweep_before_its_folder_is_made(tmp_path, capfd):
+    result = command_in_process(capfd, *TINY, "pan.a=-1", f"hydra.run.dir={tmp_path / 'job'}")
     assert result.returncode == 2
     with pytest.raises(ConfigError) as schema:
         parse_run_config({"pan-a": -1})

@@ -252,6 +252,7 @@ def start_mlflow_server(folder: Path) -> tuple[subprocess.Popen, str]:
             stdout=stream,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},  # no job runners: alignfl sends none
         )
     uri, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 180
     while server.poll() is None and time.monotonic() < deadline:
