@@ -149,10 +149,12 @@ def test_a_server_app_loads_flowers_simulation_state_only_in_a_simulation() -> N
     )
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_the_partition_table_agrees_with_what_each_simulated_node_says() -> None:
     """Flower's simulation through Ray: the table read from its state gives every node the partition that the
-    node's own config holds (what the round runner's witness checks for one node)."""
+    node's own config holds. Long (Ray's start-up): in CI the table is read from Flower's state of an in-process
+    simulation (above), and in every Ray simulation the round runner checks one node's answer against it, asking
+    every node instead where they differ (tests/test_end_to_end.py, tests/test_sweep_runs.py)."""
     seen: list[tuple[dict[int, int], dict[int, int]]] = []
     server = ServerApp()
 

@@ -2,7 +2,7 @@
 
 Jordan, Sedghi, Saukh, Entezari and Neyshabur, "REPAIR: REnormalizing Permuted Activations for Interpolation
 Repair", ICLR 2023. The federated runs use the in-process engine (and the batched one, which must give the same
-rows); Flower's Ray simulation is compared once (slow).
+rows); Flower's Ray simulation is compared once (long).
 """
 
 from __future__ import annotations
@@ -361,8 +361,10 @@ def test_every_aligning_strategy_repairs_its_merge(tmp_path):
             assert all(row["repair"] == "on" for row in rows[1:]), name
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_flowers_ray_simulation_repairs_as_the_in_process_engine(tmp_path):
+    """Long (Ray's start-up): in CI, REPAIR's rounds are the same on the in-process and batched engines (above),
+    and a Ray job's rows equal the in-process engine's (tests/test_sweep_runs.py, tests/test_ray_cluster.py)."""
     from flwr.simulation import run_simulation
 
     values = {**RUN, "min-available-nodes": 3, "results-dir": str(tmp_path)}

@@ -4,7 +4,7 @@ Fast: loaded as the module ``alignfl.strategies.halfway``, it runs through the r
 override and an in-process simulation, and the launcher, deploy and the sweep refuse it, naming its key, until
 ``pyproject.toml`` has that key. Slow: the file is dropped into ``alignfl/strategies/`` of a copy of the project (the
 checkout stays as it is), ``python -m alignfl.fl_app.config --write`` regenerates the copy's ``pyproject.toml``, README
-method table and ``docs/configuration.md``, and the copy's launcher, deploy and a sweep run it."""
+method table and ``docs/configuration.md``, and the copy's launcher and a sweep run it (its deployment: long)."""
 
 import importlib.util
 import json
@@ -161,7 +161,7 @@ def test_the_entry_points_take_it_once_pyproject_has_its_key(halfway, nothing_st
     assert nothing_starts == ["sweep"]
 
 
-# --- the file dropped into a copy of the project (slow: a SuperLink, a deployment, a sweep) ---
+# --- the file dropped into a copy of the project (slow: the launcher, a sweep; long: a deployment) ---
 
 GENERATED = ("pyproject.toml", "README.md", "docs/configuration.md")
 OWN_RUN = 'strategy="halfway" halfway-step=0.5 dataset="digits" model="small-mlp" num-server-rounds=1'
@@ -219,8 +219,12 @@ def test_the_launcher_runs_it(project, tmp_path):
     assert _summary(tmp_path / "launch")["rounds"] == 1
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_a_deployment_runs_it(project, tmp_path):
+    """Long (a deployment of the copy, ~40-70 s here): in CI its parts are cheaper tests' -- the FAB holds every
+    file of the package as `flwr build` makes it (tests/test_flwr_cli.py), a module dropped into the package
+    registers itself when imported (tests/test_registry.py), the run config `flwr run` passes reaches the toy's
+    settings (above), and deployments run what their FAB holds (tests/test_deploy_loopback.py)."""
     results = f'results-dir="{tmp_path}" run-name="deploy"'
     run = _python(
         project,
