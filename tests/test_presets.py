@@ -3,13 +3,10 @@ its paper preset's regime, a preset whose data are not on disk refuses before an
 preset runs one round."""
 
 import csv
-import os
 import re
-import subprocess
-import sys
 import urllib.request
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -17,9 +14,11 @@ import yaml
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from alignfl.core.data import DatasetMissingError
+from alignfl.core.data import DatasetMissingError, ImageDataset
+from alignfl.fl_app import server_app
 from alignfl.fl_app.sweeps import sweep
 from alignfl.fl_app.sweeps.sweep import register_configs, sweep_job_overrides, validate_sweep
+from tests.sweep_jobs import command_in_process
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -298,28 +297,14 @@ def test_a_preset_whose_data_are_missing_refuses_before_any_job(name, validated)
     assert not list(preset.sweep_dir.glob("**/.hydra")), "no job started"
 
 
-def _sweep(tmp_path: Path, *overrides: str, extra_env=None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0", **(extra_env or {})}
-    return subprocess.run(
-        [sys.executable, "-m", "alignfl.fl_app.sweep", *overrides, f"hydra.sweep.dir={tmp_path}"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1800,
-    )
-
-
-def test_the_cifar10_preset_exits_with_the_data_message_before_any_job(tmp_path):
-    """The command line itself: `python -m alignfl.fl_app.sweep +experiment=pans-table1` with an empty data root."""
+def test_the_cifar10_preset_exits_with_the_data_message_before_any_job(tmp_path, monkeypatch, capfd):
+    """The command itself, run in the test's process: `python -m alignfl.fl_app.sweep +experiment=pans-table1` (a
+    multirun by the preset's own hydra.mode, no -m) with an empty data root."""
     empty = tmp_path / "data"
     empty.mkdir()
-    proxy = "http://127.0.0.1:9"
-    result = _sweep(
-        tmp_path / "sweep",
-        "+experiment=pans-table1",
-        f"data.root={empty}",
-        extra_env={"http_proxy": proxy, "https_proxy": proxy, "HTTP_PROXY": proxy, "HTTPS_PROXY": proxy},
+    _no_network(monkeypatch)
+    result = command_in_process(
+        capfd, "+experiment=pans-table1", f"data.root={empty}", f"hydra.sweep.dir={tmp_path / 'sweep'}"
     )
     assert result.returncode != 0
     assert "invalid sweep, no job was started: dataset 'cifar10' not found" in result.stderr
@@ -327,27 +312,49 @@ def test_the_cifar10_preset_exits_with_the_data_message_before_any_job(tmp_path)
     assert not list((tmp_path / "sweep").glob("**/.hydra")), "no job started"
 
 
+SERVER_TEST_IMAGES = 1000
+"""Test images the server scores the global model on in a one-round run: scoring all 10,000 of Fashion-MNIST's,
+at round 0 and after the round, took over a third of these runs' time."""
+
+
+def _cut_server_test_split(monkeypatch: pytest.MonkeyPatch, size: int) -> None:
+    """The server's data set with its test split cut to the first ``size`` images; the clients' data, and the
+    tensors the data cache holds, as they are."""
+    load = server_app.load_dataset
+
+    def cut(name: str, data_root: str | None = None) -> ImageDataset:
+        dataset = load(name, data_root)
+        return replace(dataset, test_x=dataset.test_x[:size], test_y=dataset.test_y[:size])
+
+    monkeypatch.setattr(server_app, "load_dataset", cut)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", CPU_PRESETS)
-def test_a_cpu_preset_runs_one_round_of_its_last_configuration(name, tmp_path):
+def test_a_cpu_preset_runs_one_round_of_its_last_configuration(name, tmp_path, validated, capfd, monkeypatch):
     """The table's last configuration (the paper's method, in the largest setting), seed 0, one round of one local
-    epoch (FedMA: one retraining epoch too), on the preset's own engine (batched), torch at 1 thread; that every
-    other configuration composes and validates, and that each keeps its paper's local epochs, are the fast tests'
-    above."""
-    with composed([f"+experiment={name}", "seed=0"]) as cfg:
-        last = sweep_job_overrides(cfg)[-1]
-    with composed(last) as job:
-        retraining = ["strategy.fedma_retrain_epochs=1"] if "fedma_retrain_epochs" in job.strategy else []
-    result = _sweep(
-        tmp_path,
+    epoch (FedMA: one retraining epoch too), on the preset's own engine (batched), torch at 1 thread, run by the sweep
+    command (its check, the job, its report) in the test's process: a process of its own would spend seconds
+    importing what this one has. The server scores the global model on the first :data:`SERVER_TEST_IMAGES` test
+    images. That every other configuration composes and validates, and that each keeps its paper's local epochs,
+    are the fast tests' above."""
+    _cut_server_test_split(monkeypatch, SERVER_TEST_IMAGES)
+    preset = validated(name)  # its jobs, composed once for the fast tests
+    last = [override for override in _one_seed(preset.jobs)[-1] if not override.startswith("data.root=")]
+    settings, composed_values = preset.validated[-1]
+    assert settings == _settings(last), "the validated jobs end with the same job"
+    retrains = composed_values["strategy.fedma_retrain_epochs"] is not None
+    result = command_in_process(
+        capfd,
         *last,
         "hydra.sweeper.params=null",
         "train.num_server_rounds=1",
         "train.local_epochs=1",
-        *retraining,
+        *(["strategy.fedma_retrain_epochs=1"] if retrains else []),
         "sim.torch_threads=1",
+        f"hydra.sweep.dir={tmp_path}",
     )
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     with (tmp_path / "summary.csv").open() as stream:
         rows = list(csv.DictReader(stream))
     assert len(rows) == 1 and rows[0]["seeds"] == "1" and rows[0]["failed"] == "0", rows
