@@ -12,20 +12,22 @@ LONGEST_FIRST = (
     "test_presets.py",
     "test_deploy_loopback.py",
     "test_ray_cluster.py",
-    "test_end_to_end.py",
     "test_sweep_runs.py",
-    "test_toy_algorithm.py",
-    "test_deploy_tls.py",
-    "test_tracking.py",
-    "test_launch.py",
-    "test_seam.py",
+    "test_end_to_end.py",
+    "test_plugins.py",
     "test_vectorised.py",
+    "test_deploy_tls.py",
+    "test_launch.py",
+    "test_tracking.py",
     "test_batched_ray_cluster.py",
+    "test_batched_engine.py",
+    "test_wheel.py",
 )
-"""Test files that take longest (tens of seconds to minutes: deployments, Ray, launcher runs, preset jobs), longest
-first (seconds in the suite of a fresh clone on a 2-core EPYC, under its own load: 145, 110, 90, 70, 52, 48, 35, 34,
-30, 29, 28, 28). ``scripts/test.sh`` runs the files on two workers, a file at a time to a worker (``--dist
-loadfile``) in the order collected (``--no-loadscope-reorder``): the long ones start first and the many short files
+"""Test files that take longest (tens of seconds to minutes: deployments, Ray, launcher runs, preset jobs, the
+algorithm-model pairs), longest first (seconds in the suite of a fresh clone on this 2-core machine, under its own
+load: 179, 163, 90, 84, 78, 73, 54, 47, 43, 32, 29, 28, 25). ``scripts/test.sh`` runs the files on two workers, a
+file at a time to a worker (``--dist loadfile``) in the order collected (``--no-loadscope-reorder``): the long ones
+start first and the many short files
 fill in at the end, so no worker is left alone with a long file."""
 
 
