@@ -27,8 +27,7 @@ LONGEST_FIRST = (
 algorithm-model pairs), longest first (seconds in the suite of a fresh clone on this 2-core machine, under its own
 load: 179, 163, 90, 84, 78, 73, 54, 47, 43, 32, 29, 28, 25). ``scripts/test.sh`` runs the files on two workers, a
 file at a time to a worker (``--dist loadfile``) in the order collected (``--no-loadscope-reorder``): the long ones
-start first and the many short files
-fill in at the end, so no worker is left alone with a long file."""
+start first and the many short files fill in at the end, so no worker is left alone with a long file."""
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
