@@ -1,6 +1,6 @@
-"""How much the plain average of K independently initialised models shrinks their signal: the std of the logits
-(and of the last hidden layer's pre-activations) on Fashion-MNIST test images, for one model and for the
-coordinate-wise mean of K, each client's initialisation the one ``client-init=independent`` draws.
+"""How much the plain average of K independently initialised models shrinks their signal: the std of the logits on
+Fashion-MNIST test images, for one model and for the coordinate-wise mean of K, each client's initialisation the
+one ``client-init=independent`` draws.
 
 Averaging K uncorrelated weight matrices divides each layer's weights by about sqrt(K); a plain (un-normalised)
 net multiplies that over its depth, so the average of 16 nine-layer nets starts near zero output, where a

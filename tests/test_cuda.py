@@ -5,6 +5,7 @@ device, and Ray workers share one GPU by fractions."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -33,20 +34,23 @@ def _rows(folder: Path) -> list[dict]:
     return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_stacked_updates_on_cuda_stay_within_0_2_accuracy_points(tmp_path, monkeypatch):
-    """In float32: PyTorch's default TF32 convolutions round to about 1e-3 of a value, differently in a stacked
-    call than in one client's, and on an H200 that moved the CNN's round-2 accuracy by 0.83 points; this pins the
-    stacked update's arithmetic, not TF32's rounding."""
+@pytest.fixture
+def full_float32() -> Iterator[None]:
+    """Convolutions and matrix products in float32, not TF32 (PyTorch's default for convolutions on Ampere and
+    later GPUs), put back afterwards."""
     precision = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("highest")
     try:
         with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
-            _check_stacked_against_sequential(tmp_path, monkeypatch)
+            yield
     finally:
         torch.set_float32_matmul_precision(precision)
 
 
-def _check_stacked_against_sequential(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_stacked_updates_on_cuda_stay_within_0_2_accuracy_points(tmp_path, monkeypatch, full_float32):
+    """In float32: TF32 rounds to about 1e-3 of a value, differently in a stacked call than in one client's, and
+    on an H200 that moved the CNN's round-2 accuracy by 0.83 points; this pins the stacked update's arithmetic,
+    not TF32's rounding."""
     kept: list[Worker] = []
     original = Worker.__init__
 
