@@ -297,6 +297,22 @@ def test_vectorise_auto_stacks_only_where_clients_train_on_cuda(monkeypatch):
     assert vectorise_choice(fedavg.replace(device="cpu"), "auto", gpu_workers=True)[0] is False
 
 
+def test_vectorise_on_trains_models_too_large_for_stacks_of_eight_one_after_another_on_a_cpu(monkeypatch):
+    """Where fewer than MIN_CLIENTS_PER_STACK copies fit STACKED_FORWARD_BYTES, a CPU trains clients one after
+    another even with ``on`` (stacks were slower there); CUDA still stacks them."""
+    wide = parse_run_config({"dataset": "fashion-mnist", "model": "mlp", "device": "auto"})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    stacked, reason = vectorise_choice(wide, "on")
+    assert stacked is False
+    assert reason == (
+        "model mlp: its 11.1 MiB of parameters leave fewer than 8 clients a 32 MiB stack, and on a CPU such "
+        "stacks were slower than one client after another (benchmarks/cross_device.py)"
+    )
+    assert vectorise_choice(wide.replace(model="twonn"), "on")[0] is True  # 0.76 MiB: stacks of 42
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert vectorise_choice(wide, "on") == (True, "fedavg on mlp vectorises (torch.func); sim.vectorise=on")
+
+
 def test_a_run_with_vectorise_auto_on_a_cpu_trains_one_after_another(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     calls = _count_stacked(monkeypatch)
@@ -327,7 +343,7 @@ def test_float32_stacked_runs_stay_within_0_2_accuracy_points_of_sequential_ones
     values = {
         "strategy": strategy,
         "dataset": "digits",
-        "model": "mlp",
+        "model": "twonn",
         "pan-mode": "add",
         "pan-a": 0.1,
         "num-server-rounds": 4,

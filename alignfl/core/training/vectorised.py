@@ -75,17 +75,18 @@ def unsupported(model: nn.Module) -> str | None:
 
 STACKED_FORWARD_BYTES = 32 * 2**20
 """The largest stack of parameters (all clients') trained through a stacked forward pass; more clients train as
-several stacks (:func:`clients_per_stack`). One stack of all was slower: on ``benchmarks/cross_device.py`` 50
-clients of the 1024-wide MLP (a 580 MB stack) took 2.6 x the CPU time through batched products
-(benchmarks/RESULTS.md). A likely cause, not verified: each step's gradients are then blocks over glibc's
-mapping threshold (at most 32 MiB), mapped and faulted in anew every step."""
+several stacks (:func:`clients_per_stack`). Above it each step's fresh gradients are blocks beyond glibc's largest
+``mmap`` threshold (32 MiB), which ``malloc`` maps, and the kernel faults in and zeroes, anew every step: the
+weight gradient of 8 clients of a 1024 x 1024 layer took 17.9 ms in a fresh tensor against 2.6 ms into a kept
+one, 7 clients (28 MiB) 3.1 ms (benchmarks/RESULTS.md, engines and speed)."""
 
 
 MIN_CLIENTS_PER_STACK = 8
-"""Fewer clients than this a stack (models of over 4 MiB of parameters) train under ``vmap`` instead: on
-``benchmarks/cross_device.py`` 50 clients of the 1024-wide MLP (11.6 MB each) as stacks of 2 took 3.7 x the
-plain loop's time against 2.1-2.3 x under ``vmap``; the 2NN (0.8 MB) as two stacks of 25, 1.04 x against
-1.1-1.4 x (benchmarks/RESULTS.md). Wide layers leave little per-step overhead for a stack to save."""
+"""Fewer clients than this a stack (models of over 4 MiB of parameters) do not train stacked on a CPU
+(:func:`pays_on_cpu`): there a step is bound by reading and writing the weights, which stacking does not save, and
+it adds a copy of every client's model; on ``benchmarks/cross_device.py``'s clients (about 5 steps of batch 10) 50
+clients of the 1024-wide MLP trained in stacks of 2-8 took 1.1-1.2 x the time of one after another, under ``vmap``
+1.6-2.5 x. With CUDA they train under ``vmap``, any number at once."""
 
 
 def clients_per_stack(model: nn.Module) -> int | None:
@@ -97,8 +98,19 @@ def clients_per_stack(model: nn.Module) -> int | None:
     _, buffers = stacked_state_names(model)
     if stacked_forward(model) is None or buffers:
         return None
-    most = STACKED_FORWARD_BYTES // sum(p.numel() * p.element_size() for p in model.parameters())
+    most = STACKED_FORWARD_BYTES // parameter_bytes(model)
     return most if most >= MIN_CLIENTS_PER_STACK else None
+
+
+def parameter_bytes(model: nn.Module) -> int:
+    """The bytes of one copy of ``model``'s parameters."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def pays_on_cpu(model: nn.Module) -> bool:
+    """Whether stacking ``model``'s clients can pay on a CPU: at least :data:`MIN_CLIENTS_PER_STACK` copies fit
+    :data:`STACKED_FORWARD_BYTES`."""
+    return parameter_bytes(model) * MIN_CLIENTS_PER_STACK <= STACKED_FORWARD_BYTES
 
 
 def _has_stacked_forward(model: nn.Module, clients: int) -> bool:
@@ -148,9 +160,10 @@ class StackedTrainer:
         self.model = model
         self.frozen = frozenset(frozen)
         self.param_names, self.buffer_names = stacked_state_names(model)
-        self.params = {n: torch.stack([s[n].detach() for s in starts]) for n in self.param_names}
-        self.buffers = {n: torch.stack([s[n].detach() for s in starts]) for n in self.buffer_names}
-        self.anchor = {n: t.clone() for n, t in self.params.items()} if proximal != 0 else {}
+        self.starts = list(starts)
+        self.params: dict[str, torch.Tensor] = {}
+        self.buffers: dict[str, torch.Tensor] = {}
+        self.anchor: dict[str, torch.Tensor] = {}
         self.lr, self.momentum, self.weight_decay, self.proximal = lr, momentum, weight_decay, proximal
         self.momentum_buffers: dict[str, torch.Tensor] = {}
         self.momentum_rows: dict[tuple[int, int], list[torch.Tensor]] = {}
@@ -177,30 +190,32 @@ class StackedTrainer:
 
     def run(self, clients: Sequence[ClientSteps]) -> StackedResult:
         """Every client's steps. The clients are ordered by decreasing number of steps, then decreasing size of
-        the last batch, so that the clients with a batch left at any step, grouped by its size, are contiguous
-        rows of the stacked state: every group steps on views, without copies."""
+        the last batch, and their states stacked in that order, so that the clients with a batch left at any step,
+        grouped by its size, are contiguous rows of the stacked state: every group steps on views, without
+        copies."""
         count = len(clients)
-        if count != len(next(iter(self.params.values()))):
-            raise ValueError(f"{count} clients for {len(next(iter(self.params.values())))} starting states")
+        if count != len(self.starts):
+            raise ValueError(f"{count} clients for {len(self.starts)} starting states")
         order = sorted(range(count), key=lambda i: (-len(clients[i].batches), -len(clients[i].batches[-1])))
         ordered = [clients[i] for i in order]
+        self.params = {n: torch.stack([self.starts[i][n].detach() for i in order]) for n in self.param_names}
+        self.buffers = {n: torch.stack([self.starts[i][n].detach() for i in order]) for n in self.buffer_names}
+        self.anchor = {n: t.clone() for n, t in self.params.items()} if self.proximal != 0 else {}
         device = next(iter(self.params.values())).device
-        permutation = torch.tensor(order, device=device)
-        for stack in (self.params, self.buffers, self.anchor):
-            for name, tensor in stack.items():
-                stack[name] = tensor.index_select(0, permutation)
         offsets = torch.tensor([0] + [len(c.y) for c in ordered]).cumsum(0).tolist()
         all_x = torch.cat([c.x.to(device) for c in ordered])
         all_y = torch.cat([c.y.to(device) for c in ordered])
         corrections = self._stacked_corrections(ordered)
-        self.momentum_buffers = {n: torch.zeros_like(t) for n, t in self.params.items()} if self.momentum else {}
-        self.momentum_rows = {}
         was_training = self.model.training
         self.model.train()
         try:
             if self.forward is not None:
                 losses = self._run_padded(ordered, all_x, all_y, offsets, corrections)
             else:
+                self.momentum_buffers = (
+                    {n: torch.zeros_like(t) for n, t in self.params.items()} if self.momentum else {}
+                )
+                self.momentum_rows = {}
                 losses = self._run_grouped(ordered, all_x, all_y, offsets, corrections)
         finally:
             self.model.train(was_training)

@@ -22,7 +22,14 @@ from alignfl.core.config import RunConfig
 from alignfl.core.data import dataset_info
 from alignfl.core.model_io import build_model_for
 from alignfl.core.training.sgd import select_device
-from alignfl.core.training.vectorised import stacked_method, unsupported
+from alignfl.core.training.vectorised import (
+    MIN_CLIENTS_PER_STACK,
+    STACKED_FORWARD_BYTES,
+    parameter_bytes,
+    pays_on_cpu,
+    stacked_method,
+    unsupported,
+)
 from alignfl.fl_app.config import ConfigError
 from alignfl.fl_app.engines.worker import Job, Worker
 from alignfl.fl_app.inprocess import FIRST_NODE_ID, give_message_id, node_contexts, set_task_identity
@@ -70,11 +77,12 @@ class InProcessPool:
 def vectorise_choice(config: RunConfig, setting: str, gpu_workers: bool = False) -> tuple[bool, str]:
     """Whether training messages train stacked, and why (one line for the log).
 
-    ``sim.vectorise``: ``on`` = wherever the algorithm's local update and the model allow it, on any device;
-    ``auto`` = there and only where the clients also train on CUDA (``device`` as
-    :func:`alignfl.core.training.sgd.select_device` resolves it here, or Ray workers given a GPU share,
-    ``gpu_workers``), so CPU runs keep the sequential update's float32 results (a stacked update differs by rounding),
-    although on a CPU it is faster for the MLPs and the conv nets without norms (``benchmarks/client_throughput.py``);
+    ``sim.vectorise``: ``on`` = wherever the algorithm's local update and the model allow it, on a CPU only for
+    models small enough that stacks of several clients fit (:func:`alignfl.core.training.vectorised.pays_on_cpu`;
+    larger ones train one after another, which was faster there); ``auto`` = there and only where the clients also
+    train on CUDA (``device`` as :func:`alignfl.core.training.sgd.select_device` resolves it here, or Ray workers
+    given a GPU share, ``gpu_workers``), so CPU runs keep the sequential update's float32 results (a stacked update
+    differs by rounding), although on a CPU it is faster for the small MLPs (``benchmarks/client_throughput.py``);
     ``off`` = never.
     """
     if setting not in VECTORISE_CHOICES:
@@ -89,10 +97,16 @@ def vectorise_choice(config: RunConfig, setting: str, gpu_workers: bool = False)
     reason = unsupported(model)
     if reason is not None:
         return False, f"model {config.model}: {reason}"
+    cuda = config.device != "cpu" and (gpu_workers or select_device(config.device).type == "cuda")
+    if not cuda and not pays_on_cpu(model):
+        return False, (
+            f"model {config.model}: its {parameter_bytes(model) / 2**20:.1f} MiB of parameters leave fewer than "
+            f"{MIN_CLIENTS_PER_STACK} clients a {STACKED_FORWARD_BYTES // 2**20} MiB stack, and on a CPU such stacks "
+            "were slower than one client after another (benchmarks/cross_device.py)"
+        )
     allowed = f"{config.strategy} on {config.model} vectorises ({stacked_method(model)})"
     if setting == "on":
         return True, f"{allowed}; sim.vectorise=on"
-    cuda = config.device != "cpu" and (gpu_workers or select_device(config.device).type == "cuda")
     if not cuda:
         return False, (
             "device cpu: auto stacks on CUDA only, so CPU runs keep the sequential update's float32 results "
