@@ -222,26 +222,27 @@ def test_an_mlp_steps_through_its_stacked_forward_each_client_exactly_its_own_ba
     for other in (Reversed((1, 4, 3), 4, (5,), PanSettings()), bn):
         assert StackedTrainer(other, [other.state_dict()] * 2, 0.1).forward is None
     size = sum(p.numel() * p.element_size() for p in model.parameters())
-    monkeypatch.setattr(vectorised, "STACKED_FORWARD_BYTES", 8 * size)
-    assert StackedTrainer(model, [start] * 8, 0.1).forward is not None
-    assert StackedTrainer(model, [start] * 9, 0.1).forward is None
+    monkeypatch.setattr(vectorised, "STACKED_FORWARD_BYTES", 8 * size)  # the size limit is the workers' to keep
+    assert StackedTrainer(model, [start] * 9, 0.1).forward is not None
 
 
 def test_a_round_of_more_clients_than_fit_one_stack_trains_as_several_stacks_of_equal_size(monkeypatch):
-    """Clients of a model with a stacked forward pass beyond :data:`STACKED_FORWARD_BYTES` train as several
-    stacks that each fit (not under ``vmap``), as equal in size as can be, every client in one of them."""
+    """On a CPU, clients of a model with a stacked forward pass beyond :data:`STACKED_FORWARD_BYTES` train as
+    several stacks that each fit, as equal in size as can be, every client in one of them; on CUDA, and under
+    ``vmap``, as one stack of any size."""
     model = MLP((1, 4, 3), 4, (5, 3), PanSettings())
     size = sum(p.numel() * p.element_size() for p in model.parameters())
-    monkeypatch.setattr(vectorised, "STACKED_FORWARD_BYTES", 8 * size)
-    assert vectorised.clients_per_stack(model) == 8
+    monkeypatch.setattr(vectorised, "STACKED_FORWARD_BYTES", 8 * size + size // 2)
+    assert vectorised.clients_per_stack(model, cuda=False) == 8
     members = [(index, SimpleNamespace(model=model), {}) for index in range(17)]
     stacks = stacks_of(members)
     assert sorted(len(stack) for stack in stacks) == [5, 6, 6]
     assert sorted(index for stack in stacks for index, _, _ in stack) == list(range(17))
-    monkeypatch.setattr(vectorised, "STACKED_FORWARD_BYTES", 7 * size)  # too few a stack: vmap, one stack
-    assert vectorised.clients_per_stack(model) is None and stacks_of(members) == [members]
+    monkeypatch.setattr(vectorised, "STACKED_FORWARD_BYTES", 4 * size)
+    assert sorted(len(stack) for stack in stacks_of(members)) == [3, 3, 3, 4, 4]
+    assert vectorised.clients_per_stack(model, cuda=True) is None
     bn = PlainConvNet((1, 4, 3), 4, (2,), (), 3, PanSettings(), norm="bn")  # vmap: one stack of any size
-    assert vectorised.clients_per_stack(bn) is None
+    assert vectorised.clients_per_stack(bn, cuda=False) is None
     assert stacks_of([(index, SimpleNamespace(model=bn), {}) for index in range(5)]) == [
         [(index, SimpleNamespace(model=bn), {}) for index in range(5)]
     ]
@@ -292,7 +293,7 @@ def test_vectorise_auto_stacks_only_where_clients_train_on_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert vectorise_choice(fedavg, "auto") == (
         True,
-        f"fedavg on small-mlp vectorises ({BATCHED}) and trains on CUDA",
+        "fedavg on small-mlp vectorises (batched products) and trains on CUDA",
     )
     assert vectorise_choice(fedavg.replace(device="cpu"), "auto", gpu_workers=True)[0] is False
 
@@ -310,7 +311,7 @@ def test_vectorise_on_trains_models_too_large_for_stacks_of_eight_one_after_anot
     )
     assert vectorise_choice(wide.replace(model="twonn"), "on")[0] is True  # 0.76 MiB: stacks of 42
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert vectorise_choice(wide, "on") == (True, "fedavg on mlp vectorises (torch.func); sim.vectorise=on")
+    assert vectorise_choice(wide, "on") == (True, "fedavg on mlp vectorises (batched products); sim.vectorise=on")
 
 
 def test_a_run_with_vectorise_auto_on_a_cpu_trains_one_after_another(tmp_path, monkeypatch):

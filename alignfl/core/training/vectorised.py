@@ -11,7 +11,7 @@ BatchNorm's batch statistics are never diluted by padding. Results equal the seq
 floating-point rounding (``vmap`` batches the matrix products).
 
 Models with a forward pass over stacked clients (:func:`alignfl.core.training.stacked_forward.stacked_forward`: the
-MLPs) take a faster path, in stacks of at most :data:`STACKED_FORWARD_BYTES` (:func:`clients_per_stack`): no ``vmap``,
+MLPs) take a faster path, on a CPU in stacks of at most :data:`STACKED_FORWARD_BYTES` (:func:`clients_per_stack`): no ``vmap``,
 one batched product per layer and the plain autograd engine; each step trains every client that still has a batch (a
 shorter last batch is padded with examples of weight 0, exact since no layer mixes examples), so the clients that have
 run out cost nothing.
@@ -74,32 +74,34 @@ def unsupported(model: nn.Module) -> str | None:
 
 
 STACKED_FORWARD_BYTES = 32 * 2**20
-"""The largest stack of parameters (all clients') trained through a stacked forward pass; more clients train as
-several stacks (:func:`clients_per_stack`). Above it each step's fresh gradients are blocks beyond glibc's largest
-``mmap`` threshold (32 MiB), which ``malloc`` maps, and the kernel faults in and zeroes, anew every step: the
-weight gradient of 8 clients of a 1024 x 1024 layer took 17.9 ms in a fresh tensor against 2.6 ms into a kept
-one, 7 clients (28 MiB) 3.1 ms (benchmarks/RESULTS.md, engines and speed)."""
+"""On a CPU, the largest stack of parameters (all clients') trained through a stacked forward pass; more clients
+train as several stacks (:func:`clients_per_stack`). Above it each step's fresh gradients are blocks beyond glibc's
+largest ``mmap`` threshold (32 MiB), which ``malloc`` maps, and the kernel faults in and zeroes, anew every step:
+the weight gradient of 8 clients of a 1024 x 1024 layer (32 MiB) took 7 x as long in a fresh tensor as into a kept
+one (benchmarks/RESULTS.md, engines and speed)."""
 
 
 MIN_CLIENTS_PER_STACK = 8
 """Fewer clients than this a stack (models of over 4 MiB of parameters) do not train stacked on a CPU
-(:func:`pays_on_cpu`): there a step is bound by reading and writing the weights, which stacking does not save, and
-it adds a copy of every client's model; on ``benchmarks/cross_device.py``'s clients (about 5 steps of batch 10) 50
-clients of the 1024-wide MLP trained in stacks of 2-8 took 1.1-1.2 x the time of one after another, under ``vmap``
-1.6-2.5 x. With CUDA they train under ``vmap``, any number at once."""
+(:func:`pays_on_cpu`): a step of such wide layers is bound by reading and writing the weights, which stacking
+does not save, and stacking adds a copy of every client's model. On ``benchmarks/cross_device.py``'s clients the
+1024-wide MLP in stacks of 2-8 took 1.1-1.6 x the time of one client after another (benchmarks/RESULTS.md)."""
 
 
-def clients_per_stack(model: nn.Module) -> int | None:
-    """How many copies of ``model`` at most train through its stacked forward pass (their stack at most
-    :data:`STACKED_FORWARD_BYTES`), or None where ``vmap`` trains them, any number at once: the model has no
-    forward pass over stacked clients, has persistent buffers (BatchNorm's statistics are per batch), or fewer
-    than :data:`MIN_CLIENTS_PER_STACK` copies fit. A round's clients beyond it train as several stacked updates
-    (the engines' workers split them)."""
+def has_stacked_forward(model: nn.Module) -> bool:
+    """Whether ``model`` trains stacked through its forward pass over stacked clients, not under ``vmap``: it has
+    one, and no persistent buffers (BatchNorm's statistics are per batch)."""
     _, buffers = stacked_state_names(model)
-    if stacked_forward(model) is None or buffers:
+    return stacked_forward(model) is not None and not buffers
+
+
+def clients_per_stack(model: nn.Module, cuda: bool) -> int | None:
+    """How many copies of ``model`` at most train as one stacked update: on a CPU, through its stacked forward pass,
+    as many as :data:`STACKED_FORWARD_BYTES` holds (at least one); None for any number (on CUDA, or under ``vmap``).
+    A round's clients beyond it train as several stacked updates (the engines' workers split them)."""
+    if cuda or not has_stacked_forward(model):
         return None
-    most = STACKED_FORWARD_BYTES // parameter_bytes(model)
-    return most if most >= MIN_CLIENTS_PER_STACK else None
+    return max(1, STACKED_FORWARD_BYTES // parameter_bytes(model))
 
 
 def parameter_bytes(model: nn.Module) -> int:
@@ -113,19 +115,15 @@ def pays_on_cpu(model: nn.Module) -> bool:
     return parameter_bytes(model) * MIN_CLIENTS_PER_STACK <= STACKED_FORWARD_BYTES
 
 
-def _has_stacked_forward(model: nn.Module, clients: int) -> bool:
-    """Whether ``clients`` copies of ``model`` train through its stacked forward pass."""
-    most = clients_per_stack(model)
-    return most is not None and clients <= most
-
-
-def stacked_method(model: nn.Module) -> str:
-    """How a stacked update trains ``model``: by its forward pass over stacked clients (stacks of at most
-    :data:`STACKED_FORWARD_BYTES`), or under ``vmap``."""
-    most = clients_per_stack(model)
-    if most is not None:
-        return f"batched products, at most {most} clients a stack ({STACKED_FORWARD_BYTES // 2**20} MiB of parameters)"
-    return "torch.func"
+def stacked_method(model: nn.Module, cuda: bool) -> str:
+    """How a stacked update trains ``model``: by its forward pass over stacked clients (on a CPU in stacks of at
+    most :data:`STACKED_FORWARD_BYTES`), or under ``vmap``."""
+    if not has_stacked_forward(model):
+        return "torch.func"
+    most = clients_per_stack(model, cuda)
+    if most is None:
+        return "batched products"
+    return f"batched products, at most {most} clients a stack ({STACKED_FORWARD_BYTES // 2**20} MiB of parameters)"
 
 
 class StackedTrainer:
@@ -168,7 +166,7 @@ class StackedTrainer:
         self.momentum_buffers: dict[str, torch.Tensor] = {}
         self.momentum_rows: dict[tuple[int, int], list[torch.Tensor]] = {}
         self.step_of_client = vmap(grad_and_value(self._loss), randomness="error")
-        self.forward = stacked_forward(model) if _has_stacked_forward(model, len(starts)) else None
+        self.forward = stacked_forward(model) if has_stacked_forward(model) else None
 
     def _loss(
         self, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor

@@ -104,7 +104,7 @@ def vectorise_choice(config: RunConfig, setting: str, gpu_workers: bool = False)
             f"{MIN_CLIENTS_PER_STACK} clients a {STACKED_FORWARD_BYTES // 2**20} MiB stack, and on a CPU such stacks "
             "were slower than one client after another (benchmarks/cross_device.py)"
         )
-    allowed = f"{config.strategy} on {config.model} vectorises ({stacked_method(model)})"
+    allowed = f"{config.strategy} on {config.model} vectorises ({stacked_method(model, cuda)})"
     if setting == "on":
         return True, f"{allowed}; sim.vectorise=on"
     if not cuda:

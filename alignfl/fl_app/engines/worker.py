@@ -168,7 +168,8 @@ class Worker:
 def stacks_of(group: list[Member]) -> list[list[Member]]:
     """A group's clients as stacked updates of at most :func:`clients_per_stack` clients each, of as equal sizes as
     can be (one stacked update where the model has no limit)."""
-    most = clients_per_stack(group[0][1].model) or len(group)
+    model = group[0][1].model
+    most = clients_per_stack(model, next(model.parameters()).device.type == "cuda") or len(group)
     count = -(-len(group) // most)
     return [group[index::count] for index in range(count)]
 
