@@ -84,8 +84,9 @@ one (benchmarks/RESULTS.md, engines and speed)."""
 MIN_CLIENTS_PER_STACK = 8
 """Fewer clients than this a stack (models of over 4 MiB of parameters) do not train stacked on a CPU
 (:func:`pays_on_cpu`): a step of such wide layers is bound by reading and writing the weights, which stacking
-does not save, and stacking adds a copy of every client's model. On ``benchmarks/cross_device.py``'s clients the
-1024-wide MLP in stacks of 2-8 took 1.1-1.6 x the time of one client after another (benchmarks/RESULTS.md)."""
+does not save, and stacking adds a copy of every client's model. ``benchmarks/stacked_step.py``: 7 to 50 clients
+of the 1024-wide MLP (5 steps of batch 10) took 1.2-1.35 x as long stacked as one after another
+(benchmarks/RESULTS.md)."""
 
 
 def has_stacked_forward(model: nn.Module) -> bool:
