@@ -307,7 +307,7 @@ def test_vectorise_on_trains_models_too_large_for_stacks_of_eight_one_after_anot
     assert stacked is False
     assert reason == (
         "model mlp: its 11.1 MiB of parameters leave fewer than 8 clients a 32 MiB stack, and on a CPU such "
-        "stacks were slower than one client after another (benchmarks/cross_device.py)"
+        "stacks were slower than one client after another (benchmarks/stacked_step.py)"
     )
     assert vectorise_choice(wide.replace(model="twonn"), "on")[0] is True  # 0.76 MiB: stacks of 42
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -37,8 +37,8 @@ def _linear(h: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     """``F.linear`` per client on features-first activations: ``h`` ``[k, in, batch]``, ``weight`` ``[k, out, in]``,
     ``bias`` ``[k, out]`` → ``[k, out, batch]``. Features first so that each weight's gradient (output gradient
     times input) comes out in the weight's own layout: ``x @ weight.T`` would give it transposed, and every
-    optimiser pass over a transposed gradient strides across rows (on ``benchmarks/cross_device.py``'s
-    1024-wide MLP those passes took two thirds of a stacked round)."""
+    optimiser pass over a transposed gradient strides across rows (for stacks of two clients of the 1024-wide MLP,
+    two thirds of a profiled round: benchmarks/RESULTS.md, engines and speed)."""
     if bias is None:
         return torch.bmm(weight, h)
     return torch.baddbmm(bias.unsqueeze(2), weight, h)

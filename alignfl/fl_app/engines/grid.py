@@ -102,7 +102,7 @@ def vectorise_choice(config: RunConfig, setting: str, gpu_workers: bool = False)
         return False, (
             f"model {config.model}: its {parameter_bytes(model) / 2**20:.1f} MiB of parameters leave fewer than "
             f"{MIN_CLIENTS_PER_STACK} clients a {STACKED_FORWARD_BYTES // 2**20} MiB stack, and on a CPU such stacks "
-            "were slower than one client after another (benchmarks/cross_device.py)"
+            "were slower than one client after another (benchmarks/stacked_step.py)"
         )
     allowed = f"{config.strategy} on {config.model} vectorises ({stacked_method(model, cuda)})"
     if setting == "on":
