@@ -221,7 +221,7 @@ def test_an_mlp_steps_through_its_stacked_forward_each_client_exactly_its_own_ba
     bn = PlainConvNet((1, 4, 3), 4, (2,), (), 3, PanSettings(), norm="bn")
     for other in (Reversed((1, 4, 3), 4, (5,), PanSettings()), bn):
         assert StackedTrainer(other, [other.state_dict()] * 2, 0.1).forward is None
-    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    size = vectorised.parameter_bytes(model)
     monkeypatch.setattr(vectorised, "STACKED_FORWARD_BYTES", 8 * size)  # the size limit is the workers' to keep
     assert StackedTrainer(model, [start] * 9, 0.1).forward is not None
 
@@ -231,7 +231,7 @@ def test_a_round_of_more_clients_than_fit_one_stack_trains_as_several_stacks_of_
     several stacks that each fit, as equal in size as can be, every client in one of them; on CUDA, and under
     ``vmap``, as one stack of any size."""
     model = MLP((1, 4, 3), 4, (5, 3), PanSettings())
-    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    size = vectorised.parameter_bytes(model)
     monkeypatch.setattr(vectorised, "STACKED_FORWARD_BYTES", 8 * size + size // 2)
     assert vectorised.clients_per_stack(model, cuda=False) == 8
     members = [(index, SimpleNamespace(model=model), {}) for index in range(17)]

@@ -102,7 +102,7 @@ def clients_per_stack(model: nn.Module, cuda: bool) -> int | None:
     A round's clients beyond it train as several stacked updates (the engines' workers split them)."""
     if cuda or not has_stacked_forward(model):
         return None
-    return max(1, STACKED_FORWARD_BYTES // parameter_bytes(model))
+    return max(1, _copies_in_a_stack(model))
 
 
 def parameter_bytes(model: nn.Module) -> int:
@@ -110,10 +110,15 @@ def parameter_bytes(model: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
+def _copies_in_a_stack(model: nn.Module) -> int:
+    """How many copies of ``model``'s parameters :data:`STACKED_FORWARD_BYTES` holds."""
+    return STACKED_FORWARD_BYTES // parameter_bytes(model)
+
+
 def pays_on_cpu(model: nn.Module) -> bool:
     """Whether stacking ``model``'s clients can pay on a CPU: at least :data:`MIN_CLIENTS_PER_STACK` copies fit
     :data:`STACKED_FORWARD_BYTES`."""
-    return parameter_bytes(model) * MIN_CLIENTS_PER_STACK <= STACKED_FORWARD_BYTES
+    return _copies_in_a_stack(model) >= MIN_CLIENTS_PER_STACK
 
 
 def stacked_method(model: nn.Module, cuda: bool) -> str:
