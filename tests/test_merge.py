@@ -197,3 +197,29 @@ def test_the_command_fuses_clients_of_different_widths_by_ot(tmp_path):
     payload = json.loads((tmp_path / "merge.json").read_text())
     assert payload["widths"] == [0.5, 1.0] and payload["otfusion"]["exact"] is False
     assert set(payload["merged-accuracy"]) == {"matched-ot", "ensemble"}
+
+
+@pytest.mark.parametrize(
+    ("strategy", "keys"),
+    [
+        ("matched", {"matched-reference": "global"}),
+        ("matched", {"matched-reference": "client"}),
+        ("matched", {"matched-reference": "iterative", "matched-iterative-start": "client"}),
+        ("otfusion", {}),
+    ],
+)
+def test_an_alignment_that_moves_no_unit_merges_to_fedavgs_model_bit_for_bit(strategy, keys):
+    """Clients a little apart from one start: every unit stays in place, so the aligned merge is FedAvg's to the
+    last bit (the same arithmetic), not a model an ulp away that long local training would grow into points."""
+    _, model, state, _ = model_and_permuted_copy()
+    generator = torch.Generator().manual_seed(2)
+    clients = [{k: v + 1e-3 * torch.randn(v.shape, generator=generator) for k, v in state.items()} for _ in range(5)]
+    counts = [257.0, 1_031.0, 64.0, 3_999.0, 700.0]
+    fedavg = strategy_merge(DIGITS_MLP, model, "fedavg", {}, clients, counts, state).arrays.to_torch_state_dict()
+    aligned = strategy_merge(DIGITS_MLP, model, strategy, keys, clients, counts, state)
+    moved = aligned.metrics.get("units-moved") or aligned.metrics["transport-off-diagonal"]
+    assert max(moved.values()) < 1e-12, moved
+    merged = aligned.arrays.to_torch_state_dict()
+    assert all(torch.equal(merged[key], fedavg[key]) for key in fedavg), [
+        key for key in fedavg if not torch.equal(merged[key], fedavg[key])
+    ]

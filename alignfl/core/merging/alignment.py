@@ -413,17 +413,22 @@ def align(
 def weighted_average(states: Sequence[StateDict], weights: Sequence[float]) -> dict[str, Tensor]:
     """Coordinate-wise mean of floating-point entries weighted by ``weights`` (e.g. example counts).
 
-    Integer entries (BatchNorm's ``num_batches_tracked``) cannot be averaged and
-    are taken from the first state.
+    The arithmetic is FedAvg's (each entry times its share, then summed in order), so an alignment that moves
+    no unit merges to FedAvg's model bit for bit rather than to one an ulp away that long local training grows
+    into points. Integer entries (BatchNorm's ``num_batches_tracked``) cannot be averaged and are taken from
+    the first state.
     """
     _check_weights(states, weights)
-    total = float(sum(weights))
+    total = sum(weights)
+    shares = [weight / total for weight in weights]
     averaged: dict[str, Tensor] = {}
     for key, first in states[0].items():
-        averaged[key] = torch.zeros_like(first) if torch.is_floating_point(first) else first.clone()
-        if torch.is_floating_point(first):
-            for state, weight in zip(states, weights):
-                averaged[key].add_(state[key], alpha=float(weight) / total)
+        if not torch.is_floating_point(first):
+            averaged[key] = first.clone()
+            continue
+        averaged[key] = first * shares[0]
+        for state, share in zip(states[1:], shares[1:]):
+            averaged[key] += state[key] * share
     return averaged
 
 

@@ -51,6 +51,11 @@ Where this differs from the authors' code (``sidak/otfusion``, ``wasserstein_ens
 * Activation-based costs and marginals (``--geom-ensemble-type acts``) need data on the server and are
   not offered; nor are Gromov-Wasserstein, unbalanced OT (their weight mode calls the balanced solvers
   anyway) or the cost clipping (``--clip-gm``, off by default).
+* **The guard against a map's empty column** is a floor under the column's mass (1e-9), where their code adds
+  the constant to every mass: a permutation map then carries every unit exactly, so fusion that moves no unit
+  is FedAvg to the last bit. Adding it scaled each unit of a layer wider than ~60 by one float32 ulp, which
+  long local training grew into points of accuracy between otherwise equal runs; the maps differ by at most
+  ``1e-9 / mass`` relative.
 * ``ot.emd`` runs with ``numItermax`` 10**7 rather than POT's 10**5 so that wide layers (1024 units) reach
   the optimum instead of stopping early with a warning.
 """
@@ -140,13 +145,13 @@ class Transport:
     def own(self, group: str) -> Tensor:
         """The map for a group's own entries: column-normalised with ``correction``, raw otherwise."""
         coupling = self.couplings[group]
-        return coupling / (coupling.sum(0, keepdim=True) + _EPS) if self.settings.correction else coupling
+        return coupling / coupling.sum(0, keepdim=True).clamp_min(_EPS) if self.settings.correction else coupling
 
     def outgoing(self, group: str) -> Tensor:
         """The map for a later layer's weights from the group's units (module notes, ``split_outgoing``)."""
         coupling = self.couplings[group]
         if self.settings.correction and self.settings.split_outgoing:
-            return coupling / (coupling.sum(1, keepdim=True) + _EPS)
+            return coupling / coupling.sum(1, keepdim=True).clamp_min(_EPS)
         return self.own(group)
 
     def carry(
