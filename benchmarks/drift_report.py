@@ -1,8 +1,8 @@
 """The drift study's tables and heatmap from its sweep folder (``python -m alignfl.fl_app.sweep +experiment=drift``).
 
 For each network and method: final test accuracy (mean ± sd over seeds) per local-epoch count E and Dirichlet
-alpha with its gain over FedAvg on the same network in the same cell (Ψ-Net's against FedAvg on plain VGG-9, as
-Fed2 compares), and the units moved there: from the rounds' start (each client matched onto the model its round
+alpha with its gain over FedAvg on the same network in the same cell and the same seeds (Ψ-Net's against FedAvg
+on plain VGG-9, as Fed2 compares), and the units moved there: from the rounds' start (each client matched onto the model its round
 started from), between the clients (every client matched onto the lowest partition's client; round 1's share
 apart) and by the method's own matching (``units-moved``), from the jobs' per-round metrics.
 Jobs swept over ``train.repair=off,on`` appear as two methods, ``<method>`` and ``<method>+repair``; jobs that
@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from alignfl.core.merging.drift import MOVED_BETWEEN, MOVED_FROM_START
-from alignfl.fl_app.sweeps.report import ConfigRow, collect
+from alignfl.fl_app.sweeps.report import SEED_KEY, ConfigRow, collect
 
 RUN, EPOCHS, ALPHA, REPAIR = "experiment/drift_run", "experiment/drift_epochs", "data.dirichlet_alpha", "train.repair"
 METRIC, MATCHED = "final-accuracy", "units-moved"
@@ -48,19 +48,45 @@ def _cells(rows: list[ConfigRow]) -> dict[tuple[str, str, int, str], ConfigRow]:
     return cells
 
 
-def _mean(row: ConfigRow | None, metric: str) -> float:
-    values = row.values(metric) if row is not None else []
-    return statistics.fmean(values) if values else math.nan
+def _by_seed(row: ConfigRow | None) -> dict[str, float]:
+    """Seed → final accuracy of the configuration's completed jobs."""
+    if row is None:
+        return {}
+    return {
+        next((o for o in job.overrides if o.startswith(f"{SEED_KEY}=")), ""): float(job.summary[METRIC])
+        for job in row.completed
+        if job.summary.get(METRIC) is not None
+    }
+
+
+def paired_gain(row: ConfigRow | None, baseline: ConfigRow | None) -> tuple[float, float, int]:
+    """The gain over ``baseline`` in points on the seeds both completed (one seed's spread between runs is often
+    larger than a method's effect, so a gain is only read seed against seed): mean, sample sd (NaN for one
+    seed) and how many seeds; NaN and 0 where they share none."""
+    own, base = _by_seed(row), _by_seed(baseline)
+    gains = [100 * (own[seed] - base[seed]) for seed in sorted(own.keys() & base.keys())]
+    if not gains:
+        return math.nan, math.nan, 0
+    return statistics.fmean(gains), statistics.stdev(gains) if len(gains) > 1 else math.nan, len(gains)
 
 
 def _cell_text(row: ConfigRow | None, baseline: ConfigRow | None) -> str:
-    """Final accuracy ± sd over seeds and the gain over FedAvg in points."""
+    """Final accuracy ± sd over seeds and the gain over FedAvg in points on the same seeds (± its sd; how many
+    where one of the two ran seeds the other did not)."""
     if row is None or not row.completed:
         return "–"
     mean, std = row.stats(METRIC)
-    gain = 100 * (mean - _mean(baseline, METRIC))
     spread = f" ± {100 * std:.1f}" if not math.isnan(std) else ""
-    return f"{100 * mean:.1f}{spread}" + (f" ({gain:+.1f})" if not math.isnan(gain) else "")
+    gain, gain_std, seeds = paired_gain(row, baseline)
+    if not seeds:
+        return f"{100 * mean:.1f}{spread}"
+    gain_spread = f" ± {gain_std:.1f}" if not math.isnan(gain_std) else ""
+    fewer = (
+        f" on {seeds} seed{'s' if seeds > 1 else ''}"
+        if seeds < max(map(len, (_by_seed(row), _by_seed(baseline))))
+        else ""
+    )
+    return f"{100 * mean:.1f}{spread} ({gain:+.1f}{gain_spread}{fewer})"
 
 
 def _share(value: object) -> float | None:
@@ -97,7 +123,11 @@ def tables(cells: dict[tuple[str, str, int, str], ConfigRow]) -> str:
             "| method | " + " | ".join(f"E={e}, α={a}" for e, a in columns) + " |",
             "|---" * (len(columns) + 1) + "|",
         ]
-        out += [f"**{network}** — final accuracy % ± sd over seeds (gain over FedAvg in points)\n", *header]
+        out += [
+            f"**{network}** — final accuracy % ± sd over seeds (gain over FedAvg in points on the same seeds "
+            "± its sd over them)\n",
+            *header,
+        ]
         for method in methods:
             baselines = (cells.get((network, "fedavg", e, a)) for e, a in columns)
             texts = [
@@ -181,11 +211,7 @@ def heatmap(cells: dict[tuple[str, str, int, str], ConfigRow], path: Path) -> Pa
         for c, (_, method) in enumerate(p for p in panels if p[0] == network):
             gains = [
                 [
-                    100
-                    * (
-                        _mean(cells.get((network, method, e, a)), METRIC)
-                        - _mean(cells.get((network, "fedavg", e, a)), METRIC)
-                    )
+                    paired_gain(cells.get((network, method, e, a)), cells.get((network, "fedavg", e, a)))[0]
                     for e in epochs
                 ]
                 for a in alphas

@@ -408,3 +408,22 @@ def test_the_drift_report_refuses_a_folder_without_the_studys_jobs_and_leaves_ot
     assert "| fedavg | not logged |" in text and "| pans | between 17.5 [25.0], matching 10.0 |" in text
     assert (tmp_path / "drift_heatmap.png").stat().st_size > 0
     assert "1 other jobs in the folder are not the drift study's: left out." in text
+
+
+def test_the_drift_reports_gain_is_read_seed_against_seed(tmp_path):
+    """A method run on fewer seeds than FedAvg gains over FedAvg's same seeds (not over its mean of all), with the
+    paired gains' sd, and says on how many."""
+    drift_report = _drift_report()
+    finals = {"mlp-fedavg": {0: 0.70, 1: 0.60, 2: 0.80}, "mlp-pans": {0: 0.72, 1: 0.65}}
+    for run, seeds in finals.items():
+        for seed, final in seeds.items():
+            axes = [f"experiment/drift_run={run}", "experiment/drift_epochs=e5", "data.dirichlet_alpha=0.5"]
+            job = tmp_path / run / f"seed={seed}"
+            fake_job(job, [*axes, f"seed={seed}"], "completed", final, final)
+            summary = {"final-accuracy": final, "run-folder": str(job / "run")}
+            (job / "run" / "summary.json").write_text(json.dumps(summary))
+            (job / "run" / "metrics.jsonl").write_text(json.dumps({"round": 0, "accuracy": 0.1}) + "\n")
+    assert drift_report.main([str(tmp_path)]) == 0
+    text = (tmp_path / "drift.md").read_text()
+    # pans: +2 and +5 points on seeds 0 and 1 (mean 3.5, sd 2.1); against FedAvg's mean of three it would be -1.5
+    assert "| pans | 68.5 ± 4.9 (+3.5 ± 2.1 on 2 seeds) |" in text and "| fedavg | 70.0 ± 10.0 (+0.0 ± 0.0) |" in text
