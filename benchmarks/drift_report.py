@@ -4,7 +4,8 @@ For each network and method: final test accuracy (mean ± sd over seeds) per loc
 alpha with its gain over FedAvg on the same network in the same cell and the same seeds (Ψ-Net's against FedAvg
 on plain VGG-9, as Fed2 compares), and the units moved there: from the rounds' start (each client matched onto the model its round
 started from), between the clients (every client matched onto the lowest partition's client; round 1's share
-apart) and by the method's own matching (``units-moved``), from the jobs' per-round metrics.
+apart) and by the method's own matching (``units-moved``; OT fusion's ``transport-off-diagonal``, the mass its maps
+move off the diagonal), from the jobs' per-round metrics.
 Jobs swept over ``train.repair=off,on`` appear as two methods, ``<method>`` and ``<method>+repair``; jobs that
 scored the global model every round (``train.server_evaluate_every=1``) also get a table of accuracy per round.
 
@@ -24,7 +25,7 @@ from alignfl.core.merging.drift import MOVED_BETWEEN, MOVED_FROM_START
 from alignfl.fl_app.sweeps.report import SEED_KEY, ConfigRow, collect
 
 RUN, EPOCHS, ALPHA, REPAIR = "experiment/drift_run", "experiment/drift_epochs", "data.dirichlet_alpha", "train.repair"
-METRIC, MATCHED = "final-accuracy", "units-moved"
+METRIC, MATCHED, TRANSPORTED = "final-accuracy", "units-moved", "transport-off-diagonal"
 AXES = (RUN, EPOCHS, ALPHA)
 """The overrides that make a job the drift study's: its run, its local epochs (``e<E>``) and its Dirichlet alpha."""
 
@@ -98,14 +99,16 @@ def _share(value: object) -> float | None:
 
 def _moved_text(row: ConfigRow | None) -> str:
     """Units moved in percent, mean over seeds, rounds and groups: from the round's start, between the clients
-    (round 1's share in brackets: the clients' first drift from one model) and by the method's own matching."""
+    (round 1's share in brackets: the clients' first drift from one model) and by the method's own matching or, for
+    OT fusion, its transport (the mass off the diagonal; round 1's in brackets)."""
     if row is None or not row.completed:
         return "–"
-    per_round = {key: _per_round(row, key, _share) for key in (MOVED_FROM_START, MOVED_BETWEEN, MATCHED)}
+    labels = (("start", MOVED_FROM_START), ("between", MOVED_BETWEEN), ("matching", MATCHED), ("OT", TRANSPORTED))
+    per_round = {key: _per_round(row, key, _share) for _, key in labels}
     texts = []
-    for label, key in (("start", MOVED_FROM_START), ("between", MOVED_BETWEEN), ("matching", MATCHED)):
+    for label, key in labels:
         if shares := per_round[key]:
-            first = f" [{100 * shares[min(shares)]:.1f}]" if key == MOVED_BETWEEN else ""
+            first = f" [{100 * shares[min(shares)]:.1f}]" if key in (MOVED_BETWEEN, TRANSPORTED) else ""
             texts.append(f"{label} {100 * statistics.fmean(shares.values()):.1f}{first}")
     return ", ".join(texts) or "not logged"
 
@@ -138,7 +141,7 @@ def tables(cells: dict[tuple[str, str, int, str], ConfigRow]) -> str:
             "",
             f"**{network}** — units moved, % (mean over seeds, rounds and groups): each client matched onto its "
             "round's start, every client matched onto the lowest partition's client [round 1 in brackets], and by "
-            "the method's own matching\n",
+            "the method's own matching (OT: the mass its transport moves off the diagonal [round 1])\n",
             *header,
         ]
         for method in methods:

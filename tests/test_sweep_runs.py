@@ -410,11 +410,13 @@ def test_the_drift_report_refuses_a_folder_without_the_studys_jobs_and_leaves_ot
     assert "1 other jobs in the folder are not the drift study's: left out." in text
 
 
-def test_the_drift_reports_gain_is_read_seed_against_seed(tmp_path):
+def test_the_drift_report_reads_gains_seed_against_seed_and_ot_fusions_own_moves(tmp_path):
     """A method run on fewer seeds than FedAvg gains over FedAvg's same seeds (not over its mean of all), with the
-    paired gains' sd, and says on how many."""
+    paired gains' sd, and says on how many; OT fusion's units moved are its transport's mass off the diagonal."""
     drift_report = _drift_report()
-    finals = {"mlp-fedavg": {0: 0.70, 1: 0.60, 2: 0.80}, "mlp-pans": {0: 0.72, 1: 0.65}}
+    finals = {"mlp-fedavg": {0: 0.70, 1: 0.60, 2: 0.80}, "mlp-pans": {0: 0.72, 1: 0.65}, "mlp-otfusion": {0: 0.69}}
+    transported = [{"round": 1, "transport-off-diagonal": {"h0": 0.2, "h1": 0.0}}]
+    transported += [{"round": 2, "transport-off-diagonal": {"h0": 0.0, "h1": 0.0}}]
     for run, seeds in finals.items():
         for seed, final in seeds.items():
             axes = [f"experiment/drift_run={run}", "experiment/drift_epochs=e5", "data.dirichlet_alpha=0.5"]
@@ -422,8 +424,11 @@ def test_the_drift_reports_gain_is_read_seed_against_seed(tmp_path):
             fake_job(job, [*axes, f"seed={seed}"], "completed", final, final)
             summary = {"final-accuracy": final, "run-folder": str(job / "run")}
             (job / "run" / "summary.json").write_text(json.dumps(summary))
-            (job / "run" / "metrics.jsonl").write_text(json.dumps({"round": 0, "accuracy": 0.1}) + "\n")
+            rows = [{"round": 0, "accuracy": 0.1}, *(transported if run == "mlp-otfusion" else [])]
+            (job / "run" / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     assert drift_report.main([str(tmp_path)]) == 0
     text = (tmp_path / "drift.md").read_text()
     # pans: +2 and +5 points on seeds 0 and 1 (mean 3.5, sd 2.1); against FedAvg's mean of three it would be -1.5
     assert "| pans | 68.5 ± 4.9 (+3.5 ± 2.1 on 2 seeds) |" in text and "| fedavg | 70.0 ± 10.0 (+0.0 ± 0.0) |" in text
+    # OT fusion's own moves: 10 % of the mass off the diagonal in round 1, none in round 2
+    assert "| otfusion | 69.0 (-1.0 on 1 seed) |" in text and "| otfusion | OT 5.0 [10.0] |" in text
