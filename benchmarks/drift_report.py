@@ -2,10 +2,10 @@
 
 For each network and method: final test accuracy (mean ± sd over seeds) per local-epoch count E and Dirichlet
 alpha with its gain over FedAvg on the same network in the same cell and the same seeds (Ψ-Net's against FedAvg
-on plain VGG-9, as Fed2 compares), and the units moved there: from the rounds' start (each client matched onto the model its round
-started from), between the clients (every client matched onto the lowest partition's client; round 1's share
-apart) and by the method's own matching (``units-moved``; OT fusion's ``transport-off-diagonal``, the mass its maps
-move off the diagonal), from the jobs' per-round metrics.
+on plain VGG-9, as Fed2 compares), and the units moved there: from the rounds' start (each client matched onto the
+model its round started from), between the clients (every client matched onto the lowest partition's client;
+round 1's share apart) and by the method's own matching (``units-moved``; OT fusion's ``transport-off-diagonal``,
+the mass its maps move off the diagonal), from the jobs' per-round metrics.
 Jobs swept over ``train.repair=off,on`` appear as two methods, ``<method>`` and ``<method>+repair``; jobs that
 scored the global model every round (``train.server_evaluate_every=1``) also get a table of accuracy per round.
 
