@@ -5,7 +5,8 @@ Every method's round 1 trains the clients from their own initialisations; FedAvg
 from the average of those models. One communication round is one server round, except for FedMA, whose round is
 one cycle of ``study.stages`` server rounds (one per permutation group, then the output layer): its accuracy is read
 at the end of each cycle. The table also gives the share of units moved between the clients (every client matched
-onto the first one) in round 1 and over the later rounds, and from the round's start over the later rounds.
+onto the first one) in round 1 and over the later rounds, from the round's start over the later rounds, and by the
+method's own matching (OT fusion: the mass its maps move off the diagonal) in round 1 and later.
 
     python benchmarks/protocol_report.py <sweep folder>     # writes protocol.md and protocol.png there
 """
@@ -23,6 +24,8 @@ from alignfl.fl_app.sweeps.report import ConfigRow, collect
 
 METHOD = "experiment/protocol_method"
 FROM_START, BETWEEN = "client-units-moved", "client-units-moved-between"
+OWN_MOVES = ("units-moved", "transport-off-diagonal")
+"""The method's own moves: its matching's share of units moved, or the mass OT fusion's maps move off the diagonal."""
 
 
 def _rows(job_folder: Path) -> list[dict]:
@@ -40,12 +43,13 @@ def curve(row: ConfigRow, stages: int) -> dict[int, list[float]]:
     return dict(sorted(points.items()))
 
 
-def _moved(row: ConfigRow, key: str, first_round: bool) -> float:
-    """Mean over seeds, groups and (later) rounds of a units-moved entry; NaN where no round has it."""
+def _moved(row: ConfigRow, keys: Sequence[str], first_round: bool) -> float:
+    """Mean over seeds, groups and (later) rounds of the first of ``keys`` a metrics row has (a share per group);
+    NaN where no round has one."""
     shares = []
     for job in row.completed:
         for metrics in _rows(Path(job.summary["run-folder"])):
-            moved = metrics.get(key)
+            moved = next((metrics[key] for key in keys if isinstance(metrics.get(key), dict) and metrics[key]), None)
             if moved and (metrics["round"] == 1) == first_round:
                 shares.append(sum(moved.values()) / len(moved))
     return statistics.fmean(shares) if shares else math.nan
@@ -64,15 +68,22 @@ def table(methods: dict[str, ConfigRow], curves: dict[str, dict[int, list[float]
     rounds = sorted({r for points in curves.values() for r in points})
     out = [
         "Global test accuracy % after each communication round, mean ± sd over seeds; units moved % (between the "
-        "clients in round 1 | between them later | from the round's start later)\n",
+        "clients in round 1 | between them later | from the round's start later | by the method's own matching or "
+        "transport, round 1 | later)\n",
         "| method | seeds | " + " | ".join(f"round {r}" for r in rounds) + " | moved between, round 1 | "
-        "moved between, later | moved from start, later | job s |",
-        "|---" * (len(rounds) + 6) + "|",
+        "moved between, later | moved from start, later | moved by the method, round 1 | later | job s |",
+        "|---" * (len(rounds) + 8) + "|",
     ]
     for method, row in methods.items():
         points = curves[method]
         cells = [_spread(points[r]) if r in points else "–" for r in rounds]
-        moved = [_moved(row, BETWEEN, True), _moved(row, BETWEEN, False), _moved(row, FROM_START, False)]
+        moved = [
+            _moved(row, (BETWEEN,), True),
+            _moved(row, (BETWEEN,), False),
+            _moved(row, (FROM_START,), False),
+            _moved(row, OWN_MOVES, True),
+            _moved(row, OWN_MOVES, False),
+        ]
         times = row.values("job-time-s")
         seconds = f"{statistics.median(times):.0f}" if times else "–"
         texts = [*cells, *(_percent(share) for share in moved), seconds]

@@ -66,7 +66,9 @@ def test_the_sweep_refuses_such_an_override_in_one_line_before_any_job(tmp_path,
     assert not list(tmp_path.glob("**/.hydra")), "no job started"
 
 
-def _job(folder_root: Path, method: str, seed: int, accuracies: list[float], between: float) -> None:
+def _job(
+    folder_root: Path, method: str, seed: int, accuracies: list[float], between: float, own: dict | None = None
+) -> None:
     folder = folder_root / f"experiment/protocol_method={method}" / f"seed={seed}"
     fake_job(folder, [f"experiment/protocol_method={method}", f"seed={seed}"], "completed", final=accuracies[-1])
     run = folder / "run"
@@ -74,6 +76,8 @@ def _job(folder_root: Path, method: str, seed: int, accuracies: list[float], bet
     (run / "summary.json").write_text(json.dumps({**summary, "run-folder": str(run)}))
     rows = [{"round": r, "accuracy": a} for r, a in enumerate(accuracies)]
     rows[1]["client-units-moved-between"] = {"hidden.0": between, "hidden.1": 0.0}
+    for row in rows[1:]:
+        row.update(own or {})
     (run / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
 
 
@@ -81,10 +85,13 @@ def test_the_report_reads_fedmas_accuracy_at_the_end_of_each_cycle(tmp_path):
     for seed in (0, 1):
         _job(tmp_path, "fedavg", seed, [0.1, 0.2 + seed / 10, 0.5], between=0.9)
     _job(tmp_path, "fedma", 0, [0.1, 0.3, 0.3, 0.4, 0.6, 0.7], between=0.5)  # 2 cycles of 2 stages (+ round 5)
+    _job(tmp_path, "otfusion", 0, [0.1, 0.4, 0.6], between=0.5, own={"transport-off-diagonal": {"h0": 0.4, "h1": 0.2}})
     assert protocol_report.main([str(tmp_path), "--stages", "2"]) == 0
     text = (tmp_path / "protocol.md").read_text()
     assert "| fedavg | 2 | 10.0 ± 0.0 | 25.0 ± 7.1 | 50.0 ± 0.0 | 45.0 |" in text
     assert "| fedma | 1 | 10.0 | 30.0 | 60.0 | 25.0 |" in text
+    # OT fusion's own moves: its maps' mass off the diagonal, round 1 and the later rounds (here 30 % in both)
+    assert "| otfusion | 1 | 10.0 | 40.0 | 60.0 | 25.0 | – | – | 30.0 | 30.0 |" in text
     assert (tmp_path / "protocol.png").stat().st_size > 0
 
 
